@@ -1,0 +1,114 @@
+"""Policy losses: (logprobs of a micro-batch, the micro-batch) -> (loss, metrics).
+
+Contract for every loss: the returned loss is this micro-batch's share of the
+step's loss, so that summing it over all micro-batches of all data-parallel
+ranks gives the loss of the whole step. Token-level averaging therefore divides
+by `batch.global_valid_tokens` (the step's loss-mask tokens), never by the
+micro-batch's own count; the same holds for every metric returned, so metrics
+are summed, not averaged, across micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from novarl.algorithms.kl import KL_ESTIMATORS
+from novarl.algorithms.registry import Registry
+from novarl.types import TrainBatch
+
+LossFn = Callable[[torch.Tensor, TrainBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+POLICY_LOSSES: Registry = Registry("policy loss", "loss_fn.loss")
+
+
+@dataclass(frozen=True)
+class ClippedPGSettings:
+    ratio_clip_min: float = 0.2
+    ratio_clip_max: float = 0.2
+    ratio_clip_c: float | None = None
+    reference_policy_kl_penalty: float = 0.0
+    kl_estimator: str = "k3"
+    token_level_loss: bool = True
+    use_importance_sampling_correction: bool = False
+    sequence_level_importance_ratios: bool = False
+    use_on_policy_kl_approximation: bool = False
+
+
+@POLICY_LOSSES.register("clipped_pg")
+def clipped_pg_loss(
+    logprobs: torch.Tensor, batch: TrainBatch, settings: ClippedPGSettings = ClippedPGSettings()
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO/GRPO clipped surrogate with an optional KL penalty to a reference.
+
+    logprobs: [B, L] current policy logprobs (with grad). Per token t with
+    ratio r = exp(logprobs - old_logprobs) and advantage A of its sequence:
+        loss_t = -min(r A, clip(r, 1 - ratio_clip_min, 1 + ratio_clip_max) A)
+    with dual clipping (A < 0): loss_t = min(loss_t, -ratio_clip_c A); plus
+    reference_policy_kl_penalty * KL_t when a reference is given. Averaged over
+    all loss tokens of the step (token_level_loss) or per sequence, then over
+    the step's sequences.
+    """
+    if batch.old_logprobs is None:
+        raise ValueError("clipped_pg needs batch.old_logprobs")
+    mask = batch.loss_mask.float()
+    advantages = batch.advantages.float().unsqueeze(1)
+    log_ratio = (logprobs - batch.old_logprobs) * mask
+    if settings.sequence_level_importance_ratios:
+        per_seq = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+        log_ratio = per_seq.expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
+    clipped = ratio.clamp(1 - settings.ratio_clip_min, 1 + settings.ratio_clip_max)
+    token_loss = -torch.minimum(ratio * advantages, clipped * advantages)
+    if settings.ratio_clip_c is not None:
+        dual = torch.minimum(token_loss, -settings.ratio_clip_c * advantages)
+        token_loss = torch.where(advantages < 0, dual, token_loss)
+    if settings.use_importance_sampling_correction:
+        # Correct for samples from a generator whose weights lag the policy's.
+        token_loss = token_loss * torch.exp(batch.old_logprobs - batch.generator_logprobs).detach()
+
+    kl = torch.zeros_like(token_loss)
+    if settings.reference_policy_kl_penalty > 0 and batch.reference_logprobs is not None:
+        kl = KL_ESTIMATORS.get(settings.kl_estimator)(logprobs, batch.reference_logprobs)
+        if settings.use_on_policy_kl_approximation:
+            kl = kl * torch.exp(logprobs - batch.old_logprobs).detach()
+        token_loss = token_loss + settings.reference_policy_kl_penalty * kl
+
+    reduce = partial(_reduce, mask=mask, batch=batch, token_level=settings.token_level_loss)
+    with torch.no_grad():
+        clipped_out = ((ratio - clipped).abs() > 1e-8).float()
+        metrics = {
+            "clip_fraction": reduce(clipped_out),
+            "ratio_mean": reduce(ratio),
+            "kl_to_old": reduce(-log_ratio),
+            "kl_to_reference": reduce(kl),
+        }
+    loss = reduce(token_loss)
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+def _reduce(values: torch.Tensor, *, mask: torch.Tensor, batch: TrainBatch, token_level: bool) -> torch.Tensor:
+    """This micro-batch's share of the step mean (see the module docstring)."""
+    if token_level:
+        return (values * mask).sum() / max(batch.global_valid_tokens, 1)
+    per_sequence = (values * mask).sum(1) / mask.sum(1).clamp(min=1)
+    return per_sequence.sum() / max(batch.global_valid_sequences, 1)
+
+
+def make_loss(loss_cfg) -> LossFn:
+    """The configured loss (a `novarl.config.schema.LossConfig`) as a LossFn."""
+    settings = ClippedPGSettings(
+        ratio_clip_min=loss_cfg.ratio_clip_min,
+        ratio_clip_max=loss_cfg.ratio_clip_max,
+        ratio_clip_c=loss_cfg.ratio_clip_c,
+        reference_policy_kl_penalty=loss_cfg.reference_policy_kl_penalty,
+        kl_estimator=loss_cfg.kl_estimator,
+        token_level_loss=loss_cfg.token_level_loss,
+        use_importance_sampling_correction=loss_cfg.use_importance_sampling_correction,
+        sequence_level_importance_ratios=loss_cfg.sequence_level_importance_ratios,
+        use_on_policy_kl_approximation=loss_cfg.use_on_policy_kl_approximation,
+    )
+    return partial(POLICY_LOSSES.get(loss_cfg.loss), settings=settings)

@@ -1,0 +1,99 @@
+"""Hugging Face generation backend: `model.generate` with KV cache, logprobs returned.
+
+It holds its own copy of the weights (colocated with training in-process, or on
+a dedicated worker later); `update_weights` loads the trainer's full tensors
+into that copy after each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from novarl.models.loading import DTYPES, load_causal_lm
+from novarl.types import Completion, Prompt, SamplingConfig
+
+
+class HFGeneration:
+    """Implements GenerationBackend on a plain (unsharded) transformers model."""
+
+    def __init__(self, model_path: str, tokenizer, device: torch.device, *, precision: str = "float32",
+                 batch_size: int | None = None, max_seq_length: int | None = None,
+                 trust_remote_code: bool = False) -> None:
+        self.model = load_causal_lm(model_path, dtype=DTYPES[precision], trust_remote_code=trust_remote_code)
+        self.model.to(device)
+        self.model.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.device = device
+        self.batch_size = batch_size
+        self.max_seq_length = max_seq_length
+        """Prompt + completion tokens at most; longer completions are cut ('length')."""
+        self.version = 0
+
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[Completion]:
+        """One completion per prompt (repeat a prompt for several samples)."""
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        size = self.batch_size or len(prompts) or 1
+        out: list[Completion] = []
+        for start in range(0, len(prompts), size):
+            out.extend(self._generate_batch(prompts[start:start + size], sampling))
+        return out
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[Completion]:
+        pad = self.tokenizer.pad_token_id
+        width = max(len(p.token_ids) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding: generation continues at the right edge
+            ids[row, width - len(prompt.token_ids):] = torch.tensor(prompt.token_ids)
+            mask[row, width - len(prompt.token_ids):] = 1
+        stop_ids = [self.tokenizer.eos_token_id, *sampling.stop_token_ids]
+        greedy = sampling.temperature == 0
+        budget = sampling.max_new_tokens
+        if self.max_seq_length is not None:
+            budget = max(1, min(budget, self.max_seq_length - min(len(p.token_ids) for p in prompts)))
+        result = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+            max_new_tokens=budget, do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p, top_k=None if greedy else sampling.top_k or 0,
+            eos_token_id=stop_ids, pad_token_id=pad,
+            return_dict_in_generate=True, output_logits=True)
+        new_tokens = result.sequences[:, width:].cpu()
+        logits = torch.stack(result.logits, dim=1).float().cpu()  # [B, T, V], raw (before processors)
+        if not greedy:
+            logits = logits / sampling.temperature
+        logprobs = torch.gather(torch.log_softmax(logits, -1), -1, new_tokens[..., None]).squeeze(-1)
+        return [self._completion(p, new_tokens[i].tolist(), logprobs[i].tolist(), set(stop_ids))
+                for i, p in enumerate(prompts)]
+
+    def _completion(self, prompt: Prompt, tokens: list[int], logprobs: list[float],
+                    stop_ids: set[int]) -> Completion:
+        end = next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), None)
+        finish = "stop" if end is not None else "length"
+        tokens, logprobs = tokens[:end], logprobs[:end]
+        room = None if self.max_seq_length is None else self.max_seq_length - len(prompt.token_ids)
+        if room is not None and len(tokens) > room:
+            tokens, logprobs, finish = tokens[:room], logprobs[:room], "length"
+        return Completion(prompt=prompt, token_ids=tokens, logprobs=logprobs,
+                          text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                          finish_reason=finish, policy_version=self.version)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy full tensors (HF names) into the generator's model; every name must match."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params.update(dict(self.model.named_buffers()))
+        seen = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name not in params:
+                    raise KeyError(f"weight '{name}' from the trainer has no match in the generator")
+                params[name].copy_(tensor.to(params[name].dtype))
+                seen.add(name)
+        missing = {n for n, _ in self.model.named_parameters()} - seen
+        if missing:
+            raise KeyError(f"the trainer sent no weights for {sorted(missing)[:5]}")
+        self.version = version

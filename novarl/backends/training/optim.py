@@ -1,0 +1,41 @@
+"""Optimizer and learning-rate schedule from the config (torch.optim classes only)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from novarl.config.schema import OptimizerConfig, SchedulerMilestones, SchedulerStep
+from novarl.errors import ConfigError
+
+
+def build_optimizer(cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    cls = getattr(torch.optim, cfg.name.removeprefix("torch.optim."))
+    kwargs = dict(cfg.kwargs)
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    try:
+        return cls(params, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"policy.optimizer: {cfg.name}({kwargs}) failed: {err}.") from None
+
+
+def build_scheduler(steps: Sequence[SchedulerStep | SchedulerMilestones],
+                    optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """One scheduler, or several chained by SequentialLR at the given milestones."""
+    import torch.optim.lr_scheduler as lrs
+
+    schedulers = []
+    for i, step in enumerate(s for s in steps if isinstance(s, SchedulerStep)):
+        cls = getattr(lrs, step.name.removeprefix("torch.optim.lr_scheduler."))
+        try:
+            schedulers.append(cls(optimizer, **step.kwargs))
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"policy.scheduler[{i}]: {step.name}({step.kwargs}) failed: {err}.") from None
+    milestones = [m.milestones for m in steps if isinstance(m, SchedulerMilestones)]
+    if not schedulers:
+        return lrs.ConstantLR(optimizer, factor=1.0, total_iters=total_steps)
+    if len(schedulers) == 1:
+        return schedulers[0]
+    return lrs.SequentialLR(optimizer, schedulers, milestones=milestones[0])

@@ -1,0 +1,122 @@
+"""The `novarl` command: train | validate | plan | eval.
+
+    novarl train                                   # the bundled default (tiny model, arithmetic)
+    novarl train -c recipe.yaml policy.precision=bfloat16 grpo.max_num_steps=100
+    novarl validate -c recipe.yaml                 # check a config, start nothing
+    novarl plan -c recipe.yaml                     # which backends would run, and the batch arithmetic
+    novarl eval runs/tiny_arith/exp_001/policy     # held-out greedy accuracy of a model folder
+
+Bad input ends with a one-paragraph message on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from novarl.errors import UserError
+
+BUNDLED_RECIPE = Path(__file__).parent / "config" / "recipes" / "tiny_arith.yaml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except UserError as err:
+        print(f"novarl: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("novarl: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="novarl", description="RL post-training of language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, run, helptext in (("train", cmd_train, "run GRPO"),
+                                ("validate", cmd_validate, "check a config and print it resolved"),
+                                ("plan", cmd_plan, "which backends a config runs on, and its batch arithmetic")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("-c", "--config", type=Path, default=None,
+                       help=f"YAML config (default: the bundled {BUNDLED_RECIPE.name})")
+        p.add_argument("overrides", nargs="*", metavar="key.path=value", help="dotted overrides")
+        p.set_defaults(run=run)
+    p = sub.add_parser("eval", help="held-out greedy accuracy of a model folder")
+    p.add_argument("model", help="model folder, hub id, or bundled name")
+    p.add_argument("-c", "--config", type=Path, default=None, help="config giving data and reward")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value")
+    p.set_defaults(run=cmd_eval)
+    return parser
+
+
+def _config(args: argparse.Namespace):
+    from novarl.config import load_config
+
+    return load_config(args.config or BUNDLED_RECIPE, overrides=args.overrides)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from novarl.trainer.api import GRPOTrainer
+
+    result = GRPOTrainer(_config(args)).train()
+    before, after = result.initial_accuracy, result.final_accuracy
+    print(f"held-out greedy accuracy: before {_pct(before)} -> after {_pct(after)} "
+          f"({result.steps} steps)")
+    print(f"output folder: {result.output_dir}")
+    print(f"policy (Hugging Face folder): {result.model_dir}")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from novarl.config import dump_config
+    from novarl.plan.resolve import check_available, plan_batches, resolve_backends
+
+    cfg = _config(args)
+    choice = resolve_backends(cfg)
+    print(dump_config(cfg), end="")
+    print(f"# valid. {choice.describe()}; {plan_batches(cfg).describe()}")
+    for item in check_available(cfg, choice).missing:
+        print(f"# not available yet (a run would stop): {item}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from novarl.plan.resolve import check_available, plan_batches, resolve_backends
+
+    cfg = _config(args)
+    choice = resolve_backends(cfg)
+    availability = check_available(cfg, choice)
+    print(choice.describe())
+    for note in choice.notes:
+        print(f"note: {note}")
+    print(plan_batches(cfg).describe())
+    for item in availability.missing:
+        print(f"not available yet: {item}")
+    for item in availability.warnings:
+        print(f"warning: {item}")
+    return 0 if not availability.missing else 2
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from novarl.distributed.local import default_device
+    from novarl.trainer.evaluate import evaluate
+    from novarl.trainer.setup import prepare_eval
+
+    cfg = _config(args)
+    generator, prompts, scorer = prepare_eval(cfg, args.model, default_device())
+    result = evaluate(generator, prompts, scorer, cfg.policy.generation.max_new_tokens,
+                      batch_size=cfg.grpo.val_batch_size)
+    print(f"held-out greedy accuracy of {args.model}: {_pct(result['accuracy'])} "
+          f"on {int(result['num_samples'])} prompts")
+    return 0
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,489 @@
+"""Typed, frozen configuration models.
+
+Key names follow the seed documents (NeMo RL, ROLL, NovaRL) so their YAML
+files load as they are. Where two seeds name one thing differently, the loader
+(`novarl.config.loading`) rewrites the alias to the canonical name before these
+models see it: `dtensor_config` -> `dtensor_cfg`, `max_total_sequence_length`
+-> `max_seq_length`, `algorithm` -> `grpo`.
+
+Every section forbids unknown keys and is immutable once validated. Fields whose
+backend is not built yet are still typed here; `novarl.plan.resolve` reports
+them as "not available yet" only when a run would need them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+
+Precision = Literal["float32", "bfloat16", "float16"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+# --------------------------------------------------------------------- cluster
+class ClusterConfig(Section):
+    gpus_per_node: int = Field(1, ge=0)
+    """GPUs per node given to the run; 0 means CPU ranks."""
+    num_nodes: int = Field(1, ge=1)
+    """Nodes in the run."""
+
+
+class ResourcesConfig(Section):
+    gpus_per_node: int | None = Field(None, ge=1)
+    """GPUs per node dedicated to generation (dedicated mode only)."""
+    num_nodes: int | None = Field(None, ge=1)
+    """Nodes dedicated to generation (dedicated mode only)."""
+
+
+# ------------------------------------------------------------------ generation
+class ColocatedConfig(Section):
+    enabled: bool = True
+    """True: generation shares the training devices. False: dedicated ones."""
+    resources: ResourcesConfig = ResourcesConfig()
+
+
+class VllmConfig(Section):
+    async_engine: bool = False
+    precision: Precision | None = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    expert_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    max_model_len: int | None = Field(None, ge=1)
+    enforce_eager: bool = False
+    use_deep_gemm: bool = False
+    num_last_layers_in_bf16: int = Field(0, ge=0)
+    num_first_layers_in_bf16: int = Field(0, ge=0)
+
+
+class McoreGenerationConfig(Section):
+    buffer_size_gb: float = Field(20, gt=0)
+    num_cuda_graphs: int = Field(16, ge=0)
+    block_size_tokens: int = Field(256, ge=1)
+    enable_chunked_prefill: bool = True
+
+
+class GenerationConfig(Section):
+    backend: Literal["vllm", "hf", "megatron"] | None = None
+    """None: vLLM where it is installed and built, else Hugging Face."""
+    max_new_tokens: int = Field(512, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    stop_token_ids: list[int] | None = None
+    stop_strings: list[str] | None = None
+    generation_batch_size: int | None = Field(None, ge=1)
+    """Sequences per Hugging Face generate call; None: all at once."""
+    vllm_cfg: VllmConfig = VllmConfig()
+    vllm_kwargs: dict[str, Any] = {}
+    mcore_generation_config: McoreGenerationConfig = McoreGenerationConfig()
+    colocated: ColocatedConfig = ColocatedConfig()
+
+
+# -------------------------------------------------------------------- training
+class DTensorConfig(Section):
+    v2: bool = Field(True, alias="_v2")
+    """Accepted for NeMo RL compatibility; novarl has one DTensor worker."""
+    enabled: bool = True
+    cpu_offload: bool = False
+    tensor_parallel_size: int = Field(1, ge=1)
+    context_parallel_size: int = Field(1, ge=1)
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    custom_parallel_plan: str | None = None
+    """Import path `module:object` of a parallel plan for tensor parallelism."""
+
+
+class MegatronOptimizerConfig(Section):
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: float = Field(5e-6, ge=0)
+    min_lr: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.01, ge=0)
+    bf16: bool = True
+    fp16: bool = False
+    params_dtype: str = "float32"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    use_distributed_optimizer: bool = True
+    use_precision_aware_optimizer: bool = False
+    clip_grad: float = Field(1.0, ge=0)
+
+
+class MegatronSchedulerConfig(Section):
+    start_weight_decay: float = 0.01
+    end_weight_decay: float = 0.01
+    weight_decay_incr_style: str = "constant"
+    lr_decay_style: str = "constant"
+    lr_decay_iters: int | None = None
+    lr_warmup_iters: int = 0
+    lr_warmup_init: float = 0.0
+
+
+class MegatronDDPConfig(Section):
+    grad_reduce_in_fp32: bool = False
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    average_in_collective: bool = True
+    use_custom_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "optim_grads_params"
+
+
+class FP8Config(Section):
+    enabled: bool = False
+    fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
+    fp8_recipe: str | None = None
+    fp8_param: bool = False
+
+
+class MegatronConfig(Section):
+    enabled: bool = False
+    converter_type: str | None = None
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    virtual_pipeline_model_parallel_size: int | None = Field(None, ge=1)
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    context_parallel_size: int = Field(1, ge=1)
+    expert_tensor_parallel_size: int = Field(1, ge=1)
+    expert_model_parallel_size: int = Field(1, ge=1)
+    pipeline_dtype: Precision | None = None
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    recompute_granularity: Literal["full", "selective"] | None = None
+    empty_unused_memory_level: int = Field(0, ge=0, le=2)
+    freeze_moe_router: bool = True
+    moe_router_dtype: str | None = None
+    moe_router_load_balancing_type: str = "none"
+    moe_router_bias_update_rate: float = 0.0
+    moe_permute_fusion: bool = False
+    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "allgather"
+    moe_grouped_gemm: bool = False
+    moe_layer_recompute: bool = False
+    overlap_grad_reduce: bool = False
+    use_distributed_optimizer: bool = True
+    apply_rope_fusion: bool = False
+    bias_activation_fusion: bool = False
+    defer_fp32_logits: bool | None = None
+    optimizer: MegatronOptimizerConfig = MegatronOptimizerConfig()
+    scheduler: MegatronSchedulerConfig = MegatronSchedulerConfig()
+    distributed_data_parallel_config: MegatronDDPConfig = MegatronDDPConfig()
+    fp8_cfg: FP8Config | None = None
+    env_vars: dict[str, str] | None = None
+
+
+class DeepSpeedConfig(Section):
+    enabled: bool = False
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    config: dict[str, Any] | None = None
+    """Raw DeepSpeed JSON config, merged over the preset."""
+
+
+class SequencePackingConfig(Section):
+    enabled: bool = False
+    train_mb_tokens: int | None = Field(None, ge=1)
+    logprob_mb_tokens: int | None = Field(None, ge=1)
+    algorithm: str = "modified_first_fit_decreasing"
+    sequence_length_round: int = Field(64, ge=1)
+
+
+class DynamicBatchingConfig(Section):
+    enabled: bool = False
+    train_mb_tokens: int | None = Field(None, ge=1)
+    logprob_mb_tokens: int | None = Field(None, ge=1)
+    sequence_length_round: int = Field(64, ge=1)
+
+
+class OptimizerConfig(Section):
+    name: str = "torch.optim.AdamW"
+    """A class in torch.optim, by its import path."""
+    kwargs: dict[str, Any] = {"lr": 5e-6, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}
+
+    @field_validator("name")
+    @classmethod
+    def _torch_optimizer(cls, name: str) -> str:
+        import torch.optim
+
+        short = name.removeprefix("torch.optim.")
+        if "." in short or not isinstance(getattr(torch.optim, short, None), type):
+            raise ValueError(f"'{name}' is not an optimizer class in torch.optim (e.g. torch.optim.AdamW)")
+        return name
+
+
+class SchedulerStep(Section):
+    name: str
+    """A class in torch.optim.lr_scheduler, by its import path."""
+    kwargs: dict[str, Any] = {}
+
+    @field_validator("name")
+    @classmethod
+    def _torch_scheduler(cls, name: str) -> str:
+        import torch.optim.lr_scheduler as lrs
+
+        short = name.removeprefix("torch.optim.lr_scheduler.")
+        if "." in short or not isinstance(getattr(lrs, short, None), type):
+            raise ValueError(f"'{name}' is not a scheduler class in torch.optim.lr_scheduler")
+        return name
+
+
+class SchedulerMilestones(Section):
+    milestones: list[int]
+    """Steps at which the next scheduler in the list takes over."""
+
+
+def _scheduler_kind(item: Any) -> str:
+    keys = item if isinstance(item, dict) else vars(item)
+    return "SchedulerMilestones" if "milestones" in keys else "SchedulerStep"
+
+
+SchedulerItem = Annotated[
+    Annotated[SchedulerStep, Tag("SchedulerStep")] | Annotated[SchedulerMilestones, Tag("SchedulerMilestones")],
+    Discriminator(_scheduler_kind),
+]
+
+
+def _default_scheduler() -> list[SchedulerItem]:
+    return [
+        SchedulerStep(name="torch.optim.lr_scheduler.LinearLR",
+                      kwargs={"start_factor": 0.1, "end_factor": 1.0, "total_iters": 10}),
+        SchedulerStep(name="torch.optim.lr_scheduler.ConstantLR",
+                      kwargs={"factor": 1.0, "total_iters": 10_000_000_000}),
+        SchedulerMilestones(milestones=[10]),
+    ]
+
+
+class TokenizerConfig(Section):
+    name: str | None = None
+    """Tokenizer folder or hub id; None: the model's own."""
+    chat_template: str | None = None
+
+
+class PolicyConfig(Section):
+    model_name: str = "tiny-arith"
+    """Hugging Face hub id, local folder, or a bundled model name (tiny-arith)."""
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    trust_remote_code: bool = False
+    train_global_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step; None: all samples of a GRPO step."""
+    train_micro_batch_size: int = Field(4, ge=1)
+    """Samples per forward/backward on one data-parallel rank."""
+    generation_batch_size: int | None = Field(None, ge=1)
+    logprob_batch_size: int | None = Field(None, ge=1)
+    """Samples per logprob forward; None: train_micro_batch_size."""
+    max_seq_length: int = Field(512, ge=2)
+    """Prompt + completion tokens, at most (alias max_total_sequence_length)."""
+    precision: Precision | None = None
+    """None: bfloat16 on GPU, float32 on CPU."""
+    logprob_chunk_size: int | None = Field(None, ge=1)
+    dtensor_cfg: DTensorConfig = DTensorConfig()
+    megatron_cfg: MegatronConfig = MegatronConfig()
+    deepspeed_cfg: DeepSpeedConfig = DeepSpeedConfig()
+    dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
+    sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    make_sequence_length_divisible_by: int = Field(1, ge=1)
+    max_grad_norm: float | None = Field(1.0, ge=0)
+    optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: list[SchedulerItem] = Field(default_factory=_default_scheduler)
+    generation: GenerationConfig = GenerationConfig()
+
+    @field_validator("scheduler")
+    @classmethod
+    def _one_milestone_list(cls, steps: list) -> list:
+        schedulers = [s for s in steps if isinstance(s, SchedulerStep)]
+        milestones = [s for s in steps if isinstance(s, SchedulerMilestones)]
+        if len(milestones) > 1:
+            raise ValueError("give at most one {milestones: [...]} entry")
+        if milestones and len(milestones[0].milestones) != len(schedulers) - 1:
+            raise ValueError(
+                f"{len(schedulers)} schedulers need {len(schedulers) - 1} milestones, "
+                f"got {len(milestones[0].milestones)}")
+        if len(schedulers) > 1 and not milestones:
+            raise ValueError(f"{len(schedulers)} schedulers need a {{milestones: [...]}} entry")
+        return steps
+
+
+# ------------------------------------------------------------------ algorithm
+class AsyncGRPOConfig(Section):
+    enabled: bool = False
+    max_trajectory_age_steps: int = Field(1, ge=1)
+
+
+class GRPOConfig(Section):
+    num_prompts_per_step: int = Field(32, ge=1)
+    """Prompts drawn per step (alias: algorithm.batch_size)."""
+    num_generations_per_prompt: int = Field(16, ge=1)
+    """Completions sampled per prompt: the group advantages are normalised in."""
+    max_rollout_turns: int = Field(1, ge=1)
+    max_num_epochs: int = Field(1, ge=1)
+    max_num_steps: int = Field(1000, ge=1)
+    max_train_seconds: float | None = Field(None, gt=0)
+    """Stop after this much wall time in the loop (evaluation excluded); None: no limit."""
+    gradient_accumulation_steps: int | None = Field(None, ge=1)
+    """Micro-batches per optimizer step; None: derived from the batch sizes."""
+    normalize_rewards: bool = True
+    """Divide group-centred rewards by the group's standard deviation."""
+    use_leave_one_out_baseline: bool = False
+    advantage_estimator: str = "grpo"
+    val_period: int = Field(0, ge=0)
+    """Evaluate every N steps; 0: only at start (if val_at_start) and end."""
+    val_at_start: bool = True
+    val_at_end: bool = True
+    overlong_filtering: bool = False
+    max_val_samples: int = Field(256, ge=1)
+    val_batch_size: int = Field(256, ge=1)
+    seed: int = 42
+    async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
+
+
+class LossConfig(Section):
+    loss: str = "clipped_pg"
+    """Policy loss in the registry (novarl.algorithms.losses)."""
+    reference_policy_kl_penalty: float = Field(0.0, ge=0)
+    """KL coefficient to the frozen reference; 0 loads no reference."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    ratio_clip_min: float = Field(0.2, ge=0)
+    ratio_clip_max: float = Field(0.2, ge=0)
+    ratio_clip_c: float | None = Field(None, gt=1)
+    """Dual-clip constant (> 1) for negative advantages; None: off."""
+    use_on_policy_kl_approximation: bool = False
+    use_importance_sampling_correction: bool = False
+    sequence_level_importance_ratios: bool = False
+    token_level_loss: bool = True
+    """True: average over all tokens of the step; False: per sequence, then over sequences."""
+
+
+# ------------------------------------------------------------------ data, reward
+class DataConfig(Section):
+    dataset_name: str | None = None
+    """'arithmetic' (bundled), 'ResponseDataset' (JSONL/Parquet files); None: from the paths."""
+    train_data_path: str | None = None
+    val_data_path: str | None = None
+    input_key: str = "prompt"
+    output_key: str = "answer"
+    train_split: str | None = None
+    val_split: str | None = None
+    prompt_file: str | None = None
+    system_prompt_file: str | None = None
+    shuffle: bool = True
+    max_input_seq_length: int | None = Field(None, ge=1)
+
+
+class RewardConfig(Section):
+    function: str = "exact_match"
+    """A registered name (exact_match) or an import path 'module:function'."""
+
+
+class MathEnvConfig(Section):
+    num_workers: int = Field(8, ge=1)
+    math_verify_impl: str = "hf_math_verify"
+
+
+# ------------------------------------------------------------------ outputs
+class CheckpointingConfig(Section):
+    enabled: bool = True
+    checkpoint_dir: str = "results/grpo"
+    metric_name: str = "val_reward"
+    higher_is_better: bool = True
+    keep_top_k: int | None = Field(3, ge=1)
+    save_period: int = Field(10, ge=1)
+    checkpoint_must_save_by: str | None = None
+    model_save_format: Literal["safetensors", "torch_save"] = "safetensors"
+    save_consolidated: bool = False
+
+
+class WandbConfig(Section):
+    project: str = "novarl"
+    name: str | None = None
+
+
+class MlflowConfig(Section):
+    experiment_name: str = "novarl"
+    run_name: str | None = None
+
+
+class GpuMonitoringConfig(Section):
+    collection_interval: float = Field(10, gt=0)
+    flush_interval: float = Field(10, gt=0)
+
+
+class LoggerConfig(Section):
+    log_dir: str = "logs"
+    """Each run writes to a new numbered folder under it (exp_001, ...)."""
+    num_val_samples_to_print: int = Field(0, ge=0)
+    progress_bar: bool = True
+    print_every_n_steps: int = Field(10, ge=1)
+    wandb_enabled: bool = False
+    tensorboard_enabled: bool = False
+    mlflow_enabled: bool = False
+    swanlab_enabled: bool = False
+    monitor_gpus: bool = False
+    wandb: WandbConfig = WandbConfig()
+    tensorboard: dict[str, Any] = {}
+    mlflow: MlflowConfig = MlflowConfig()
+    gpu_monitoring: GpuMonitoringConfig = GpuMonitoringConfig()
+
+
+# ------------------------------------------------------------- ROLL role blocks
+class RoleModelArgs(Section):
+    disable_gradient_checkpointing: bool = False
+    dtype: Literal["bf16", "fp16", "fp32"] | None = None
+    model_type: str | None = None
+
+
+class RoleTrainingArgs(Section):
+    learning_rate: float | None = None
+    weight_decay: float | None = None
+    per_device_train_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    warmup_steps: int | None = None
+    num_train_epochs: int | None = None
+
+
+class RoleStrategyArgs(Section):
+    strategy_name: str
+    strategy_config: dict[str, Any] = {}
+
+
+class RoleConfig(Section):
+    """A ROLL-style role block (actor_train, actor_infer, reference)."""
+
+    model_args: RoleModelArgs = RoleModelArgs()
+    training_args: RoleTrainingArgs = RoleTrainingArgs()
+    strategy_args: RoleStrategyArgs | None = None
+    device_mapping: str | list[int] | None = None
+    infer_batch_size: int | None = Field(None, ge=1)
+
+
+# ------------------------------------------------------------------ the whole
+class NovaRLConfig(Section):
+    grpo: GRPOConfig = GRPOConfig()
+    loss_fn: LossConfig = LossConfig()
+    policy: PolicyConfig = PolicyConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    env: dict[str, MathEnvConfig] = {}
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    logger: LoggerConfig = LoggerConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    actor_train: RoleConfig | None = None
+    actor_infer: RoleConfig | None = None
+    reference: RoleConfig | None = None
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "NovaRLConfig":
+        gen = self.policy.generation
+        if gen.backend == "megatron" and not self.policy.megatron_cfg.enabled:
+            raise ValueError(
+                "policy.generation.backend='megatron' needs the Megatron training backend: "
+                "set policy.megatron_cfg.enabled=true or pick backend 'vllm' or 'hf'")
+        if self.loss_fn.ratio_clip_min >= 1:
+            raise ValueError(f"loss_fn.ratio_clip_min={self.loss_fn.ratio_clip_min} must be < 1 "
+                             "(the ratio is clipped to [1 - min, 1 + max])")
+        return self

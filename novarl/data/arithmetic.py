@@ -1,0 +1,41 @@
+"""Two-digit addition: the bundled task that the tiny model is trained on.
+
+Every ordered pair (a, b) with 10 <= a, b <= 99 gives one example, prompt
+``"ab+cd="`` and answer ``str(a + b)`` (e.g. ``"37+58="`` -> ``"95"``): 8,100 in
+all. The validation split is a fixed set of 1,000 pairs drawn with
+``random.Random(1234).sample`` from the sorted pairs; the train split is the
+other 7,100, in sorted order. Both are deterministic.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+
+SPLITS = ("train", "validation")
+VALIDATION_SIZE = 1_000
+VALIDATION_SEED = 1234
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str  # e.g. "37+58="
+    answer: str  # e.g. "95"
+
+
+@lru_cache(maxsize=None)
+def _split_pairs() -> dict[str, tuple[tuple[int, int], ...]]:
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    held_out = set(random.Random(VALIDATION_SEED).sample(pairs, VALIDATION_SIZE))
+    return {
+        "train": tuple(p for p in pairs if p not in held_out),
+        "validation": tuple(p for p in pairs if p in held_out),
+    }
+
+
+def arithmetic_examples(split: str) -> list[Example]:
+    """The examples of `split` ("train": 7,100 or "validation": 1,000), sorted by (a, b)."""
+    if split not in SPLITS:
+        raise ValueError(f"Unknown split {split!r} for the arithmetic task; allowed: {', '.join(SPLITS)}.")
+    return [Example(prompt=f"{a}+{b}=", answer=str(a + b)) for a, b in _split_pairs()[split]]

@@ -1,0 +1,180 @@
+"""Prompt datasets: the bundled arithmetic task, or JSONL / Parquet files.
+
+A file dataset has one example per row with a prompt field (`data.input_key`,
+default "prompt") and an answer field (`data.output_key`, default "answer").
+Rows are checked when loaded; a bad row is reported by file and line (JSONL)
+or row number (Parquet).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from novarl.config.schema import DataConfig
+from novarl.data.arithmetic import Example, arithmetic_examples
+from novarl.errors import NotAvailableYet, UserError
+from novarl.types import Prompt
+
+BUNDLED_DATASETS = {"arithmetic": arithmetic_examples}
+
+
+def dataset_kind(cfg: DataConfig) -> str:
+    if cfg.dataset_name is not None:
+        return cfg.dataset_name
+    return "ResponseDataset" if cfg.train_data_path else "arithmetic"
+
+
+def load_examples(cfg: DataConfig, split: str) -> list[Example]:
+    """The examples of `split` ("train" or "validation")."""
+    kind = dataset_kind(cfg)
+    if kind in BUNDLED_DATASETS:
+        return BUNDLED_DATASETS[kind](split)
+    if kind != "ResponseDataset":
+        raise NotAvailableYet(f"data.dataset_name='{kind}' is not available yet. Use 'arithmetic' (bundled) "
+                              "or 'ResponseDataset' with data.train_data_path / data.val_data_path "
+                              "pointing at JSONL or Parquet files.")
+    key = "train_data_path" if split == "train" else "val_data_path"
+    path = getattr(cfg, key) or (cfg.train_data_path if split == "validation" else None)
+    if path is None:
+        raise UserError(f"data.{key} is not set: ResponseDataset needs a JSONL or Parquet file.")
+    return read_examples(Path(path), cfg.input_key, cfg.output_key, where=f"data.{key}")
+
+
+def read_examples(path: Path, input_key: str, output_key: str, *, where: str = "data") -> list[Example]:
+    if not path.is_file():
+        raise UserError(f"{where}='{path}': no such file.")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        rows = _jsonl_rows(path)
+    elif suffix == ".parquet":
+        rows = _parquet_rows(path)
+    else:
+        raise UserError(f"{where}='{path}': unknown format '{suffix}'; use .jsonl or .parquet.")
+    examples = [_example(row, input_key, output_key, place) for place, row in rows]
+    if not examples:
+        raise UserError(f"{where}='{path}' has no examples.")
+    return examples
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{number}", json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UserError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}).") from None
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"Reading '{path}' needs pyarrow: pip install 'novarl[parquet]'.") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow raises several unrelated types for a bad file
+        raise UserError(f"{path}: not a readable Parquet file ({err}).") from None
+    for number, row in enumerate(table.to_pylist(), start=1):
+        yield f"{path} row {number}", row
+
+
+def _example(row: object, input_key: str, output_key: str, place: str) -> Example:
+    if not isinstance(row, dict):
+        raise UserError(f"{place}: a row must be an object with '{input_key}' and '{output_key}', "
+                        f"got {type(row).__name__}.")
+    missing = [k for k in (input_key, output_key) if k not in row]
+    if missing:
+        raise UserError(f"{place}: no field {', '.join(repr(k) for k in missing)} (fields: "
+                        f"{', '.join(sorted(map(str, row)))}). Set data.input_key / data.output_key.")
+    prompt, answer = row[input_key], row[output_key]
+    if not isinstance(prompt, str) or not prompt:
+        raise UserError(f"{place}: '{input_key}' must be a non-empty string, got {prompt!r}.")
+    if not isinstance(answer, (str, int, float)):
+        raise UserError(f"{place}: '{output_key}' must be a string or a number, got {type(answer).__name__}.")
+    return Example(prompt=prompt, answer=str(answer))
+
+
+# ------------------------------------------------------------ prompts + batches
+def to_prompts(examples: list[Example], tokenizer, *, template: str | None = None,
+               system_prompt: str | None = None, max_prompt_tokens: int | None = None) -> list[Prompt]:
+    """Tokenised prompts. A chat template is applied when the tokenizer has one;
+    prompts longer than `max_prompt_tokens` are dropped (counted in the log)."""
+    prompts = []
+    for index, ex in enumerate(examples):
+        text = template.format(ex.prompt) if template else ex.prompt
+        if getattr(tokenizer, "chat_template", None):
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+                [{"role": "user", "content": text}]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            text = f"{system_prompt}\n{text}" if system_prompt else text
+            ids = tokenizer(text).input_ids
+        if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
+            prompts.append(Prompt(text=text, token_ids=list(ids), answer=ex.answer, index=index))
+    return prompts
+
+
+def read_prompt_template(cfg: DataConfig) -> tuple[str | None, str | None]:
+    """(prompt template with '{}', system prompt) from data.prompt_file / data.system_prompt_file."""
+    template = system = None
+    if cfg.prompt_file:
+        template = _read_text(cfg.prompt_file, "data.prompt_file")
+        if "{}" not in template:
+            raise UserError(f"data.prompt_file='{cfg.prompt_file}' must contain '{{}}' where the prompt goes.")
+    if cfg.system_prompt_file:
+        system = _read_text(cfg.system_prompt_file, "data.system_prompt_file")
+    return template, system
+
+
+def _read_text(path: str, key: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise UserError(f"{key}='{path}': cannot read it ({err.strerror}).") from None
+
+
+@dataclass
+class PromptSampler:
+    """Shuffled batches of prompts, epoch after epoch; its position can be saved and restored."""
+
+    prompts: list[Prompt]
+    batch_size: int
+    seed: int
+    shuffle: bool = True
+    epoch: int = 0
+    position: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.prompts) < self.batch_size:
+            raise UserError(f"The dataset has {len(self.prompts)} usable prompts, fewer than "
+                            f"grpo.num_prompts_per_step={self.batch_size}.")
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        import random
+
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list[Prompt]:
+        if self.position + self.batch_size > len(self._order):
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._permutation()
+        picked = self._order[self.position:self.position + self.batch_size]
+        self.position += self.batch_size
+        return [self.prompts[i] for i in picked]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._permutation()

@@ -1,0 +1,29 @@
+"""The in-process worker group: one rank on this machine, no Ray.
+
+It still runs inside a real torch.distributed process group (world size 1,
+gloo on CPU, NCCL on GPU) so that the DTensor backend's FSDP2 and DCP code
+paths are the same ones the multi-rank workers run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def ensure_single_process_group() -> None:
+    """Join a world-size-1 process group unless one exists already."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,153 @@
+"""Which backends a config runs on, what it would need that is not built yet,
+and the batch arithmetic. Pure functions of the config: nothing is loaded.
+
+Training backend precedence (the seeds' rule): `policy.megatron_cfg.enabled`
+over `policy.deepspeed_cfg.enabled` over DTensor, the default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from novarl.config.schema import NovaRLConfig
+from novarl.errors import ConfigError, NotAvailableYet
+
+BUILT_TRAINING_BACKENDS = ("dtensor",)
+BUILT_GENERATION_BACKENDS = ("hf",)
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    training: str
+    """'megatron', 'deepspeed' or 'dtensor'."""
+    ignored: tuple[str, ...]
+    """Enabled training backends that lost to a higher-precedence one."""
+    generation: str
+    """'vllm', 'hf' or 'megatron'."""
+    notes: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        line = f"training backend: {self.training}"
+        if self.ignored:
+            line += f" (also enabled, ignored by precedence megatron > deepspeed > dtensor: {', '.join(self.ignored)})"
+        return f"{line}; generation backend: {self.generation}"
+
+
+def resolve_backends(cfg: NovaRLConfig) -> BackendChoice:
+    policy = cfg.policy
+    enabled = [name for name, on in (("megatron", policy.megatron_cfg.enabled),
+                                     ("deepspeed", policy.deepspeed_cfg.enabled),
+                                     ("dtensor", policy.dtensor_cfg.enabled)) if on]
+    training = enabled[0] if enabled else "dtensor"
+    notes = [] if enabled else ["no training backend enabled: DTensor, the default, is used"]
+    generation = policy.generation.backend
+    if generation is None:
+        generation = "vllm" if "vllm" in BUILT_GENERATION_BACKENDS and _installed("vllm") else "hf"
+        notes.append(f"policy.generation.backend not set: using '{generation}'")
+    return BackendChoice(training, tuple(enabled[1:]), generation, tuple(notes))
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@dataclass(frozen=True)
+class Availability:
+    missing: tuple[str, ...] = ()
+    """Needed by the run and not built yet: the run is refused."""
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+    """Asked for, not built yet, and the run goes on without it."""
+
+
+def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
+    policy, missing, warnings = cfg.policy, [], []
+    if choice.training not in BUILT_TRAINING_BACKENDS:
+        missing.append(f"training backend '{choice.training}' (policy.{choice.training}_cfg.enabled)")
+    if choice.generation not in BUILT_GENERATION_BACKENDS:
+        missing.append(f"generation backend '{choice.generation}' (policy.generation.backend); "
+                       "'hf' works today")
+    if world_size(cfg) > 1:
+        missing.append(f"more than one rank (cluster: {cfg.cluster.num_nodes} node(s) x "
+                       f"{cfg.cluster.gpus_per_node} GPU(s))")
+    dt = policy.dtensor_cfg
+    for key in ("tensor_parallel_size", "context_parallel_size"):
+        if getattr(dt, key) > 1:
+            missing.append(f"policy.dtensor_cfg.{key}={getattr(dt, key)}")
+    if dt.sequence_parallel or dt.custom_parallel_plan:
+        missing.append("policy.dtensor_cfg.sequence_parallel / custom_parallel_plan (tensor parallelism)")
+    if not policy.generation.colocated.enabled:
+        missing.append("dedicated generation resources (policy.generation.colocated.enabled=false)")
+    if cfg.grpo.async_grpo.enabled:
+        missing.append("asynchronous GRPO (grpo.async_grpo.enabled)")
+    if cfg.grpo.max_rollout_turns > 1:
+        missing.append(f"multi-turn rollouts (grpo.max_rollout_turns={cfg.grpo.max_rollout_turns})")
+    for role in ("actor_train", "actor_infer", "reference"):
+        if getattr(cfg, role) is not None:
+            missing.append(f"ROLL role blocks ('{role}'); use the policy section")
+    if policy.sequence_packing.enabled:
+        warnings.append("policy.sequence_packing is not available yet: micro-batches are padded instead")
+    if policy.dynamic_batching.enabled:
+        warnings.append("policy.dynamic_batching is not available yet: fixed micro-batch sizes are used")
+    for sink in ("wandb", "tensorboard", "mlflow", "swanlab"):
+        if getattr(cfg.logger, f"{sink}_enabled"):
+            warnings.append(f"logger.{sink}_enabled: not available yet; metrics go to the JSONL file")
+    return Availability(tuple(missing), tuple(warnings))
+
+
+def require_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
+    availability = check_available(cfg, choice)
+    if availability.missing:
+        items = "\n".join(f"  - {m}" for m in availability.missing)
+        raise NotAvailableYet(f"This config needs what novarl does not have yet:\n{items}")
+    return availability
+
+
+def world_size(cfg: NovaRLConfig) -> int:
+    return max(cfg.cluster.gpus_per_node, 1) * cfg.cluster.num_nodes
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    samples_per_step: int
+    """prompts x generations."""
+    data_parallel_size: int
+    global_batch_size: int
+    """Samples per optimizer step."""
+    optimizer_steps_per_step: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    """Micro-batches per optimizer step on each data-parallel rank."""
+
+    def describe(self) -> str:
+        per_rank = self.global_batch_size // self.data_parallel_size
+        return (f"batch: {self.samples_per_step} samples per GRPO step -> {self.optimizer_steps_per_step} "
+                f"optimizer step(s) of {self.global_batch_size}; {per_rank} per data-parallel rank "
+                f"(dp={self.data_parallel_size}) = {self.gradient_accumulation_steps} micro-batch(es) "
+                f"of {self.micro_batch_size}")
+
+
+def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
+    """Derive and check the batch arithmetic; inconsistent values are a ConfigError."""
+    grpo, policy = cfg.grpo, cfg.policy
+    samples = grpo.num_prompts_per_step * grpo.num_generations_per_prompt
+    dt = policy.dtensor_cfg
+    dp = max(world_size(cfg) // (dt.tensor_parallel_size * dt.context_parallel_size), 1)
+    micro = policy.train_micro_batch_size
+    global_batch = policy.train_global_batch_size or samples
+    if policy.train_global_batch_size is None and grpo.gradient_accumulation_steps is not None:
+        global_batch = grpo.gradient_accumulation_steps * micro * dp
+    shown = (f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = "
+             f"{grpo.num_prompts_per_step} x {grpo.num_generations_per_prompt} = {samples} samples")
+    if samples % global_batch:
+        raise ConfigError(f"{shown}, not a multiple of policy.train_global_batch_size={global_batch}.")
+    if global_batch % (micro * dp):
+        raise ConfigError(f"policy.train_global_batch_size={global_batch} is not a multiple of "
+                          f"policy.train_micro_batch_size x data-parallel size = {micro} x {dp} = {micro * dp}.")
+    accumulation = global_batch // (micro * dp)
+    if grpo.gradient_accumulation_steps not in (None, accumulation):
+        raise ConfigError(f"grpo.gradient_accumulation_steps={grpo.gradient_accumulation_steps} does not match "
+                          f"policy.train_global_batch_size / (train_micro_batch_size x dp) = "
+                          f"{global_batch} / ({micro} x {dp}) = {accumulation}. Set one of them, not both.")
+    return BatchPlan(samples, dp, global_batch, samples // global_batch, micro, accumulation)

@@ -1,0 +1,143 @@
+"""The Python API of the seeds: `novarl.train(...)` and `GRPOTrainer`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from novarl.config import NovaRLConfig, dump_config, load_config
+from novarl.data.arithmetic import Example
+from novarl.data.datasets import BUNDLED_DATASETS
+from novarl.errors import UserError
+
+RewardFn = Callable[..., float]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    metrics: dict[str, float]
+    """Last step's metrics and the final evaluation (val_accuracy, ...)."""
+    output_dir: Path
+    """The run's folder: metrics.jsonl, config.yaml, reward_curve.png, policy/."""
+    model_dir: Path
+    """The final policy as a Hugging Face folder (transformers and vLLM load it as is)."""
+    initial_accuracy: float | None = None
+    final_accuracy: float | None = None
+    steps: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class GRPOTrainer:
+    """GRPO on the configured backends.
+
+        trainer = GRPOTrainer.from_pretrained("tiny-arith", max_num_steps=100)
+        result = trainer.train()
+    """
+
+    def __init__(self, config: NovaRLConfig | Mapping[str, Any] | str | Path | None = None, *,
+                 reward_fn: str | RewardFn | None = None, train_examples: Sequence[Example] | None = None,
+                 **overrides: Any) -> None:
+        if isinstance(config, NovaRLConfig):
+            if overrides:
+                config = load_config(config.model_dump(by_alias=True), **overrides)
+            self.config = config
+        else:
+            self.config = load_config(config, **overrides)
+        self.reward_fn = reward_fn
+        self.train_examples = list(train_examples) if train_examples is not None else None
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, config: Mapping[str, Any] | str | Path | None = None,
+                        **overrides: Any) -> "GRPOTrainer":
+        """A trainer for the model `name_or_path` (hub id, folder, or bundled name), with overrides."""
+        return cls(config, model_name=name_or_path, **overrides)
+
+    def train(self) -> TrainResult:
+        import torch
+
+        from novarl.distributed.local import default_device
+        from novarl.logging.console import info
+        from novarl.logging.metrics import JsonlSink, read_jsonl
+        from novarl.logging.plots import plot_reward_curve
+        from novarl.trainer.grpo import run_grpo
+        from novarl.trainer.setup import build_roles, prepare_inputs
+
+        cfg = self.config
+        inputs = prepare_inputs(cfg, self.reward_fn, self.train_examples)
+        torch.manual_seed(cfg.grpo.seed)
+        run_dir = new_run_dir(Path(cfg.logger.log_dir))
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        info(f"output folder: {run_dir}")
+        roles = build_roles(cfg, inputs, default_device())
+        sink = JsonlSink(run_dir / "metrics.jsonl")
+        try:
+            summary = run_grpo(cfg, inputs, roles, sink)
+        finally:
+            sink.close()
+        model_dir = run_dir / "policy"
+        save_atomically(model_dir, lambda tmp: roles.policy.save_hf(tmp, inputs.tokenizer))
+        plot = plot_reward_curve(read_jsonl(run_dir / "metrics.jsonl"), run_dir / "reward_curve.png",
+                                 title=f"GRPO on {cfg.policy.model_name}")
+        info(f"saved the policy to {model_dir} and the reward curve to {plot}")
+        return TrainResult(metrics=summary, output_dir=run_dir, model_dir=model_dir,
+                           initial_accuracy=summary.get("initial_accuracy"),
+                           final_accuracy=summary.get("val_accuracy"), steps=int(summary.get("steps", 0)))
+
+
+def train(model: str | None = None, dataset: str | Sequence[Mapping[str, Any]] | None = None,
+          reward_fn: str | RewardFn | None = None, config: Mapping[str, Any] | str | Path | None = None,
+          **overrides: Any) -> TrainResult:
+    """Train with GRPO in one call.
+
+    model: hub id, local folder, or bundled name ("tiny-arith").
+    dataset: a bundled task name ("arithmetic"), a .jsonl/.parquet file, or a
+      list of {"prompt": ..., "answer": ...} dicts.
+    reward_fn: a callable fn(completion, answer) -> float, a registered name
+      ("exact_match"), or "module:function".
+    """
+    examples = None
+    if isinstance(dataset, str):
+        key = "data__dataset_name" if dataset in BUNDLED_DATASETS else "data__train_data_path"
+        overrides.setdefault(key, dataset)
+    elif dataset is not None:
+        examples = [_example_from(row, i) for i, row in enumerate(dataset)]
+    if model is not None:
+        overrides["model_name"] = model
+    return GRPOTrainer(config, reward_fn=reward_fn, train_examples=examples, **overrides).train()
+
+
+def _example_from(row: Any, index: int) -> Example:
+    if isinstance(row, Example):
+        return row
+    if isinstance(row, Mapping) and "prompt" in row and "answer" in row:
+        return Example(prompt=str(row["prompt"]), answer=str(row["answer"]))
+    raise UserError(f"dataset[{index}] must be a dict with 'prompt' and 'answer', got {row!r}.")
+
+
+def new_run_dir(log_dir: Path) -> Path:
+    """A fresh numbered folder log_dir/exp_NNN; earlier runs are never touched."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    numbers = [int(p.name[4:]) for p in log_dir.glob("exp_*") if p.name[4:].isdigit()]
+    number = max(numbers, default=0) + 1
+    while True:
+        path = log_dir / f"exp_{number:03d}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            number += 1
+
+
+def save_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Write into a temporary sibling, then rename: a crash never leaves a half folder at `path`."""
+    import shutil
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.rename(path)

@@ -1,0 +1,26 @@
+"""Greedy evaluation on held-out prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from novarl.logging.console import info
+from novarl.rewards.registry import RewardScorer
+from novarl.types import Prompt, SamplingConfig
+
+
+def evaluate(generator, prompts: Sequence[Prompt], scorer: RewardScorer, max_new_tokens: int, *,
+             batch_size: int = 256, samples_to_print: int = 0) -> dict[str, float]:
+    """Greedy completions of every prompt; accuracy = fraction whose reward is >= 1 (exact)."""
+    greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    completions = []
+    for start in range(0, len(prompts), batch_size):
+        completions.extend(generator.generate(prompts[start:start + batch_size], greedy))
+    rewards = scorer.score(completions)
+    for c, r in list(zip(completions, rewards))[:samples_to_print]:
+        info(f"  {c.prompt.text!r} -> {c.text!r} (answer {c.prompt.answer!r}, reward {r:g})")
+    return {
+        "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+        "reward_mean": sum(rewards) / len(rewards),
+        "num_samples": float(len(rewards)),
+    }

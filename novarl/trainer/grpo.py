@@ -1,0 +1,109 @@
+"""The GRPO loop: generate -> reward -> advantage -> update -> weight sync.
+
+Simplifications, on purpose: one rollout turn; the whole step's samples are
+generated before any update (synchronous, on-policy); `old_logprobs` are
+recomputed by the trainer (not taken from the generator) so the ratio compares
+like with like, and the gap to the generator's logprobs is logged as
+`logprob_mismatch`, a check on the weight sync.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from novarl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from novarl.algorithms.losses import LossFn, make_loss
+from novarl.config.schema import NovaRLConfig
+from novarl.logging.console import Progress
+from novarl.logging.metrics import JsonlSink
+from novarl.trainer.evaluate import evaluate
+from novarl.trainer.rollout import build_train_batch, logprob_mismatch, rollout_metrics, with_global_counts
+from novarl.trainer.setup import Roles, RunInputs
+from novarl.types import SamplingConfig, TrainBatch
+
+
+class StepTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[f"time_{name}"] = self.seconds.get(f"time_{name}", 0.0) + time.perf_counter() - start
+
+
+def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink) -> dict[str, float]:
+    """Train for grpo.max_num_steps (or max_train_seconds); returns the last metrics, evals included."""
+    grpo, gen = cfg.grpo, cfg.policy.generation
+    loss_fn = make_loss(cfg.loss_fn)
+    estimate_advantages = ADVANTAGE_ESTIMATORS.get(grpo.advantage_estimator)
+    progress = Progress(grpo.max_num_steps, enabled=cfg.logger.progress_bar,
+                        print_every=cfg.logger.print_every_n_steps)
+    summary: dict[str, float] = {}
+
+    def validate(step: int) -> None:
+        result = evaluate(roles.generator, inputs.val_prompts, inputs.scorer, gen.max_new_tokens,
+                          batch_size=grpo.val_batch_size, samples_to_print=cfg.logger.num_val_samples_to_print)
+        sink.write({"kind": "eval", "step": step, **result})
+        progress.evaluated(step, result["accuracy"])
+        summary.update({f"val_{k}": v for k, v in result.items()})
+        summary.setdefault("initial_accuracy", result["accuracy"])
+
+    if grpo.val_at_start:
+        validate(0)
+    started, step = time.perf_counter(), 0
+    while step < grpo.max_num_steps:
+        if grpo.max_train_seconds and time.perf_counter() - started > grpo.max_train_seconds:
+            break
+        step += 1
+        timer, tic = StepTimer(), time.perf_counter()
+        prompts = [p for p in inputs.sampler.next_batch() for _ in range(grpo.num_generations_per_prompt)]
+        sampling = SamplingConfig(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
+                                  top_k=gen.top_k, stop_token_ids=tuple(gen.stop_token_ids or ()),
+                                  seed=grpo.seed + step)
+        with timer("generation"):
+            completions = roles.generator.generate(prompts, sampling)
+        rewards = torch.tensor(inputs.scorer.score(completions))
+        advantages = estimate_advantages(rewards, grpo.num_generations_per_prompt,
+                                         normalize_rewards=grpo.normalize_rewards,
+                                         use_leave_one_out_baseline=grpo.use_leave_one_out_baseline)
+        batch = build_train_batch(completions, advantages, pad_token_id=inputs.tokenizer.pad_token_id,
+                                  overlong_filtering=grpo.overlong_filtering)
+        with timer("logprobs"):
+            batch.old_logprobs = roles.policy.logprobs(batch)
+            if roles.reference is not None:
+                batch.reference_logprobs = roles.reference.logprobs(batch)
+        with timer("training"):
+            train_metrics = train_on_batch(roles.policy, batch, loss_fn, inputs.batches.global_batch_size)
+        with timer("weight_sync"):
+            roles.generator.update_weights(roles.policy.named_weights(), version=step)
+        metrics = {**rollout_metrics(completions, rewards, grpo.num_generations_per_prompt), **train_metrics,
+                   "logprob_mismatch": logprob_mismatch(batch), **timer.seconds,
+                   "time_step": time.perf_counter() - tic}
+        sink.write({"kind": "train", "step": step, **metrics})
+        progress.step(step, metrics)
+        summary.update(metrics)
+        if grpo.val_period and step % grpo.val_period == 0 and step < grpo.max_num_steps:
+            validate(step)
+    summary["steps"] = step
+    if grpo.val_at_end:
+        validate(step)
+    progress.close()
+    return summary
+
+
+def train_on_batch(policy, batch: TrainBatch, loss_fn: LossFn, global_batch_size: int) -> dict[str, float]:
+    """One optimizer step per `global_batch_size` samples; metrics averaged over those steps."""
+    totals: dict[str, float] = {}
+    chunks = range(0, len(batch), global_batch_size)
+    for start in chunks:
+        chunk = with_global_counts(batch.slice(start, start + global_batch_size))
+        metrics = {**policy.forward_backward(chunk, loss_fn), **policy.optim_step()}
+        for name, value in metrics.items():
+            totals[name] = totals.get(name, 0.0) + value / len(chunks)
+    return totals

@@ -1,0 +1,246 @@
+"""Build the bundled `tiny-arith` model (novarl/models/tiny_arith/) from scratch.
+
+A ~300k-parameter Llama (2 layers, hidden 128, head_dim 64) with a
+character-level tokenizer is trained by supervised learning on the train
+split of the two-digit addition task (novarl.data.arithmetic). Each training
+sequence is ``<s>`` + prompt + answer + ``</s>`` (e.g. ``<s>37+58=95</s>``);
+the loss is the cross-entropy on the answer and ``</s>`` tokens only (prompt
+tokens are masked out). AdamW, constant learning rate, seeded.
+
+Training stops *early on purpose*: the model is meant to be a weak starting
+point for reinforcement learning (GRPO), so it must be right sometimes but
+not often. From step `--eval-from` on, held-out greedy accuracy on all 1,000
+validation examples is measured every `--eval-every` steps, and training stops
+at the first evaluation inside [--target-min, --target-max] (default 25-35 %).
+If an evaluation overshoots the band, the script fails and asks for a smaller
+learning rate or evaluation interval.
+
+At the end the folder is reloaded with AutoTokenizer / AutoModelForCausalLM
+and the validation accuracy is measured again; the two figures must agree.
+
+    python scripts/build_tiny_model.py            # rebuilds novarl/models/tiny_arith/
+    python scripts/build_tiny_model.py --out /tmp/tiny --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # runnable from a checkout without installing
+    sys.path.insert(0, str(REPO))
+
+from novarl.data.arithmetic import Example, arithmetic_examples  # noqa: E402
+from novarl.models.char_tokenizer import build_char_tokenizer  # noqa: E402
+from novarl.rewards.verifiers import exact_match  # noqa: E402
+
+DEFAULT_OUT = REPO / "novarl" / "models" / "tiny_arith"
+MAX_POSITIONS = 64
+
+
+def build_model(vocab_size: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64,  # head_dim 64: vLLM CPU attention
+        max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-5,
+    )
+    return LlamaForCausalLM(config).to(torch.float32)
+
+
+def training_tensors(tokenizer, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, attention_mask, labels [N, L]: right-padded; labels -100 except answer + </s>."""
+    rows, label_rows = [], []
+    for ex in examples:
+        prompt_ids = tokenizer(ex.prompt).input_ids  # starts with <s>
+        answer_ids = tokenizer(ex.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        rows.append(prompt_ids + answer_ids)
+        label_rows.append([-100] * len(prompt_ids) + answer_ids)
+    length = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([r + [pad] * (length - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (length - len(r)) for r in rows])
+    labels = torch.tensor([r + [-100] * (length - len(r)) for r in label_rows])
+    return input_ids, mask, labels
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, examples: list[Example], batch_size: int = 1000) -> float:
+    """Exact-match accuracy of greedy completions (max 4 new tokens, stop at </s>)."""
+    was_training = model.training
+    model.eval()
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    correct = 0.0
+    try:
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start:start + batch_size]
+            batch = tokenizer([ex.prompt for ex in chunk], return_tensors="pt", padding=True)
+            out = model.generate(
+                **batch, do_sample=False, max_new_tokens=4,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+            correct += sum(exact_match(text, ex.answer) for text, ex in zip(texts, chunk))
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return correct / len(examples)
+
+
+@torch.no_grad()
+def sampled_reward(model, tokenizer, examples: list[Example], samples: int = 8) -> float:
+    """Mean exact-match reward of `samples` completions per prompt at temperature 1.0."""
+    model.eval()
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        prompts = [ex.prompt for ex in examples for _ in range(samples)]
+        batch = tokenizer(prompts, return_tensors="pt", padding=True)
+        out = model.generate(
+            **batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=4,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side
+    answers = [ex.answer for ex in examples for _ in range(samples)]
+    return sum(exact_match(t, a) for t, a in zip(texts, answers)) / len(texts)
+
+
+def write_readme(out: Path, *, params: int, accuracy: float, reward: float, step: int, args: argparse.Namespace,
+                 vocab: dict[str, int]) -> None:
+    command = "python scripts/build_tiny_model.py"
+    if Path(args.out).resolve() != DEFAULT_OUT.resolve():
+        command += f" --out {args.out}"
+    for flag in ("seed", "target_min", "target_max", "lr", "batch_size", "eval_from", "eval_every", "max_steps"):
+        value, default = getattr(args, flag), DEFAULTS[flag]
+        if value != default:
+            command += f" --{flag.replace('_', '-')} {value}"
+    ids = ", ".join(f"`{tok!r}`={i}" if tok == " " else f"`{tok}`={i}"
+                    for tok, i in sorted(vocab.items(), key=lambda kv: kv[1]))
+    (out / "README.md").write_text(f"""# tiny-arith
+
+A deliberately weak starting policy for RL tests and examples: a
+{params:,}-parameter Llama (`LlamaForCausalLM`: 2 layers, hidden 128,
+intermediate 256, 2 attention heads of dim 64, 1 KV head, tied embeddings,
+float32) with a character-level tokenizer, trained by supervised learning on
+the train split of two-digit addition (`novarl.data.arithmetic`: prompt
+`"37+58="`, answer `"95"`), stopped early at step {step}.
+
+- Held-out greedy accuracy (exact match, all 1,000 validation examples,
+  `max_new_tokens=4`): **{accuracy:.1%}**. GRPO is expected to raise it.
+- Sampling at temperature 1.0 (8 samples on each of the first 64 validation
+  prompts), the mean exact-match reward is {reward:.3f}: RL has signal.
+- Tokenizer ids: {ids}.
+  Every encoded text starts with `<s>`; the model ends its answer with `</s>`.
+- Loads with `AutoTokenizer.from_pretrained` / `AutoModelForCausalLM.from_pretrained`
+  on this folder (no remote code), or as `tiny-arith` in novarl.
+
+Rebuilt (deterministically, seed {args.seed}, lr {args.lr}, batch {args.batch_size}) with:
+
+    {command}
+""")
+
+
+DEFAULTS = dict(seed=0, target_min=0.25, target_max=0.35, lr=1e-3, batch_size=128,
+                eval_from=100, eval_every=5, max_steps=600)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default: the package's tiny_arith)")
+    parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    parser.add_argument("--target-min", type=float, default=DEFAULTS["target_min"],
+                        help="stop at the first held-out greedy accuracy in [target-min, target-max]")
+    parser.add_argument("--target-max", type=float, default=DEFAULTS["target_max"])
+    parser.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
+    parser.add_argument("--eval-from", type=int, default=DEFAULTS["eval_from"])
+    parser.add_argument("--eval-every", type=int, default=DEFAULTS["eval_every"])
+    parser.add_argument("--max-steps", type=int, default=DEFAULTS["max_steps"])
+    args = parser.parse_args(argv)
+    if not 0.0 < args.target_min <= args.target_max < 1.0:
+        parser.error("need 0 < --target-min <= --target-max < 1")
+
+    started = time.perf_counter()
+    torch.manual_seed(args.seed)
+    tokenizer = build_char_tokenizer()
+    tokenizer.model_max_length = MAX_POSITIONS
+    model = build_model(len(tokenizer))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"vocab {len(tokenizer)}, parameters {params:,}", flush=True)
+
+    train, validation = arithmetic_examples("train"), arithmetic_examples("validation")
+    input_ids, mask, labels = training_tensors(tokenizer, train)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    generator = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(train), generator=generator)
+    cursor, accuracy, step = 0, None, 0
+    model.train()
+    for step in range(1, args.max_steps + 1):
+        if cursor + args.batch_size > len(train):
+            order, cursor = torch.randperm(len(train), generator=generator), 0
+        idx = order[cursor:cursor + args.batch_size]
+        cursor += args.batch_size
+        loss = model(input_ids=input_ids[idx], attention_mask=mask[idx], labels=labels[idx]).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % 25 == 0 and step < args.eval_from:
+            print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
+        if step >= args.eval_from and (step - args.eval_from) % args.eval_every == 0:
+            accuracy = greedy_accuracy(model, tokenizer, validation)
+            print(f"step {step:4d}  loss {loss.item():.4f}  held-out greedy accuracy {accuracy:.1%}", flush=True)
+            if accuracy > args.target_max:
+                print(f"error: accuracy jumped past the target band [{args.target_min:.0%}, "
+                      f"{args.target_max:.0%}]; use a smaller --lr or --eval-every.", file=sys.stderr)
+                return 1
+            if accuracy >= args.target_min:
+                break
+    else:
+        print(f"error: accuracy did not reach {args.target_min:.0%} in {args.max_steps} steps; "
+              "raise --max-steps or --lr.", file=sys.stderr)
+        return 1
+    train_seconds = time.perf_counter() - started
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "model.safetensors").chmod(0o644)  # package data: world-readable
+    tokenizer.save_pretrained(out)
+    # transformers 5 records its own class name (TokenizersBackend); the generic
+    # name loads in transformers 4 and 5 alike (and in vLLM).
+    config_path = out / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reloaded_tok = AutoTokenizer.from_pretrained(out)
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    reloaded_acc = greedy_accuracy(reloaded, reloaded_tok, validation)
+    print(f"saved to {out} after {step} steps ({train_seconds:.1f} s training)")
+    print(f"held-out greedy accuracy: {accuracy:.1%} (training); {reloaded_acc:.1%} (reloaded from {out})")
+    if reloaded_acc != accuracy:
+        print("error: the reloaded model's accuracy differs from the trained model's.", file=sys.stderr)
+        return 1
+    torch.manual_seed(args.seed)
+    reward = sampled_reward(reloaded, reloaded_tok, validation[:64], samples=8)
+    print(f"mean exact-match reward sampling at temperature 1.0 (8 samples x 64 validation prompts): {reward:.3f}")
+    write_readme(out, params=params, accuracy=accuracy, reward=reward, step=step, args=args,
+                 vocab=tokenizer.get_vocab())
+    print(f"total time {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
