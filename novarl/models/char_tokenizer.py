@@ -35,4 +35,5 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
         tokenizer_object=tokenizer,
         pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
         clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],  # no token_type_ids (transformers 4)
     )

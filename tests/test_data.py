@@ -1,0 +1,85 @@
+"""Datasets: the bundled task, JSONL and Parquet files, prompt batches."""
+
+import json
+
+import pytest
+
+from novarl.config.schema import DataConfig
+from novarl.data.arithmetic import arithmetic_examples
+from novarl.data.datasets import PromptSampler, load_examples, read_examples, to_prompts
+from novarl.errors import NotAvailableYet, UserError
+from novarl.models.loading import load_tokenizer
+from novarl.rewards.verifiers import exact_match
+
+
+def test_arithmetic_splits_are_disjoint_and_fixed():
+    train, val = arithmetic_examples("train"), arithmetic_examples("validation")
+    assert (len(train), len(val)) == (7100, 1000)
+    assert not {e.prompt for e in train} & {e.prompt for e in val}
+    assert val == arithmetic_examples("validation")
+    a, b = val[0].prompt[:-1].split("+")
+    assert val[0].answer == str(int(a) + int(b))
+
+
+def test_exact_match():
+    assert exact_match(" 95", "95") == 1.0
+    assert exact_match("59", "95") == 0.0
+
+
+def test_jsonl_and_parquet_rows(tmp_path):
+    rows = [{"question": "1+1=", "solution": 2}, {"question": "2+2=", "solution": "4"}]
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    examples = read_examples(jsonl, "question", "solution")
+    assert [(e.prompt, e.answer) for e in examples] == [("1+1=", "2"), ("2+2=", "4")]
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "3+4=", "answer": "7"}]), tmp_path / "d.parquet")
+    cfg = DataConfig(train_data_path=str(tmp_path / "d.parquet"))
+    assert [(e.prompt, e.answer) for e in load_examples(cfg, "train")] == [("3+4=", "7")]
+    # No validation file: the training file is evaluated on.
+    assert len(load_examples(cfg, "validation")) == 1
+
+
+def test_bad_rows_are_reported_by_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
+    with pytest.raises(UserError, match=r"bad.jsonl:2: not valid JSON"):
+        read_examples(path, "prompt", "answer")
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2="}\n')
+    with pytest.raises(UserError, match=r"bad.jsonl:2: no field 'prompt', 'answer' \(fields: question\)"):
+        read_examples(path, "prompt", "answer")
+    with pytest.raises(UserError, match="no such file"):
+        read_examples(tmp_path / "missing.jsonl", "prompt", "answer")
+
+
+def test_unknown_dataset_name_is_not_available_yet():
+    with pytest.raises(NotAvailableYet, match="OpenMathInstruct-2"):
+        load_examples(DataConfig(dataset_name="OpenMathInstruct-2"), "train")
+
+
+def test_prompts_are_tokenised_and_filtered_by_length():
+    tokenizer = load_tokenizer("tiny-arith")
+    examples = arithmetic_examples("validation")[:3]
+    prompts = to_prompts(examples, tokenizer)
+    assert prompts[0].token_ids == tokenizer(examples[0].prompt).input_ids
+    assert prompts[0].token_ids[0] == tokenizer.bos_token_id and len(prompts[0].token_ids) == 7
+    assert to_prompts(examples, tokenizer, max_prompt_tokens=6) == []
+
+
+def test_sampler_walks_epochs_and_restores_its_position():
+    tokenizer = load_tokenizer("tiny-arith")
+    prompts = to_prompts(arithmetic_examples("validation")[:10], tokenizer)
+    sampler = PromptSampler(prompts, 4, seed=1)
+    first = [sampler.next_batch() for _ in range(3)]  # 4 + 4, then a new epoch
+    assert sampler.epoch == 1
+    assert len({p.index for p in first[0] + first[1]}) == 8
+    state = sampler.state_dict()
+    following = sampler.next_batch()
+    restored = PromptSampler(prompts, 4, seed=1)
+    restored.load_state_dict(state)
+    assert restored.next_batch() == following
+    with pytest.raises(UserError, match="fewer than grpo.num_prompts_per_step=11"):
+        PromptSampler(prompts, 11, seed=1)
