@@ -23,6 +23,7 @@ BUNDLED_RECIPE = Path(__file__).parent / "config" / "recipes" / "tiny_arith.yaml
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    quiet_third_party()
     try:
         return args.run(args)
     except UserError as err:
@@ -112,6 +113,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(f"held-out greedy accuracy of {args.model}: {_pct(result['accuracy'])} "
           f"on {int(result['num_samples'])} prompts")
     return 0
+
+
+def quiet_third_party() -> None:
+    """Our progress bar is the one to watch: hide transformers' per-load bars."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _pct(value: float | None) -> str:

@@ -47,6 +47,8 @@ class GRPOTrainer:
         else:
             self.config = load_config(config, **overrides)
         self.reward_fn = reward_fn
+        self.roles = None
+        """The policy, reference and generator of the last `train()`, kept for inspection."""
         self.train_examples = list(train_examples) if train_examples is not None else None
 
     @classmethod
@@ -71,7 +73,7 @@ class GRPOTrainer:
         run_dir = new_run_dir(Path(cfg.logger.log_dir))
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         info(f"output folder: {run_dir}")
-        roles = build_roles(cfg, inputs, default_device())
+        roles = self.roles = build_roles(cfg, inputs, default_device())
         sink = JsonlSink(run_dir / "metrics.jsonl")
         try:
             summary = run_grpo(cfg, inputs, roles, sink)

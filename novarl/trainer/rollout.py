@@ -50,6 +50,8 @@ def rollout_metrics(completions: Sequence[Completion], rewards: torch.Tensor, gr
         "groups_without_signal": float((grouped.std(dim=1) == 0).float().mean()) if group_size > 1 else 1.0,
         "completion_length_mean": float(lengths.mean()),
         "truncated_fraction": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "tokens_generated": float(lengths.sum()),
+        "tokens_total": float(lengths.sum() + sum(len(c.prompt.token_ids) for c in completions)),
     }
 
 
