@@ -24,6 +24,25 @@ from pydantic import BaseModel, ValidationError
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import ConfigError
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads 1e-3 as a float (YAML 1.1 wants 1.0e-3)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 -- a SafeLoader subclass
+
+
 # Where two seeds name one thing differently: (parent path, alias, canonical).
 ALIASES: tuple[tuple[str, str, str], ...] = (
     ("", "algorithm", "grpo"),
@@ -88,7 +107,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"Config file '{path}' does not exist.")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = parse_yaml(path.read_text())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -147,7 +166,7 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"Override '{item}' is not of the form key.path=value "
                           "(e.g. policy.precision=bfloat16).")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = parse_yaml(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -252,7 +271,7 @@ def resolve_interpolations(tree: dict[str, Any]) -> dict[str, Any]:
         if name not in _RESOLVERS:
             raise ConfigError(f"'{at}': unknown resolver '{name}' in '${{{expr}}}'; "
                               f"known: {', '.join(sorted(_RESOLVERS))}.")
-        values = [yaml.safe_load(a.strip()) for a in args.split(",")]
+        values = [parse_yaml(a.strip()) for a in args.split(",")]
         try:
             return _RESOLVERS[name](*values)
         except (TypeError, ZeroDivisionError) as err:
