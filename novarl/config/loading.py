@@ -93,6 +93,9 @@ def load_config(
     elif source is not None:
         raise ConfigError(f"A config is a YAML file path or a dict, not {type(source).__name__}.")
     tree = canonical(tree)
+    overrides = list(overrides)
+    if overrides or keyword_overrides:
+        where += " with overrides " + " ".join([*(f"{k}=..." for k in keyword_overrides), *overrides])
     for key, value in keyword_overrides.items():
         set_path(tree, keyword_path(key), canonical(value) if isinstance(value, Mapping) else value,
                  merge=True)
