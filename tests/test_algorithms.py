@@ -73,15 +73,15 @@ def test_clipped_loss_positive_advantage():
 def test_clipped_loss_negative_advantage_and_dual_clip():
     logprobs, batch = _batch([0.0, math.log(1.5), math.log(0.5)], [0.0, 0.0, 0.0], -1.0)
     loss, _ = clipped_pg_loss(logprobs, batch)
-    assert float(loss) == pytest.approx((1.5 + 0.8) / 2)
+    assert loss.item() == pytest.approx((1.5 + 0.8) / 2)
     dual, _ = clipped_pg_loss(logprobs, batch, ClippedPGSettings(ratio_clip_c=1.4))
-    assert float(dual) == pytest.approx((1.4 + 0.8) / 2)
+    assert dual.item() == pytest.approx((1.4 + 0.8) / 2)
 
 
 def test_loss_divides_by_the_global_token_count():
     logprobs, batch = _batch([0.0, math.log(1.5), math.log(0.5)], [0.0, 0.0, 0.0], 1.0, tokens=4)
     loss, _ = clipped_pg_loss(logprobs, batch)
-    assert float(loss) == pytest.approx(-0.85 / 2)
+    assert loss.item() == pytest.approx(-0.85 / 2)
 
 
 def test_micro_batch_losses_sum_to_the_full_batch_loss():
@@ -108,7 +108,7 @@ def test_kl_penalty_uses_k3():
     loss, metrics = clipped_pg_loss(logprobs, batch, ClippedPGSettings(reference_policy_kl_penalty=0.1))
     k3 = 0.5 + math.log(2) - 1  # exp(log .5) - log .5 - 1
     assert float(metrics["kl_to_reference"]) == pytest.approx(k3, abs=1e-6)
-    assert float(loss) == pytest.approx(0.1 * k3, abs=1e-6)  # advantage 0: only the KL term
+    assert loss.item() == pytest.approx(0.1 * k3, abs=1e-6)  # advantage 0: only the KL term
 
 
 def test_kl_estimators_by_hand():
@@ -123,4 +123,4 @@ def test_make_loss_reads_the_config():
     loss_fn = make_loss(LossConfig(ratio_clip_min=0.1, ratio_clip_max=0.1))
     logprobs, batch = _batch([0.0, math.log(1.5)], [0.0, 0.0], 1.0)
     loss, _ = loss_fn(logprobs, batch)
-    assert float(loss) == pytest.approx(-1.1)
+    assert loss.item() == pytest.approx(-1.1)

@@ -97,11 +97,12 @@ def load_config(
     if overrides or keyword_overrides:
         where += " with overrides " + " ".join([*(f"{k}=..." for k in keyword_overrides), *overrides])
     for key, value in keyword_overrides.items():
-        set_path(tree, keyword_path(key), canonical(value) if isinstance(value, Mapping) else value,
-                 merge=True)
+        path = keyword_path(key)
+        set_path(tree, path, canonical(dict(value), path) if isinstance(value, Mapping) else value, merge=True)
     for item in overrides:
         path, value = parse_override(item)
-        set_path(tree, canonical_path(path), value, merge=False)
+        path = canonical_path(path)
+        set_path(tree, path, canonical(value, path), merge=False)
     tree = resolve_interpolations(tree)
     return validate(tree, where)
 
@@ -133,11 +134,13 @@ def canonical(tree: Any, parent: str = "") -> Any:
     if not isinstance(tree, dict):
         return tree
     out: dict[str, Any] = {}
+    written: dict[str, str] = {}
     for key, value in tree.items():
-        path = f"{parent}.{key}" if parent else str(key)
         name = _canonical_key(parent, str(key))
         if name in out:
-            raise ConfigError(f"'{path}' and '{_join(parent, name)}' name the same setting; give only one.")
+            raise ConfigError(f"'{_join(parent, written[name])}' and '{_join(parent, str(key))}' "
+                              "name the same setting; give only one.")
+        written[name] = str(key)
         out[name] = canonical(value, _join(parent, name))
     return out
 
@@ -275,6 +278,8 @@ def resolve_interpolations(tree: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"'{at}': unknown resolver '{name}' in '${{{expr}}}'; "
                               f"known: {', '.join(sorted(_RESOLVERS))}.")
         values = [parse_yaml(a.strip()) for a in args.split(",")]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise ConfigError(f"'{at}': '${{{expr}}}' takes numbers, got {values}.")
         try:
             return _RESOLVERS[name](*values)
         except (TypeError, ZeroDivisionError) as err:
@@ -303,9 +308,11 @@ def format_error(error: Mapping[str, Any], tree: Mapping[str, Any]) -> str:
         hint = _did_you_mean(loc[-1], choices)
         allowed = f" Allowed here: {', '.join(choices)}." if choices and not hint else ""
         return f"unknown key '{path}'{hint}.{allowed}"
+    msg = error["msg"].removeprefix("Value error, ")
+    if not loc or error.get("type") == "value_error" and isinstance(error.get("input"), dict):
+        return msg  # a check across keys: the message names them
     value = error.get("input")
     shown = "missing" if error["type"] == "missing" else repr(value)
-    msg = error["msg"].removeprefix("Value error, ")
     return f"'{path}' = {shown}: {msg}"
 
 

@@ -374,6 +374,16 @@ class DataConfig(Section):
     shuffle: bool = True
     max_input_seq_length: int | None = Field(None, ge=1)
 
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataConfig":
+        from novarl.data.datasets import BUNDLED_DATASETS
+
+        given = [k for k in ("train_data_path", "val_data_path") if getattr(self, k)]
+        if self.dataset_name in BUNDLED_DATASETS and given:
+            raise ValueError(f"data.dataset_name='{self.dataset_name}' is a bundled task, but data.{given[0]} "
+                             "is also set: drop dataset_name (or set it to 'ResponseDataset') to train on the file")
+        return self
+
 
 class RewardConfig(Section):
     function: str = "exact_match"

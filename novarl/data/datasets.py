@@ -22,6 +22,11 @@ BUNDLED_DATASETS = {"arithmetic": arithmetic_examples}
 
 
 def dataset_kind(cfg: DataConfig) -> str:
+    """data.dataset_name, else 'ResponseDataset' when a file is given, else 'arithmetic'.
+
+    A bundled name together with a data file is refused when the config is
+    validated (see DataConfig), so a file is never silently ignored.
+    """
     if cfg.dataset_name is not None:
         return cfg.dataset_name
     return "ResponseDataset" if cfg.train_data_path else "arithmetic"
@@ -65,7 +70,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{number}", json.loads(line)
+                yield f"{path}:{number}", json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as err:
                 raise UserError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}).") from None
 

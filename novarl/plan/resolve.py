@@ -136,12 +136,16 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
     dp = max(world_size(cfg) // (dt.tensor_parallel_size * dt.context_parallel_size), 1)
     micro = policy.train_micro_batch_size
     global_batch = policy.train_global_batch_size or samples
+    source = f"policy.train_global_batch_size={global_batch}"
     if policy.train_global_batch_size is None and grpo.gradient_accumulation_steps is not None:
         global_batch = grpo.gradient_accumulation_steps * micro * dp
+        source = (f"the samples per optimizer step, grpo.gradient_accumulation_steps x "
+                  f"policy.train_micro_batch_size x dp = {grpo.gradient_accumulation_steps} x {micro} x {dp} "
+                  f"= {global_batch}")
     shown = (f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = "
              f"{grpo.num_prompts_per_step} x {grpo.num_generations_per_prompt} = {samples} samples")
     if samples % global_batch:
-        raise ConfigError(f"{shown}, not a multiple of policy.train_global_batch_size={global_batch}.")
+        raise ConfigError(f"{shown}, not a multiple of {source}.")
     if global_batch % (micro * dp):
         raise ConfigError(f"policy.train_global_batch_size={global_batch} is not a multiple of "
                           f"policy.train_micro_batch_size x data-parallel size = {micro} x {dp} = {micro * dp}.")

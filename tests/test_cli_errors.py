@@ -1,0 +1,274 @@
+"""The command line on bad input: exit code 2, a short message naming what is
+wrong and where, no traceback, and no run folder. Plus the reward scorer's
+checks on what a user's reward function returns. Nothing is trained."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from novarl.cli import BUNDLED_RECIPE, main
+from novarl.errors import UserError
+from novarl.rewards.registry import RewardScorer
+from novarl.types import Completion, Prompt
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def error_line(err: str) -> str:
+    """The `novarl: error: ...` message (the [novarl] progress lines before it are info)."""
+    start = err.find("novarl: error: ")
+    assert start >= 0, err
+    return err[start:]
+
+
+def assert_refused_cleanly(code: int, err: str, log_dir: Path) -> str:
+    assert code == 2
+    assert "Traceback" not in err
+    assert not log_dir.exists() or not any(log_dir.iterdir()), f"run folder written: {list(log_dir.iterdir())}"
+    return error_line(err)
+
+
+@pytest.fixture
+def log_dir(tmp_path) -> Path:
+    return tmp_path / "logs"
+
+
+# ============================================================ subprocess: real exit codes
+def novarl(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "novarl.cli", *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_validate_bundled_recipe_exits_0(tmp_path):
+    proc = novarl("validate", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "# valid. training backend: dtensor; generation backend: hf" in proc.stdout
+    assert "model_name: tiny-arith" in proc.stdout
+    assert "not available yet" not in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_train_unknown_key_exits_2_without_traceback(tmp_path):
+    log_dir = tmp_path / "logs"
+    proc = novarl("train", f"logger.log_dir={log_dir}", "policy.dtensor_cgf.enabled=true", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("novarl: error: Invalid config")
+    assert "unknown key 'policy.dtensor_cgf' (did you mean 'dtensor_cfg'?)" in proc.stderr
+    assert not log_dir.exists()
+
+
+def test_train_missing_config_file_exits_2_without_traceback(tmp_path):
+    proc = novarl("train", "-c", "nope.yaml", f"logger.log_dir={tmp_path / 'logs'}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "novarl: error: Config file 'nope.yaml' does not exist."
+    assert list(tmp_path.iterdir()) == []
+
+
+# ============================================================ in-process
+def test_validate_prints_the_resolved_config_and_the_plan(capsys):
+    code, out, err = run_cli(capsys, "validate", "grpo.num_prompts_per_step=32",
+                           "policy.max_total_sequence_length=20")
+    assert code == 0, err
+    assert "num_prompts_per_step: 32\n" in out
+    assert "max_seq_length: 20\n" in out
+    assert "batch: 256 samples per GRPO step" in out
+
+
+def test_validate_reports_missing_backends_but_exits_0(capsys):
+    code, out, _ = run_cli(capsys, "validate", "policy.megatron_cfg.enabled=true")
+    assert code == 0
+    assert "# not available yet (a run would stop): training backend 'megatron'" in out
+
+
+def test_train_unknown_nested_key(capsys, log_dir):
+    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "grpo.num_prompts_per_stp=4")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert "unknown key 'grpo.num_prompts_per_stp' (did you mean 'num_prompts_per_step'?)" in msg
+    assert str(BUNDLED_RECIPE) in msg
+
+
+def test_train_bad_value_names_key_and_value(capsys, log_dir):
+    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "policy.generation.temperature=0")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert "'policy.generation.temperature' = 0" in msg and "greater than 0" in msg
+
+
+def test_train_missing_config_file(capsys, tmp_path, log_dir):
+    code, _, err = run_cli(capsys, "train", "-c", str(tmp_path / "nope.yaml"), f"logger.log_dir={log_dir}")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert f"'{tmp_path / 'nope.yaml'}' does not exist" in msg
+
+
+def test_train_invalid_yaml_names_the_line(capsys, tmp_path, log_dir):
+    path = tmp_path / "bad.yaml"
+    path.write_text("grpo:\n  seed: 1\n policy: {}\n")
+    code, _, err = run_cli(capsys, "train", "-c", str(path), f"logger.log_dir={log_dir}")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert str(path) in msg and "not valid YAML at line 3" in msg
+
+
+def test_train_bad_model_path(capsys, log_dir):
+    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "policy.model_name=./does/not/exist")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert "policy.model_name='./does/not/exist'" in msg and "no model folder there" in msg
+
+
+def test_train_model_folder_without_config_json(capsys, tmp_path, log_dir):
+    folder = tmp_path / "empty_model"
+    folder.mkdir()
+    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", f"policy.model_name={folder}")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert f"policy.model_name='{folder}'" in msg and "no config.json" in msg
+
+
+def test_train_dataset_with_a_bad_json_line_names_file_and_line(capsys, tmp_path, log_dir):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n"
+                    + json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n"
+                    + '{"prompt": "3+3=", "answer": \n')
+    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "data.dataset_name=ResponseDataset",
+                           f"data.train_data_path={data}")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert f"{data}:3: not valid JSON" in msg
+
+
+def test_train_dataset_row_without_the_prompt_field(capsys, tmp_path, log_dir):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "data.dataset_name=ResponseDataset",
+                           f"data.train_data_path={data}")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert f"{data}:1: no field 'prompt'" in msg and "data.input_key" in msg
+
+
+def test_train_missing_dataset_file(capsys, tmp_path, log_dir):
+    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "data.dataset_name=ResponseDataset",
+                           f"data.train_data_path={tmp_path / 'none.jsonl'}")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert f"data.train_data_path='{tmp_path / 'none.jsonl'}': no such file" in msg
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("novarl.rewards.verifiers:no_such_function",
+     "module 'novarl.rewards.verifiers' has no function 'no_such_function'"),
+    ("no_such_module_for_novarl_tests:score", "cannot import module 'no_such_module_for_novarl_tests'"),
+    ("exact_mtch", "neither a registered reward (exact_match) nor an import path 'module:function'"),
+])
+def test_train_reward_function_that_does_not_exist(capsys, log_dir, spec, expected):
+    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", f"reward.function={spec}")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert f"reward.function='{spec}'" in msg and expected in msg
+
+
+def test_train_megatron_is_refused_before_any_output(capsys, log_dir):
+    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "policy.megatron_cfg.enabled=true")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert "does not have yet" in msg and "training backend 'megatron' (policy.megatron_cfg.enabled)" in msg
+
+
+def test_plan_megatron_exits_2_listing_what_is_not_available(capsys):
+    code, out, err = run_cli(capsys, "plan", "policy.megatron_cfg.enabled=true", "policy.generation.backend=vllm",
+                             "cluster.gpus_per_node=2")
+    assert code == 2
+    assert "Traceback" not in err
+    assert "training backend: megatron (also enabled, ignored by precedence" in out
+    assert "not available yet: training backend 'megatron' (policy.megatron_cfg.enabled)" in out
+    assert "not available yet: generation backend 'vllm' (policy.generation.backend)" in out
+    assert "not available yet: more than one rank (cluster: 1 node(s) x 2 GPU(s))" in out
+
+
+def test_plan_bundled_recipe_exits_0(capsys):
+    code, out, _ = run_cli(capsys, "plan")
+    assert code == 0
+    assert out.splitlines()[0] == "training backend: dtensor; generation backend: hf"
+    assert "batch: 512 samples per GRPO step -> 1 optimizer step(s) of 512" in out
+    assert "not available yet" not in out
+
+
+def test_plan_inconsistent_batches_exits_2(capsys):
+    code, _, err = run_cli(capsys, "plan", "policy.train_global_batch_size=100")
+    assert code == 2
+    assert "Traceback" not in err
+    assert "64 x 8 = 512 samples, not a multiple of policy.train_global_batch_size=100" in error_line(err)
+
+
+# ============================================================ reward scorer
+PROMPT = Prompt(text="1+1=", token_ids=[1, 2, 3], answer="2", index=0)
+
+
+def completion(text: str) -> Completion:
+    return Completion(prompt=PROMPT, token_ids=[4, 5], logprobs=[-0.1, -0.2], text=text,
+                      finish_reason="stop", policy_version=0)
+
+
+def raising_reward(completion: str, answer: str | None) -> float:
+    raise ZeroDivisionError("no denominator")
+
+
+def string_reward(completion: str, answer: str | None) -> float:
+    return "1.0"  # type: ignore[return-value]
+
+
+def nan_reward(completion: str, answer: str | None) -> float:
+    return math.nan
+
+
+def inf_reward(completion: str, answer: str | None) -> float:
+    return math.inf
+
+
+def none_reward(completion: str, answer: str | None) -> float:
+    return None  # type: ignore[return-value]
+
+
+def prompt_aware_reward(completion: str, answer: str | None, prompt: str) -> float:
+    return float(prompt == "1+1=" and completion.strip() == answer)
+
+
+def test_reward_function_that_raises_names_function_and_sample():
+    scorer = RewardScorer.from_spec(raising_reward)
+    with pytest.raises(UserError) as info:
+        scorer.score([completion(" 2"), completion(" 3")])
+    msg = str(info.value)
+    assert "Reward function 'raising_reward' raised ZeroDivisionError: no denominator" in msg
+    assert "prompt '1+1='" in msg and "completion ' 2'" in msg
+
+
+@pytest.mark.parametrize("fn, shown", [
+    (string_reward, "'1.0' (str)"),
+    (nan_reward, "nan (float)"),
+    (inf_reward, "inf (float)"),
+    (none_reward, "None (NoneType)"),
+])
+def test_reward_function_returning_a_non_number_names_function_value_and_sample(fn, shown):
+    with pytest.raises(UserError) as info:
+        RewardScorer.from_spec(fn).score([completion("3")])
+    msg = str(info.value)
+    assert f"Reward function '{fn.__name__}' returned {shown}, not a finite number" in msg
+    assert "prompt '1+1='" in msg and "completion '3'" in msg
+
+
+def test_reward_scorer_passes_the_prompt_when_asked_and_returns_floats():
+    scores = RewardScorer.from_spec(prompt_aware_reward).score([completion(" 2"), completion("3")])
+    assert scores == [1.0, 0.0]
+    assert all(type(s) is float for s in scores)
+
+
+def test_reward_scorer_by_registered_name_and_import_path():
+    by_name = RewardScorer.from_spec("exact_match")
+    by_path = RewardScorer.from_spec("novarl.rewards.verifiers:exact_match")
+    assert by_name.name == "exact_match" and by_path.name == "novarl.rewards.verifiers:exact_match"
+    assert by_name.score([completion("2"), completion("3")]) == [1.0, 0.0]
+    assert by_path.score([completion("2")]) == [1.0]

@@ -1,0 +1,754 @@
+"""Config loading, aliases, the seeds' examples, the NeMo RL interop file,
+validation errors, backend choice and batch arithmetic. Pure config work: no
+model is loaded, nothing is trained."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from novarl.config import load_config
+from novarl.config.schema import NovaRLConfig, SchedulerMilestones
+from novarl.data.datasets import dataset_kind
+from novarl.errors import ConfigError, NotAvailableYet
+from novarl.plan.resolve import check_available, plan_batches, require_available, resolve_backends
+
+INTEROP_DIR = Path(__file__).parent / "data"
+NEMO_YAML = INTEROP_DIR / "nemo_rl_grpo_math_1B.yaml"
+
+
+def write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def config_error(*args, **kwargs) -> str:
+    """The message of the ConfigError that load_config raises for these arguments."""
+    with pytest.raises(ConfigError) as info:
+        load_config(*args, **kwargs)
+    return str(info.value)
+
+
+def missing(cfg: NovaRLConfig) -> tuple[str, ...]:
+    return check_available(cfg, resolve_backends(cfg)).missing
+
+
+# ===================================================================== loading
+def test_defaults_without_a_source():
+    cfg = load_config()
+    assert cfg.grpo.num_prompts_per_step == 32
+    assert cfg.grpo.num_generations_per_prompt == 16
+    assert cfg.policy.model_name == "tiny-arith"
+    assert cfg.policy.dtensor_cfg.enabled is True
+
+
+def test_yaml_file_and_dict_give_the_same_config(tmp_path):
+    tree = {"policy": {"model_name": "org/m", "precision": "bfloat16", "train_micro_batch_size": 2},
+            "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4}}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    from_file, from_dict = load_config(path), load_config(tree)
+    assert from_file == from_dict
+    assert from_file.policy.precision == "bfloat16"
+    assert from_file.grpo.num_prompts_per_step == 8
+    assert tree == {"policy": {"model_name": "org/m", "precision": "bfloat16", "train_micro_batch_size": 2},
+                    "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 4}}, \
+        "load_config must not modify the caller's dict"
+
+
+def test_keyword_overrides_section_dict_double_underscore_and_shortcut():
+    cfg = load_config(
+        {"policy": {"precision": "float16", "train_micro_batch_size": 8, "model_name": "org/m"}},
+        policy={"train_micro_batch_size": 2},            # section dict merges, keeps the siblings
+        policy__precision="bfloat16",                     # a path with double underscores
+        tensor_parallel_size=2,                           # a shortcut
+        num_generations_per_prompt=3,
+    )
+    assert cfg.policy.train_micro_batch_size == 2
+    assert cfg.policy.model_name == "org/m"
+    assert cfg.policy.precision == "bfloat16"
+    assert cfg.policy.dtensor_cfg.tensor_parallel_size == 2
+    assert cfg.grpo.num_generations_per_prompt == 3
+
+
+def test_unknown_keyword_override_suggests_a_name():
+    msg = config_error(policyy={"precision": "bfloat16"})
+    assert "'policyy'" in msg and "did you mean 'policy'" in msg
+
+
+def test_dotted_overrides_are_parsed_as_yaml_values():
+    cfg = load_config(overrides=[
+        "grpo.num_prompts_per_step=7",
+        "grpo.max_train_seconds=1.5",
+        "policy.dtensor_cfg.activation_checkpointing=true",
+        "grpo.normalize_rewards=false",
+        "policy.tokenizer.name=null",
+        "policy.generation.stop_token_ids=[1, 2]",
+        "policy.generation.stop_strings=['</s>', 'END']",
+        "policy.model_name=org/name",
+    ])
+    assert cfg.grpo.num_prompts_per_step == 7
+    assert cfg.grpo.max_train_seconds == 1.5
+    assert cfg.policy.dtensor_cfg.activation_checkpointing is True
+    assert cfg.grpo.normalize_rewards is False
+    assert cfg.policy.tokenizer.name is None
+    assert cfg.policy.generation.stop_token_ids == [1, 2]
+    assert cfg.policy.generation.stop_strings == ["</s>", "END"]
+    assert cfg.policy.model_name == "org/name"
+
+
+def test_malformed_dotted_override_is_explained():
+    msg = config_error(overrides=["policy.precision"])
+    assert "'policy.precision'" in msg and "key.path=value" in msg
+
+
+def test_precedence_yaml_then_keywords_then_dotted(tmp_path):
+    path = write(tmp_path, """
+        policy:
+          precision: float16
+          train_micro_batch_size: 8
+          logprob_batch_size: 8
+        grpo:
+          seed: 1
+    """)
+    cfg = load_config(path, policy__precision="bfloat16", policy__train_micro_batch_size=4, seed=2,
+                      overrides=["policy.precision=float32"])
+    assert cfg.policy.precision == "float32"          # dotted beats keyword beats YAML
+    assert cfg.policy.train_micro_batch_size == 4     # keyword beats YAML
+    assert cfg.grpo.seed == 2                         # shortcut keyword beats YAML
+    assert cfg.policy.logprob_batch_size == 8         # YAML beats the default
+
+
+def test_dotted_override_replaces_a_whole_section_value():
+    cfg = load_config({"policy": {"generation": {"stop_token_ids": [1, 2, 3]}}},
+                      overrides=["policy.generation.stop_token_ids=[9]"])
+    assert cfg.policy.generation.stop_token_ids == [9]
+
+
+def test_override_through_a_value_is_an_error():
+    msg = config_error({"policy": {"model_name": "org/m"}}, overrides=["policy.model_name.x=1"])
+    assert "policy.model_name.x" in msg and "'policy.model_name' is a value" in msg
+
+
+def test_source_of_the_wrong_type_is_an_error():
+    assert "YAML file path or a dict, not int" in config_error(42)
+
+
+# ===================================================================== aliases
+def test_alias_dtensor_config_is_dtensor_cfg():
+    a = load_config({"policy": {"dtensor_config": {"enabled": False, "cpu_offload": True}}})
+    b = load_config({"policy": {"dtensor_cfg": {"enabled": False, "cpu_offload": True}}})
+    assert a == b
+    assert a.policy.dtensor_cfg.cpu_offload is True
+    assert load_config(overrides=["policy.dtensor_config.enabled=false"]).policy.dtensor_cfg.enabled is False
+
+
+def test_alias_max_total_sequence_length_is_max_seq_length():
+    assert load_config({"policy": {"max_total_sequence_length": 1024}}).policy.max_seq_length == 1024
+    assert load_config(overrides=["policy.max_total_sequence_length=99"]).policy.max_seq_length == 99
+
+
+def test_alias_algorithm_batch_size_is_num_prompts_per_step():
+    cfg = load_config({"algorithm": {"batch_size": 3, "gradient_accumulation_steps": 2}})
+    assert cfg.grpo.num_prompts_per_step == 3
+    assert cfg.grpo.gradient_accumulation_steps == 2
+    assert load_config(overrides=["algorithm.batch_size=5"]).grpo.num_prompts_per_step == 5
+
+
+def test_alias_in_yaml_is_overridden_by_the_canonical_dotted_name(tmp_path):
+    path = write(tmp_path, """
+        policy:
+          max_total_sequence_length: 128
+        algorithm:
+          batch_size: 4
+    """)
+    cfg = load_config(path, overrides=["policy.max_seq_length=64", "grpo.num_prompts_per_step=2"])
+    assert cfg.policy.max_seq_length == 64
+    assert cfg.grpo.num_prompts_per_step == 2
+
+
+@pytest.mark.parametrize("tree, names", [
+    ({"policy": {"dtensor_cfg": {}, "dtensor_config": {}}}, ("policy.dtensor_config", "policy.dtensor_cfg")),
+    ({"policy": {"max_seq_length": 4, "max_total_sequence_length": 3}},
+     ("policy.max_total_sequence_length", "policy.max_seq_length")),
+    ({"grpo": {"num_prompts_per_step": 4, "batch_size": 3}}, ("grpo.batch_size", "grpo.num_prompts_per_step")),
+    ({"grpo": {}, "algorithm": {}}, ("algorithm", "grpo")),
+])
+def test_both_names_of_one_setting_is_an_error_naming_both(tree, names):
+    msg = config_error(tree)
+    assert all(f"'{name}'" in msg for name in names), msg
+    assert "same setting" in msg
+
+
+@pytest.mark.parametrize("tree, names", [
+    ({"policy": {"dtensor_config": {}, "dtensor_cfg": {}}}, ("policy.dtensor_config", "policy.dtensor_cfg")),
+    ({"policy": {"max_total_sequence_length": 3, "max_seq_length": 4}},
+     ("policy.max_total_sequence_length", "policy.max_seq_length")),
+    ({"grpo": {"batch_size": 3, "num_prompts_per_step": 4}}, ("grpo.batch_size", "grpo.num_prompts_per_step")),
+    ({"algorithm": {}, "grpo": {}}, ("algorithm", "grpo")),
+])
+def test_both_names_alias_first_is_an_error_naming_both(tree, names):
+    # The same as above with the alias written first: the message must still name the alias.
+    msg = config_error(tree)
+    assert all(f"'{name}'" in msg for name in names), msg
+
+
+def test_aliases_inside_a_keyword_section_dict():
+    cfg = load_config(policy={"dtensor_config": {"enabled": False}, "max_total_sequence_length": 64},
+                      algorithm={"batch_size": 6})
+    assert cfg.policy.dtensor_cfg.enabled is False
+    assert cfg.policy.max_seq_length == 64
+    assert cfg.grpo.num_prompts_per_step == 6
+
+
+# ============================================================ seed examples
+# Seed 000 (NeMo RL backend selection), Python examples as they are written there.
+SEED_000_DTENSOR = {"policy": {"dtensor_cfg": {
+    "enabled": True, "cpu_offload": False, "tensor_parallel_size": 1, "context_parallel_size": 1,
+    "activation_checkpointing": False, "sequence_parallel": False, "custom_parallel_plan": None}}}
+SEED_000_MEGATRON_SMALL = {"policy": {
+    "model_name": "Qwen/Qwen2.5-72B", "dtensor_cfg": {"enabled": False},
+    "megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 2}}}
+SEED_000_MEGATRON_FULL = {"policy": {"megatron_cfg": {
+    "enabled": True, "converter_type": "Qwen2ForCausalLM",
+    "tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 2, "context_parallel_size": 1,
+    "expert_tensor_parallel_size": 1, "expert_model_parallel_size": 1, "freeze_moe_router": True,
+    "activation_checkpointing": True, "sequence_parallel": True, "apply_rope_fusion": True,
+    "bias_activation_fusion": True, "empty_unused_memory_level": 1,
+    "optimizer": {"optimizer": "adam", "lr": 5e-6, "weight_decay": 0.01, "use_distributed_optimizer": True}}}}
+SEED_000_VLLM = {"policy": {"generation": {
+    "backend": "vllm", "max_new_tokens": 512, "temperature": 1.0,
+    "vllm_cfg": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "gpu_memory_utilization": 0.6,
+                 "max_model_len": 512, "enforce_eager": False}}}}
+SEED_000_MEGATRON_GENERATION = {"policy": {"generation": {
+    "backend": "megatron", "max_new_tokens": 512,
+    "mcore_generation_config": {"buffer_size_gb": 20, "num_cuda_graphs": 16, "block_size_tokens": 256,
+                                "enable_chunked_prefill": True}}}}
+SEED_000_COLOCATED = {"policy": {"generation": {"colocated": {"enabled": True}}}}
+SEED_000_DEDICATED = {"policy": {"generation": {"colocated": {
+    "enabled": False, "resources": {"gpus_per_node": 4, "num_nodes": 1}}}}}
+SEED_000_LARGE = {
+    "policy": {"model_name": "Qwen/Qwen2.5-72B", "dtensor_cfg": {"enabled": False},
+               "megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 8,
+                                "pipeline_model_parallel_size": 4}},
+    "cluster": {"gpus_per_node": 8, "num_nodes": 4}}
+SEED_000_MEMORY = {"policy": {
+    "precision": "bfloat16", "train_micro_batch_size": 2,
+    "dtensor_cfg": {"activation_checkpointing": True, "cpu_offload": True},
+    "generation": {"vllm_cfg": {"gpu_memory_utilization": 0.5}}}}
+SEED_000_THROUGHPUT = {"policy": {
+    "train_micro_batch_size": 8, "sequence_packing": {"enabled": True},
+    "megatron_cfg": {"apply_rope_fusion": True, "bias_activation_fusion": True},
+    "generation": {"vllm_cfg": {"enforce_eager": False}}}}
+SEED_000_FP8 = {"policy": {"megatron_cfg": {"enabled": True, "fp8_cfg": {"enabled": True, "fp8_format": "hybrid"}}}}
+
+# Seed 001 (NeMo RL training backends), YAML examples.
+SEED_001_BASIC = """
+cluster:
+  gpus_per_node: 1
+  num_nodes: 1
+
+policy:
+  model_name: "Qwen/Qwen2.5-1.5B"
+  max_seq_length: 1024
+
+algorithm:
+  batch_size: 2
+  gradient_accumulation_steps: 2
+"""
+SEED_001_ADVANCED = """
+cluster:
+  gpus_per_node: 4
+  num_nodes: 2
+
+policy:
+  model_name: "meta-llama/Llama-2-7b-hf"
+  max_seq_length: 2048
+
+algorithm:
+  batch_size: 1
+  gradient_accumulation_steps: 8
+"""
+
+# Seed 003 (ROLL Megatron strategy), role blocks.
+SEED_003_ROLES = """
+actor_train:
+  model_args:
+    disable_gradient_checkpointing: false
+    dtype: bf16
+    model_type: ~
+  training_args:
+    learning_rate: 1.0e-6
+    weight_decay: 0
+    per_device_train_batch_size: 1
+    gradient_accumulation_steps: 32
+    warmup_steps: 20
+    num_train_epochs: 50
+  strategy_args:
+    strategy_name: megatron_train
+    strategy_config:
+      tensor_model_parallel_size: 2
+      pipeline_model_parallel_size: 2
+      virtual_pipeline_model_parallel_size: 8
+      expert_model_parallel_size: 4
+      context_parallel_size: 1
+      use_distributed_optimizer: true
+      sequence_parallel: true
+      moe_token_dispatcher_type: "alltoall"
+      moe_grouped_gemm: true
+      moe_layer_recompute: true
+  device_mapping: list(range(0,32))
+  infer_batch_size: 2
+reference:
+  model_args:
+    disable_gradient_checkpointing: true
+    dtype: bf16
+    model_type: ~
+  strategy_args:
+    strategy_name: megatron_infer
+    strategy_config:
+      tensor_model_parallel_size: 1
+      pipeline_model_parallel_size: 1
+      expert_model_parallel_size: 4
+      moe_token_dispatcher_type: "alltoall"
+      moe_grouped_gemm: true
+  device_mapping: list(range(0,32))
+  infer_batch_size: 2
+"""
+
+MEGATRON_GENERATION_WITH_TRAINING = {"policy": {
+    **SEED_000_MEGATRON_GENERATION["policy"], "megatron_cfg": {"enabled": True}}}
+
+
+@pytest.mark.parametrize("tree, expected_missing", [
+    (SEED_000_DTENSOR, []),
+    (SEED_000_COLOCATED, []),
+    (SEED_000_MEMORY, []),
+    (SEED_000_THROUGHPUT, []),
+    (SEED_000_MEGATRON_SMALL, ["training backend 'megatron'"]),
+    (SEED_000_MEGATRON_FULL, ["training backend 'megatron'"]),
+    (SEED_000_FP8, ["training backend 'megatron'"]),
+    (SEED_000_VLLM, ["generation backend 'vllm'"]),
+    (MEGATRON_GENERATION_WITH_TRAINING, ["training backend 'megatron'", "generation backend 'megatron'"]),
+    (SEED_000_DEDICATED, ["dedicated generation resources"]),
+    (SEED_000_LARGE, ["training backend 'megatron'", "more than one rank (cluster: 4 node(s) x 8 GPU(s))"]),
+], ids=["dtensor", "colocated", "memory", "throughput", "megatron", "megatron-full", "fp8", "vllm",
+        "megatron-generation", "dedicated", "large"])
+def test_seed_000_examples_load_and_report_what_is_not_built(tree, expected_missing):
+    cfg = load_config(tree)
+    found = missing(cfg)
+    assert len(found) == len(expected_missing), found
+    for text, item in zip(expected_missing, found):
+        assert text in item
+    if expected_missing:
+        with pytest.raises(NotAvailableYet, match="does not have yet"):
+            require_available(cfg, resolve_backends(cfg))
+    else:
+        require_available(cfg, resolve_backends(cfg))
+
+
+def test_seed_000_values_survive_validation():
+    full = load_config(SEED_000_MEGATRON_FULL).policy.megatron_cfg
+    assert (full.tensor_model_parallel_size, full.pipeline_model_parallel_size) == (8, 2)
+    assert full.converter_type == "Qwen2ForCausalLM" and full.empty_unused_memory_level == 1
+    assert full.optimizer.lr == 5e-6
+    vllm = load_config(SEED_000_VLLM).policy.generation
+    assert vllm.vllm_cfg.max_model_len == 512 and vllm.vllm_cfg.gpu_memory_utilization == 0.6
+    dedicated = load_config(SEED_000_DEDICATED).policy.generation.colocated
+    assert dedicated.enabled is False and dedicated.resources.gpus_per_node == 4
+    fp8 = load_config(SEED_000_FP8).policy.megatron_cfg.fp8_cfg
+    assert fp8 is not None and fp8.enabled and fp8.fp8_format == "hybrid"
+
+
+def test_seed_000_python_api_keywords():
+    # GRPOTrainer.from_pretrained("Qwen/Qwen2.5-1.5B", tensor_parallel_size=1)
+    small = load_config(None, model_name="Qwen/Qwen2.5-1.5B", tensor_parallel_size=1)
+    assert small.policy.model_name == "Qwen/Qwen2.5-1.5B"
+    assert missing(small) == ()
+    # GRPOTrainer.from_pretrained("Qwen/Qwen2.5-32B", tensor_parallel_size=8)
+    medium = load_config(None, model_name="Qwen/Qwen2.5-32B", tensor_parallel_size=8)
+    assert medium.policy.dtensor_cfg.tensor_parallel_size == 8
+    assert missing(medium) == ("policy.dtensor_cfg.tensor_parallel_size=8",)
+
+
+def test_plain_dtensor_hf_config_needs_nothing_missing():
+    cfg = load_config({**SEED_000_DTENSOR, "grpo": {"num_prompts_per_step": 4}},
+                      policy__generation__backend="hf")
+    choice = resolve_backends(cfg)
+    assert (choice.training, choice.generation, choice.ignored) == ("dtensor", "hf", ())
+    availability = check_available(cfg, choice)
+    assert availability.missing == () and availability.warnings == ()
+
+
+def test_seed_001_basic_yaml(tmp_path):
+    cfg = load_config(write(tmp_path, SEED_001_BASIC))
+    assert cfg.policy.model_name == "Qwen/Qwen2.5-1.5B" and cfg.policy.max_seq_length == 1024
+    assert cfg.grpo.num_prompts_per_step == 2 and cfg.grpo.gradient_accumulation_steps == 2
+    assert missing(cfg) == ()
+    plan = plan_batches(cfg)
+    # 2 prompts x 16 generations = 32 samples; 2 micro-batches of 4 -> 8 per optimizer step.
+    assert (plan.samples_per_step, plan.global_batch_size, plan.optimizer_steps_per_step,
+            plan.gradient_accumulation_steps) == (32, 8, 4, 2)
+
+
+def test_seed_001_advanced_yaml(tmp_path):
+    cfg = load_config(write(tmp_path, SEED_001_ADVANCED))
+    assert cfg.policy.max_seq_length == 2048
+    assert (cfg.cluster.gpus_per_node, cfg.cluster.num_nodes) == (4, 2)
+    assert (cfg.grpo.num_prompts_per_step, cfg.grpo.gradient_accumulation_steps) == (1, 8)
+    assert missing(cfg) == ("more than one rank (cluster: 2 node(s) x 4 GPU(s))",)
+
+
+def test_seed_003_roll_role_blocks_load_and_are_not_available(tmp_path):
+    cfg = load_config(write(tmp_path, SEED_003_ROLES))
+    actor = cfg.actor_train
+    assert actor.strategy_args.strategy_name == "megatron_train"
+    assert actor.strategy_args.strategy_config["virtual_pipeline_model_parallel_size"] == 8
+    assert actor.model_args.dtype == "bf16" and actor.model_args.model_type is None
+    assert actor.training_args.learning_rate == 1e-6
+    assert actor.training_args.gradient_accumulation_steps == 32
+    assert actor.device_mapping == "list(range(0,32))"
+    assert cfg.reference.strategy_args.strategy_name == "megatron_infer"
+    assert cfg.actor_infer is None
+    assert missing(cfg) == ("ROLL role blocks ('actor_train'); use the policy section",
+                            "ROLL role blocks ('reference'); use the policy section")
+    with pytest.raises(NotAvailableYet, match="actor_train"):
+        require_available(cfg, resolve_backends(cfg))
+
+
+# ============================================================ NeMo RL interop
+def test_nemo_rl_yaml_loads_with_interpolations_resolved():
+    cfg = load_config(NEMO_YAML)
+    policy = cfg.policy
+    assert policy.model_name == "Qwen/Qwen2.5-1.5B"
+    assert policy.tokenizer.name == "Qwen/Qwen2.5-1.5B"                      # ${policy.model_name}
+    assert policy.max_seq_length == 512                                       # max_total_sequence_length
+    assert policy.sequence_packing.train_mb_tokens == 512 * 4                 # ${mul:...}
+    assert policy.sequence_packing.logprob_mb_tokens == 512 * 4
+    assert policy.dynamic_batching.train_mb_tokens == 512 * 4
+    assert policy.generation.max_new_tokens == 512
+    assert policy.generation.vllm_cfg.max_model_len == 512
+    assert policy.generation.vllm_cfg.precision == "bfloat16"
+    assert policy.megatron_cfg.pipeline_dtype == "bfloat16"                   # ${policy.precision}
+    assert policy.megatron_cfg.optimizer.clip_grad == 1.0                     # ${policy.max_grad_norm}
+    assert policy.megatron_cfg.scheduler.start_weight_decay == 0.01
+    assert policy.make_sequence_length_divisible_by == 1
+    assert cfg.data.max_input_seq_length == 512
+    assert cfg.env["math"].num_workers == 8
+    assert cfg.loss_fn.reference_policy_kl_penalty == 0.01
+    assert isinstance(policy.scheduler[2], SchedulerMilestones) and policy.scheduler[2].milestones == [50]
+    assert cfg.grpo.use_leave_one_out_baseline is True and cfg.grpo.val_period == 10
+
+
+def test_nemo_rl_yaml_reports_vllm_as_not_available():
+    cfg = load_config(NEMO_YAML)
+    choice = resolve_backends(cfg)
+    assert (choice.training, choice.generation) == ("dtensor", "vllm")
+    availability = check_available(cfg, choice)
+    assert len(availability.missing) == 1 and "generation backend 'vllm'" in availability.missing[0]
+    assert any("sequence_packing" in w for w in availability.warnings)
+    assert missing(load_config(NEMO_YAML, overrides=["policy.generation.backend=hf"])) == ()
+
+
+def test_nemo_rl_yaml_numbers_in_exponent_form_are_floats():
+    # OmegaConf, which NeMo RL loads this file with, reads `eps: 1e-8` as a float;
+    # torch.optim.AdamW(eps="1e-8") fails.
+    cfg = load_config(NEMO_YAML)
+    assert cfg.policy.optimizer.kwargs["eps"] == 1e-8
+    assert cfg.policy.megatron_cfg.optimizer.adam_eps == 1e-8
+
+
+def test_nemo_rl_yaml_command_line_override_propagates_to_references():
+    cfg = load_config(NEMO_YAML, overrides=["policy.model_name=org/other-model",
+                                            "policy.max_total_sequence_length=1024",
+                                            "policy.precision=float16"])
+    assert cfg.policy.tokenizer.name == "org/other-model"
+    assert cfg.policy.sequence_packing.train_mb_tokens == 1024 * 4
+    assert cfg.policy.generation.max_new_tokens == 1024
+    assert cfg.policy.megatron_cfg.pipeline_dtype == "float16"
+    # The canonical name overrides the aliased YAML key too.
+    assert load_config(NEMO_YAML, overrides=["policy.max_seq_length=256"]).policy.generation.max_new_tokens == 256
+
+
+def test_nemo_rl_yaml_interpolation_cycle_names_the_keys():
+    msg = config_error(NEMO_YAML, overrides=["policy.model_name=${policy.tokenizer.name}"])
+    assert "interpolation cycle" in msg
+    assert "policy.model_name" in msg and "policy.tokenizer.name" in msg
+
+
+def test_interpolation_to_a_missing_key_names_both(tmp_path):
+    path = write(tmp_path, """
+        policy:
+          model_name: org/m
+          tokenizer:
+            name: ${policy.modle_name}
+    """)
+    msg = config_error(path)
+    assert "'policy.tokenizer.name'" in msg and "${policy.modle_name}" in msg
+    assert "not in the config" in msg
+
+
+def test_interpolation_resolvers_and_embedded_references():
+    cfg = load_config({"policy": {"model_name": "org/m", "max_seq_length": 100, "train_micro_batch_size": 3,
+                                  "tokenizer": {"name": "${policy.model_name}-tok"},
+                                  "sequence_packing": {"train_mb_tokens": "${mul:${policy.max_seq_length}, 2}"},
+                                  "generation": {"max_new_tokens": "${sub:${policy.max_seq_length}, 10}"}}})
+    assert cfg.policy.tokenizer.name == "org/m-tok"
+    assert cfg.policy.sequence_packing.train_mb_tokens == 200
+    assert cfg.policy.generation.max_new_tokens == 90
+
+
+def test_unknown_resolver_is_named():
+    msg = config_error({"policy": {"sequence_packing": {"train_mb_tokens": "${pow:2, 3}"}}})
+    assert "'policy.sequence_packing.train_mb_tokens'" in msg and "unknown resolver 'pow'" in msg
+
+
+def test_resolver_on_a_string_is_an_error():
+    # ${mul:2, x}: "x" is not a number; Python's 2 * "x" must not pass as "xx".
+    msg = config_error({"policy": {"model_name": "${mul:2, x}"}})
+    assert "'policy.model_name'" in msg
+
+
+# ====================================================================== errors
+@pytest.mark.parametrize("override, path, suggestion", [
+    ("policy.dtensor_cgf.enabled=true", "policy.dtensor_cgf", "dtensor_cfg"),
+    ("grpo.num_prompts_per_stp=4", "grpo.num_prompts_per_stp", "num_prompts_per_step"),
+    ("polcy.precision=float32", "polcy", "policy"),
+    ("policy.generation.temprature=0.5", "policy.generation.temprature", "temperature"),
+    ("loss_fn.reference_policy_kl_penalt=0.1", "loss_fn.reference_policy_kl_penalt",
+     "reference_policy_kl_penalty"),
+])
+def test_unknown_key_names_the_path_and_the_closest_key(override, path, suggestion):
+    msg = config_error(overrides=[override])
+    assert f"unknown key '{path}' (did you mean '{suggestion}'?)" in msg
+
+
+def test_unknown_key_without_a_close_match_lists_the_allowed_keys():
+    msg = config_error({"cluster": {"zzz": 1}})
+    assert "unknown key 'cluster.zzz'" in msg and "Allowed here: gpus_per_node, num_nodes" in msg
+
+
+def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path):
+    path = write(tmp_path, "grpo:\n  num_prompts_per_stp: 4\n")
+    msg = config_error(path)
+    assert str(path) in msg and "grpo.num_prompts_per_stp" in msg and "num_prompts_per_step" in msg
+
+
+@pytest.mark.parametrize("override, path, shown, why", [
+    ("grpo.num_prompts_per_step=abc", "grpo.num_prompts_per_step", "'abc'", "valid integer"),
+    ("policy.dtensor_cfg.enabled=[1]", "policy.dtensor_cfg.enabled", "[1]", "valid boolean"),
+    ("policy.generation.temperature=0", "policy.generation.temperature", "0", "greater than 0"),
+    ("policy.dtensor_cfg.tensor_parallel_size=0", "policy.dtensor_cfg.tensor_parallel_size", "0",
+     "greater than or equal to 1"),
+    ("policy.generation.top_p=1.5", "policy.generation.top_p", "1.5", "less than or equal to 1"),
+    ("policy.precision=fp8", "policy.precision", "'fp8'", "'float32', 'bfloat16' or 'float16'"),
+    ("loss_fn.kl_estimator=k9", "loss_fn.kl_estimator", "'k9'", "'k1', 'k2' or 'k3'"),
+])
+def test_bad_values_name_the_path_the_value_and_what_is_allowed(override, path, shown, why):
+    msg = config_error(overrides=[override])
+    assert f"'{path}' = {shown}:" in msg
+    assert why in msg
+
+
+def test_optimizer_must_be_a_torch_optim_class():
+    msg = config_error(overrides=["policy.optimizer.name=torch.optim.Adamm"])
+    assert "'policy.optimizer.name' = 'torch.optim.Adamm'" in msg and "not an optimizer class in torch.optim" in msg
+    assert load_config(overrides=["policy.optimizer.name=SGD"]).policy.optimizer.name == "SGD"
+    assert "not an optimizer class" in config_error(overrides=["policy.optimizer.name=os.system"])
+
+
+def test_scheduler_must_be_a_torch_scheduler_class():
+    msg = config_error({"policy": {"scheduler": [{"name": "torch.optim.lr_scheduler.Nope"}]}})
+    assert "'policy.scheduler.0.name'" in msg and "not a scheduler class" in msg
+
+
+def test_two_schedulers_need_milestones():
+    two = [{"name": "torch.optim.lr_scheduler.LinearLR"}, {"name": "torch.optim.lr_scheduler.ConstantLR"}]
+    msg = config_error({"policy": {"scheduler": two}})
+    assert "'policy.scheduler'" in msg and "2 schedulers need a {milestones: [...]} entry" in msg
+    msg = config_error({"policy": {"scheduler": [*two, {"milestones": [1, 2]}]}})
+    assert "2 schedulers need 1 milestones, got 2" in msg
+    assert len(load_config({"policy": {"scheduler": [*two, {"milestones": [5]}]}}).policy.scheduler) == 3
+
+
+def test_megatron_generation_needs_megatron_training():
+    msg = config_error(SEED_000_MEGATRON_GENERATION)
+    assert "policy.generation.backend='megatron'" in msg and "policy.megatron_cfg.enabled=true" in msg
+
+
+def test_cross_check_error_is_short():
+    # A whole-config check must not print the whole config as "the bad value".
+    msg = config_error({"grpo": {"num_prompts_per_step": 4, "seed": 7}, "loss_fn": {"ratio_clip_min": 1.5},
+                        "policy": {"model_name": "org/m" * 50}})
+    assert "loss_fn.ratio_clip_min=1.5 must be < 1" in msg
+    assert "org/m" not in msg, msg
+
+
+def test_cross_check_error_on_the_nemo_yaml_is_one_paragraph():
+    msg = config_error(NEMO_YAML, overrides=["policy.generation.backend=megatron"])
+    assert "policy.generation.backend='megatron'" in msg
+    assert len(msg) < 600, f"{len(msg)} characters: {msg[:300]}..."
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path):
+    path = write(tmp_path, "- a\n- b\n")
+    msg = config_error(path)
+    assert str(path) in msg and "mapping at the top, not a list" in msg
+
+
+def test_invalid_yaml_reports_the_line(tmp_path):
+    path = write(tmp_path, "policy:\n  precision: bfloat16\n    bad: 1\n")
+    msg = config_error(path)
+    assert str(path) in msg and "not valid YAML at line 3" in msg
+
+
+def test_missing_config_file(tmp_path):
+    msg = config_error(tmp_path / "nope.yaml")
+    assert f"'{tmp_path / 'nope.yaml'}' does not exist" in msg
+
+
+def test_empty_yaml_file_is_the_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == load_config()
+
+
+def test_hydra_defaults_are_refused(tmp_path):
+    assert "'defaults' (Hydra inheritance) is not supported" in config_error(write(tmp_path, "defaults: [base]\n"))
+
+
+def test_data_path_given_with_a_bundled_dataset_name_is_not_silently_ignored():
+    # The bundled recipe sets data.dataset_name=arithmetic. A user who adds
+    # data.train_data_path=... must train on that file or be told it is ignored.
+    from novarl.cli import BUNDLED_RECIPE
+
+    try:
+        cfg = load_config(BUNDLED_RECIPE, overrides=["data.train_data_path=train.jsonl"])
+    except ConfigError as err:
+        assert "data.train_data_path" in str(err) and "data.dataset_name" in str(err)
+        return
+    assert dataset_kind(cfg.data) == "ResponseDataset"
+
+
+# ===================================================================== backends
+@pytest.mark.parametrize("megatron, deepspeed, dtensor, training, ignored", [
+    (True, True, True, "megatron", ("deepspeed", "dtensor")),
+    (True, False, True, "megatron", ("dtensor",)),
+    (False, True, True, "deepspeed", ("dtensor",)),
+    (False, True, False, "deepspeed", ()),
+    (False, False, True, "dtensor", ()),
+])
+def test_training_backend_precedence(megatron, deepspeed, dtensor, training, ignored):
+    cfg = load_config({"policy": {"megatron_cfg": {"enabled": megatron}, "deepspeed_cfg": {"enabled": deepspeed},
+                                  "dtensor_cfg": {"enabled": dtensor}, "generation": {"backend": "hf"}}})
+    choice = resolve_backends(cfg)
+    assert (choice.training, choice.ignored) == (training, ignored)
+    if ignored:
+        assert f"ignored by precedence megatron > deepspeed > dtensor: {', '.join(ignored)}" in choice.describe()
+
+
+def test_no_training_backend_enabled_falls_back_to_dtensor_with_a_note():
+    choice = resolve_backends(load_config({"policy": {"dtensor_cfg": {"enabled": False},
+                                                      "generation": {"backend": "hf"}}}))
+    assert (choice.training, choice.ignored) == ("dtensor", ())
+    assert choice.notes == ("no training backend enabled: DTensor, the default, is used",)
+
+
+def test_unset_generation_backend_is_hf_with_a_note():
+    choice = resolve_backends(load_config())
+    assert choice.generation == "hf"
+    assert "policy.generation.backend not set: using 'hf'" in choice.notes
+
+
+def test_deepspeed_is_not_available_yet():
+    cfg = load_config({"policy": {"deepspeed_cfg": {"enabled": True, "zero_stage": 3}}})
+    assert missing(cfg) == ("training backend 'deepspeed' (policy.deepspeed_cfg.enabled)",)
+
+
+# ============================================================ batch arithmetic
+def batches(**grpo_and_policy):
+    grpo = {k: v for k, v in grpo_and_policy.items() if k in ("num_prompts_per_step", "num_generations_per_prompt",
+                                                              "gradient_accumulation_steps")}
+    policy = {k: v for k, v in grpo_and_policy.items() if k not in grpo}
+    return load_config({"grpo": grpo, "policy": policy})
+
+
+def test_batch_plan_defaults():
+    plan = plan_batches(load_config())
+    # 32 prompts x 16 generations; one optimizer step of 512 = 128 micro-batches of 4.
+    assert (plan.samples_per_step, plan.global_batch_size, plan.optimizer_steps_per_step,
+            plan.micro_batch_size, plan.gradient_accumulation_steps, plan.data_parallel_size) == \
+        (512, 512, 1, 4, 128, 1)
+
+
+def test_batch_plan_with_a_global_batch():
+    plan = plan_batches(batches(num_prompts_per_step=8, num_generations_per_prompt=4,
+                                train_global_batch_size=16, train_micro_batch_size=2))
+    assert (plan.samples_per_step, plan.global_batch_size, plan.optimizer_steps_per_step,
+            plan.gradient_accumulation_steps) == (32, 16, 2, 8)
+    assert plan.describe() == ("batch: 32 samples per GRPO step -> 2 optimizer step(s) of 16; 16 per "
+                               "data-parallel rank (dp=1) = 8 micro-batch(es) of 2")
+
+
+def test_gradient_accumulation_alone_derives_the_global_batch():
+    plan = plan_batches(batches(num_prompts_per_step=8, num_generations_per_prompt=4,
+                                gradient_accumulation_steps=2, train_micro_batch_size=4))
+    assert (plan.global_batch_size, plan.optimizer_steps_per_step, plan.gradient_accumulation_steps) == (8, 4, 2)
+
+
+def test_samples_not_a_multiple_of_the_global_batch():
+    with pytest.raises(ConfigError) as info:
+        plan_batches(batches(num_prompts_per_step=8, num_generations_per_prompt=4, train_global_batch_size=12))
+    assert str(info.value) == ("grpo.num_prompts_per_step x grpo.num_generations_per_prompt = 8 x 4 = 32 samples, "
+                               "not a multiple of policy.train_global_batch_size=12.")
+
+
+def test_global_batch_not_a_multiple_of_the_micro_batch():
+    with pytest.raises(ConfigError) as info:
+        plan_batches(batches(num_prompts_per_step=8, num_generations_per_prompt=4,
+                             train_global_batch_size=16, train_micro_batch_size=3))
+    assert "policy.train_global_batch_size=16 is not a multiple of" in str(info.value)
+    assert "3 x 1 = 3" in str(info.value)
+
+
+def test_accumulation_that_contradicts_the_batch_sizes():
+    with pytest.raises(ConfigError) as info:
+        plan_batches(batches(num_prompts_per_step=8, num_generations_per_prompt=4, train_global_batch_size=16,
+                             train_micro_batch_size=2, gradient_accumulation_steps=4))
+    msg = str(info.value)
+    assert "grpo.gradient_accumulation_steps=4 does not match" in msg
+    assert "16 / (2 x 1) = 8" in msg
+
+
+def test_derived_global_batch_error_names_gradient_accumulation():
+    # The user set only grpo.gradient_accumulation_steps; the message must say where 12 comes from.
+    with pytest.raises(ConfigError) as info:
+        plan_batches(batches(num_prompts_per_step=8, num_generations_per_prompt=4,
+                             gradient_accumulation_steps=3, train_micro_batch_size=4))
+    msg = str(info.value)
+    assert "32 samples" in msg and "12" in msg
+    assert "grpo.gradient_accumulation_steps" in msg, msg
+
+
+def test_data_parallel_size_from_the_cluster_and_model_parallel_sizes():
+    cfg = load_config({"cluster": {"gpus_per_node": 4}, "policy": {"dtensor_cfg": {"tensor_parallel_size": 2},
+                                                                  "train_micro_batch_size": 2},
+                       "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4}})
+    plan = plan_batches(cfg)
+    assert (plan.data_parallel_size, plan.global_batch_size, plan.gradient_accumulation_steps) == (2, 16, 4)
+
+
+# ====================================================================== frozen
+def test_validated_config_is_frozen():
+    cfg = load_config()
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.policy = None
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.policy.precision = "bfloat16"
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.policy.dtensor_cfg.tensor_parallel_size = 4
+    assert cfg.policy.precision is None and cfg.policy.dtensor_cfg.tensor_parallel_size == 1
