@@ -4,7 +4,6 @@ model is loaded, nothing is trained."""
 
 from __future__ import annotations
 
-import os
 import textwrap
 from pathlib import Path
 
