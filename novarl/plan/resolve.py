@@ -68,9 +68,9 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     if choice.generation not in BUILT_GENERATION_BACKENDS:
         missing.append(f"generation backend '{choice.generation}' (policy.generation.backend); "
                        "'hf' works today")
-    if world_size(cfg) > 1:
-        missing.append(f"more than one rank (cluster: {cfg.cluster.num_nodes} node(s) x "
-                       f"{cfg.cluster.gpus_per_node} GPU(s))")
+    if world_size(cfg) > 1 and not _installed("ray"):
+        missing.append(f"Ray, to run {world_size(cfg)} ranks (cluster: {cfg.cluster.num_nodes} node(s) x "
+                       f"{cfg.cluster.gpus_per_node}): pip install 'novarl[ray]'")
     dt = policy.dtensor_cfg
     for key in ("tensor_parallel_size", "context_parallel_size"):
         if getattr(dt, key) > 1:

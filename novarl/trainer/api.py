@@ -75,12 +75,13 @@ class GRPOTrainer:
         info(f"output folder: {run_dir}")
         roles = self.roles = build_roles(cfg, inputs, default_device())
         sink = JsonlSink(run_dir / "metrics.jsonl")
+        model_dir = run_dir / "policy"
         try:
             summary = run_grpo(cfg, inputs, roles, sink)
+            save_atomically(model_dir, lambda tmp: roles.policy.save_hf(tmp, inputs.tokenizer))
         finally:
             sink.close()
-        model_dir = run_dir / "policy"
-        save_atomically(model_dir, lambda tmp: roles.policy.save_hf(tmp, inputs.tokenizer))
+            roles.shutdown()
         plot = plot_reward_curve(read_jsonl(run_dir / "metrics.jsonl"), run_dir / "reward_curve.png",
                                  title=f"GRPO on {cfg.policy.model_name}")
         info(f"saved the policy to {model_dir} and the reward curve to {plot}")

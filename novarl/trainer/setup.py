@@ -17,7 +17,8 @@ from novarl.data.datasets import PromptSampler, load_examples, read_prompt_templ
 from novarl.errors import UserError
 from novarl.logging.console import info
 from novarl.models.loading import load_tokenizer, resolve_model_path
-from novarl.plan.resolve import BackendChoice, BatchPlan, plan_batches, require_available, resolve_backends
+from novarl.plan.resolve import (BackendChoice, BatchPlan, plan_batches, require_available, resolve_backends,
+                                 world_size)
 from novarl.rewards.registry import RewardScorer
 from novarl.types import Prompt
 
@@ -106,20 +107,43 @@ class Roles:
     generator: object
     """GenerationBackend."""
 
+    def shutdown(self) -> None:
+        """Stop remote workers (in-process roles need nothing)."""
+        for role in (self.policy, self.reference, self.generator):
+            if hasattr(role, "shutdown"):
+                role.shutdown()
+
 
 def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> Roles:
+    """The policy (and reference) on one in-process rank or on Ray ranks; the generator here."""
     from novarl.backends.generation.hf import HFGeneration
     from novarl.backends.training.dtensor import DTensorPolicy, DTensorReference
-    from novarl.distributed.local import ensure_single_process_group
 
-    ensure_single_process_group()
     temperature = cfg.policy.generation.temperature
-    policy = DTensorPolicy(cfg.policy, inputs.model_path, device,
-                           total_steps=cfg.grpo.max_num_steps * inputs.batches.optimizer_steps_per_step,
-                           temperature=temperature)
-    reference = None
-    if cfg.loss_fn.reference_policy_kl_penalty > 0:
-        reference = DTensorReference(cfg.policy, inputs.model_path, device, temperature=temperature)
+    total_steps = cfg.grpo.max_num_steps * inputs.batches.optimizer_steps_per_step
+    policy_args = dict(policy=cfg.policy, model_path=inputs.model_path, total_steps=total_steps,
+                       temperature=temperature)
+    reference_args = dict(policy=cfg.policy, model_path=inputs.model_path, temperature=temperature)
+    with_reference = cfg.loss_fn.reference_policy_kl_penalty > 0
+    ranks = world_size(cfg)
+    if ranks == 1:
+        from novarl.distributed.local import ensure_single_process_group
+
+        ensure_single_process_group()
+        policy = DTensorPolicy(device=device, **policy_args)
+        reference = DTensorReference(device=device, **reference_args) if with_reference else None
+    else:
+        from novarl.distributed.ray_group import RayWorkerGroup
+        from novarl.distributed.remote import RemotePolicy, RemoteReference
+
+        gpus = 1 if device.type == "cuda" else 0
+        info(f"starting {ranks} policy ranks on Ray ({'1 GPU' if gpus else '1 CPU'} each)")
+        policy = RemotePolicy(RayWorkerGroup(DTensorPolicy, policy_args, world_size=ranks,
+                                             gpus_per_rank=gpus, name="policy"))
+        reference = None
+        if with_reference:
+            reference = RemoteReference(RayWorkerGroup(DTensorReference, reference_args, world_size=ranks,
+                                                       gpus_per_rank=gpus, name="reference"))
     generator = HFGeneration(inputs.model_path, inputs.tokenizer, device,
                              precision=generation_precision(cfg, device),
                              batch_size=cfg.policy.generation.generation_batch_size or cfg.policy.generation_batch_size,

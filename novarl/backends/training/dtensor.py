@@ -72,22 +72,59 @@ def build_sharded_model(policy: PolicyConfig, model_path: str, device: torch.dev
     return model
 
 
+def data_parallel_shard(batch: TrainBatch) -> TrainBatch:
+    """This rank's contiguous share of the rows (the batch divides evenly: see plan_batches)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if len(batch) % size:
+        raise ValueError(f"{len(batch)} rows do not split over {size} data-parallel ranks")
+    share = len(batch) // size
+    return batch.slice(rank * share, (rank + 1) * share)
+
+
 @torch.no_grad()
 def batched_logprobs(model: torch.nn.Module, batch: TrainBatch, micro_batch_size: int,
                      temperature: float) -> torch.Tensor:
+    """[B, L] logprobs of the whole batch: each rank computes its shard, then all-gather."""
+    local = data_parallel_shard(batch)
     out = []
-    for start in range(0, len(batch), micro_batch_size):
-        mb = batch.slice(start, start + micro_batch_size)
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-        out.append(token_logprobs(logits, mb.input_ids, temperature) * mb.attention_mask)
-    return torch.cat(out)
+    for start in range(0, len(local), micro_batch_size):
+        mb = local.slice(start, start + micro_batch_size)
+        logits = model(input_ids=mb.input_ids.to(_device(model)),
+                       attention_mask=mb.attention_mask.to(_device(model))).logits
+        out.append((token_logprobs(logits, mb.input_ids.to(logits.device), temperature)
+                    * mb.attention_mask.to(logits.device)).cpu())
+    mine = torch.cat(out)
+    if dist.get_world_size() == 1:
+        return mine
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine.to(_comm_device()))  # gloo on CPU, NCCL on GPU
+    return torch.cat([p.cpu() for p in parts])
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _to(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    if device.type == "cpu":
+        return batch
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(batch).items()}
+    moved["extras"] = {k: v.to(device) for k, v in batch.extras.items()}
+    return TrainBatch(**moved)
 
 
 class DTensorPolicy:
     """The trainable policy on the DTensor backend (implements TrainingBackend)."""
 
-    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device,
+    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None,
                  *, total_steps: int, temperature: float) -> None:
+        from novarl.distributed.local import default_device
+
+        device = device or default_device()
         self.policy = policy
         self.device = device
         self.temperature = temperature
@@ -99,17 +136,23 @@ class DTensorPolicy:
 
     def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]:
         """Accumulate gradients of `loss` over `batch` in micro-batches; metrics summed."""
-        totals: dict[str, float] = {}
-        starts = range(0, len(batch), self.micro_batch_size)
+        local = data_parallel_shard(batch)
+        totals: dict[str, torch.Tensor] = {}
+        starts = range(0, len(local), self.micro_batch_size)
         for i, start in enumerate(starts):
-            mb = batch.slice(start, start + self.micro_batch_size)
+            mb = _to(local.slice(start, start + self.micro_batch_size), self.device)
             self.model.set_requires_gradient_sync(i == len(starts) - 1)
             logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
             value, metrics = loss(token_logprobs(logits, mb.input_ids, self.temperature), mb)
-            value.backward()
+            # Each rank's loss is already its share of the step's mean (algorithms/losses.py),
+            # so gradients must be summed over ranks; FSDP2 averages them, hence the factor.
+            (value * dist.get_world_size()).backward()
             for name, metric in metrics.items():
-                totals[name] = totals.get(name, 0.0) + float(metric)
-        return totals
+                totals[name] = totals.get(name, 0.0) + metric.detach().float()
+        names = sorted(totals)
+        summed = torch.stack([totals[n] for n in names]).to(_comm_device())
+        dist.all_reduce(summed)  # every rank's share adds up to the step's value
+        return dict(zip(names, summed.tolist()))
 
     def optim_step(self) -> dict[str, float]:
         """Clip, step the optimizer and scheduler, zero the gradients."""
@@ -128,9 +171,12 @@ class DTensorPolicy:
         return batched_logprobs(self.model, batch, self.logprob_batch_size, self.temperature)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) tensors under their Hugging Face names, on the CPU."""
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        yield from state.items()
+        """Full (unsharded) tensors under their Hugging Face names, on the CPU (rank 0 only)."""
+        yield from self.full_state_dict().items()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: every rank calls it; rank 0 gets the full CPU tensors, the others {}."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def save(self, path: Path) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
@@ -166,8 +212,11 @@ class DTensorPolicy:
 class DTensorReference:
     """The frozen reference policy (KL penalty) on the DTensor backend."""
 
-    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device,
+    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None,
                  *, temperature: float) -> None:
+        from novarl.distributed.local import default_device
+
+        device = device or default_device()
         self.model = build_sharded_model(policy, model_path, device, trainable=False)
         self.batch_size = policy.logprob_batch_size or policy.train_micro_batch_size
         self.temperature = temperature

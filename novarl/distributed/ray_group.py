@@ -1,0 +1,174 @@
+"""Ray worker groups: one actor per rank, joined in a torch.distributed process group.
+
+The driver builds a role on every rank with `RayWorkerGroup(factory, kwargs, ...)`
+and calls its methods with `group.call(name, *args)`, which runs the method on
+all ranks at once (they are collective) and returns rank 0's result. Ranks are
+placed with a Ray placement group: one bundle per rank, a GPU each on GPU hosts,
+CPUs on a host without GPUs. Ray is imported here only, never by `import novarl`.
+
+A rank that dies stops the call with `WorkerDied` naming it; the group then
+kills its other actors and frees the placement group so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from novarl.errors import UserError
+
+
+class WorkerDied(RuntimeError):
+    """A rank's actor died (killed, out of memory, crashed) during a call."""
+
+
+class RankActor:
+    """The process behind one rank: joins the process group, then hosts one role."""
+
+    def __init__(self, rank: int, world_size: int, cpus: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.role: Any = None
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0"})
+        import torch
+
+        torch.set_num_threads(max(cpus, 1))
+
+    def address(self) -> tuple[str, int]:
+        """(host, free port) for the rendezvous; asked of rank 0 only."""
+        import socket
+
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+    def join(self, host: str, port: int) -> int:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray shows each actor only its own GPU
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
+                                world_size=self.world_size, timeout=datetime.timedelta(minutes=10))
+        return self.rank
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def setup(self, factory: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        self.role = factory(**kwargs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.role, method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def ensure_ray(num_cpus: int | None = None) -> None:
+    """Connect to the Ray cluster in RAY_ADDRESS, or start a local one bound to 127.0.0.1."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=True)
+
+
+class RayWorkerGroup:
+    def __init__(self, factory: Callable[..., Any], kwargs: dict[str, Any], *, world_size: int,
+                 gpus_per_rank: int = 0, cpus_per_rank: int = 1, name: str = "policy") -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ensure_ray()
+        self.name, self.world_size = name, world_size
+        bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
+        self._check_resources(bundle, world_size)
+        self.placement = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        ray.get(self.placement.ready(), timeout=300)
+        remote = ray.remote(RankActor)
+        self.actors = [
+            remote.options(num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i)
+                           ).remote(i, world_size, cpus_per_rank)
+            for i in range(world_size)]
+        host, port = self._get([self.actors[0].address.remote()])[0]
+        self._get([a.join.remote(host, port) for a in self.actors])
+        self._get([a.setup.remote(factory, kwargs) for a in self.actors])
+
+    def _check_resources(self, bundle: dict[str, float], world_size: int) -> None:
+        import ray
+
+        have = ray.cluster_resources()
+        for resource, amount in bundle.items():
+            if have.get(resource, 0) < amount * world_size:
+                raise UserError(
+                    f"The {self.name} worker group needs {world_size} ranks x {amount:g} {resource} = "
+                    f"{amount * world_size:g} {resource}, but the Ray cluster has {have.get(resource, 0):g} "
+                    "(cluster.gpus_per_node x cluster.num_nodes sets the ranks).")
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run `method` on every rank; rank 0's result."""
+        return self.call_all(method, *args, **kwargs)[0]
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        import ray
+
+        args = tuple(ray.put(a) for a in args)  # one copy in the object store, not one per rank
+        return self._get([a.call.remote(method, *args, **kwargs) for a in self.actors])
+
+    def _get(self, refs: list) -> list[Any]:
+        """Results of `refs` in rank order. Waits on whichever finishes first, so a rank
+        that dies while the others block in a collective is seen at once."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except RayActorError:
+                rank = refs.index(ready[0])
+                self.kill()
+                raise WorkerDied(f"{self.name} rank {rank} died; the worker group was shut down.") from None
+            except RayTaskError as err:
+                self.kill()
+                if isinstance(err.cause, UserError):
+                    raise err.cause from None
+                raise
+        return ray.get(refs)
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
+        except Exception:  # a rank already gone: the rest are killed below
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        if self.actors:
+            remove_placement_group(self.placement)
+        self.actors = []

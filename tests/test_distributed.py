@@ -1,0 +1,81 @@
+"""Several ranks: FSDP2 over 2 Ray actors (gloo), parity with one rank, faults."""
+
+import os
+import signal
+
+import pytest
+
+from novarl.cli import BUNDLED_RECIPE
+from novarl.config import load_config
+from novarl.errors import UserError
+from novarl.logging.metrics import read_jsonl
+from novarl.trainer.api import GRPOTrainer
+
+pytestmark = pytest.mark.slow
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    ray = pytest.importorskip("ray")
+    yield
+    ray.shutdown()
+
+
+def run(tmp_path, *overrides):
+    cfg = load_config(BUNDLED_RECIPE, overrides=[
+        f"logger.log_dir={tmp_path}", "logger.progress_bar=false", "grpo.max_train_seconds=null",
+        "grpo.max_num_steps=4", "grpo.val_at_start=false", "grpo.val_at_end=false", "policy.train_micro_batch_size=128",
+        *overrides])
+    result = GRPOTrainer(cfg).train()
+    return result, [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def test_fsdp2_on_two_ranks_matches_one_rank(tmp_path):
+    _, single = run(tmp_path / "one")
+    result, double = run(tmp_path / "two", "cluster.gpus_per_node=2")
+    assert len(single) == len(double) == 4
+    for one, two in zip(single, double):
+        # Same samples (same seeded generator weights), so the same loss and gradients,
+        # up to the order of floating-point sums across ranks.
+        assert two["reward_mean"] == one["reward_mean"]
+        assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+        assert two["logprob_mismatch"] < 1e-3
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(result.model_dir).num_parameters() == 297_984
+
+
+def test_more_ranks_than_the_cluster_has_is_refused(tmp_path):
+    with pytest.raises(UserError, match=r"needs 4 ranks x 1 CPU = 4 CPU, but the Ray cluster has 2"):
+        run(tmp_path, "cluster.gpus_per_node=4", "grpo.num_prompts_per_step=64")
+
+
+def test_a_killed_rank_stops_the_call_and_names_it(tmp_path):
+    import ray
+    import torch
+
+    from novarl.backends.training.dtensor import DTensorPolicy
+    from novarl.distributed.ray_group import RayWorkerGroup, WorkerDied
+    from novarl.models.loading import resolve_model_path
+    from novarl.types import TrainBatch
+
+    cfg = load_config(BUNDLED_RECIPE)
+    group = RayWorkerGroup(DTensorPolicy, dict(policy=cfg.policy, model_path=resolve_model_path("tiny-arith"),
+                                               total_steps=10, temperature=1.0), world_size=2)
+    pid = ray.get(group.actors[1].pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    batch = TrainBatch(input_ids=torch.ones((4, 6), dtype=torch.long),
+                       attention_mask=torch.ones((4, 6), dtype=torch.bool),
+                       loss_mask=torch.ones((4, 6), dtype=torch.bool), advantages=torch.zeros(4),
+                       generator_logprobs=torch.zeros(4, 6))
+    with pytest.raises(WorkerDied, match="policy rank 1 died"):
+        group.call("logprobs", batch)
+    assert group.actors == []
+    import time
+
+    deadline = time.monotonic() + 30  # Ray frees the placement group asynchronously
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2
