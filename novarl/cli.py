@@ -1,10 +1,11 @@
-"""The `novarl` command: train | validate | plan | eval.
+"""The `novarl` command: train | validate | plan | eval | convert.
 
     novarl train                                   # the bundled default (tiny model, arithmetic)
     novarl train -c recipe.yaml policy.precision=bfloat16 grpo.max_num_steps=100
     novarl validate -c recipe.yaml                 # check a config, start nothing
     novarl plan -c recipe.yaml                     # which backends would run, and the batch arithmetic
     novarl eval runs/tiny_arith/exp_001/policy     # held-out greedy accuracy of a model folder
+    novarl convert ckpts/step_100 out/hf_model     # a checkpoint as a Hugging Face folder
 
 Bad input ends with a one-paragraph message on stderr and exit code 2.
 """
@@ -45,6 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"YAML config (default: the bundled {BUNDLED_RECIPE.name})")
         p.add_argument("overrides", nargs="*", metavar="key.path=value", help="dotted overrides")
         p.set_defaults(run=run)
+        if name == "train":
+            resume = p.add_mutually_exclusive_group()
+            resume.add_argument("--resume", dest="resume", action="store_true", default=None,
+                                help="continue from the newest checkpoint (default: if there is one)")
+            resume.add_argument("--no-resume", dest="resume", action="store_false",
+                                help="refuse to start if checkpoint_dir already holds checkpoints")
+    p = sub.add_parser("convert", help="export a checkpoint (checkpoint_dir/step_N) as a Hugging Face folder")
+    p.add_argument("checkpoint", type=Path, help="a step_N folder written by checkpointing")
+    p.add_argument("output", type=Path, help="the Hugging Face folder to write")
+    p.set_defaults(run=cmd_convert)
     p = sub.add_parser("eval", help="held-out greedy accuracy of a model folder")
     p.add_argument("model", help="model folder, hub id, or bundled name")
     p.add_argument("-c", "--config", type=Path, default=None, help="config giving data and reward")
@@ -62,7 +73,7 @@ def _config(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> int:
     from novarl.trainer.api import GRPOTrainer
 
-    result = GRPOTrainer(_config(args)).train()
+    result = GRPOTrainer(_config(args)).train(resume=args.resume)
     before, after = result.initial_accuracy, result.final_accuracy
     print(f"held-out greedy accuracy: before {_pct(before)} -> after {_pct(after)} "
           f"({result.steps} steps)")
@@ -99,6 +110,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for item in availability.warnings:
         print(f"warning: {item}")
     return 0 if not availability.missing else 2
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from novarl.trainer.export import export_checkpoint
+
+    export_checkpoint(args.checkpoint, args.output)
+    print(f"wrote {args.output}")
+    return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -17,11 +17,11 @@ def info(message: str) -> None:
 
 
 class Progress:
-    def __init__(self, total_steps: int, *, enabled: bool, print_every: int) -> None:
+    def __init__(self, total_steps: int, *, enabled: bool, print_every: int, initial: int = 0) -> None:
         from tqdm import tqdm
 
         self.print_every = print_every
-        self.bar = tqdm(total=total_steps, desc="GRPO", unit="step", disable=not enabled,
+        self.bar = tqdm(total=total_steps, initial=initial, desc="GRPO", unit="step", disable=not enabled,
                         file=sys.stderr, dynamic_ncols=True)
         self.accuracy: float | None = None
 

@@ -12,6 +12,7 @@ from novarl.config import NovaRLConfig, dump_config, load_config
 from novarl.data.arithmetic import Example
 from novarl.data.datasets import BUNDLED_DATASETS
 from novarl.errors import UserError
+from novarl.trainer.checkpoint import Checkpoint, Checkpointer
 
 RewardFn = Callable[..., float]
 
@@ -57,7 +58,10 @@ class GRPOTrainer:
         """A trainer for the model `name_or_path` (hub id, folder, or bundled name), with overrides."""
         return cls(config, model_name=name_or_path, **overrides)
 
-    def train(self) -> TrainResult:
+    def train(self, resume: bool | None = None) -> TrainResult:
+        """Run GRPO. resume: None continues from the newest good checkpoint in
+        checkpointing.checkpoint_dir if there is one; True requires one; False
+        requires there is none (a fresh run never overwrites checkpoints)."""
         import torch
 
         from novarl.distributed.local import default_device
@@ -69,6 +73,8 @@ class GRPOTrainer:
 
         cfg = self.config
         inputs = prepare_inputs(cfg, self.reward_fn, self.train_examples)
+        checkpointer = Checkpointer(cfg.checkpointing, dump_config(cfg)) if cfg.checkpointing.enabled else None
+        start = pick_checkpoint(checkpointer, resume)
         torch.manual_seed(cfg.grpo.seed)
         run_dir = new_run_dir(Path(cfg.logger.log_dir))
         (run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -77,7 +83,7 @@ class GRPOTrainer:
         sink = JsonlSink(run_dir / "metrics.jsonl")
         model_dir = run_dir / "policy"
         try:
-            summary = run_grpo(cfg, inputs, roles, sink)
+            summary = run_grpo(cfg, inputs, roles, sink, checkpointer, start)
             save_atomically(model_dir, lambda tmp: roles.policy.save_hf(tmp, inputs.tokenizer))
         finally:
             sink.close()
@@ -88,6 +94,21 @@ class GRPOTrainer:
         return TrainResult(metrics=summary, output_dir=run_dir, model_dir=model_dir,
                            initial_accuracy=summary.get("initial_accuracy"),
                            final_accuracy=summary.get("val_accuracy"), steps=int(summary.get("steps", 0)))
+
+
+def pick_checkpoint(checkpointer: Checkpointer | None, resume: bool | None) -> Checkpoint | None:
+    if checkpointer is None:
+        if resume:
+            raise UserError("Resuming needs checkpointing.enabled=true and its checkpoint_dir.")
+        return None
+    latest = checkpointer.latest()
+    if resume and latest is None:
+        raise UserError(f"Nothing to resume: no complete checkpoint in "
+                        f"checkpointing.checkpoint_dir='{checkpointer.root}'.")
+    if resume is False and latest is not None:
+        raise UserError(f"checkpointing.checkpoint_dir='{checkpointer.root}' already holds checkpoints "
+                        f"(newest: {latest.path.name}); resume, or give another checkpoint_dir.")
+    return latest
 
 
 def train(model: str | None = None, dataset: str | Sequence[Mapping[str, Any]] | None = None,

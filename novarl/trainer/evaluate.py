@@ -21,6 +21,6 @@ def evaluate(generator, prompts: Sequence[Prompt], scorer: RewardScorer, max_new
         info(f"  {c.prompt.text!r} -> {c.text!r} (answer {c.prompt.answer!r}, reward {r:g})")
     return {
         "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-        "reward_mean": sum(rewards) / len(rewards),
+        "reward": sum(rewards) / len(rewards),
         "num_samples": float(len(rewards)),
     }

@@ -18,8 +18,9 @@ import torch
 from novarl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from novarl.algorithms.losses import LossFn, make_loss
 from novarl.config.schema import NovaRLConfig
-from novarl.logging.console import Progress
+from novarl.logging.console import Progress, info
 from novarl.logging.metrics import JsonlSink
+from novarl.trainer.checkpoint import POLICY_DIR, Checkpoint, Checkpointer, restore_rng
 from novarl.trainer.evaluate import evaluate
 from novarl.trainer.rollout import build_train_batch, logprob_mismatch, rollout_metrics, with_global_counts
 from novarl.trainer.setup import Roles, RunInputs
@@ -37,14 +38,28 @@ class StepTimer:
         self.seconds[f"time_{name}"] = self.seconds.get(f"time_{name}", 0.0) + time.perf_counter() - start
 
 
-def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink) -> dict[str, float]:
-    """Train for grpo.max_num_steps (or max_train_seconds); returns the last metrics, evals included."""
+def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink,
+             checkpointer: Checkpointer | None = None, resume: Checkpoint | None = None) -> dict[str, float]:
+    """Train for grpo.max_num_steps (or max_train_seconds); returns the last metrics, evals included.
+
+    With `resume`, the policy, data position and step count come from that checkpoint
+    and the loop continues as the uninterrupted run would have.
+    """
     grpo, gen = cfg.grpo, cfg.policy.generation
     loss_fn = make_loss(cfg.loss_fn)
     estimate_advantages = ADVANTAGE_ESTIMATORS.get(grpo.advantage_estimator)
+    step = resume_from(resume, inputs, roles) if resume else 0
     progress = Progress(grpo.max_num_steps, enabled=cfg.logger.progress_bar,
-                        print_every=cfg.logger.print_every_n_steps)
-    summary: dict[str, float] = {}
+                        print_every=cfg.logger.print_every_n_steps, initial=step)
+    summary: dict[str, float] = dict(resume.state.get("summary", {})) if resume else {}
+    saved = step
+
+    def checkpoint(step: int, *, last: bool) -> None:
+        nonlocal saved
+        if checkpointer and saved != step and checkpointer.due(step, last=last):
+            checkpointer.save(step, roles.policy, {"sampler": inputs.sampler.state_dict(),
+                                                   "metrics": summary, "summary": summary})
+            saved = step
 
     def validate(step: int) -> None:
         result = evaluate(roles.generator, inputs.val_prompts, inputs.scorer, gen.max_new_tokens,
@@ -54,9 +69,9 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         summary.update({f"val_{k}": v for k, v in result.items()})
         summary.setdefault("initial_accuracy", result["accuracy"])
 
-    if grpo.val_at_start:
+    if grpo.val_at_start and step == 0:
         validate(0)
-    started, step = time.perf_counter(), 0
+    started = time.perf_counter()
     while step < grpo.max_num_steps:
         if grpo.max_train_seconds and time.perf_counter() - started > grpo.max_train_seconds:
             break
@@ -90,11 +105,23 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         summary.update(metrics)
         if grpo.val_period and step % grpo.val_period == 0 and step < grpo.max_num_steps:
             validate(step)
+        checkpoint(step, last=False)
     summary["steps"] = step
     if grpo.val_at_end:
         validate(step)
+    checkpoint(step, last=True)
     progress.close()
     return summary
+
+
+def resume_from(resume: Checkpoint, inputs: RunInputs, roles: Roles) -> int:
+    """Load a checkpoint into the roles and the data sampler; the step to continue after."""
+    roles.policy.load(resume.path / POLICY_DIR)
+    inputs.sampler.load_state_dict(resume.state["sampler"])
+    restore_rng(resume.state)
+    roles.generator.update_weights(roles.policy.named_weights(), version=resume.step)
+    info(f"resumed from {resume.path} (step {resume.step})")
+    return resume.step
 
 
 def train_on_batch(policy, batch: TrainBatch, loss_fn: LossFn, global_batch_size: int) -> dict[str, float]:

@@ -1,0 +1,131 @@
+"""Resumable checkpoints: `checkpoint_dir/step_N/` with the policy's sharded state
+(torch.distributed.checkpoint: model, optimizer; scheduler), the driver's state
+(step, data position, RNG) and the resolved config.
+
+A checkpoint is written under a temporary name and renamed when complete, so a
+run killed mid-save never leaves a folder that looks valid. On resume, folders
+that fail the completeness check are reported and skipped in favour of the
+newest good one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from novarl.config.schema import CheckpointingConfig
+from novarl.logging.console import info
+
+STATE_FILE = "trainer_state.json"
+POLICY_DIR = "policy"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    state: dict[str, Any]
+
+
+class Checkpointer:
+    def __init__(self, cfg: CheckpointingConfig, config_yaml: str) -> None:
+        self.cfg = cfg
+        self.root = Path(cfg.checkpoint_dir)
+        self.config_yaml = config_yaml
+
+    def due(self, step: int, *, last: bool) -> bool:
+        return self.cfg.enabled and (step % self.cfg.save_period == 0 or last)
+
+    def save(self, step: int, policy, state: dict[str, Any]) -> Path:
+        """Write step_N atomically; then prune to keep_top_k (the newest always stays)."""
+        final = self.root / f"step_{step}"
+        tmp = self.root / f".tmp_step_{step}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        policy.save(tmp / POLICY_DIR)
+        state = {**state, "step": step, "rng": _rng_state()}
+        (tmp / "config.yaml").write_text(self.config_yaml)
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))  # written last: marks completeness
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        self._prune()
+        return final
+
+    def latest(self) -> Checkpoint | None:
+        """The newest complete checkpoint; incomplete or corrupt ones are reported and skipped."""
+        if not self.root.is_dir():
+            return None
+        for path in sorted(self.root.glob("step_*"), key=_step_of, reverse=True):
+            problem = check_checkpoint(path)
+            if problem is None:
+                return Checkpoint(path, _step_of(path), json.loads((path / STATE_FILE).read_text()))
+            info(f"checkpoint {path} is not usable ({problem}); trying an older one")
+        return None
+
+    def _prune(self) -> None:
+        keep = self.cfg.keep_top_k
+        if keep is None:
+            return
+        done = sorted(self.root.glob("step_*"), key=_step_of)
+        newest = done[-1] if done else None
+
+        def score(path: Path) -> float:
+            value = json.loads((path / STATE_FILE).read_text()).get("metrics", {}).get(self.cfg.metric_name)
+            if value is None:
+                return float(_step_of(path))  # no metric: newer is better
+            return value if self.cfg.higher_is_better else -value
+
+        ranked = sorted((p for p in done if check_checkpoint(p) is None), key=score, reverse=True)
+        keep_set = set(ranked[:keep]) | {newest}
+        for path in done:
+            if path not in keep_set:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def check_checkpoint(path: Path) -> str | None:
+    """None if `path` is a complete checkpoint, else what is wrong with it."""
+    state = path / STATE_FILE
+    if not state.is_file():
+        return f"no {STATE_FILE}"
+    try:
+        data = json.loads(state.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return f"{STATE_FILE} unreadable: {err}"
+    if not isinstance(data, dict) or data.get("step") != _step_of(path):
+        return f"{STATE_FILE} does not describe step {_step_of(path)}"
+    policy = path / POLICY_DIR
+    if not (policy / ".metadata").is_file() or not any(policy.glob("*.distcp")):
+        return "policy shards missing"
+    if not (policy / "scheduler.pt").is_file():
+        return "scheduler state missing"
+    return None
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    rng = state.get("rng")
+    if rng:
+        random.setstate(_to_tuple(rng["python"]))
+        torch.manual_seed(rng["torch_seed"])
+
+
+def _rng_state() -> dict[str, Any]:
+    # The loop seeds generation from (seed, step) each step, so the RNG to carry is small.
+    return {"python": random.getstate(), "torch_seed": int(torch.initial_seed())}
+
+
+def _to_tuple(value: Any) -> Any:
+    return tuple(_to_tuple(v) for v in value) if isinstance(value, list) else value
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.removeprefix("step_"))
+    except ValueError:
+        return -1

@@ -1,0 +1,96 @@
+"""Checkpoints: atomic saves, resume after kill -9 equals the uninterrupted run,
+corrupt checkpoints skipped, export to a Hugging Face folder."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from novarl.cli import BUNDLED_RECIPE, main
+from novarl.config import load_config
+from novarl.errors import UserError
+from novarl.logging.metrics import read_jsonl
+from novarl.trainer.api import GRPOTrainer
+from novarl.trainer.checkpoint import check_checkpoint
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["logger.progress_bar=false", "grpo.max_train_seconds=null", "grpo.val_at_start=false",
+          "grpo.val_at_end=false", "checkpointing.enabled=true", "checkpointing.save_period=2",
+          "checkpointing.keep_top_k=10"]
+
+
+def overrides(tmp_path, steps, *extra):
+    return [f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+            f"grpo.max_num_steps={steps}", *COMMON, *extra]
+
+
+def train_steps(result):
+    return {r["step"]: r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"}
+
+
+def test_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
+    reference = GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path / "ref", 8))).train()
+    expected = train_steps(reference)
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "novarl.cli", "train", *overrides(run, 8)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (run / "ckpt" / "step_4").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (run / "ckpt" / "step_4").exists() and not (run / "ckpt" / "step_8").exists()
+
+    resumed = GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(run, 8))).train()
+    got = train_steps(resumed)
+    first = min(got)
+    assert 5 <= first <= 7 and max(got) == 8  # it went on from the newest complete checkpoint
+    for step in range(first, 9):
+        assert got[step]["reward_mean"] == expected[step]["reward_mean"]
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-7)
+        assert got[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=1e-6)
+
+
+def test_partial_checkpoint_is_skipped_for_the_previous_good_one(tmp_path, capsys):
+    GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path, 4))).train()
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_4"]
+    for shard in (ckpt / "step_4" / "policy").glob("*.distcp"):
+        shard.unlink()  # as if the disk lost it
+    assert check_checkpoint(ckpt / "step_4") == "policy shards missing"
+    trainer = GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path, 5)))
+    steps = train_steps(trainer.train())
+    assert sorted(steps) == [3, 4, 5]
+    assert "step_4 is not usable (policy shards missing)" in capsys.readouterr().err
+
+
+def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path, capsys):
+    GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path, 2))).train()
+    before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    code = main(["train", "--no-resume", *overrides(tmp_path, 2)])
+    assert code == 2
+    assert "already holds checkpoints (newest: step_2)" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before
+    with pytest.raises(UserError, match="Nothing to resume"):
+        GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path / "other", 2))).train(resume=True)
+
+
+def test_keep_top_k_and_convert_to_hugging_face(tmp_path):
+    trainer = GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(
+        tmp_path, 6, "checkpointing.keep_top_k=1")))
+    result = trainer.train()
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_6"]  # the newest always stays
+    out = tmp_path / "hf"
+    assert main(["convert", str(tmp_path / "ckpt" / "step_6"), str(out)]) == 0
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    final = AutoModelForCausalLM.from_pretrained(result.model_dir).state_dict()
+    assert exported.keys() == final.keys()
+    assert all(torch.equal(exported[k], final[k]) for k in final)
