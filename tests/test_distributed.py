@@ -79,3 +79,54 @@ def test_a_killed_rank_stops_the_call_and_names_it(tmp_path):
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) == 2
+
+
+@pytest.fixture(scope="module")
+def two_kv_head_model(tmp_path_factory):
+    """tiny-arith with its one KV head duplicated: the same function, but 2 KV heads to split over TP=2."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from novarl.models.loading import resolve_model_path
+
+    source = resolve_model_path("tiny-arith")
+    model = AutoModelForCausalLM.from_pretrained(source)
+    config = model.config
+    config.num_key_value_heads = 2
+    widened = AutoModelForCausalLM.from_config(config)
+    state = model.state_dict()
+    for key in list(state):
+        if key.endswith(("k_proj.weight", "v_proj.weight")):
+            state[key] = state[key].repeat(2, 1)
+    widened.load_state_dict(state)
+    out = tmp_path_factory.mktemp("mha")
+    widened.save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    ids = AutoTokenizer.from_pretrained(source)(["37+58="], return_tensors="pt").input_ids
+    assert torch_allclose(model(ids).logits, widened(ids).logits)
+    return out
+
+
+def torch_allclose(a, b):
+    import torch
+
+    return torch.allclose(a, b, atol=1e-5)
+
+
+def test_tensor_parallel_on_two_ranks_matches_one_rank(tmp_path, two_kv_head_model):
+    model = f"policy.model_name={two_kv_head_model}"
+    _, single = run(tmp_path / "one", model, "grpo.max_num_steps=3")
+    _, tp = run(tmp_path / "tp", model, "grpo.max_num_steps=3", "cluster.gpus_per_node=2",
+                "policy.dtensor_cfg.tensor_parallel_size=2")
+    for one, two in zip(single, tp, strict=True):
+        assert two["reward_mean"] == one["reward_mean"]
+        assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+
+
+def test_world_size_must_be_dp_tp_cp():
+    from novarl.errors import ConfigError
+    from novarl.plan.resolve import plan_batches
+
+    cfg = load_config(BUNDLED_RECIPE, overrides=["cluster.gpus_per_node=3", "policy.dtensor_cfg.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"3 x 1 = 3 ranks is not a multiple of .* 2 x 1 = 2"):
+        plan_batches(cfg)

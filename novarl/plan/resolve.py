@@ -72,11 +72,11 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
         missing.append(f"Ray, to run {world_size(cfg)} ranks (cluster: {cfg.cluster.num_nodes} node(s) x "
                        f"{cfg.cluster.gpus_per_node}): pip install 'novarl[ray]'")
     dt = policy.dtensor_cfg
-    for key in ("tensor_parallel_size", "context_parallel_size"):
-        if getattr(dt, key) > 1:
-            missing.append(f"policy.dtensor_cfg.{key}={getattr(dt, key)}")
-    if dt.sequence_parallel or dt.custom_parallel_plan:
-        missing.append("policy.dtensor_cfg.sequence_parallel / custom_parallel_plan (tensor parallelism)")
+    if dt.context_parallel_size > 1:
+        missing.append(f"context parallelism (policy.dtensor_cfg.context_parallel_size={dt.context_parallel_size})")
+    if dt.sequence_parallel:
+        missing.append("sequence parallelism (policy.dtensor_cfg.sequence_parallel); tensor parallelism "
+                       "without it works")
     if not policy.generation.colocated.enabled:
         missing.append("dedicated generation resources (policy.generation.colocated.enabled=false)")
     if cfg.grpo.async_grpo.enabled:
@@ -133,7 +133,14 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
     grpo, policy = cfg.grpo, cfg.policy
     samples = grpo.num_prompts_per_step * grpo.num_generations_per_prompt
     dt = policy.dtensor_cfg
-    dp = max(world_size(cfg) // (dt.tensor_parallel_size * dt.context_parallel_size), 1)
+    ranks, model_parallel = world_size(cfg), dt.tensor_parallel_size * dt.context_parallel_size
+    if ranks % model_parallel:
+        raise ConfigError(
+            f"The world size must be dp x tp x cp: cluster.gpus_per_node x cluster.num_nodes = "
+            f"{max(cfg.cluster.gpus_per_node, 1)} x {cfg.cluster.num_nodes} = {ranks} ranks is not a multiple "
+            f"of policy.dtensor_cfg.tensor_parallel_size x context_parallel_size = {dt.tensor_parallel_size} x "
+            f"{dt.context_parallel_size} = {model_parallel}.")
+    dp = ranks // model_parallel
     micro = policy.train_micro_batch_size
     global_batch = policy.train_global_batch_size or samples
     source = f"policy.train_global_batch_size={global_batch}"

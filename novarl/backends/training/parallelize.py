@@ -1,0 +1,161 @@
+"""Parallelism for Hugging Face causal LMs on DTensor, applied in a fixed order:
+
+    mesh = build_mesh(...)                 # (dp,) or (dp, tp)
+    apply_tp(model, mesh["tp"], plan)      # tensor parallel: attention heads and MLP columns split
+    apply_activation_checkpointing(model)
+    apply_fsdp(model, mesh["dp"], ...)     # FSDP2: each decoder layer, then the root
+
+Each is a short function; the sizes are checked before any mesh exists.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from novarl.config.schema import DTensorConfig
+from novarl.errors import UserError
+
+# Llama / Qwen2 / Mistral decoder layers: q/k/v and gate/up split by output
+# columns (heads), o/down by input rows, so each layer needs one all-reduce
+# after attention and one after the MLP. Keys are module names inside a layer.
+LLAMA_LAYER_PLAN: dict[str, ParallelStyle] = {
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(),
+}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    tensor_parallel: int
+    context_parallel: int
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // (self.tensor_parallel * self.context_parallel)
+
+    def check(self) -> None:
+        product = self.tensor_parallel * self.context_parallel
+        if self.world_size % product:
+            raise UserError(f"world size {self.world_size} is not dp x tp x cp for any whole dp: "
+                            f"tensor_parallel_size x context_parallel_size = {self.tensor_parallel} x "
+                            f"{self.context_parallel} = {product} does not divide it.")
+
+
+def build_mesh(device_type: str, dims: ParallelDims) -> DeviceMesh:
+    dims.check()
+    if dims.tensor_parallel == 1:
+        return init_device_mesh(device_type, (dims.data_parallel,), mesh_dim_names=("dp",))
+    return init_device_mesh(device_type, (dims.data_parallel, dims.tensor_parallel), mesh_dim_names=("dp", "tp"))
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a Hugging Face causal LM (Llama/Qwen2/Mistral layout)."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise UserError(f"{type(model).__name__} has no .model.layers: novarl cannot shard it per layer.")
+    return list(layers)
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) -> None:
+    """Tensor parallelism with the default Llama-family plan or `custom_parallel_plan`."""
+    size = tp_mesh.size()
+    config = model.config
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, name, None)
+        if value is not None and value % size:
+            raise UserError(f"policy.dtensor_cfg.tensor_parallel_size={size} must divide the model's "
+                            f"{name}={value}.")
+    if cfg.sequence_parallel:
+        raise UserError("policy.dtensor_cfg.sequence_parallel is not available yet; set it to false.")
+    plan = load_custom_plan(cfg.custom_parallel_plan) if cfg.custom_parallel_plan else LLAMA_LAYER_PLAN
+    if callable(plan):
+        plan(model, tp_mesh)
+    else:
+        apply_plan(model, tp_mesh, plan)
+    # DTensor warns that (dp, tp) norms take two all-reduces; on these sizes that is fine.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def apply_plan(model: torch.nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
+    """Apply a per-layer plan (keys relative to a decoder layer, fnmatch patterns allowed)."""
+    for layer in decoder_layers(model):
+        names = [n for n, _ in layer.named_modules() if n]
+        resolved = {n: style for pattern, style in plan.items() for n in fnmatch.filter(names, pattern)}
+        unmatched = [p for p in plan if not fnmatch.filter(names, p)]
+        if unmatched:
+            raise UserError(f"parallel plan keys {unmatched} match no module of a decoder layer "
+                            f"(modules: {', '.join(names[:12])}, ...).")
+        parallelize_module(layer, tp_mesh, resolved)
+
+
+def load_custom_plan(spec: str) -> dict[str, ParallelStyle] | Callable[[torch.nn.Module, DeviceMesh], None]:
+    """`module:name` -> a dict plan for decoder layers, or a callable(model, tp_mesh)."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        plan = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise UserError(f"policy.dtensor_cfg.custom_parallel_plan='{spec}' cannot be imported ({err}); "
+                        "give 'module:name' of a dict plan or a function(model, tp_mesh).") from None
+    if not (callable(plan) or isinstance(plan, dict)):
+        raise UserError(f"policy.dtensor_cfg.custom_parallel_plan='{spec}' is a {type(plan).__name__}, "
+                        "not a dict plan or a function(model, tp_mesh).")
+    return plan
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype,
+               cpu_offload: bool) -> None:
+    """Shard each decoder layer, then the root (embeddings, final norm, head)."""
+    kwargs: dict = {"mesh": dp_mesh}
+    if param_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float | None) -> float:
+    """Global gradient norm (and clipping) over parameters that may live on different
+    meshes -- (dp,) for replicated-across-tp ones, (dp, tp) for tensor-parallel ones --
+    which torch's clip_grad_norm_ cannot stack together."""
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    squares = torch.zeros((), dtype=torch.float32)
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares = squares + norm.float().cpu() ** 2
+    total = squares.sqrt()
+    if max_norm:
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(params[0].grad.device))
+    return float(total)
+
+
+def dp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    return mesh["dp"].get_group() if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh.get_group()
