@@ -373,7 +373,10 @@ def test_seed_000_python_api_keywords():
     # GRPOTrainer.from_pretrained("Qwen/Qwen2.5-32B", tensor_parallel_size=8)
     medium = load_config(None, model_name="Qwen/Qwen2.5-32B", tensor_parallel_size=8)
     assert medium.policy.dtensor_cfg.tensor_parallel_size == 8
-    assert missing(medium) == ("policy.dtensor_cfg.tensor_parallel_size=8",)
+    assert missing(medium) == ()  # tensor parallelism is built, but 8 ranks are needed:
+    with pytest.raises(ConfigError, match=r"1 x 1 = 1 ranks is not a multiple of .* 8 x 1 = 8"):
+        plan_batches(medium)
+    assert plan_batches(load_config(None, tensor_parallel_size=8, cluster={"gpus_per_node": 8})).data_parallel_size == 1
 
 
 def test_plain_dtensor_hf_config_needs_nothing_missing():
