@@ -2,6 +2,7 @@
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -22,8 +23,11 @@ def ray_session():
     ray.shutdown()
 
 
-def run(tmp_path, *overrides):
-    cfg = load_config(BUNDLED_RECIPE, overrides=[
+FSDP2X2_RECIPE = Path(__file__).parents[1] / "examples" / "configs" / "grpo_tiny_fsdp2x2.yaml"
+
+
+def run(tmp_path, *overrides, recipe=BUNDLED_RECIPE):
+    cfg = load_config(recipe, overrides=[
         f"logger.log_dir={tmp_path}", "logger.progress_bar=false", "grpo.max_train_seconds=null",
         "grpo.max_num_steps=4", "grpo.val_at_start=false", "grpo.val_at_end=false", "policy.train_micro_batch_size=128",
         *overrides])
@@ -32,8 +36,10 @@ def run(tmp_path, *overrides):
 
 
 def test_fsdp2_on_two_ranks_matches_one_rank(tmp_path):
-    _, single = run(tmp_path / "one")
-    result, double = run(tmp_path / "two", "cluster.gpus_per_node=2")
+    """The shipped 2-rank recipe, through Ray, against the same recipe on one in-process rank."""
+    ckpt = f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"
+    _, single = run(tmp_path / "one", "cluster.gpus_per_node=1", ckpt, recipe=FSDP2X2_RECIPE)
+    result, double = run(tmp_path / "two", ckpt + "2", recipe=FSDP2X2_RECIPE)
     assert len(single) == len(double) == 4
     for one, two in zip(single, double):
         # Same samples (same seeded generator weights), so the same loss and gradients,

@@ -98,3 +98,17 @@ def test_kl_penalty_to_the_frozen_reference(tmp_path):
     assert trainer.roles.reference is not None
     assert kl[0] == pytest.approx(0.0, abs=1e-7)  # before the first update policy == reference
     assert kl[-1] > 1e-5
+
+
+def test_cpu_offload_and_activation_checkpointing_change_nothing_but_memory(tmp_path):
+    runs = {}
+    for name, extra in (("plain", []), ("offload", ["policy.dtensor_cfg.cpu_offload=true"]),
+                        ("recompute", ["policy.dtensor_cfg.activation_checkpointing=true"])):
+        cfg = recipe(tmp_path / name, "grpo.max_num_steps=3", "grpo.val_at_start=false",
+                     "grpo.val_at_end=false", *extra)
+        result = GRPOTrainer(cfg).train()
+        runs[name] = [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
+    for name in ("offload", "recompute"):
+        for base, other in zip(runs["plain"], runs[name], strict=True):
+            assert other["loss"] == pytest.approx(base["loss"], abs=1e-6), name
+            assert other["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-4), name
