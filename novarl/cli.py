@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from novarl.errors import UserError
+from novarl.errors import RunFailed, UserError
 
 BUNDLED_RECIPE = Path(__file__).parent / "config" / "recipes" / "tiny_arith.yaml"
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_party()
     try:
         return args.run(args)
-    except UserError as err:
+    except (UserError, RunFailed) as err:
         print(f"novarl: error: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:

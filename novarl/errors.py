@@ -20,3 +20,10 @@ class ConfigError(UserError):
 
 class NotAvailableYet(UserError):
     """The config asks for a capability novarl does not have yet."""
+
+
+class RunFailed(Exception):
+    """The run stopped for a reason that is not bad input (a worker died, ...).
+    The command line prints the message without a traceback and exits 1."""
+
+    exit_code = 1

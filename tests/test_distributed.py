@@ -37,6 +37,8 @@ def run(tmp_path, *overrides, recipe=BUNDLED_RECIPE):
 
 def test_fsdp2_on_two_ranks_matches_one_rank(tmp_path):
     """The shipped 2-rank recipe, through Ray, against the same recipe on one in-process rank."""
+    import torch
+
     ckpt = f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"
     _, single = run(tmp_path / "one", "cluster.gpus_per_node=1", ckpt, recipe=FSDP2X2_RECIPE)
     result, double = run(tmp_path / "two", ckpt + "2", recipe=FSDP2X2_RECIPE)
@@ -50,7 +52,14 @@ def test_fsdp2_on_two_ranks_matches_one_rank(tmp_path):
         assert two["logprob_mismatch"] < 1e-3
     from transformers import AutoModelForCausalLM
 
-    assert AutoModelForCausalLM.from_pretrained(result.model_dir).num_parameters() == 297_984
+    final = AutoModelForCausalLM.from_pretrained(result.model_dir).state_dict()
+    assert sum(t.numel() for k, t in final.items() if k != "lm_head.weight") == 297_984
+    # The 2-rank checkpoint, resharded onto one rank by `novarl convert`, holds the same weights.
+    from novarl.cli import main
+
+    assert main(["convert", str(tmp_path / "ckpt2" / "step_4"), str(tmp_path / "hf")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert all(torch.equal(exported[k], final[k]) for k in final)
 
 
 def test_more_ranks_than_the_cluster_has_is_refused(tmp_path):
@@ -136,3 +145,26 @@ def test_world_size_must_be_dp_tp_cp():
     cfg = load_config(BUNDLED_RECIPE, overrides=["cluster.gpus_per_node=3", "policy.dtensor_cfg.tensor_parallel_size=2"])
     with pytest.raises(ConfigError, match=r"3 x 1 = 3 ranks is not a multiple of .* 2 x 1 = 2"):
         plan_batches(cfg)
+
+
+def test_a_rank_killed_mid_run_stops_it_naming_the_rank_and_the_checkpoint(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "novarl.cli", "train", "-c", str(FSDP2X2_RECIPE),
+           f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+           "checkpointing.save_period=2", "grpo.max_num_steps=400", "grpo.val_at_start=false",
+           "logger.progress_bar=false"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (tmp_path / "ckpt" / "step_2").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    ranks = subprocess.run(["pgrep", "-f", "ray::RankActor"], capture_output=True, text=True).stdout.split()
+    assert ranks, "no rank processes found"
+    os.kill(int(ranks[0]), signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)  # stops, does not hang
+    assert proc.returncode == 1
+    assert "Traceback" not in err
+    assert "policy rank" in err and "died" in err
+    assert f"newest good checkpoint is {tmp_path / 'ckpt'}/step_" in err

@@ -16,10 +16,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from novarl.errors import UserError
+from novarl.errors import RunFailed, UserError
 
 
-class WorkerDied(RuntimeError):
+class WorkerDied(RunFailed):
     """A rank's actor died (killed, out of memory, crashed) during a call."""
 
 

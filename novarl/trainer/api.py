@@ -11,7 +11,7 @@ from typing import Any
 from novarl.config import NovaRLConfig, dump_config, load_config
 from novarl.data.arithmetic import Example
 from novarl.data.datasets import BUNDLED_DATASETS
-from novarl.errors import UserError
+from novarl.errors import RunFailed, UserError
 from novarl.trainer.checkpoint import Checkpoint, Checkpointer
 
 RewardFn = Callable[..., float]
@@ -76,15 +76,20 @@ class GRPOTrainer:
         checkpointer = Checkpointer(cfg.checkpointing, dump_config(cfg)) if cfg.checkpointing.enabled else None
         start = pick_checkpoint(checkpointer, resume)
         torch.manual_seed(cfg.grpo.seed)
-        run_dir = new_run_dir(Path(cfg.logger.log_dir))
+        roles = self.roles = build_roles(cfg, inputs, default_device())
+        run_dir = new_run_dir(Path(cfg.logger.log_dir))  # only once the workers stand
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         info(f"output folder: {run_dir}")
-        roles = self.roles = build_roles(cfg, inputs, default_device())
         sink = JsonlSink(run_dir / "metrics.jsonl")
         model_dir = run_dir / "policy"
         try:
             summary = run_grpo(cfg, inputs, roles, sink, checkpointer, start)
             save_atomically(model_dir, lambda tmp: roles.policy.save_hf(tmp, inputs.tokenizer))
+        except RunFailed as err:
+            newest = checkpointer.latest() if checkpointer else None
+            where = (f"the newest good checkpoint is {newest.path}; `novarl train` with the same config "
+                     "resumes from it" if newest else "no checkpoint was written (checkpointing.enabled)")
+            raise RunFailed(f"{err} Metrics so far are in {run_dir}; {where}.") from None
         finally:
             sink.close()
             roles.shutdown()
