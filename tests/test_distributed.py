@@ -127,11 +127,13 @@ def torch_allclose(a, b):
     return torch.allclose(a, b, atol=1e-5)
 
 
-def test_tensor_parallel_on_two_ranks_matches_one_rank(tmp_path, two_kv_head_model):
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_tensor_parallel_on_two_ranks_matches_one_rank(tmp_path, two_kv_head_model, sequence_parallel):
     model = f"policy.model_name={two_kv_head_model}"
     _, single = run(tmp_path / "one", model, "grpo.max_num_steps=3")
     _, tp = run(tmp_path / "tp", model, "grpo.max_num_steps=3", "cluster.gpus_per_node=2",
-                "policy.dtensor_cfg.tensor_parallel_size=2")
+                "policy.dtensor_cfg.tensor_parallel_size=2",
+                f"policy.dtensor_cfg.sequence_parallel={str(sequence_parallel).lower()}")
     for one, two in zip(single, tp, strict=True):
         assert two["reward_mean"] == one["reward_mean"]
         assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)

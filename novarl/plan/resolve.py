@@ -74,9 +74,6 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     dt = policy.dtensor_cfg
     if dt.context_parallel_size > 1:
         missing.append(f"context parallelism (policy.dtensor_cfg.context_parallel_size={dt.context_parallel_size})")
-    if dt.sequence_parallel:
-        missing.append("sequence parallelism (policy.dtensor_cfg.sequence_parallel); tensor parallelism "
-                       "without it works")
     if not policy.generation.colocated.enabled:
         missing.append("dedicated generation resources (policy.generation.colocated.enabled=false)")
     if cfg.grpo.async_grpo.enabled:

@@ -8,6 +8,7 @@ each batch into contiguous shares.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,6 +66,8 @@ class ShardedModel:
         model.requires_grad_(trainable)
         self.model = model
         self.logprob_batch_size = policy.logprob_batch_size or policy.train_micro_batch_size
+        self.sequence_multiple = math.lcm(policy.make_sequence_length_divisible_by,
+                                          dims.tensor_parallel if dt.sequence_parallel else 1)
 
     def shard(self, batch: TrainBatch) -> TrainBatch:
         """This data-parallel rank's contiguous share of the rows."""
@@ -74,8 +77,14 @@ class ShardedModel:
         return _to(batch.slice(self.dp_rank * share, (self.dp_rank + 1) * share), self.device)
 
     def forward_logprobs(self, mb: TrainBatch) -> torch.Tensor:
-        logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-        return token_logprobs(logits, mb.input_ids, self.temperature)
+        ids, mask = mb.input_ids, mb.attention_mask
+        length = ids.shape[1]
+        pad = -length % self.sequence_multiple  # sequence parallelism splits the sequence evenly
+        if pad:
+            ids = torch.nn.functional.pad(ids, (0, pad), value=0)
+            mask = torch.nn.functional.pad(mask, (0, pad), value=False)
+        logits = self.model(input_ids=ids, attention_mask=mask).logits
+        return token_logprobs(logits, ids, self.temperature)[:, :length]
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:

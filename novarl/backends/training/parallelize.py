@@ -20,8 +20,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from novarl.config.schema import DTensorConfig
 from novarl.errors import UserError
@@ -37,6 +44,24 @@ LLAMA_LAYER_PLAN: dict[str, ParallelStyle] = {
     "mlp.gate_proj": ColwiseParallel(),
     "mlp.up_proj": ColwiseParallel(),
     "mlp.down_proj": RowwiseParallel(),
+}
+
+# With sequence parallelism the residual stream between the two all-reduce points
+# stays split along the sequence (dim 1): norms run on each rank's tokens, the
+# attention and MLP inputs are all-gathered, and o/down reduce-scatter back.
+LLAMA_LAYER_PLAN_SP: dict[str, ParallelStyle] = {
+    "input_layernorm": SequenceParallel(),
+    "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                    desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+    "post_attention_layernorm": SequenceParallel(),
+    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
 }
 
 
@@ -83,13 +108,14 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) ->
         if value is not None and value % size:
             raise UserError(f"policy.dtensor_cfg.tensor_parallel_size={size} must divide the model's "
                             f"{name}={value}.")
-    if cfg.sequence_parallel:
-        raise UserError("policy.dtensor_cfg.sequence_parallel is not available yet; set it to false.")
-    plan = load_custom_plan(cfg.custom_parallel_plan) if cfg.custom_parallel_plan else LLAMA_LAYER_PLAN
+    default = LLAMA_LAYER_PLAN_SP if cfg.sequence_parallel else LLAMA_LAYER_PLAN
+    plan = load_custom_plan(cfg.custom_parallel_plan) if cfg.custom_parallel_plan else default
     if callable(plan):
         plan(model, tp_mesh)
     else:
         apply_plan(model, tp_mesh, plan)
+    if cfg.sequence_parallel and not cfg.custom_parallel_plan:
+        apply_sequence_parallel_ends(model, tp_mesh)
     # DTensor warns that (dp, tp) norms take two all-reduces; on these sizes that is fine.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
@@ -104,6 +130,17 @@ def apply_plan(model: torch.nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Para
             raise UserError(f"parallel plan keys {unmatched} match no module of a decoder layer "
                             f"(modules: {', '.join(names[:12])}, ...).")
         parallelize_module(layer, tp_mesh, resolved)
+
+
+def apply_sequence_parallel_ends(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split the embeddings' output along the sequence before the first layer, run the
+    final norm on each rank's tokens, and gather the sequence again before the head."""
+    layers = decoder_layers(model)
+    parallelize_module(layers[0], tp_mesh, PrepareModuleInput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+    parallelize_module(model.model.norm, tp_mesh, SequenceParallel())
+    parallelize_module(model.get_output_embeddings(), tp_mesh, PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
 
 
 def load_custom_plan(spec: str) -> dict[str, ParallelStyle] | Callable[[torch.nn.Module, DeviceMesh], None]:
