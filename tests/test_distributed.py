@@ -14,6 +14,9 @@ from novarl.trainer.api import GRPOTrainer
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Rank actors import test helpers (custom parallel plans) by name.
+REPO = str(Path(__file__).parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -170,3 +173,23 @@ def test_a_rank_killed_mid_run_stops_it_naming_the_rank_and_the_checkpoint(tmp_p
     assert "Traceback" not in err
     assert "policy rank" in err and "died" in err
     assert f"newest good checkpoint is {tmp_path / 'ckpt'}/step_" in err
+
+
+@pytest.mark.parametrize("plan", ["tests.helpers.plans:MLP_ONLY", "tests.helpers.plans:attention_only"])
+def test_custom_parallel_plan_matches_one_rank(tmp_path, two_kv_head_model, plan):
+    model = f"policy.model_name={two_kv_head_model}"
+    _, single = run(tmp_path / "one", model, "grpo.max_num_steps=2")
+    _, tp = run(tmp_path / "tp", model, "grpo.max_num_steps=2", "cluster.gpus_per_node=2",
+                "policy.dtensor_cfg.tensor_parallel_size=2", f"policy.dtensor_cfg.custom_parallel_plan={plan}")
+    for one, two in zip(single, tp, strict=True):
+        assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
+        assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+
+
+def test_custom_parallel_plan_errors_name_the_key():
+    from novarl.backends.training.parallelize import load_custom_plan
+
+    with pytest.raises(UserError, match="custom_parallel_plan='tests.helpers.plans:nope' cannot be imported"):
+        load_custom_plan("tests.helpers.plans:nope")
+    with pytest.raises(UserError, match="is a list"):
+        load_custom_plan("tests.helpers.plans:CALLS")

@@ -112,3 +112,16 @@ def test_cpu_offload_and_activation_checkpointing_change_nothing_but_memory(tmp_
         for base, other in zip(runs["plain"], runs[name], strict=True):
             assert other["loss"] == pytest.approx(base["loss"], abs=1e-6), name
             assert other["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-4), name
+
+
+def test_bfloat16_mixed_precision(tmp_path):
+    cfg = recipe(tmp_path, "grpo.max_num_steps=2", "grpo.val_at_start=false", "grpo.val_at_end=false",
+                 "policy.precision=bfloat16")
+    trainer = GRPOTrainer(cfg)
+    result = trainer.train()
+    steps = [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in steps)
+    assert trainer.roles.generator.model.dtype == torch.bfloat16
+    # FSDP2 keeps fp32 master weights and computes in bf16.
+    assert {p.dtype for p in trainer.roles.policy.model.parameters()} == {torch.float32}
+    assert steps[-1]["logprob_mismatch"] < 0.1  # bf16 generator vs bf16-compute trainer

@@ -1,0 +1,41 @@
+"""The same config runs on a Ray cluster started beforehand (`ray start --head`),
+joined through RAY_ADDRESS. Runs last among the Ray tests: `ray stop` ends it."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+RECIPE = Path(__file__).parents[1] / "examples" / "configs" / "grpo_tiny_fsdp2x2.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_ranks_on_an_existing_ray_cluster(tmp_path):
+    pytest.importorskip("ray")
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    port = free_port()
+    subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                    "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
+                   check=True, env=env, capture_output=True, timeout=120)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "novarl.cli", "train", "-c", str(RECIPE), "grpo.max_num_steps=2",
+             "grpo.val_at_start=false", "grpo.val_at_end=false", "logger.progress_bar=false",
+             f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"],
+            env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, capture_output=True, text=True, timeout=300)
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "starting 2 policy ranks on Ray" in run.stderr
+    assert "Started a local Ray instance" not in run.stderr  # it joined the running cluster
+    assert (tmp_path / "ckpt" / "step_2").is_dir()
