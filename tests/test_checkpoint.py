@@ -94,3 +94,25 @@ def test_keep_top_k_and_convert_to_hugging_face(tmp_path):
     final = AutoModelForCausalLM.from_pretrained(result.model_dir).state_dict()
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[k], final[k]) for k in final)
+
+
+def test_keep_top_k_ranks_by_the_metric_and_keeps_the_newest(tmp_path):
+    import json
+
+    from novarl.config.schema import CheckpointingConfig
+    from novarl.trainer.checkpoint import Checkpointer
+
+    class FakePolicy:  # writes the files a real DCP save leaves, nothing else
+        def save(self, path):
+            path.mkdir()
+            for name in (".metadata", "__0_0.distcp", "scheduler.pt"):
+                (path / name).write_bytes(b"x")
+
+    cfg = CheckpointingConfig(checkpoint_dir=str(tmp_path), keep_top_k=2, metric_name="val_reward")
+    checkpointer = Checkpointer(cfg, "config: {}\n")
+    for step, reward in ((1, 0.5), (2, 0.9), (3, 0.1), (4, 0.7), (5, 0.2)):
+        checkpointer.save(step, FakePolicy(), {"summary": {"val_reward": reward}})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_4", "step_5"]
+    assert checkpointer.latest().step == 5
+    state = json.loads((tmp_path / "step_2" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["summary"]["val_reward"] == 0.9

@@ -77,7 +77,7 @@ class Checkpointer:
         newest = done[-1] if done else None
 
         def score(path: Path) -> float:
-            value = json.loads((path / STATE_FILE).read_text()).get("metrics", {}).get(self.cfg.metric_name)
+            value = json.loads((path / STATE_FILE).read_text()).get("summary", {}).get(self.cfg.metric_name)
             if value is None:
                 return float(_step_of(path))  # no metric: newer is better
             return value if self.cfg.higher_is_better else -value

@@ -57,8 +57,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
     def checkpoint(step: int, *, last: bool) -> None:
         nonlocal saved
         if checkpointer and saved != step and checkpointer.due(step, last=last):
-            checkpointer.save(step, roles.policy, {"sampler": inputs.sampler.state_dict(),
-                                                   "metrics": summary, "summary": summary})
+            checkpointer.save(step, roles.policy, {"sampler": inputs.sampler.state_dict(), "summary": summary})
             saved = step
 
     def validate(step: int) -> None:
