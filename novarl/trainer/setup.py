@@ -114,9 +114,25 @@ class Roles:
                 role.shutdown()
 
 
+def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device):
+    """The generation backend the config resolved to, colocated in this process."""
+    gen = cfg.policy.generation
+    precision = generation_precision(cfg, device)
+    if inputs.choice.generation == "vllm":
+        from novarl.backends.generation.vllm import VllmGeneration
+
+        return VllmGeneration(inputs.model_path, inputs.tokenizer, gen, precision=precision,
+                              max_seq_length=cfg.policy.max_seq_length, seed=cfg.grpo.seed,
+                              trust_remote_code=cfg.policy.trust_remote_code)
+    from novarl.backends.generation.hf import HFGeneration
+
+    return HFGeneration(inputs.model_path, inputs.tokenizer, device, precision=precision,
+                        batch_size=gen.generation_batch_size or cfg.policy.generation_batch_size,
+                        max_seq_length=cfg.policy.max_seq_length, trust_remote_code=cfg.policy.trust_remote_code)
+
+
 def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> Roles:
     """The policy (and reference) on one in-process rank or on Ray ranks; the generator here."""
-    from novarl.backends.generation.hf import HFGeneration
     from novarl.backends.training.dtensor import DTensorPolicy, DTensorReference
 
     temperature = cfg.policy.generation.temperature
@@ -144,9 +160,5 @@ def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> R
         if with_reference:
             reference = RemoteReference(RayWorkerGroup(DTensorReference, reference_args, world_size=ranks,
                                                        gpus_per_rank=gpus, name="reference"))
-    generator = HFGeneration(inputs.model_path, inputs.tokenizer, device,
-                             precision=generation_precision(cfg, device),
-                             batch_size=cfg.policy.generation.generation_batch_size or cfg.policy.generation_batch_size,
-                             max_seq_length=cfg.policy.max_seq_length,
-                             trust_remote_code=cfg.policy.trust_remote_code)
+    generator = build_generator(cfg, inputs, device)
     return Roles(policy, reference, generator)

