@@ -124,3 +124,16 @@ def test_make_loss_reads_the_config():
     logprobs, batch = _batch([0.0, math.log(1.5)], [0.0, 0.0], 1.0)
     loss, _ = loss_fn(logprobs, batch)
     assert loss.item() == pytest.approx(-1.1)
+
+
+def test_logprob_mismatch_mean_and_max_by_hand():
+    from novarl.trainer.rollout import MISMATCH_WARNING, logprob_mismatch, mismatch_advice
+
+    _, batch = _batch([0.0, 0.0, 0.0], [0.0, math.log(0.5), math.log(0.5)], 1.0)
+    batch.generator_logprobs = torch.tensor([[0.0, math.log(0.5), math.log(0.6)]])
+    got = logprob_mismatch(batch)
+    # ratios 1.0 and 1.2 on the two loss tokens -> |r - 1| = 0 and 0.2
+    assert got["logprob_mismatch"] == pytest.approx(0.1)
+    assert got["logprob_mismatch_max"] == pytest.approx(0.2)
+    assert got["logprob_mismatch"] > MISMATCH_WARNING
+    assert "vllm_cfg.precision" in mismatch_advice(got["logprob_mismatch"])

@@ -22,7 +22,14 @@ from novarl.logging.console import Progress, info
 from novarl.logging.metrics import JsonlSink
 from novarl.trainer.checkpoint import POLICY_DIR, Checkpoint, Checkpointer, restore_rng
 from novarl.trainer.evaluate import evaluate
-from novarl.trainer.rollout import build_train_batch, logprob_mismatch, rollout_metrics, with_global_counts
+from novarl.trainer.rollout import (
+    MISMATCH_WARNING,
+    build_train_batch,
+    logprob_mismatch,
+    mismatch_advice,
+    rollout_metrics,
+    with_global_counts,
+)
 from novarl.trainer.setup import Roles, RunInputs
 from novarl.types import SamplingConfig, TrainBatch
 
@@ -97,8 +104,10 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         with timer("weight_sync"):
             roles.generator.update_weights(roles.policy.named_weights(), version=step)
         metrics = {**rollout_metrics(completions, rewards, grpo.num_generations_per_prompt), **train_metrics,
-                   "logprob_mismatch": logprob_mismatch(batch), **timer.seconds,
-                   "time_step": time.perf_counter() - tic}
+                   **logprob_mismatch(batch), **timer.seconds, "time_step": time.perf_counter() - tic}
+        if metrics["logprob_mismatch"] > MISMATCH_WARNING and not summary.get("mismatch_warned"):
+            info(f"warning at step {step}: {mismatch_advice(metrics['logprob_mismatch'])}")
+            summary["mismatch_warned"] = 1.0
         sink.write({"kind": "train", "step": step, **metrics})
         progress.step(step, metrics)
         summary.update(metrics)

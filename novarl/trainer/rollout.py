@@ -55,10 +55,22 @@ def rollout_metrics(completions: Sequence[Completion], rewards: torch.Tensor, gr
     }
 
 
-def logprob_mismatch(batch: TrainBatch) -> float:
-    """Mean |p_generator / p_trainer - 1| over loss tokens: near 0 when the weight sync worked."""
+MISMATCH_WARNING = 0.05
+"""Mean |p_generator / p_trainer - 1| above which the loop warns (once)."""
+
+
+def logprob_mismatch(batch: TrainBatch) -> dict[str, float]:
+    """|p_generator / p_trainer - 1| over loss tokens, mean and max: near 0 when the
+    weight sync worked and both engines compute the same distribution."""
     mask = batch.loss_mask
     if batch.old_logprobs is None or not mask.any():
-        return 0.0
-    ratio = torch.exp(batch.generator_logprobs[mask] - batch.old_logprobs[mask])
-    return float((ratio - 1).abs().mean())
+        return {"logprob_mismatch": 0.0, "logprob_mismatch_max": 0.0}
+    error = (torch.exp(batch.generator_logprobs[mask] - batch.old_logprobs[mask]) - 1).abs()
+    return {"logprob_mismatch": float(error.mean()), "logprob_mismatch_max": float(error.max())}
+
+
+def mismatch_advice(mismatch: float) -> str:
+    return (f"the generator's token probabilities differ from the trainer's by {mismatch:.3f} on average "
+            f"(warning above {MISMATCH_WARNING}). Check that policy.generation.vllm_cfg.precision matches "
+            "policy.precision, that top_p/top_k are off (they change the generator's probabilities), and that "
+            "the weight sync reaches the generator (policy_version in the completions).")
