@@ -83,3 +83,20 @@ def test_sampler_walks_epochs_and_restores_its_position():
     assert restored.next_batch() == following
     with pytest.raises(UserError, match="fewer than grpo.num_prompts_per_step=11"):
         PromptSampler(prompts, 11, seed=1)
+
+
+def test_bundled_task_names_agree_with_the_schema():
+    from novarl.config.schema import BUNDLED_TASKS
+    from novarl.data.datasets import BUNDLED_DATASETS
+
+    assert set(BUNDLED_TASKS) == set(BUNDLED_DATASETS)
+
+
+def test_import_novarl_stays_light():
+    import subprocess
+    import sys
+
+    code = ("import sys, novarl; heavy = [m for m in ('torch', 'vllm', 'ray', 'deepspeed', 'megatron') "
+            "if m in sys.modules]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 Precision = Literal["float32", "bfloat16", "float16"]
+BUNDLED_TASKS = ("arithmetic",)
+"""Tasks shipped with novarl (novarl.data.datasets.BUNDLED_DATASETS implements them)."""
 
 
 class Section(BaseModel):
@@ -43,7 +45,7 @@ class ResourcesConfig(Section):
 class ColocatedConfig(Section):
     enabled: bool = True
     """True: generation shares the training devices. False: dedicated ones."""
-    resources: ResourcesConfig = ResourcesConfig()
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
 
 class VllmConfig(Section):
@@ -78,10 +80,10 @@ class GenerationConfig(Section):
     stop_strings: list[str] | None = None
     generation_batch_size: int | None = Field(None, ge=1)
     """Sequences per Hugging Face generate call; None: all at once."""
-    vllm_cfg: VllmConfig = VllmConfig()
+    vllm_cfg: VllmConfig = Field(default_factory=VllmConfig)
     vllm_kwargs: dict[str, Any] = {}
-    mcore_generation_config: McoreGenerationConfig = McoreGenerationConfig()
-    colocated: ColocatedConfig = ColocatedConfig()
+    mcore_generation_config: McoreGenerationConfig = Field(default_factory=McoreGenerationConfig)
+    colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
 
 
 # -------------------------------------------------------------------- training
@@ -170,9 +172,9 @@ class MegatronConfig(Section):
     apply_rope_fusion: bool = False
     bias_activation_fusion: bool = False
     defer_fp32_logits: bool | None = None
-    optimizer: MegatronOptimizerConfig = MegatronOptimizerConfig()
-    scheduler: MegatronSchedulerConfig = MegatronSchedulerConfig()
-    distributed_data_parallel_config: MegatronDDPConfig = MegatronDDPConfig()
+    optimizer: MegatronOptimizerConfig = Field(default_factory=MegatronOptimizerConfig)
+    scheduler: MegatronSchedulerConfig = Field(default_factory=MegatronSchedulerConfig)
+    distributed_data_parallel_config: MegatronDDPConfig = Field(default_factory=MegatronDDPConfig)
     fp8_cfg: FP8Config | None = None
     env_vars: dict[str, str] | None = None
 
@@ -268,7 +270,7 @@ class TokenizerConfig(Section):
 class PolicyConfig(Section):
     model_name: str = "tiny-arith"
     """Hugging Face hub id, local folder, or a bundled model name (tiny-arith)."""
-    tokenizer: TokenizerConfig = TokenizerConfig()
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     trust_remote_code: bool = False
     train_global_batch_size: int | None = Field(None, ge=1)
     """Samples per optimizer step; None: all samples of a GRPO step."""
@@ -282,16 +284,16 @@ class PolicyConfig(Section):
     precision: Precision | None = None
     """None: bfloat16 on GPU, float32 on CPU."""
     logprob_chunk_size: int | None = Field(None, ge=1)
-    dtensor_cfg: DTensorConfig = DTensorConfig()
-    megatron_cfg: MegatronConfig = MegatronConfig()
-    deepspeed_cfg: DeepSpeedConfig = DeepSpeedConfig()
-    dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
-    sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
+    megatron_cfg: MegatronConfig = Field(default_factory=MegatronConfig)
+    deepspeed_cfg: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
+    sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
     make_sequence_length_divisible_by: int = Field(1, ge=1)
     max_grad_norm: float | None = Field(1.0, ge=0)
-    optimizer: OptimizerConfig = OptimizerConfig()
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: list[SchedulerItem] = Field(default_factory=_default_scheduler)
-    generation: GenerationConfig = GenerationConfig()
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
 
     @field_validator("scheduler")
     @classmethod
@@ -339,7 +341,7 @@ class GRPOConfig(Section):
     max_val_samples: int = Field(256, ge=1)
     val_batch_size: int = Field(256, ge=1)
     seed: int = 42
-    async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
+    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
 
 
 class LossConfig(Section):
@@ -376,10 +378,8 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> "DataConfig":
-        from novarl.data.datasets import BUNDLED_DATASETS
-
         given = [k for k in ("train_data_path", "val_data_path") if getattr(self, k)]
-        if self.dataset_name in BUNDLED_DATASETS and given:
+        if self.dataset_name in BUNDLED_TASKS and given:
             raise ValueError(f"data.dataset_name='{self.dataset_name}' is a bundled task, but data.{given[0]} "
                              "is also set: drop dataset_name (or set it to 'ResponseDataset') to train on the file")
         return self
@@ -434,10 +434,10 @@ class LoggerConfig(Section):
     mlflow_enabled: bool = False
     swanlab_enabled: bool = False
     monitor_gpus: bool = False
-    wandb: WandbConfig = WandbConfig()
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
     tensorboard: dict[str, Any] = {}
-    mlflow: MlflowConfig = MlflowConfig()
-    gpu_monitoring: GpuMonitoringConfig = GpuMonitoringConfig()
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    gpu_monitoring: GpuMonitoringConfig = Field(default_factory=GpuMonitoringConfig)
 
 
 # ------------------------------------------------------------- ROLL role blocks
@@ -464,8 +464,8 @@ class RoleStrategyArgs(Section):
 class RoleConfig(Section):
     """A ROLL-style role block (actor_train, actor_infer, reference)."""
 
-    model_args: RoleModelArgs = RoleModelArgs()
-    training_args: RoleTrainingArgs = RoleTrainingArgs()
+    model_args: RoleModelArgs = Field(default_factory=RoleModelArgs)
+    training_args: RoleTrainingArgs = Field(default_factory=RoleTrainingArgs)
     strategy_args: RoleStrategyArgs | None = None
     device_mapping: str | list[int] | None = None
     infer_batch_size: int | None = Field(None, ge=1)
@@ -473,15 +473,15 @@ class RoleConfig(Section):
 
 # ------------------------------------------------------------------ the whole
 class NovaRLConfig(Section):
-    grpo: GRPOConfig = GRPOConfig()
-    loss_fn: LossConfig = LossConfig()
-    policy: PolicyConfig = PolicyConfig()
-    data: DataConfig = DataConfig()
-    reward: RewardConfig = RewardConfig()
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    loss_fn: LossConfig = Field(default_factory=LossConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     env: dict[str, MathEnvConfig] = {}
-    checkpointing: CheckpointingConfig = CheckpointingConfig()
-    logger: LoggerConfig = LoggerConfig()
-    cluster: ClusterConfig = ClusterConfig()
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     actor_train: RoleConfig | None = None
     actor_infer: RoleConfig | None = None
     reference: RoleConfig | None = None
