@@ -341,7 +341,7 @@ MEGATRON_GENERATION_WITH_TRAINING = {"policy": {
     (SEED_000_FP8, ["training backend 'megatron'"]),
     (SEED_000_VLLM, [m[:9] for m in VLLM_MISSING]),
     (MEGATRON_GENERATION_WITH_TRAINING, ["training backend 'megatron'", "generation backend 'megatron'"]),
-    (SEED_000_DEDICATED, ["dedicated generation resources"]),
+    (SEED_000_DEDICATED, []),  # generation on its own Ray actor: built
     (SEED_000_LARGE, ["training backend 'megatron'"]),
 ], ids=["dtensor", "colocated", "memory", "throughput", "megatron", "megatron-full", "fp8", "vllm",
         "megatron-generation", "dedicated", "large"])

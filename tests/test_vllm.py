@@ -73,3 +73,31 @@ def test_grpo_with_vllm_colocated(tmp_path):
 def statistics_mean(values):
     values = list(values)
     return sum(values) / len(values)
+
+
+def grpo_steps(tmp_path, *extra):
+    cfg = load_config(BUNDLED_RECIPE, overrides=[
+        f"logger.log_dir={tmp_path}", "logger.progress_bar=false", "grpo.max_train_seconds=null",
+        "grpo.max_num_steps=4", "grpo.val_at_start=false", "grpo.val_at_end=false",
+        "policy.generation.backend=vllm", "policy.generation.vllm_cfg.enforce_eager=true", *extra])
+    result = GRPOTrainer(cfg).train()
+    return [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def test_dedicated_generation_on_its_own_ray_actor_matches_colocated(tmp_path):
+    """Flip one key: trainer and vLLM generator become two Ray actors; same samples, same updates."""
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    colocated = grpo_steps(tmp_path / "colocated")
+    try:
+        dedicated = grpo_steps(tmp_path / "dedicated", "policy.generation.colocated.enabled=false")
+        assert ray.is_initialized()
+    finally:
+        ray.shutdown()
+    for one, two in zip(colocated, dedicated, strict=True):
+        assert two["reward_mean"] == one["reward_mean"]
+        assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
+        assert two["logprob_mismatch"] < 1e-3

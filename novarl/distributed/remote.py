@@ -50,6 +50,26 @@ class RemotePolicy:
         self.group.shutdown()
 
 
+class RemoteGenerator:
+    """GenerationBackend on its own Ray actor (dedicated generation resources).
+
+    Weights travel from the trainer through the driver and Ray's object store,
+    one copy per update; completions come back the same way.
+    """
+
+    def __init__(self, group: RayWorkerGroup) -> None:
+        self.group = group
+
+    def generate(self, prompts, sampling):
+        return self.group.call("generate", list(prompts), sampling)
+
+    def update_weights(self, weights, version: int) -> None:
+        self.group.call("update_weights", list(weights), version)
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
 class RemoteReference:
     """The frozen reference over a RayWorkerGroup of DTensorReference ranks."""
 

@@ -77,8 +77,8 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     dt = policy.dtensor_cfg
     if dt.context_parallel_size > 1:
         missing.append(f"context parallelism (policy.dtensor_cfg.context_parallel_size={dt.context_parallel_size})")
-    if not policy.generation.colocated.enabled:
-        missing.append("dedicated generation resources (policy.generation.colocated.enabled=false)")
+    if not policy.generation.colocated.enabled and not _installed("ray"):
+        missing.append("Ray, for dedicated generation (policy.generation.colocated.enabled=false)")
     if cfg.grpo.async_grpo.enabled:
         missing.append("asynchronous GRPO (grpo.async_grpo.enabled)")
     if cfg.grpo.max_rollout_turns > 1:

@@ -115,20 +115,34 @@ class Roles:
 
 
 def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device):
-    """The generation backend the config resolved to, colocated in this process."""
+    """The generation backend the config resolved to: in this process when colocated,
+    on its own Ray actor when `policy.generation.colocated.enabled` is false."""
     gen = cfg.policy.generation
     precision = generation_precision(cfg, device)
     if inputs.choice.generation == "vllm":
         from novarl.backends.generation.vllm import VllmGeneration
 
-        return VllmGeneration(inputs.model_path, inputs.tokenizer, gen, precision=precision,
-                              max_seq_length=cfg.policy.max_seq_length, seed=cfg.grpo.seed,
-                              trust_remote_code=cfg.policy.trust_remote_code)
-    from novarl.backends.generation.hf import HFGeneration
+        factory, kwargs = VllmGeneration, dict(
+            model_path=inputs.model_path, tokenizer=inputs.tokenizer, cfg=gen, precision=precision,
+            max_seq_length=cfg.policy.max_seq_length, seed=cfg.grpo.seed,
+            trust_remote_code=cfg.policy.trust_remote_code)
+    else:
+        from novarl.backends.generation.hf import HFGeneration
 
-    return HFGeneration(inputs.model_path, inputs.tokenizer, device, precision=precision,
-                        batch_size=gen.generation_batch_size or cfg.policy.generation_batch_size,
-                        max_seq_length=cfg.policy.max_seq_length, trust_remote_code=cfg.policy.trust_remote_code)
+        factory, kwargs = HFGeneration, dict(
+            model_path=inputs.model_path, tokenizer=inputs.tokenizer, device=None, precision=precision,
+            batch_size=gen.generation_batch_size or cfg.policy.generation_batch_size,
+            max_seq_length=cfg.policy.max_seq_length, trust_remote_code=cfg.policy.trust_remote_code)
+    if gen.colocated.enabled:
+        return factory(**{**kwargs, **({"device": device} if "device" in kwargs else {})})
+    from novarl.distributed.ray_group import RayWorkerGroup
+    from novarl.distributed.remote import RemoteGenerator
+
+    res = gen.colocated.resources
+    gpus = (res.gpus_per_node or 1) * (res.num_nodes or 1) if device.type == "cuda" else 0
+    info(f"starting the {inputs.choice.generation} generator on its own Ray actor "
+         f"({f'{gpus} GPU(s)' if gpus else '1 CPU'})")
+    return RemoteGenerator(RayWorkerGroup(factory, kwargs, world_size=1, gpus_per_rank=gpus, name="generator"))
 
 
 def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> Roles:
@@ -142,7 +156,7 @@ def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> R
     reference_args = dict(policy=cfg.policy, model_path=inputs.model_path, temperature=temperature)
     with_reference = cfg.loss_fn.reference_policy_kl_penalty > 0
     ranks = world_size(cfg)
-    if ranks == 1:
+    if ranks == 1 and cfg.policy.generation.colocated.enabled:
         from novarl.distributed.local import ensure_single_process_group
 
         ensure_single_process_group()

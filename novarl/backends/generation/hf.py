@@ -18,9 +18,12 @@ from novarl.types import Completion, Prompt, SamplingConfig
 class HFGeneration:
     """Implements GenerationBackend on a plain (unsharded) transformers model."""
 
-    def __init__(self, model_path: str, tokenizer, device: torch.device, *, precision: str = "float32",
+    def __init__(self, model_path: str, tokenizer, device: torch.device | None = None, *, precision: str = "float32",
                  batch_size: int | None = None, max_seq_length: int | None = None,
                  trust_remote_code: bool = False) -> None:
+        from novarl.distributed.local import default_device
+
+        device = device or default_device()
         self.model = load_causal_lm(model_path, dtype=DTYPES[precision], trust_remote_code=trust_remote_code)
         self.model.to(device)
         self.model.requires_grad_(False)
