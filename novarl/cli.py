@@ -46,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"YAML config (default: the bundled {BUNDLED_RECIPE.name})")
         p.add_argument("overrides", nargs="*", metavar="key.path=value", help="dotted overrides")
         p.set_defaults(run=run)
+        if name == "plan":
+            p.add_argument("--model", default=None, metavar="NAME_OR_PATH_OR_COUNT",
+                           help="plan layouts for this model: a local Hugging Face folder, a bundled name "
+                                "(tiny-arith), a hub id with config.json cached, or a count such as 7.5B "
+                                "(default: the config's policy.model_name)")
+            p.add_argument("--gpu-memory-gb", type=float, default=80.0,
+                           help="memory of one GPU in GB (1e9 bytes; default 80)")
+            p.add_argument("--json", action="store_true", help="print the layout advice as JSON only")
         if name == "train":
             resume = p.add_mutually_exclusive_group()
             resume.add_argument("--resume", dest="resume", action="store_true", default=None,
@@ -96,20 +104,85 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """Backends and batch arithmetic of the config (unless only --model is given),
+    then the layout advice for its model, cluster and workload. Exit 2 when the
+    config needs what is not built yet."""
+    import json
+
+    from novarl.config import load_config
     from novarl.plan.resolve import check_available, plan_batches, resolve_backends
 
-    cfg = _config(args)
-    choice = resolve_backends(cfg)
-    availability = check_available(cfg, choice)
-    print(choice.describe())
-    for note in choice.notes:
-        print(f"note: {note}")
-    print(plan_batches(cfg).describe())
-    for item in availability.missing:
-        print(f"not available yet: {item}")
-    for item in availability.warnings:
-        print(f"warning: {item}")
-    return 0 if not availability.missing else 2
+    model_only = args.model is not None and args.config is None
+    # With only --model, the workload comes from the schema defaults (and the overrides,
+    # e.g. cluster.gpus_per_node=8), not from the bundled tiny recipe.
+    cfg = load_config(None, overrides=args.overrides) if model_only else _config(args)
+    exit_code = 0
+    if not model_only:
+        choice = resolve_backends(cfg)
+        availability = check_available(cfg, choice)
+        if not args.json:
+            print(choice.describe())
+            for note in choice.notes:
+                print(f"note: {note}")
+            print(plan_batches(cfg).describe())
+            for item in availability.missing:
+                print(f"not available yet: {item}")
+            for item in availability.warnings:
+                print(f"warning: {item}")
+        exit_code = 0 if not availability.missing else 2
+    advice, skipped = _plan_advice(cfg, args)
+    if args.json:
+        print(json.dumps(advice.to_dict() if advice else {"skipped": skipped}, indent=2))
+    elif advice is not None:
+        print()
+        print(_advice_table(advice))
+    else:
+        print(f"layout advice skipped: {skipped}")
+    return exit_code
+
+
+def _plan_advice(cfg, args: argparse.Namespace):
+    """(Advice, None), or (None, why) when the config's model or cluster cannot be planned."""
+    from novarl.models.loading import resolve_model_path
+    from novarl.plan.advisor import advise
+    from novarl.plan.model_shape import ModelShape, parse_parameter_count
+
+    name = args.model or cfg.policy.model_name
+    try:
+        try:
+            shape = ModelShape.from_parameter_count(parse_parameter_count(name))
+        except UserError:  # not a count: a bundled name, a folder or a cached hub id
+            shape = ModelShape.from_name(resolve_model_path(name))
+    except UserError as err:
+        if args.model is not None:
+            raise
+        return None, f"the shape of policy.model_name='{name}' is not known without downloading ({err})"
+    if cfg.cluster.gpus_per_node < 1:
+        return None, "cluster.gpus_per_node=0 (CPU ranks): the advisor plans GPU memory"
+    advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
+                    gpu_memory_gb=args.gpu_memory_gb, sequence_length=cfg.policy.max_seq_length,
+                    micro_batch_size=cfg.policy.train_micro_batch_size,
+                    precision=cfg.policy.precision or "bfloat16")
+    return advice, None
+
+
+def _advice_table(advice) -> str:
+    columns = ("params", "grads", "optimizer", "gathered_params", "activations", "generator_weights", "kv_cache",
+               "peak")
+    header = (f"{'strategy':<28} {'dp':>3} {'tp':>2} {'pp':>2} {'generation':<14} {'placement':<9} "
+              + " ".join(f"{c[:9]:>9}" for c in columns) + f" {'fits':<4} {'score':>5}")
+    rows = [f"layouts, GB per GPU (peak: see novarl.plan.advisor; fits: peak <= 90% of "
+            f"{advice.gpu_memory_gb:g} GB):", header]
+    for c in advice.candidates:
+        name = c.strategy + (" +ckpt" if c.activation_checkpointing else "") + ("" if c.built else " *")
+        rows.append(f"{name:<28} {c.data_parallel_size:>3} {c.tensor_parallel_size:>2} {c.pipeline_parallel_size:>2} "
+                    f"{c.generation_backend + ' tp=' + str(c.generation_tp):<14} {c.placement:<9} "
+                    + " ".join(f"{c.memory_gb[k]:>9.{1 if c.memory_gb[k] >= 10 else 3}f}" for k in columns)
+                    + f" {'yes' if c.fits else 'no':<4} {c.score:>5.2f}")
+    rows.append("+ckpt: with full activation checkpointing; *: backend not built in novarl yet")
+    rows.append(f"recommended: {advice.recommended.describe() if advice.recommended else 'none (nothing fits)'}")
+    rows += [f"- {line}" for line in advice.explanation]
+    return "\n".join(rows)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -1,0 +1,468 @@
+"""Which training layout to run a model on: the seeds' decision tree, checked
+and if need be overridden by the memory model (`novarl.plan.memory`).
+
+    advice = advise(ModelShape.from_name("7.5B"), gpus_per_node=8, num_nodes=1, sequence_length=4096)
+    advice.recommended, advice.explanation, advice.to_dict()
+
+The decision tree (seed 000, NeMo RL's backend guide), by total parameters:
+    < 10B                    DTensor + vLLM
+    10B-70B, single node     DTensor + vLLM (TP=8)
+    10B-70B, multi-node      Megatron + vLLM
+    > 70B                    Megatron + Megatron generation
+Its pick is made concrete as a plain layout (DTensor: FSDP2 over every training
+GPU, no TP; Megatron: the largest TP in a node and the shallowest pipeline that
+fits). It is recommended when it fits; otherwise the fastest candidate that
+fits is, and the explanation says why, with the numbers.
+
+Fitting. A candidate fits when its peak per-GPU memory is at most HEADROOM
+(90 %) of `gpu_memory_gb` (GB = 1e9 bytes; an "80 GB" card holds 80 GiB = 85.9
+GB, so 80 is conservative) and its generator holds its weights plus the KV cache
+of one full sequence. Activations are first taken without recomputation; a
+layout that only fits with full activation checkpointing is listed with it.
+Peak memory by placement:
+    colocated vLLM      max(training, generation): vLLM sleeps while training
+                        runs (novarl's vLLM backend does), and takes
+                        COLOCATED_VLLM_UTILIZATION (0.6, the seeds' default) of
+                        the GPU when it generates.
+    dedicated vLLM      training only; the generator gets its own GPUs (the last
+                        node) with DEDICATED_VLLM_UTILIZATION of each.
+    Megatron generation the training weights serve generation in place, so the
+                        peak is max(training, model states + the KV buffer,
+                        `mcore_generation_config.buffer_size_gb` = 20 GB).
+
+Placement rule (seed 000: colocated is the default and "good for small-medium
+models", dedicated is "recommended for large models"): colocated when the
+model has < 10B parameters or the cluster is one node (there is no second node
+to dedicate); dedicated otherwise, giving the last node to vLLM. Megatron
+generation is always colocated: it runs on the training weights.
+
+Expected-throughput score: relative training throughput per GPU, 1.0 for plain
+data parallelism (DDP), the product of these factors (seed 004's rules of thumb
+where it has one, our estimate where it has none):
+    FSDP2 / ZeRO-3 sharding, dp > 1  x0.85  seed 004: 10-20 % slower than DDP
+    ZeRO-2, Megatron                 x1.0   seed 004: ZeRO-2 near-DDP; Megatron
+                                            highest throughput at scale
+    sharded weights over nodes       x0.9   FSDP2/ZeRO-3 gather every layer's
+                                            weights over InfiniBand, not NVLink
+    tensor parallel, per doubling    x0.97  seed 004: near-linear to 8 GPUs,
+                                            TP stays inside a node (NVLink)
+    pipeline parallel                x(1 - (p-1)/(m+p-1)), the 1F1B bubble with
+                                            m = ASSUMED_MICROBATCHES (8)
+    CPU offload                      x0.3   PCIe transfers and a CPU optimizer step
+    full activation checkpointing    x0.75  one more forward: ~4/3 the compute
+Candidates are ranked: those that fit first, then by score, then by lower peak.
+The score compares training layouts; it does not model generation speed.
+
+Enumerated: DTensor FSDP2; FSDP2 + TP (TP in {2, 4, 8} dividing the GPUs per
+node and the attention heads); FSDP2 + CPU offload; DeepSpeed ZeRO-2 and
+ZeRO-3; Megatron TP x PP (the same TPs, PP a power of two dividing the training
+GPUs / TP, at most the layers; per TP the pipeline deepens only until a layout
+fits, deeper ones only add bubble). Context parallelism is not enumerated
+(cp = 1). DeepSpeed and Megatron are listed with `built=False`: novarl does not
+have those backends yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from novarl.errors import UserError
+from novarl.plan.memory import (
+    GB,
+    ColocatedGenerator,
+    MemoryBreakdown,
+    Parallelism,
+    Precision,
+    Workload,
+    estimate_memory,
+    generator_weight_bytes,
+    kv_cache_bytes,
+)
+from novarl.plan.model_shape import ModelShape
+
+HEADROOM = 0.9
+"""Share of the GPU memory a layout may plan to use (the rest: CUDA context,
+allocator fragmentation, NCCL buffers)."""
+COLOCATED_VLLM_UTILIZATION = 0.6
+DEDICATED_VLLM_UTILIZATION = 0.9
+MEGATRON_GENERATION_BUFFER_GB = 20.0
+ASSUMED_MICROBATCHES = 8
+SMALL_MODEL, LARGE_MODEL = 10e9, 70e9
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
+
+Placement = Literal["colocated", "dedicated"]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A training layout before it is sized: what the memory model is asked about."""
+
+    strategy: str
+    backend: str
+    memory_strategy: str
+    """A key of `novarl.plan.memory.STRATEGIES`."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+_BUILT_BACKENDS = ("dtensor",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    strategy: str
+    """'dtensor fsdp2', 'dtensor fsdp2+tp', 'dtensor fsdp2 + cpu offload',
+    'deepspeed zero-2', 'deepspeed zero-3' or 'megatron tp x pp'."""
+    training_backend: str
+    """'dtensor', 'deepspeed' or 'megatron'."""
+    built: bool
+    """novarl has this training backend today."""
+    data_parallel_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    context_parallel_size: int
+    training_gpus: int
+    generation_backend: str
+    """'vllm' or 'megatron'."""
+    generation_tp: int
+    placement: Placement
+    activation_checkpointing: bool
+    """True: fits only with full activation recomputation."""
+    memory_gb: dict[str, float]
+    """Per training GPU, GB: MemoryBreakdown.as_dict_gb() plus 'peak' (see the module docstring)."""
+    fits: bool
+    score: float
+    """Relative expected training throughput per GPU (1.0: DDP)."""
+    score_factors: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def peak_gb(self) -> float:
+        return self.memory_gb["peak"]
+
+    @property
+    def parallel_sizes(self) -> str:
+        return (f"dp={self.data_parallel_size} tp={self.tensor_parallel_size} "
+                f"pp={self.pipeline_parallel_size} cp={self.context_parallel_size}")
+
+    def describe(self) -> str:
+        return (f"{self.strategy} ({self.parallel_sizes}{', activation checkpointing' * self.activation_checkpointing})"
+                f" + {self.generation_backend} generation TP={self.generation_tp}, {self.placement}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy, "training_backend": self.training_backend, "built": self.built,
+            "parallel": {"dp": self.data_parallel_size, "tp": self.tensor_parallel_size,
+                         "pp": self.pipeline_parallel_size, "cp": self.context_parallel_size},
+            "training_gpus": self.training_gpus,
+            "generation": {"backend": self.generation_backend, "tensor_parallel_size": self.generation_tp},
+            "placement": self.placement, "activation_checkpointing": self.activation_checkpointing,
+            "memory_gb": {k: round(v, 3) for k, v in self.memory_gb.items()},
+            "fits": self.fits, "score": round(self.score, 4), "score_factors": list(self.score_factors),
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Advice:
+    candidates: list[Candidate]
+    """Ranked: those that fit first, then by score."""
+    recommended: Candidate | None
+    """None when nothing fits."""
+    tree_pick: Candidate
+    """The seeds' decision tree's choice as a concrete layout."""
+    tree_branch: str
+    """'<10B', '10B-70B single node', '10B-70B multi-node' or '>70B'."""
+    explanation: list[str]
+    gpu_memory_gb: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recommended": self.recommended.to_dict() if self.recommended else None,
+            "tree_branch": self.tree_branch,
+            "tree_pick": self.tree_pick.to_dict(),
+            "explanation": list(self.explanation),
+            "gpu_memory_gb": self.gpu_memory_gb,
+            "headroom": HEADROOM,
+            "candidates": [candidate.to_dict() for candidate in self.candidates],
+        }
+
+
+# ------------------------------------------------------------------ the tree
+def tree_branch(shape: ModelShape, *, num_nodes: int) -> str:
+    """The branch of the seeds' decision tree that `shape` falls in."""
+    if shape.parameters < SMALL_MODEL:
+        return "<10B"
+    if shape.parameters <= LARGE_MODEL:
+        return "10B-70B single node" if num_nodes == 1 else "10B-70B multi-node"
+    return ">70B"
+
+
+_TREE_TEXT = {
+    "<10B": "DTensor + vLLM",
+    "10B-70B single node": "DTensor + vLLM (TP=8)",
+    "10B-70B multi-node": "Megatron + vLLM",
+    ">70B": "Megatron + Megatron generation",
+}
+
+
+def placement_for(shape: ModelShape, *, num_nodes: int, generation_backend: str) -> Placement:
+    """Colocated for < 10B, one node, or Megatron generation; dedicated otherwise."""
+    if generation_backend == "megatron" or shape.parameters < SMALL_MODEL or num_nodes == 1:
+        return "colocated"
+    return "dedicated"
+
+
+# ------------------------------------------------------------------ advise
+def advise(shape: ModelShape, *, gpus_per_node: int, num_nodes: int, gpu_memory_gb: float = 80,
+           sequence_length: int, micro_batch_size: int = 1, precision: Precision = "bfloat16",
+           generation_tp: int | None = None) -> Advice:
+    """Rank the training layouts for `shape` on `num_nodes` x `gpus_per_node` GPUs of
+    `gpu_memory_gb` GB each, and recommend one (see the module docstring)."""
+    if gpus_per_node < 1 or num_nodes < 1:
+        raise UserError(f"the advisor plans for GPUs: cluster {num_nodes} node(s) x {gpus_per_node} GPU(s) has none.")
+    if gpu_memory_gb <= 0 or sequence_length < 1 or micro_batch_size < 1:
+        raise UserError("gpu_memory_gb, sequence_length and micro_batch_size must be positive.")
+    branch = tree_branch(shape, num_nodes=num_nodes)
+    tps = valid_tensor_parallel_sizes(shape, gpus_per_node=gpus_per_node)
+    if generation_tp is not None and generation_tp not in tps:
+        raise UserError(f"generation TP {generation_tp} must be one of {tps}: it must divide the "
+                        f"{gpus_per_node} GPUs per node and the {shape.num_attention_heads} attention heads.")
+    context = _Context(shape=shape, gpus_per_node=gpus_per_node, num_nodes=num_nodes, gpu_memory_gb=gpu_memory_gb,
+                       workload=Workload(sequence_length=sequence_length, micro_batch_size=micro_batch_size,
+                                         precision=precision),
+                       generation_tp=generation_tp, tps=tps, branch=branch)
+    candidates = _candidates(context)
+    ranked = sorted(candidates, key=lambda c: (not c.fits, -c.score, c.peak_gb))
+    pick = _tree_pick(context, candidates)
+    fitting = [c for c in ranked if c.fits]
+    recommended = pick if pick.fits else (fitting[0] if fitting else None)
+    return Advice(candidates=ranked, recommended=recommended, tree_pick=pick, tree_branch=branch,
+                  explanation=_explain(context, pick, recommended, fitting), gpu_memory_gb=gpu_memory_gb)
+
+
+def valid_tensor_parallel_sizes(shape: ModelShape, *, gpus_per_node: int) -> list[int]:
+    """TP sizes in {1, 2, 4, 8} that divide the GPUs per node (TP stays on NVLink) and the heads."""
+    return [t for t in TENSOR_PARALLEL_SIZES if gpus_per_node % t == 0 and shape.num_attention_heads % t == 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Context:
+    shape: ModelShape
+    gpus_per_node: int
+    num_nodes: int
+    gpu_memory_gb: float
+    workload: Workload
+    generation_tp: int | None
+    tps: list[int]
+    branch: str
+
+    @property
+    def budget_gb(self) -> float:
+        return HEADROOM * self.gpu_memory_gb
+
+
+def _candidates(context: _Context) -> list[Candidate]:
+    layouts = [_Layout("dtensor fsdp2", "dtensor", "fsdp2")]
+    layouts += [_Layout("dtensor fsdp2+tp", "dtensor", "fsdp2_tp", tensor_parallel_size=t) for t in context.tps if t > 1]
+    layouts += [_Layout("dtensor fsdp2 + cpu offload", "dtensor", "fsdp2_offload"),
+                _Layout("deepspeed zero-2", "deepspeed", "zero2"),
+                _Layout("deepspeed zero-3", "deepspeed", "zero3")]
+    candidates = [_size(context, layout) for layout in layouts]
+    return candidates + _megatron_candidates(context)
+
+
+def _megatron_candidates(context: _Context) -> list[Candidate]:
+    found = []
+    generation = "megatron" if context.branch == ">70B" else "vllm"
+    training_gpus = _training_gpus(context, generation)
+    for tp in context.tps:
+        pp = 1
+        while (training_gpus // tp) % pp == 0 and pp <= context.shape.num_layers:
+            candidate = _size(context, _Layout("megatron tp x pp", "megatron", "megatron", tp, pp))
+            found.append(candidate)
+            if candidate.fits:
+                break
+            pp *= 2
+    return found
+
+
+def _generation_backend(context: _Context, layout: _Layout) -> str:
+    return "megatron" if layout.backend == "megatron" and context.branch == ">70B" else "vllm"
+
+
+def _training_gpus(context: _Context, generation_backend: str) -> int:
+    placement = placement_for(context.shape, num_nodes=context.num_nodes, generation_backend=generation_backend)
+    nodes = context.num_nodes - (1 if placement == "dedicated" else 0)
+    return nodes * context.gpus_per_node
+
+
+def _size(context: _Context, layout: _Layout) -> Candidate:
+    """Size `layout` with the memory model: without recomputation, else with full recomputation."""
+    generation = _generation_backend(context, layout)
+    placement = placement_for(context.shape, num_nodes=context.num_nodes, generation_backend=generation)
+    training_gpus = _training_gpus(context, generation)
+    tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
+    dp = training_gpus // (tp * pp)
+    generation_tp = tp if generation == "megatron" else _vllm_tp(context, placement)
+    parallel = Parallelism(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                           sequence_parallel=layout.backend == "megatron" and tp > 1,
+                           num_microbatches=ASSUMED_MICROBATCHES if pp > 1 else None)
+    for recompute in ("none", "full"):
+        workload = dataclasses.replace(context.workload, recompute=recompute)
+        breakdown = _breakdown(context, layout, workload, parallel, generation, placement, generation_tp)
+        peak = _peak(breakdown, placement, generation)
+        generator_fits = _generator_fits(context, generation, placement, generation_tp)
+        fits = peak <= context.budget_gb * GB and generator_fits
+        if fits:
+            break
+    notes = list(breakdown.notes)
+    if not generator_fits:
+        notes.append(f"{generation} generation at TP={generation_tp} does not hold the weights and one "
+                     f"{context.workload.sequence_length}-token sequence of KV cache")
+    if placement == "dedicated":
+        notes.append(f"generation on the last node: {context.gpus_per_node // generation_tp} vLLM engine(s) "
+                     f"of TP={generation_tp}")
+    score, factors = _score(context, layout, dp=dp, recompute=recompute)
+    return Candidate(strategy=layout.strategy, training_backend=layout.backend, built=layout.backend in _BUILT_BACKENDS,
+                     data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=1,
+                     training_gpus=training_gpus, generation_backend=generation, generation_tp=generation_tp,
+                     placement=placement, activation_checkpointing=recompute == "full",
+                     memory_gb={**breakdown.as_dict_gb(), "peak": peak / GB}, fits=fits, score=score,
+                     score_factors=factors, notes=tuple(notes))
+
+
+def _breakdown(context: _Context, layout: _Layout, workload: Workload, parallel: Parallelism,
+               generation: str, placement: Placement, generation_tp: int) -> MemoryBreakdown:
+    memory_bytes = context.gpu_memory_gb * GB
+    generator = None
+    if generation == "vllm" and placement == "colocated":
+        generator = ColocatedGenerator(tensor_parallel_size=generation_tp, gpu_memory_bytes=memory_bytes,
+                                       gpu_memory_utilization=COLOCATED_VLLM_UTILIZATION)
+    breakdown = estimate_memory(context.shape, strategy=layout.memory_strategy, workload=workload,
+                                parallel=parallel, generator=generator)
+    if generation == "megatron":
+        # Megatron generation runs on the training weights: no second copy, a KV buffer.
+        breakdown = dataclasses.replace(breakdown, kv_cache=MEGATRON_GENERATION_BUFFER_GB * GB)
+    return breakdown
+
+
+def _peak(breakdown: MemoryBreakdown, placement: Placement, generation: str) -> float:
+    if generation == "megatron":
+        return max(breakdown.training, breakdown.model_states + breakdown.kv_cache)
+    if placement == "colocated":
+        return max(breakdown.training, breakdown.generation)
+    return breakdown.training
+
+
+def _generator_fits(context: _Context, generation: str, placement: Placement, generation_tp: int) -> bool:
+    if generation == "megatron":
+        return True  # its weights are the training weights, checked in the peak
+    return _vllm_need(context, generation_tp) <= _vllm_share(placement) * context.gpu_memory_gb * GB
+
+
+def _vllm_need(context: _Context, generation_tp: int) -> float:
+    """Bytes one vLLM rank needs at least: bf16 weights and one full sequence of KV cache."""
+    return (generator_weight_bytes(context.shape, tensor_parallel_size=generation_tp)
+            + kv_cache_bytes(context.shape, num_tokens=context.workload.sequence_length,
+                             tensor_parallel_size=generation_tp))
+
+
+def _vllm_share(placement: Placement) -> float:
+    return COLOCATED_VLLM_UTILIZATION if placement == "colocated" else DEDICATED_VLLM_UTILIZATION
+
+
+def _vllm_tp(context: _Context, placement: Placement) -> int:
+    """The user's TP; for >= 10B the seeds' TP=8 (the largest valid up to 8); for a
+    small model the smallest TP whose weights and one sequence fit vLLM's share."""
+    if context.generation_tp is not None:
+        return context.generation_tp
+    if context.shape.parameters >= SMALL_MODEL:
+        return context.tps[-1]
+    budget = _vllm_share(placement) * context.gpu_memory_gb * GB
+    return next((t for t in context.tps if _vllm_need(context, t) <= budget), context.tps[-1])
+
+
+# ------------------------------------------------------------------ score
+_SHARDING = {"fsdp2": 0.85, "fsdp2_tp": 0.85, "fsdp2_offload": 0.85, "zero3": 0.85, "zero2": 1.0, "megatron": 1.0}
+
+
+def _score(context: _Context, layout: _Layout, *, dp: int, recompute: str) -> tuple[float, tuple[str, ...]]:
+    """Relative training throughput per GPU and the factors it is made of (module docstring)."""
+    score, factors = 1.0, []
+
+    def apply(factor: float, why: str) -> None:
+        nonlocal score
+        score *= factor
+        factors.append(f"x{factor:.3g} {why}")
+
+    sharding = _SHARDING[layout.memory_strategy]
+    if sharding != 1.0 and dp > 1:
+        apply(sharding, "sharded weights (FSDP/ZeRO-3: 10-20% slower than DDP)")
+    tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
+    if layout.memory_strategy in ("fsdp2", "fsdp2_tp", "fsdp2_offload", "zero3") and dp * tp > context.gpus_per_node:
+        apply(0.9, "weights gathered across nodes")
+    if tp > 1:
+        apply(0.97 ** (tp.bit_length() - 1), f"tensor parallel {tp} within a node")
+    if pp > 1:
+        m = ASSUMED_MICROBATCHES
+        apply(1 - (pp - 1) / (m + pp - 1), f"pipeline bubble (p-1)/(m+p-1), p={pp}, m={m}")
+    if layout.memory_strategy == "fsdp2_offload":
+        apply(0.3, "CPU offload (PCIe transfers, CPU optimizer step)")
+    if recompute == "full":
+        apply(0.75, "full activation checkpointing")
+    return score, tuple(factors)
+
+
+# ------------------------------------------------------------------ tree pick
+def _tree_pick(context: _Context, candidates: list[Candidate]) -> Candidate:
+    """The tree's choice as a concrete layout: plain FSDP2 for DTensor; for Megatron the
+    largest TP and the shallowest pipeline that fits (or the deepest tried)."""
+    if context.branch in ("<10B", "10B-70B single node"):
+        return next(c for c in candidates if c.strategy == "dtensor fsdp2")
+    megatron = [c for c in candidates if c.training_backend == "megatron"
+                and c.tensor_parallel_size == context.tps[-1]]
+    return next((c for c in megatron if c.fits), megatron[-1])
+
+
+def _explain(context: _Context, pick: Candidate, recommended: Candidate | None,
+             fitting: list[Candidate]) -> list[str]:
+    shape, budget = context.shape, context.budget_gb
+    count = f"{shape.parameters / 1e9:.1f}B" if shape.parameters >= 1e8 else f"{shape.parameters / 1e6:.2f}M"
+    lines = [f"{count} parameters on {context.num_nodes} node(s) x {context.gpus_per_node} "
+             f"GPU(s): the seeds' decision tree ({context.branch}) picks {_TREE_TEXT[context.branch]}, "
+             f"here {pick.describe()}."]
+    budget_text = f"the {budget:.1f} GB budget ({HEADROOM:.0%} of {context.gpu_memory_gb:g} GB)"
+    if pick.fits:
+        lines.append(f"The memory model confirms it: {pick.peak_gb:.1f} GB peak per GPU, within {budget_text}.")
+    else:
+        lines.append(f"The memory model overrides it: it needs {pick.peak_gb:.1f} GB per GPU"
+                     + (" even with full activation checkpointing" if pick.activation_checkpointing else "")
+                     + f" "
+                     f"(model states {pick.memory_gb['model_states']:.1f}, activations "
+                     f"{pick.memory_gb['activations']:.1f}), more than {budget_text}"
+                     + ("" if not any("does not hold" in n for n in pick.notes) else ", or its generator does not fit")
+                     + ".")
+        if recommended is not None:
+            same = (recommended.training_backend == pick.training_backend
+                    and recommended.generation_backend == pick.generation_backend)
+            lines.append(f"Recommended instead: {recommended.describe()}, the fastest layout that fits "
+                         f"({recommended.peak_gb:.1f} GB peak, score {recommended.score:.2f}); "
+                         + ("it keeps the tree's backends." if same else "it leaves the tree's backends."))
+    if recommended is None:
+        lines.append(f"Nothing fits: no listed layout stays within {budget_text} with a generator that holds "
+                     "the weights. Use more or larger GPUs, a shorter sequence, or a smaller model.")
+        return lines
+    if recommended.activation_checkpointing:
+        lines.append("It fits only with full activation checkpointing (about 25% slower).")
+    if not recommended.built:
+        built = next((c for c in fitting if c.built), None)
+        lines.append(f"novarl does not have the {recommended.training_backend} training backend yet"
+                     + (f"; the fastest built layout that fits is {built.describe()} ({built.peak_gb:.1f} GB)."
+                        if built else "; no built layout fits."))
+    lines.append(f"Placement {recommended.placement}: "
+                 + ("Megatron generation runs on the training weights." if recommended.generation_backend == "megatron"
+                    else "the rule is colocated below 10B parameters or on one node, dedicated otherwise."))
+    return lines
