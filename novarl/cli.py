@@ -110,6 +110,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from novarl.config import load_config
+    from novarl.models.loading import resolve_model_path
+    from novarl.plan.advisor import advise, format_advice
+    from novarl.plan.model_shape import ModelShape, parse_parameter_count
     from novarl.plan.resolve import check_available, plan_batches, resolve_backends
 
     model_only = args.model is not None and args.config is None
@@ -120,6 +123,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not model_only:
         choice = resolve_backends(cfg)
         availability = check_available(cfg, choice)
+        exit_code = 0 if not availability.missing else 2
         if not args.json:
             print(choice.describe())
             for note in choice.notes:
@@ -129,25 +133,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 print(f"not available yet: {item}")
             for item in availability.warnings:
                 print(f"warning: {item}")
-        exit_code = 0 if not availability.missing else 2
-    advice, skipped = _plan_advice(cfg, args)
-    if args.json:
-        print(json.dumps(advice.to_dict() if advice else {"skipped": skipped}, indent=2))
-    elif advice is not None:
-        print()
-        print(_advice_table(advice))
-    else:
-        print(f"layout advice skipped: {skipped}")
-    return exit_code
-
-
-def _plan_advice(cfg, args: argparse.Namespace):
-    """(Advice, None), or (None, why) when the config's model or cluster cannot be planned."""
-    from novarl.models.loading import resolve_model_path
-    from novarl.plan.advisor import advise
-    from novarl.plan.model_shape import ModelShape, parse_parameter_count
-
-    name = args.model or cfg.policy.model_name
+    name, advice, skipped = args.model or cfg.policy.model_name, None, None
     try:
         try:
             shape = ModelShape.from_parameter_count(parse_parameter_count(name))
@@ -156,33 +142,19 @@ def _plan_advice(cfg, args: argparse.Namespace):
     except UserError as err:
         if args.model is not None:
             raise
-        return None, f"the shape of policy.model_name='{name}' is not known without downloading ({err})"
-    if cfg.cluster.gpus_per_node < 1:
-        return None, "cluster.gpus_per_node=0 (CPU ranks): the advisor plans GPU memory"
-    advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
-                    gpu_memory_gb=args.gpu_memory_gb, sequence_length=cfg.policy.max_seq_length,
-                    micro_batch_size=cfg.policy.train_micro_batch_size,
-                    precision=cfg.policy.precision or "bfloat16")
-    return advice, None
-
-
-def _advice_table(advice) -> str:
-    columns = ("params", "grads", "optimizer", "gathered_params", "activations", "generator_weights", "kv_cache",
-               "peak")
-    header = (f"{'strategy':<28} {'dp':>3} {'tp':>2} {'pp':>2} {'generation':<14} {'placement':<9} "
-              + " ".join(f"{c[:9]:>9}" for c in columns) + f" {'fits':<4} {'score':>5}")
-    rows = [f"layouts, GB per GPU (peak: see novarl.plan.advisor; fits: peak <= 90% of "
-            f"{advice.gpu_memory_gb:g} GB):", header]
-    for c in advice.candidates:
-        name = c.strategy + (" +ckpt" if c.activation_checkpointing else "") + ("" if c.built else " *")
-        rows.append(f"{name:<28} {c.data_parallel_size:>3} {c.tensor_parallel_size:>2} {c.pipeline_parallel_size:>2} "
-                    f"{c.generation_backend + ' tp=' + str(c.generation_tp):<14} {c.placement:<9} "
-                    + " ".join(f"{c.memory_gb[k]:>9.{1 if c.memory_gb[k] >= 10 else 3}f}" for k in columns)
-                    + f" {'yes' if c.fits else 'no':<4} {c.score:>5.2f}")
-    rows.append("+ckpt: with full activation checkpointing; *: backend not built in novarl yet")
-    rows.append(f"recommended: {advice.recommended.describe() if advice.recommended else 'none (nothing fits)'}")
-    rows += [f"- {line}" for line in advice.explanation]
-    return "\n".join(rows)
+        skipped = f"the shape of policy.model_name='{name}' is not known without downloading ({err})"
+    if skipped is None and cfg.cluster.gpus_per_node < 1:
+        skipped = "cluster.gpus_per_node=0 (CPU ranks): the advisor plans GPU memory"
+    if skipped is None:
+        advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
+                        gpu_memory_gb=args.gpu_memory_gb, sequence_length=cfg.policy.max_seq_length,
+                        micro_batch_size=cfg.policy.train_micro_batch_size,
+                        precision=cfg.policy.precision or "bfloat16")
+    if args.json:
+        print(json.dumps(advice.to_dict() if advice else {"skipped": skipped}, indent=2))
+    else:
+        print(f"\n{format_advice(advice)}" if advice else f"layout advice skipped: {skipped}")
+    return exit_code
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

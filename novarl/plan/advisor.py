@@ -266,7 +266,8 @@ class _Context:
 
 def _candidates(context: _Context) -> list[Candidate]:
     layouts = [_Layout("dtensor fsdp2", "dtensor", "fsdp2")]
-    layouts += [_Layout("dtensor fsdp2+tp", "dtensor", "fsdp2_tp", tensor_parallel_size=t) for t in context.tps if t > 1]
+    layouts += [_Layout("dtensor fsdp2+tp", "dtensor", "fsdp2_tp", tensor_parallel_size=tp)
+                for tp in context.tps if tp > 1]
     layouts += [_Layout("dtensor fsdp2 + cpu offload", "dtensor", "fsdp2_offload"),
                 _Layout("deepspeed zero-2", "deepspeed", "zero2"),
                 _Layout("deepspeed zero-3", "deepspeed", "zero3")]
@@ -443,7 +444,8 @@ def _explain(context: _Context, pick: Candidate, recommended: Candidate | None,
                      + f" "
                      f"(model states {pick.memory_gb['model_states']:.1f}, activations "
                      f"{pick.memory_gb['activations']:.1f}), more than {budget_text}"
-                     + ("" if not any("does not hold" in n for n in pick.notes) else ", or its generator does not fit")
+                     + ("" if not any("does not hold" in note for note in pick.notes)
+                        else ", or its generator does not fit")
                      + ".")
         if recommended is not None:
             same = (recommended.training_backend == pick.training_backend
@@ -466,3 +468,27 @@ def _explain(context: _Context, pick: Candidate, recommended: Candidate | None,
                  + ("Megatron generation runs on the training weights." if recommended.generation_backend == "megatron"
                     else "the rule is colocated below 10B parameters or on one node, dedicated otherwise."))
     return lines
+
+
+# ------------------------------------------------------------------ table
+_TABLE_COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "optim"), ("gathered_params", "gathered"),
+                  ("activations", "activ"), ("generator_weights", "gen wts"), ("kv_cache", "KV"), ("peak", "peak"))
+
+
+def format_advice(advice: Advice) -> str:
+    """The advice as `novarl plan` prints it: one row per candidate, GB per GPU, then
+    the recommendation and the explanation."""
+    header = (f"{'strategy':<34} {'dp':>3} {'tp':>2} {'pp':>2} {'generation':<14} {'placement':<9} "
+              + " ".join(f"{label:>9}" for _, label in _TABLE_COLUMNS) + f" {'fits':<4} {'score':>5}")
+    rows = [f"layouts, GB per GPU (fits: peak <= {HEADROOM:.0%} of {advice.gpu_memory_gb:g} GB):", header]
+    for c in advice.candidates:
+        name = c.strategy + (" +ckpt" if c.activation_checkpointing else "") + ("" if c.built else " *")
+        numbers = " ".join(f"{c.memory_gb[key]:>9.{1 if c.memory_gb[key] >= 10 else 3}f}" for key, _ in _TABLE_COLUMNS)
+        rows.append(f"{name:<34} {c.data_parallel_size:>3} {c.tensor_parallel_size:>2} {c.pipeline_parallel_size:>2} "
+                    f"{c.generation_backend + ' tp=' + str(c.generation_tp):<14} {c.placement:<9} {numbers} "
+                    f"{'yes' if c.fits else 'no':<4} {c.score:>5.2f}")
+    rows.append("+ckpt: with full activation checkpointing (tried when a layout does not fit without it); "
+                "*: training backend not built in novarl yet; peak: see novarl.plan.advisor")
+    rows.append(f"recommended: {advice.recommended.describe() if advice.recommended else 'none (nothing fits)'}")
+    rows += [f"- {line}" for line in advice.explanation]
+    return "\n".join(rows)

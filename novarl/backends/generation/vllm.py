@@ -66,21 +66,25 @@ class VllmGeneration:
         self.version = 0
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[Completion]:
+        """One completion per prompt. Runs of the same prompt (a GRPO group) go to vLLM as
+        one request with n samples, which shares the prompt's prefill."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         greedy = sampling.temperature == 0
         stop_ids = [self.tokenizer.eos_token_id, *sampling.stop_token_ids]
+        groups = _runs(prompts)
         params = [SamplingParams(
-            n=1, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
+            n=count, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
             top_k=0 if greedy or sampling.top_k is None else sampling.top_k,
-            max_tokens=max(1, min(sampling.max_new_tokens, self.max_seq_length - len(p.token_ids))),
+            max_tokens=max(1, min(sampling.max_new_tokens, self.max_seq_length - len(prompt.token_ids))),
             stop_token_ids=stop_ids, logprobs=0,
             seed=None if sampling.seed is None else sampling.seed * 100_003 + i,
-        ) for i, p in enumerate(prompts)]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p.token_ids)) for p in prompts],
+        ) for i, (prompt, count) in enumerate(groups)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p.token_ids)) for p, _ in groups],
                                     params, use_tqdm=False)
-        return [self._completion(p, o.outputs[0]) for p, o in zip(prompts, outputs)]
+        return [self._completion(prompt, sample)
+                for (prompt, _), out in zip(groups, outputs) for sample in out.outputs]
 
     def _completion(self, prompt: Prompt, out) -> Completion:
         tokens = list(out.token_ids)
@@ -105,3 +109,14 @@ class VllmGeneration:
 
     def shutdown(self) -> None:
         del self.llm
+
+
+def _runs(prompts: Sequence[Prompt]) -> list[tuple[Prompt, int]]:
+    """Consecutive identical prompts collapsed into (prompt, count), order kept."""
+    runs: list[tuple[Prompt, int]] = []
+    for prompt in prompts:
+        if runs and runs[-1][0] is prompt:
+            runs[-1] = (prompt, runs[-1][1] + 1)
+        else:
+            runs.append((prompt, 1))
+    return runs

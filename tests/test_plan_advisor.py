@@ -1,0 +1,176 @@
+"""The layout advisor of `novarl plan`: it reproduces every branch of the seeds'
+decision tree for the seeds' example models and clusters, overrides the tree
+only when the memory model says so (and says so), and `novarl plan` prints it
+as a table or JSON. Pure arithmetic: nothing is loaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from novarl.cli import main
+from novarl.errors import UserError
+from novarl.plan.advisor import HEADROOM, advise, tree_branch
+from novarl.plan.model_shape import ModelShape
+
+QWEN = {"model_type": "qwen2", "tie_word_embeddings": False, "vocab_size": 152064}
+QWEN_1_5B = ModelShape.from_hf_config({**QWEN, "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12,
+                                       "num_key_value_heads": 2, "intermediate_size": 8960, "vocab_size": 151936,
+                                       "tie_word_embeddings": True})
+QWEN_32B = ModelShape.from_hf_config({**QWEN, "hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 40,
+                                      "num_key_value_heads": 8, "intermediate_size": 27648})
+QWEN_72B = ModelShape.from_hf_config({**QWEN, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+                                      "num_key_value_heads": 8, "intermediate_size": 29568})
+SEQ = 4096
+
+
+def test_model_sizes_fall_in_the_seeds_branches():
+    assert 1.5e9 < QWEN_1_5B.parameters < 1.6e9
+    assert 32.7e9 < QWEN_32B.parameters < 32.8e9
+    assert 72.7e9 < QWEN_72B.parameters < 72.8e9
+    assert tree_branch(QWEN_1_5B, num_nodes=4) == "<10B"
+    assert tree_branch(QWEN_32B, num_nodes=1) == "10B-70B single node"
+    assert tree_branch(QWEN_32B, num_nodes=2) == "10B-70B multi-node"
+    assert tree_branch(QWEN_72B, num_nodes=1) == ">70B"
+
+
+def test_small_model_on_one_gpu_is_dtensor_and_vllm_colocated():
+    advice = advise(QWEN_1_5B, gpus_per_node=1, num_nodes=1, sequence_length=SEQ)
+    best = advice.recommended
+    assert advice.tree_branch == "<10B" and best is advice.tree_pick
+    assert (best.strategy, best.training_backend, best.built) == ("dtensor fsdp2", "dtensor", True)
+    assert (best.generation_backend, best.generation_tp, best.placement) == ("vllm", 1, "colocated")
+    assert best.fits and best.peak_gb <= HEADROOM * 80
+    assert "confirms" in advice.explanation[1]
+
+
+def test_medium_model_on_one_node_is_dtensor_and_vllm_tp8():
+    advice = advise(QWEN_32B, gpus_per_node=8, num_nodes=1, sequence_length=SEQ)
+    best = advice.recommended
+    assert advice.tree_branch == "10B-70B single node"
+    assert (best.training_backend, best.generation_backend, best.generation_tp) == ("dtensor", "vllm", 8)
+    assert best.placement == "colocated" and best.fits
+    # Adam's 16 bytes x 32.8B / 8 GPUs = 65.5 GB of model states: plain FSDP2 does not
+    # fit 72 GB with activations and gathered layers, so it moves to CPU offload and says so.
+    assert not advice.tree_pick.fits and advice.tree_pick.memory_gb["model_states"] == pytest.approx(65.5, abs=0.1)
+    assert best.strategy == "dtensor fsdp2 + cpu offload"
+    assert "overrides" in advice.explanation[1] and "keeps the tree's backends" in advice.explanation[2]
+    # on 141 GB GPUs the tree's plain layout fits and is confirmed
+    roomy = advise(QWEN_32B, gpus_per_node=8, num_nodes=1, gpu_memory_gb=141, sequence_length=SEQ)
+    assert roomy.recommended is roomy.tree_pick and roomy.recommended.strategy == "dtensor fsdp2"
+    assert roomy.recommended.generation_tp == 8
+
+
+def test_medium_model_on_several_nodes_is_megatron_and_dedicated_vllm():
+    advice = advise(QWEN_32B, gpus_per_node=8, num_nodes=4, sequence_length=SEQ)
+    best = advice.recommended
+    assert advice.tree_branch == "10B-70B multi-node" and best is advice.tree_pick
+    assert (best.training_backend, best.generation_backend, best.placement) == ("megatron", "vllm", "dedicated")
+    assert best.tensor_parallel_size == 8 and best.training_gpus == 24 and not best.built
+    assert best.data_parallel_size * best.tensor_parallel_size * best.pipeline_parallel_size == 24
+    # megatron is not built: the explanation names the best built layout that fits
+    assert any("does not have the megatron training backend yet" in line and "dtensor" in line
+               for line in advice.explanation)
+
+
+def test_large_model_on_four_nodes_is_megatron_with_megatron_generation():
+    advice = advise(QWEN_72B, gpus_per_node=8, num_nodes=4, sequence_length=SEQ)
+    best = advice.recommended
+    assert advice.tree_branch == ">70B" and best is advice.tree_pick
+    assert (best.training_backend, best.generation_backend, best.placement) == ("megatron", "megatron", "colocated")
+    # the seeds' own example for Qwen2.5-72B on 4 x 8: TP=8, PP=4
+    assert (best.tensor_parallel_size, best.pipeline_parallel_size, best.data_parallel_size) == (8, 4, 1)
+    assert best.generation_tp == 8 and best.fits
+
+
+def test_seven_b_on_16gb_gpus_overrides_the_plain_dtensor_pick():
+    advice = advise(ModelShape.from_name("7B"), gpus_per_node=8, num_nodes=1, gpu_memory_gb=16, sequence_length=SEQ)
+    pick, best = advice.tree_pick, advice.recommended
+    assert pick.strategy == "dtensor fsdp2" and not pick.fits and pick.peak_gb > HEADROOM * 16
+    assert best is not None and best.fits and best is not pick
+    assert best.training_backend == "dtensor" and best.strategy in ("dtensor fsdp2+tp", "dtensor fsdp2 + cpu offload")
+    text = " ".join(advice.explanation)
+    assert "overrides" in text and f"{pick.peak_gb:.1f} GB" in text and "14.4 GB budget" in text
+    assert best.describe() in text
+
+
+def test_nothing_fits_is_said_clearly():
+    advice = advise(QWEN_72B, gpus_per_node=1, num_nodes=1, gpu_memory_gb=16, sequence_length=SEQ)
+    assert advice.recommended is None and not any(c.fits for c in advice.candidates)
+    assert advice.explanation[-1].startswith("Nothing fits")
+    assert advice.to_dict()["recommended"] is None
+
+
+def test_candidates_are_ranked_fitting_first_then_by_score():
+    advice = advise(QWEN_32B, gpus_per_node=8, num_nodes=4, sequence_length=SEQ)
+    keys = [(not c.fits, -c.score) for c in advice.candidates]
+    assert keys == sorted(keys)
+    strategies = {c.strategy for c in advice.candidates}
+    assert strategies == {"dtensor fsdp2", "dtensor fsdp2+tp", "dtensor fsdp2 + cpu offload", "deepspeed zero-2",
+                          "deepspeed zero-3", "megatron tp x pp"}
+    for c in advice.candidates:
+        assert c.tensor_parallel_size in (1, 2, 4, 8) and 8 % c.tensor_parallel_size == 0
+        assert c.training_gpus % (c.tensor_parallel_size * c.pipeline_parallel_size) == 0
+        assert c.built == (c.training_backend == "dtensor")
+        assert not c.fits or c.peak_gb <= HEADROOM * 80
+    offload = next(c for c in advice.candidates if c.strategy == "dtensor fsdp2 + cpu offload")
+    assert offload.memory_gb["optimizer"] == 0 and offload.memory_gb["cpu_offloaded"] > 0
+    assert any("CPU offload" in f for f in offload.score_factors)
+
+
+def test_generation_tp_must_divide_the_node_and_the_heads():
+    with pytest.raises(UserError, match="generation TP 3"):
+        advise(QWEN_1_5B, gpus_per_node=8, num_nodes=1, sequence_length=SEQ, generation_tp=3)
+    advice = advise(QWEN_1_5B, gpus_per_node=8, num_nodes=1, sequence_length=SEQ, generation_tp=4)
+    assert {c.generation_tp for c in advice.candidates} == {4}
+
+
+# ------------------------------------------------------------------ CLI
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_plan_bundled_model_prints_the_table(capsys):
+    code, out, err = run_cli(capsys, "plan", "--model", "tiny-arith")
+    assert code == 0, err
+    assert "training backend:" not in out  # only --model: no config section
+    assert "strategy" in out and "peak" in out and "dtensor fsdp2" in out and "megatron tp x pp *" in out
+    assert "recommended: dtensor fsdp2 (dp=1" in out
+    assert "- 0.30M parameters on 1 node(s) x 1 GPU(s)" in out
+
+
+def test_cli_plan_parameter_count_as_json(capsys):
+    code, out, err = run_cli(capsys, "plan", "--model", "7.5B", "--json", "--gpu-memory-gb", "40",
+                             "cluster.gpus_per_node=8")
+    assert code == 0, err
+    data = json.loads(out)
+    assert set(data) >= {"recommended", "candidates", "explanation", "tree_branch"}
+    assert data["tree_branch"] == "<10B" and data["gpu_memory_gb"] == 40
+    for candidate in data["candidates"]:
+        assert set(candidate) >= {"strategy", "parallel", "memory_gb", "fits", "score", "placement", "generation"}
+        assert set(candidate["parallel"]) == {"dp", "tp", "pp", "cp"}
+        assert {"params", "grads", "optimizer", "activations", "generator_weights", "kv_cache", "total",
+                "peak"} <= set(candidate["memory_gb"])
+        assert isinstance(candidate["fits"], bool)
+    assert data["recommended"]["training_backend"] == "dtensor"
+
+
+def test_cli_plan_config_still_plans_backends_and_advises(capsys):
+    code, out, _ = run_cli(capsys, "plan")
+    assert code == 0
+    assert out.splitlines()[0] == "training backend: dtensor; generation backend: hf"
+    assert "recommended: dtensor fsdp2" in out
+
+
+def test_cli_plan_skips_advice_for_an_uncached_hub_model(capsys):
+    code, out, err = run_cli(capsys, "plan", "policy.model_name=novarl-test/not-a-cached-model")
+    assert code == 0, err
+    assert "layout advice skipped" in out and "without downloading" in out
+
+
+def test_cli_plan_unknown_model_flag_exits_2(capsys):
+    code, _, err = run_cli(capsys, "plan", "--model", "novarl-test/not-a-cached-model")
+    assert code == 2 and "Traceback" not in err and "parameter count" in err
