@@ -4,6 +4,7 @@
     novarl train -c recipe.yaml policy.precision=bfloat16 grpo.max_num_steps=100
     novarl validate -c recipe.yaml                 # check a config, start nothing
     novarl plan -c recipe.yaml                     # which backends would run, and the batch arithmetic
+    novarl plan --model 7.5B cluster.gpus_per_node=8 [--json]   # which layouts fit, ranked, and why
     novarl eval runs/tiny_arith/exp_001/policy     # held-out greedy accuracy of a model folder
     novarl convert ckpts/step_100 out/hf_model     # a checkpoint as a Hugging Face folder
 
