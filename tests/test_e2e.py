@@ -125,3 +125,23 @@ def test_bfloat16_mixed_precision(tmp_path):
     # FSDP2 keeps fp32 master weights and computes in bf16.
     assert {p.dtype for p in trainer.roles.policy.model.parameters()} == {torch.float32}
     assert steps[-1]["logprob_mismatch"] < 0.1  # bf16 generator vs bf16-compute trainer
+
+
+def test_python_api_train_with_a_callable_reward_and_in_memory_data(tmp_path):
+    import novarl
+
+    seen = []
+
+    def reward(completion: str, answer: str, prompt: str) -> float:
+        seen.append(prompt)
+        return float(completion.strip() == answer)
+
+    rows = [{"prompt": f"{a}+{a + 1}=", "answer": str(2 * a + 1)} for a in range(10, 42)]
+    result = novarl.train(model="tiny-arith", dataset=rows, reward_fn=reward,
+                          config=str(BUNDLED_RECIPE), max_num_steps=2, num_prompts_per_step=8,
+                          num_generations_per_prompt=4, log_dir=str(tmp_path),
+                          policy__train_micro_batch_size=16, grpo__max_val_samples=32,
+                          grpo__val_period=0, logger__progress_bar=False)
+    assert isinstance(result, novarl.TrainResult) and result.steps == 2
+    assert result.final_accuracy is not None and result.model_dir.is_dir()
+    assert set(seen) <= {r["prompt"] for r in rows} and len(seen) >= 2 * 8 * 4
