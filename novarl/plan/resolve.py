@@ -129,18 +129,20 @@ class BatchPlan:
 
 
 def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
-    """Derive and check the batch arithmetic; inconsistent values are a ConfigError."""
+    """Derive and check the batch and parallel arithmetic. Every inconsistency is
+    reported together, each with its numbers, in one ConfigError."""
     grpo, policy = cfg.grpo, cfg.policy
+    problems: list[str] = []
     samples = grpo.num_prompts_per_step * grpo.num_generations_per_prompt
     dt = policy.dtensor_cfg
     ranks, model_parallel = world_size(cfg), dt.tensor_parallel_size * dt.context_parallel_size
     if ranks % model_parallel:
-        raise ConfigError(
+        problems.append(
             f"The world size must be dp x tp x cp: cluster.gpus_per_node x cluster.num_nodes = "
             f"{max(cfg.cluster.gpus_per_node, 1)} x {cfg.cluster.num_nodes} = {ranks} ranks is not a multiple "
             f"of policy.dtensor_cfg.tensor_parallel_size x context_parallel_size = {dt.tensor_parallel_size} x "
             f"{dt.context_parallel_size} = {model_parallel}.")
-    dp = ranks // model_parallel
+    dp = max(ranks // model_parallel, 1)
     micro = policy.train_micro_batch_size
     global_batch = policy.train_global_batch_size or samples
     source = f"policy.train_global_batch_size={global_batch}"
@@ -152,13 +154,39 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
     shown = (f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = "
              f"{grpo.num_prompts_per_step} x {grpo.num_generations_per_prompt} = {samples} samples")
     if samples % global_batch:
-        raise ConfigError(f"{shown}, not a multiple of {source}.")
+        problems.append(f"{shown}, not a multiple of {source}.")
     if global_batch % (micro * dp):
-        raise ConfigError(f"policy.train_global_batch_size={global_batch} is not a multiple of "
-                          f"policy.train_micro_batch_size x data-parallel size = {micro} x {dp} = {micro * dp}.")
-    accumulation = global_batch // (micro * dp)
+        problems.append(f"policy.train_global_batch_size={global_batch} is not a multiple of "
+                        f"policy.train_micro_batch_size x data-parallel size = {micro} x {dp} = {micro * dp}.")
+    accumulation = max(global_batch // (micro * dp), 1)
     if grpo.gradient_accumulation_steps not in (None, accumulation):
-        raise ConfigError(f"grpo.gradient_accumulation_steps={grpo.gradient_accumulation_steps} does not match "
-                          f"policy.train_global_batch_size / (train_micro_batch_size x dp) = "
-                          f"{global_batch} / ({micro} x {dp}) = {accumulation}. Set one of them, not both.")
+        problems.append(f"grpo.gradient_accumulation_steps={grpo.gradient_accumulation_steps} does not match "
+                        f"policy.train_global_batch_size / (train_micro_batch_size x dp) = "
+                        f"{global_batch} / ({micro} x {dp}) = {accumulation}. Set one of them, not both.")
+    problems.extend(_generation_problems(cfg))
+    if problems:
+        if len(problems) == 1:
+            raise ConfigError(problems[0])
+        raise ConfigError("The config's sizes do not fit together:\n" + "\n".join(f"  - {p}" for p in problems))
     return BatchPlan(samples, dp, global_batch, samples // global_batch, micro, accumulation)
+
+
+def _generation_problems(cfg: NovaRLConfig) -> list[str]:
+    grpo, policy, gen = cfg.grpo, cfg.policy, cfg.policy.generation
+    problems = []
+    if grpo.num_generations_per_prompt < 2 and grpo.advantage_estimator == "grpo":
+        problems.append(f"grpo.num_generations_per_prompt={grpo.num_generations_per_prompt}: GRPO compares "
+                        "samples within a prompt's group, so every advantage would be 0; use 2 or more.")
+    if resolve_backends(cfg).generation != "vllm":
+        return problems
+    max_model_len = gen.vllm_cfg.max_model_len
+    if max_model_len is not None and max_model_len < policy.max_seq_length:
+        problems.append(f"policy.generation.vllm_cfg.max_model_len={max_model_len} is shorter than "
+                        f"policy.max_seq_length={policy.max_seq_length}: the generator could not hold "
+                        "the sequences the trainer is sized for.")
+    gpus = max(cfg.cluster.gpus_per_node, 1)
+    engine_gpus = gen.vllm_cfg.tensor_parallel_size * gen.vllm_cfg.pipeline_parallel_size
+    if gen.colocated.enabled and gpus % engine_gpus:
+        problems.append(f"policy.generation.vllm_cfg tensor_parallel_size x pipeline_parallel_size = {engine_gpus} "
+                        f"does not divide cluster.gpus_per_node={gpus}, so colocated engines cannot tile the node.")
+    return problems
