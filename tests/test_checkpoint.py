@@ -110,9 +110,19 @@ def test_keep_top_k_ranks_by_the_metric_and_keeps_the_newest(tmp_path):
 
     cfg = CheckpointingConfig(checkpoint_dir=str(tmp_path), keep_top_k=2, metric_name="val_reward")
     checkpointer = Checkpointer(cfg, "config: {}\n")
-    for step, reward in ((1, 0.5), (2, 0.9), (3, 0.1), (4, 0.7), (5, 0.2)):
-        checkpointer.save(step, FakePolicy(), {"summary": {"val_reward": reward}})
+    # step 3 carries a stale metric (measured at step 2): it ranks with the unmeasured ones.
+    for step, reward, measured_at in ((1, 0.5, 1), (2, 0.9, 2), (3, 0.95, 2), (4, 0.7, 4), (5, 0.2, 5)):
+        checkpointer.save(step, FakePolicy(), {"summary": {"val_reward": reward, "val_step": measured_at}})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_4", "step_5"]
     assert checkpointer.latest().step == 5
     state = json.loads((tmp_path / "step_2" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["summary"]["val_reward"] == 0.9
+
+
+def test_resume_refuses_another_run_or_a_finished_one(tmp_path):
+    GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path, 2))).train()
+    other_model = overrides(tmp_path, 4, f"policy.model_name={tmp_path / 'logs' / 'exp_001' / 'policy'}")
+    with pytest.raises(UserError, match=r"holds a checkpoint of another run \(policy.model_name: 'tiny-arith' there"):
+        GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=other_model)).train()
+    with pytest.raises(UserError, match="already at step 2, and grpo.max_num_steps=2: nothing left to train"):
+        GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path, 2))).train()

@@ -163,7 +163,7 @@ def test_train_missing_dataset_file(capsys, tmp_path, log_dir):
 @pytest.mark.parametrize("spec, expected", [
     ("novarl.rewards.verifiers:no_such_function",
      "module 'novarl.rewards.verifiers' has no function 'no_such_function'"),
-    ("no_such_module_for_novarl_tests:score", "cannot import module 'no_such_module_for_novarl_tests'"),
+    ("no_such_module_for_novarl_tests:score", "importing module 'no_such_module_for_novarl_tests' failed: ModuleNotFoundError"),
     ("exact_mtch", "neither a registered reward (exact_match) nor an import path 'module:function'"),
 ])
 def test_train_reward_function_that_does_not_exist(capsys, log_dir, spec, expected):

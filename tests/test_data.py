@@ -100,3 +100,37 @@ def test_import_novarl_stays_light():
             "if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_unreadable_inputs_are_user_errors(tmp_path, monkeypatch):
+    from novarl.config import load_config
+    from novarl.errors import ConfigError
+    from novarl.rewards.registry import import_reward_fn
+
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"prompt": "caf\u00e9", "answer": "1"}\n'.encode("latin-1"))
+    with pytest.raises(UserError, match="latin.jsonl: not UTF-8 text"):
+        read_examples(latin, "prompt", "answer")
+    bad_yaml = tmp_path / "c.yaml"
+    bad_yaml.write_bytes("grpo: {seed: 1} # caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="cannot be read as UTF-8"):
+        load_config(bad_yaml)
+    with pytest.raises(ConfigError, match=r"cannot parse the arguments of '\$\{mul:\[1,2\]\}'"):
+        load_config(None, overrides=["grpo.max_num_steps=${mul:[1,2]}"])
+    (tmp_path / "broken_reward_mod.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match="importing module 'broken_reward_mod' failed: RuntimeError: boom at import"):
+        import_reward_fn("broken_reward_mod:score")
+    with pytest.raises(UserError, match="not a file path"):
+        import_reward_fn("./rewards.py:score")
+
+
+def test_scalar_betas_is_a_config_error():
+    import torch
+
+    from novarl.backends.training.optim import build_optimizer
+    from novarl.config.schema import OptimizerConfig
+    from novarl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="policy.optimizer: torch.optim.AdamW"):
+        build_optimizer(OptimizerConfig(kwargs={"lr": 1e-3, "betas": 0.9}), [torch.nn.Parameter(torch.ones(1))])

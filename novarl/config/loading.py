@@ -111,7 +111,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"Config file '{path}' does not exist.")
     try:
-        data = parse_yaml(path.read_text())
+        data = parse_yaml(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, OSError) as err:
+        raise ConfigError(f"Config file '{path}' cannot be read as UTF-8 text ({err}).") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -277,7 +279,10 @@ def resolve_interpolations(tree: dict[str, Any]) -> dict[str, Any]:
         if name not in _RESOLVERS:
             raise ConfigError(f"'{at}': unknown resolver '{name}' in '${{{expr}}}'; "
                               f"known: {', '.join(sorted(_RESOLVERS))}.")
-        values = [parse_yaml(a.strip()) for a in args.split(",")]
+        try:
+            values = [parse_yaml(a.strip()) for a in args.split(",")]
+        except yaml.YAMLError:
+            raise ConfigError(f"'{at}': cannot parse the arguments of '${{{expr}}}'.") from None
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             raise ConfigError(f"'{at}': '${{{expr}}}' takes numbers, got {values}.")
         try:

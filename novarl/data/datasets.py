@@ -65,14 +65,19 @@ def read_examples(path: Path, input_key: str, output_key: str, *, where: str = "
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{number}", json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}).") from None
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text (byte {err.start}).") from None
+    except OSError as err:
+        raise UserError(f"{path}: cannot read it ({err.strerror}).") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{number}", json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}).") from None
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:

@@ -92,7 +92,7 @@ class RayWorkerGroup:
     def __init__(self, factory: Callable[..., Any], kwargs: dict[str, Any], *, world_size: int,
                  gpus_per_rank: int = 0, cpus_per_rank: int = 1, name: str = "policy") -> None:
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ensure_ray()
@@ -100,7 +100,13 @@ class RayWorkerGroup:
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
         self._check_resources(bundle, world_size)
         self.placement = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
-        ray.get(self.placement.ready(), timeout=300)
+        self.actors = []
+        try:
+            ray.get(self.placement.ready(), timeout=300)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.placement)
+            raise UserError(f"The {self.name} worker group's {world_size} x {bundle} could not be placed within "
+                            f"5 minutes; the Ray cluster has {ray.available_resources()} free.") from None
         remote = ray.remote(RankActor)
         self.actors = [
             remote.options(num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
@@ -114,13 +120,14 @@ class RayWorkerGroup:
     def _check_resources(self, bundle: dict[str, float], world_size: int) -> None:
         import ray
 
-        have = ray.cluster_resources()
+        have = ray.available_resources()  # what the roles started before this one left free
         for resource, amount in bundle.items():
             if have.get(resource, 0) < amount * world_size:
                 raise UserError(
                     f"The {self.name} worker group needs {world_size} ranks x {amount:g} {resource} = "
-                    f"{amount * world_size:g} {resource}, but the Ray cluster has {have.get(resource, 0):g} "
-                    "(cluster.gpus_per_node x cluster.num_nodes sets the ranks).")
+                    f"{amount * world_size:g} {resource}, but the Ray cluster has {have.get(resource, 0):g} free "
+                    "(cluster.gpus_per_node x cluster.num_nodes sets the policy's ranks; the reference and a "
+                    "dedicated generator take their own).")
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run `method` on every rank; rank 0's result."""
@@ -148,10 +155,13 @@ class RayWorkerGroup:
                 self.kill()
                 raise WorkerDied(f"{self.name} rank {rank} died; the worker group was shut down.") from None
             except RayTaskError as err:
+                rank = refs.index(ready[0])
                 self.kill()
                 if isinstance(err.cause, UserError):
                     raise err.cause from None
-                raise
+                cause = err.cause if err.cause is not None else err
+                raise WorkerDied(f"{self.name} rank {rank} failed: {type(cause).__name__}: "
+                                 f"{str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}") from None
         return ray.get(refs)
 
     def shutdown(self) -> None:

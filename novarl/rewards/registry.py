@@ -33,8 +33,11 @@ def import_reward_fn(spec: str) -> Callable[..., float]:
                         f"({', '.join(REWARD_FUNCTIONS)}) nor an import path 'module:function'.")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise UserError(f"reward.function='{spec}': cannot import module '{module_name}' ({err}).") from None
+    except Exception as err:  # ImportError, SyntaxError, or whatever the module raises on import
+        hint = " Give a module name importable from PYTHONPATH, not a file path." if "/" in module_name or \
+            module_name.startswith(".") else ""
+        raise UserError(f"reward.function='{spec}': importing module '{module_name}' failed: "
+                        f"{type(err).__name__}: {err}.{hint}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise UserError(f"reward.function='{spec}': module '{module_name}' has no function '{attr}'.")

@@ -74,7 +74,7 @@ class GRPOTrainer:
         cfg = self.config
         inputs = prepare_inputs(cfg, self.reward_fn, self.train_examples)
         checkpointer = Checkpointer(cfg.checkpointing, dump_config(cfg)) if cfg.checkpointing.enabled else None
-        start = pick_checkpoint(checkpointer, resume)
+        start = pick_checkpoint(checkpointer, resume, cfg)
         torch.manual_seed(cfg.grpo.seed)
         roles = self.roles = build_roles(cfg, inputs, default_device())
         run_dir = new_run_dir(Path(cfg.logger.log_dir))  # only once the workers stand
@@ -101,7 +101,8 @@ class GRPOTrainer:
                            final_accuracy=summary.get("val_accuracy"), steps=int(summary.get("steps", 0)))
 
 
-def pick_checkpoint(checkpointer: Checkpointer | None, resume: bool | None) -> Checkpoint | None:
+def pick_checkpoint(checkpointer: Checkpointer | None, resume: bool | None,
+                    config: NovaRLConfig) -> Checkpoint | None:
     if checkpointer is None:
         if resume:
             raise UserError("Resuming needs checkpointing.enabled=true and its checkpoint_dir.")
@@ -113,7 +114,33 @@ def pick_checkpoint(checkpointer: Checkpointer | None, resume: bool | None) -> C
     if resume is False and latest is not None:
         raise UserError(f"checkpointing.checkpoint_dir='{checkpointer.root}' already holds checkpoints "
                         f"(newest: {latest.path.name}); resume, or give another checkpoint_dir.")
+    if latest is not None:
+        check_resumable(latest, config)
     return latest
+
+
+def check_resumable(latest: Checkpoint, config: NovaRLConfig) -> None:
+    """Refuse to continue a checkpoint of another experiment, or one already finished."""
+    saved = load_config(latest.path / "config.yaml")
+    keys = ("policy.model_name", "policy.tokenizer.name", "policy.dtensor_cfg.tensor_parallel_size",
+            "policy.optimizer.name")
+    differ = [k for k in keys if _get(saved, k) != _get(config, k)]
+    where = f"checkpointing.checkpoint_dir='{latest.path.parent}'"
+    if differ:
+        shown = ", ".join(f"{k}: {_get(saved, k)!r} there, {_get(config, k)!r} here" for k in differ)
+        raise UserError(f"{where} holds a checkpoint of another run ({shown}). Give another checkpoint_dir, "
+                        "or delete that folder to start over.")
+    if latest.step >= config.grpo.max_num_steps:
+        raise UserError(f"{where} is already at step {latest.step}, and grpo.max_num_steps="
+                        f"{config.grpo.max_num_steps}: nothing left to train. Raise grpo.max_num_steps to go on, "
+                        "or give another checkpoint_dir.")
+
+
+def _get(config: NovaRLConfig, path: str):
+    value = config
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def train(model: str | None = None, dataset: str | Sequence[Mapping[str, Any]] | None = None,
@@ -164,9 +191,9 @@ def save_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """Write into a temporary sibling, then rename: a crash never leaves a half folder at `path`."""
     import shutil
 
+    from novarl.trainer.checkpoint import replace_dir
+
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     write(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    tmp.rename(path)
+    replace_dir(tmp, path)

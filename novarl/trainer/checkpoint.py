@@ -52,9 +52,7 @@ class Checkpointer:
         state = {**state, "step": step, "rng": _rng_state()}
         (tmp / "config.yaml").write_text(self.config_yaml)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))  # written last: marks completeness
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        replace_dir(tmp, final)
         self._prune()
         return final
 
@@ -76,17 +74,39 @@ class Checkpointer:
         done = sorted(self.root.glob("step_*"), key=_step_of)
         newest = done[-1] if done else None
 
-        def score(path: Path) -> float:
-            value = json.loads((path / STATE_FILE).read_text()).get("summary", {}).get(self.cfg.metric_name)
-            if value is None:
-                return float(_step_of(path))  # no metric: newer is better
-            return value if self.cfg.higher_is_better else -value
+        def score(path: Path) -> tuple[int, float, int]:
+            """(measured at this step, metric, step): checkpoints whose metric was measured
+            at their own step rank first, by the metric; the rest, and ties, by recency."""
+            summary = json.loads((path / STATE_FILE).read_text()).get("summary", {})
+            value, step = summary.get(self.cfg.metric_name), _step_of(path)
+            if value is None or summary.get("val_step") != step:
+                return (0, 0.0, step)
+            return (1, value if self.cfg.higher_is_better else -value, step)
 
         ranked = sorted((p for p in done if check_checkpoint(p) is None), key=score, reverse=True)
         keep_set = set(ranked[:keep]) | {newest}
         for path in done:
             if path not in keep_set:
-                shutil.rmtree(path, ignore_errors=True)
+                remove_dir(path)
+
+
+def replace_dir(new: Path, final: Path) -> None:
+    """Put `new` at `final`; an older `final` is moved aside first, so a crash leaves
+    either the old or the new folder at `final`, never a half-deleted one."""
+    old = final.with_name(f".trash_{final.name}")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    new.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_dir(path: Path) -> None:
+    """Rename, then delete: a crash mid-delete never leaves a folder that passes as a checkpoint."""
+    trash = path.with_name(f".trash_{path.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    path.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def check_checkpoint(path: Path) -> str | None:
@@ -112,12 +132,12 @@ def restore_rng(state: dict[str, Any]) -> None:
     rng = state.get("rng")
     if rng:
         random.setstate(_to_tuple(rng["python"]))
-        torch.manual_seed(rng["torch_seed"])
+        torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
 
 
 def _rng_state() -> dict[str, Any]:
-    # The loop seeds generation from (seed, step) each step, so the RNG to carry is small.
-    return {"python": random.getstate(), "torch_seed": int(torch.initial_seed())}
+    # The driver's CPU generators; generation is also re-seeded from (seed, step) every step.
+    return {"python": random.getstate(), "torch": torch.get_rng_state().tolist()}
 
 
 def _to_tuple(value: Any) -> Any:

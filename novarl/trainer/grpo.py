@@ -72,7 +72,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
                           batch_size=grpo.val_batch_size, samples_to_print=cfg.logger.num_val_samples_to_print)
         sink.write({"kind": "eval", "step": step, **result})
         progress.evaluated(step, result["accuracy"])
-        summary.update({f"val_{k}": v for k, v in result.items()})
+        summary.update({f"val_{k}": v for k, v in result.items()}, val_step=step)
         summary.setdefault("initial_accuracy", result["accuracy"])
 
     if grpo.val_at_start and step == 0:
@@ -111,7 +111,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         sink.write({"kind": "train", "step": step, **metrics})
         progress.step(step, metrics)
         summary.update(metrics)
-        if grpo.val_period and step % grpo.val_period == 0 and step < grpo.max_num_steps:
+        if grpo.val_period and step % grpo.val_period == 0 and not (grpo.val_at_end and step == grpo.max_num_steps):
             validate(step)
         checkpoint(step, last=False)
     summary["steps"] = step

@@ -108,8 +108,9 @@ class Roles:
     """GenerationBackend."""
 
     def shutdown(self) -> None:
-        """Stop remote workers (in-process roles need nothing)."""
-        for role in (self.policy, self.reference, self.generator):
+        """Stop remote workers (in-process roles need nothing); safe to call twice."""
+        for name in ("generator", "reference", "policy"):
+            role = getattr(self, name)
             if hasattr(role, "shutdown"):
                 role.shutdown()
 
@@ -146,7 +147,19 @@ def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device):
 
 
 def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> Roles:
-    """The policy (and reference) on one in-process rank or on Ray ranks; the generator here."""
+    """The policy (and reference) on one in-process rank or on Ray ranks, and the generator.
+    If one role fails to start, the ones already started are shut down."""
+    roles = Roles(policy=None, reference=None, generator=None)
+    try:
+        roles.policy, roles.reference = build_trainers(cfg, inputs, device)
+        roles.generator = build_generator(cfg, inputs, device)
+    except BaseException:
+        roles.shutdown()
+        raise
+    return roles
+
+
+def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device):
     from novarl.backends.training.dtensor import DTensorPolicy, DTensorReference
 
     temperature = cfg.policy.generation.temperature
@@ -161,18 +174,19 @@ def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> R
 
         ensure_single_process_group()
         policy = DTensorPolicy(device=device, **policy_args)
-        reference = DTensorReference(device=device, **reference_args) if with_reference else None
-    else:
-        from novarl.distributed.ray_group import RayWorkerGroup
-        from novarl.distributed.remote import RemotePolicy, RemoteReference
+        return policy, DTensorReference(device=device, **reference_args) if with_reference else None
+    from novarl.distributed.ray_group import RayWorkerGroup
+    from novarl.distributed.remote import RemotePolicy, RemoteReference
 
-        gpus = 1 if device.type == "cuda" else 0
-        info(f"starting {ranks} policy ranks on Ray ({'1 GPU' if gpus else '1 CPU'} each)")
-        policy = RemotePolicy(RayWorkerGroup(DTensorPolicy, policy_args, world_size=ranks,
-                                             gpus_per_rank=gpus, name="policy"))
-        reference = None
-        if with_reference:
-            reference = RemoteReference(RayWorkerGroup(DTensorReference, reference_args, world_size=ranks,
-                                                       gpus_per_rank=gpus, name="reference"))
-    generator = build_generator(cfg, inputs, device)
-    return Roles(policy, reference, generator)
+    gpus = 1 if device.type == "cuda" else 0
+    info(f"starting {ranks} policy ranks on Ray ({'1 GPU' if gpus else '1 CPU'} each)")
+    policy = RemotePolicy(RayWorkerGroup(DTensorPolicy, policy_args, world_size=ranks,
+                                         gpus_per_rank=gpus, name="policy"))
+    if not with_reference:
+        return policy, None
+    try:
+        return policy, RemoteReference(RayWorkerGroup(DTensorReference, reference_args, world_size=ranks,
+                                                      gpus_per_rank=gpus, name="reference"))
+    except BaseException:
+        policy.shutdown()
+        raise

@@ -108,7 +108,8 @@ class VllmGeneration:
         self.llm.wake_up()
 
     def shutdown(self) -> None:
-        del self.llm
+        """Drop the engine (and its KV cache); safe to call twice."""
+        self.__dict__.pop("llm", None)
 
 
 def _runs(prompts: Sequence[Prompt]) -> list[tuple[Prompt, int]]:

@@ -13,9 +13,9 @@ from novarl.errors import ConfigError
 def build_optimizer(cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     cls = getattr(torch.optim, cfg.name.removeprefix("torch.optim."))
     kwargs = dict(cfg.kwargs)
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
     try:
+        if "betas" in kwargs:
+            kwargs["betas"] = tuple(kwargs["betas"])
         return cls(params, **kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"policy.optimizer: {cfg.name}({kwargs}) failed: {err}.") from None

@@ -148,7 +148,7 @@ def load_custom_plan(spec: str) -> dict[str, ParallelStyle] | Callable[[torch.nn
     module_name, _, attr = spec.partition(":")
     try:
         plan = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as err:
+    except Exception as err:  # the user's module may raise anything on import
         raise UserError(f"policy.dtensor_cfg.custom_parallel_plan='{spec}' cannot be imported ({err}); "
                         "give 'module:name' of a dict plan or a function(model, tp_mesh).") from None
     if not (callable(plan) or isinstance(plan, dict)):
