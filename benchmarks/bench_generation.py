@@ -20,25 +20,10 @@ import time
 from datetime import date
 from pathlib import Path
 
+from models import random_llama_100m
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-
-def random_100m(folder: Path) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from novarl.models.loading import resolve_model_path
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny-arith"))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=768, intermediate_size=2048, num_hidden_layers=14,
-        num_attention_heads=12, num_key_value_heads=12, head_dim=64, max_position_embeddings=256,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def measure(backend: str, path: str, new_tokens: int) -> dict[str, float]:
@@ -103,7 +88,7 @@ def main() -> None:
     rows, steps = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         models = {"tiny-arith (0.30M)": (resolve_model_path("tiny-arith"), 4),
-                  "random Llama (~100M)": (random_100m(Path(tmp) / "m100"), 32)}
+                  "random Llama (~100M)": (random_llama_100m(Path(tmp) / "m100")[0], 32)}
         for name, (path, new_tokens) in models.items():
             for backend in ("hf", "vllm"):
                 got = measure(backend, path, new_tokens)

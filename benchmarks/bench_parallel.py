@@ -25,6 +25,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from models import random_llama_100m
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -85,7 +86,7 @@ class ImportsOnly:
 
 def make_models(folder: Path) -> dict[str, tuple[str, int]]:
     """{name: (path, parameters)}: tiny-arith with 2 KV heads, and a random ~100M Llama."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from novarl.models.loading import resolve_model_path
 
@@ -97,18 +98,10 @@ def make_models(folder: Path) -> dict[str, tuple[str, int]]:
     state = {k: (v.repeat(2, 1) if k.endswith(("k_proj.weight", "v_proj.weight")) else v)
              for k, v in tiny.state_dict().items()}
     wide.load_state_dict(state)
-    torch.manual_seed(0)
-    big = AutoModelForCausalLM.from_config(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=768, intermediate_size=2048, num_hidden_layers=14,
-        num_attention_heads=12, num_key_value_heads=12, head_dim=64, max_position_embeddings=256,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0))
-    out = {}
-    for name, model in (("tiny-arith (2 KV heads)", wide), ("random Llama ~100M", big)):
-        path = folder / name.split()[0]
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        out[name] = (str(path), model.num_parameters())
-    return out
+    wide.save_pretrained(folder / "tiny")
+    tokenizer.save_pretrained(folder / "tiny")
+    return {"tiny-arith (2 KV heads)": (str(folder / "tiny"), wide.num_parameters()),
+            "random Llama ~100M": random_llama_100m(folder / "random")}
 
 
 def expected_mb(parameters: int, embedding: int, ranks: int, tensor_parallel: int) -> float:

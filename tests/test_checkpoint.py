@@ -1,7 +1,6 @@
 """Checkpoints: atomic saves, resume after kill -9 equals the uninterrupted run,
 corrupt checkpoints skipped, export to a Hugging Face folder."""
 
-import os
 import signal
 import subprocess
 import sys

@@ -120,14 +120,10 @@ def two_kv_head_model(tmp_path_factory):
     widened.save_pretrained(out)
     AutoTokenizer.from_pretrained(source).save_pretrained(out)
     ids = AutoTokenizer.from_pretrained(source)(["37+58="], return_tensors="pt").input_ids
-    assert torch_allclose(model(ids).logits, widened(ids).logits)
-    return out
-
-
-def torch_allclose(a, b):
     import torch
 
-    return torch.allclose(a, b, atol=1e-5)
+    assert torch.allclose(model(ids).logits, widened(ids).logits, atol=1e-5)
+    return out
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])

@@ -143,26 +143,38 @@ class RayWorkerGroup:
         """Results of `refs` in rank order. Waits on whichever finishes first, so a rank
         that dies while the others block in a collective is seen at once."""
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import RayTaskError
 
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             try:
                 ray.get(ready[0])
-            except RayActorError:
-                rank = refs.index(ready[0])
-                self.kill()
-                raise WorkerDied(f"{self.name} rank {rank} died; the worker group was shut down.") from None
             except RayTaskError as err:
-                rank = refs.index(ready[0])
-                self.kill()
                 if isinstance(err.cause, UserError):
+                    self.kill()
                     raise err.cause from None
-                cause = err.cause if err.cause is not None else err
-                raise WorkerDied(f"{self.name} rank {rank} failed: {type(cause).__name__}: "
-                                 f"{str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}") from None
+                raise self._failure(refs, ready[0], err) from None
+            except Exception as err:  # RayActorError: the process behind the rank is gone
+                raise self._failure(refs, ready[0], err) from None
         return ray.get(refs)
+
+    def _failure(self, refs: list, first: Any, err: Exception) -> WorkerDied:
+        """Name the rank that died, not a peer whose collective broke because of it: a rank
+        that errored first is blamed only if no other rank turns out dead within a few seconds."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        others = [r for r in refs if r is not first]
+        done, _ = ray.wait(others, num_returns=len(others), timeout=5) if others else ([], [])
+        dead = [refs.index(r) for r in done if _raises(r, RayActorError)]
+        self.kill()
+        if isinstance(err, RayActorError) or dead:
+            rank = refs.index(first) if isinstance(err, RayActorError) else dead[0]
+            return WorkerDied(f"{self.name} rank {rank} died; the worker group was shut down.")
+        cause = getattr(err, "cause", None) or err
+        last_line = (str(cause).strip().splitlines() or [""])[-1]
+        return WorkerDied(f"{self.name} rank {refs.index(first)} failed: {type(cause).__name__}: {last_line}")
 
     def shutdown(self) -> None:
         import ray
@@ -182,3 +194,15 @@ class RayWorkerGroup:
         if self.actors:
             remove_placement_group(self.placement)
         self.actors = []
+
+
+def _raises(ref: Any, kind: type[Exception]) -> bool:
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+    except kind:
+        return True
+    except Exception:  # another failure, or not finished
+        return False
+    return False

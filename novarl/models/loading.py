@@ -19,8 +19,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_model_path(name_or_path: str) -> str:
     """The folder or hub id to load: bundled names first, then local paths.
 
-    A name that looks like a path (absolute, relative with ./ or ../, ~, or an
-    existing parent folder) must exist; anything else is passed on as a hub id.
+    Only an `org/name` that is not a local folder is passed on as a hub id;
+    anything else that is not a model folder is an error naming it.
     """
     bundled = resolve_bundled(name_or_path)
     if bundled is not None:
@@ -31,9 +31,8 @@ def resolve_model_path(name_or_path: str) -> str:
             raise UserError(f"policy.model_name='{name_or_path}': the folder has no config.json; "
                             "give a Hugging Face model folder (config.json + *.safetensors).")
         return str(path)
-    looks_local = name_or_path.startswith(("/", "./", "../", "~")) or path.parent.is_dir() and \
-        name_or_path.count("/") != 1
-    if looks_local or path.exists():
+    hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~"))
+    if not hub_id or path.exists():
         raise UserError(f"policy.model_name='{name_or_path}': no model folder there. Give a local "
                         "Hugging Face folder, a hub id (org/name), or a bundled model (tiny-arith).")
     return name_or_path

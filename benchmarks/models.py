@@ -1,0 +1,24 @@
+"""Models the benchmarks share: a random-initialised ~100M-parameter Llama with the
+bundled character tokenizer (no download needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def random_llama_100m(folder: Path) -> tuple[str, int]:
+    """Save the model and tokenizer to `folder`; (path, parameter count)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from novarl.models.loading import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny-arith"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=768, intermediate_size=2048, num_hidden_layers=14,
+        num_attention_heads=12, num_key_value_heads=12, head_dim=64, max_position_embeddings=256,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder), model.num_parameters()
