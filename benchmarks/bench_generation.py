@@ -5,8 +5,10 @@
 For the bundled tiny model and a random-initialised ~100M-parameter Llama:
 sampled generation of 512 sequences (tokens per second, median of 3 calls
 after a warm-up), and the time to load the trainer's full weights into the
-generator (median of 3). Then 40 GRPO steps of the demo recipe with each
-backend, colocated, and the median per-step time split.
+generator (median of 3), and to send them from one process to another over
+the weight-transfer group a dedicated generator uses. Then 40 GRPO steps of
+the demo recipe: HF and vLLM colocated, and vLLM on its own Ray actor, with the
+median per-step time split.
 """
 
 from __future__ import annotations
@@ -60,7 +62,44 @@ def measure(backend: str, path: str, new_tokens: int) -> dict[str, float]:
     return {"tokens_per_s": statistics.median(rates), "sync_s": statistics.median(syncs)}
 
 
-def grpo_steps(backend: str, log_dir: str) -> dict[str, float]:
+def bridge_peer(rank: int, port: int, path: str, results) -> None:
+    """One end of the weight-transfer group: rank 0 sends the model's weights 4 times."""
+    from transformers import AutoModelForCausalLM
+
+    from novarl.distributed.weight_sync import WeightBridge
+
+    bridge = WeightBridge("127.0.0.1", port, rank, 2)
+    weights = list(AutoModelForCausalLM.from_pretrained(path).state_dict().items()) if rank == 0 else None
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        sent = bridge.send(weights) if rank == 0 else sum(t.numel() * t.element_size() for _, t in bridge.receive())
+        times.append(time.perf_counter() - start)
+    if rank == 1:
+        results.put((statistics.median(times[1:]), sent))
+
+
+def bridge_transfer(path: str) -> tuple[float, int]:
+    """(median seconds, bytes) to move the full weights over the gloo weight-transfer group
+    between two processes, as policy rank 0 -> dedicated generator does each step."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=bridge_peer, args=(rank, port, path, results)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    got = results.get(timeout=600)
+    for proc in procs:
+        proc.join()
+    return got
+
+
+def grpo_steps(backend: str, log_dir: str, *, dedicated: bool = False) -> dict[str, float]:
     from novarl.cli import BUNDLED_RECIPE
     from novarl.config import load_config
     from novarl.logging.metrics import read_jsonl
@@ -70,7 +109,7 @@ def grpo_steps(backend: str, log_dir: str) -> dict[str, float]:
         "grpo.max_num_steps=40", "grpo.max_train_seconds=null", "grpo.val_at_start=false",
         "grpo.val_at_end=false", "grpo.val_period=0", f"logger.log_dir={log_dir}", "logger.progress_bar=false",
         "logger.print_every_n_steps=40", f"policy.generation.backend={backend}",
-        "policy.generation.vllm_cfg.enforce_eager=true"])
+        "policy.generation.vllm_cfg.enforce_eager=true", f"policy.generation.colocated.enabled={not dedicated}"])
     result = GRPOTrainer(cfg).train()
     steps = [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"][5:]
     return {k: statistics.median(r[f"time_{k}"] for r in steps)
@@ -85,7 +124,8 @@ def main() -> None:
     args = parser.parse_args()
     from novarl.models.loading import resolve_model_path
 
-    rows, steps = [], {}
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    rows, steps, bridge = [], {}, []
     with tempfile.TemporaryDirectory() as tmp:
         models = {"tiny-arith (0.30M)": (resolve_model_path("tiny-arith"), 4),
                   "random Llama (~100M)": (random_llama_100m(Path(tmp) / "m100")[0], 32)}
@@ -94,10 +134,15 @@ def main() -> None:
                 got = measure(backend, path, new_tokens)
                 rows.append((name, backend, new_tokens, got["tokens_per_s"], got["sync_s"]))
                 print(rows[-1], flush=True)
-        for backend in ("hf", "vllm"):
-            steps[backend] = grpo_steps(backend, str(Path(tmp) / backend))
-            print(backend, steps[backend], flush=True)
+            bridge.append((name, *bridge_transfer(path)))
+            print(bridge[-1], flush=True)
+        for label, backend, dedicated in (("hf, colocated", "hf", False), ("vllm, colocated", "vllm", False),
+                                          ("vllm, dedicated (2 Ray actors)", "vllm", True)):
+            steps[label] = grpo_steps(backend, str(Path(tmp) / label.replace(" ", "_")), dedicated=dedicated)
+            print(label, steps[label], flush=True)
     table = "\n".join(f"| {m} | {b} | 512 x {n} | {tps:,.0f} | {sync * 1000:.1f} |" for m, b, n, tps, sync in rows)
+    bridge_rows = "\n".join(f"| {m} | {nbytes / 1e6:,.1f} | {sec * 1000:.1f} | {nbytes / sec / 1e9:.2f} |"
+                            for m, sec, nbytes in bridge)
     step_rows = "\n".join(
         f"| {b} | {s['generation']:.3f} | {s['logprobs']:.3f} | {s['training']:.3f} | {s['weight_sync']:.4f} | "
         f"{s['step']:.3f} |" for b, s in steps.items())
@@ -117,9 +162,19 @@ trainer's full fp32 state dict loaded into the generator, median of 3.
 |---|---|---|---|---|
 {table}
 
-## GRPO step, demo recipe (64 prompts x 8, colocated), median of steps 6-40 (seconds)
+## Weight transfer to a dedicated generator
 
-| generation backend | generation | logprobs | training | weight sync | step |
+Policy rank 0 -> generator over novarl's gloo weight-transfer group (two processes on this
+host), full fp32 weights, median of 3 after a warm-up; loading them into the engine is the
+"weight sync" column above.
+
+| model | MB per update | transfer (ms) | GB/s |
+|---|---|---|---|
+{bridge_rows}
+
+## GRPO step, demo recipe (64 prompts x 8), median of steps 6-40 (seconds)
+
+| generation | generation | logprobs | training | weight sync | step |
 |---|---|---|---|---|---|
 {step_rows}
 """

@@ -93,11 +93,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from novarl.config import dump_config
+    from novarl.plan.auto import apply_auto
     from novarl.plan.resolve import check_available, plan_batches, resolve_backends
 
-    cfg = _config(args)
+    cfg, why = apply_auto(_config(args))
     choice = resolve_backends(cfg)
     print(dump_config(cfg), end="")
+    for line in why:
+        print(f"# {line}")
     print(f"# valid. {choice.describe()}; {plan_batches(cfg).describe()}")
     for item in check_available(cfg, choice).missing:
         print(f"# not available yet (a run would stop): {item}")
@@ -113,6 +116,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from novarl.config import load_config
     from novarl.models.loading import resolve_model_path
     from novarl.plan.advisor import advise, format_advice
+    from novarl.plan.auto import apply_auto
     from novarl.plan.model_shape import ModelShape, parse_parameter_count
     from novarl.plan.resolve import check_available, plan_batches, resolve_backends
 
@@ -122,10 +126,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(None, overrides=args.overrides) if model_only else _config(args)
     exit_code = 0
     if not model_only:
+        cfg, why = apply_auto(cfg)
         choice = resolve_backends(cfg)
         availability = check_available(cfg, choice)
         exit_code = 0 if not availability.missing else 2
         if not args.json:
+            for line in why:
+                print(line)
             print(choice.describe())
             for note in choice.notes:
                 print(f"note: {note}")

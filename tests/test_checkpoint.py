@@ -15,12 +15,13 @@ from novarl.errors import UserError
 from novarl.logging.metrics import read_jsonl
 from novarl.trainer.api import GRPOTrainer
 from novarl.trainer.checkpoint import check_checkpoint
+from tests.helpers import HF
 
 pytestmark = pytest.mark.slow
 
 COMMON = ["logger.progress_bar=false", "grpo.max_train_seconds=null", "grpo.val_at_start=false",
           "grpo.val_at_end=false", "checkpointing.enabled=true", "checkpointing.save_period=2",
-          "checkpointing.keep_top_k=10"]
+          "checkpointing.keep_top_k=10", HF]
 
 
 def overrides(tmp_path, steps, *extra):

@@ -14,8 +14,11 @@ import pytest
 
 from novarl.cli import BUNDLED_RECIPE, main
 from novarl.errors import UserError
+from novarl.plan.resolve import installed
 from novarl.rewards.registry import RewardScorer
 from novarl.types import Completion, Prompt
+
+DEFAULT_GENERATION = "vllm" if installed("vllm") else "hf"
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -52,7 +55,7 @@ def novarl(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_validate_bundled_recipe_exits_0(tmp_path):
     proc = novarl("validate", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "# valid. training backend: dtensor; generation backend: hf" in proc.stdout
+    assert f"# valid. training backend: dtensor; generation backend: {DEFAULT_GENERATION}" in proc.stdout
     assert "model_name: tiny-arith" in proc.stdout
     assert "not available yet" not in proc.stdout
     assert list(tmp_path.iterdir()) == []
@@ -192,7 +195,7 @@ def test_plan_megatron_exits_2_listing_what_is_not_available(capsys):
 def test_plan_bundled_recipe_exits_0(capsys):
     code, out, _ = run_cli(capsys, "plan")
     assert code == 0
-    assert out.splitlines()[0] == "training backend: dtensor; generation backend: hf"
+    assert out.splitlines()[0] == f"training backend: dtensor; generation backend: {DEFAULT_GENERATION}"
     assert "batch: 512 samples per GRPO step -> 1 optimizer step(s) of 512" in out
     assert "not available yet" not in out
 

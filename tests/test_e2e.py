@@ -10,19 +10,20 @@ from novarl.cli import BUNDLED_RECIPE
 from novarl.config import load_config
 from novarl.logging.metrics import read_jsonl
 from novarl.trainer.api import GRPOTrainer
+from tests.helpers import HF
 
 pytestmark = pytest.mark.slow
 
 
 def recipe(tmp_path, *overrides):
     return load_config(BUNDLED_RECIPE, overrides=[f"logger.log_dir={tmp_path}", "logger.progress_bar=false",
-                                                   "grpo.max_train_seconds=null", *overrides])
+                                                   "grpo.max_train_seconds=null", HF, *overrides])
 
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("run")
-    cfg = recipe(tmp, "grpo.max_num_steps=80", "grpo.val_period=0", "grpo.max_val_samples=300")
+    cfg = recipe(tmp, "grpo.max_num_steps=120", "grpo.val_period=0", "grpo.max_val_samples=300")
     trainer = GRPOTrainer(cfg)
     return trainer, trainer.train()
 
@@ -30,16 +31,17 @@ def short_run(tmp_path_factory):
 def test_reward_rises(short_run):
     _, result = short_run
     rewards = [r["reward_mean"] for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
-    assert len(rewards) == 80
+    assert len(rewards) == 120
     first, last = statistics.mean(rewards[:20]), statistics.mean(rewards[-20:])
-    assert last > first + 0.015, (first, last)
+    assert last > first + 0.03, (first, last)  # measured: 0.128 -> 0.184
+    assert result.final_accuracy > result.initial_accuracy + 0.05  # measured: 29.3% -> 45.0%
 
 
 def test_run_folder_has_metrics_plot_config_and_policy(short_run):
     _, result = short_run
     records = read_jsonl(result.output_dir / "metrics.jsonl")
     evals = [r for r in records if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [0, 80]
+    assert [r["step"] for r in evals] == [0, 120]
     assert result.initial_accuracy == evals[0]["accuracy"] and result.final_accuracy == evals[1]["accuracy"]
     step = next(r for r in records if r["kind"] == "train")
     for key in ("time_generation", "time_logprobs", "time_training", "time_weight_sync", "grad_norm", "lr"):
@@ -47,7 +49,7 @@ def test_run_folder_has_metrics_plot_config_and_policy(short_run):
     # The generator samples with the weights the trainer has: their logprobs agree.
     assert max(r["logprob_mismatch"] for r in records if r["kind"] == "train") < 1e-3
     assert (result.output_dir / "reward_curve.png").stat().st_size > 10_000
-    assert load_config(result.output_dir / "config.yaml").grpo.max_num_steps == 80
+    assert load_config(result.output_dir / "config.yaml").grpo.max_num_steps == 120
     assert (result.model_dir / "model.safetensors").is_file()
 
 
@@ -141,7 +143,7 @@ def test_python_api_train_with_a_callable_reward_and_in_memory_data(tmp_path):
                           config=str(BUNDLED_RECIPE), max_num_steps=2, num_prompts_per_step=8,
                           num_generations_per_prompt=4, log_dir=str(tmp_path),
                           policy__train_micro_batch_size=16, grpo__max_val_samples=32,
-                          grpo__val_period=0, logger__progress_bar=False)
+                          grpo__val_period=0, logger__progress_bar=False, policy__generation__backend="hf")
     assert isinstance(result, novarl.TrainResult) and result.steps == 2
     assert result.final_accuracy is not None and result.model_dir.is_dir()
     assert set(seen) <= {r["prompt"] for r in rows} and len(seen) >= 2 * 8 * 4

@@ -13,6 +13,7 @@ from novarl.cli import main
 from novarl.errors import UserError
 from novarl.plan.advisor import HEADROOM, advise, tree_branch
 from novarl.plan.model_shape import ModelShape
+from novarl.plan.resolve import installed
 
 QWEN = {"model_type": "qwen2", "tie_word_embeddings": False, "vocab_size": 152064}
 QWEN_1_5B = ModelShape.from_hf_config({**QWEN, "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12,
@@ -23,6 +24,7 @@ QWEN_32B = ModelShape.from_hf_config({**QWEN, "hidden_size": 5120, "num_hidden_l
 QWEN_72B = ModelShape.from_hf_config({**QWEN, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
                                       "num_key_value_heads": 8, "intermediate_size": 29568})
 SEQ = 4096
+DEFAULT_GENERATION = "vllm" if installed("vllm") else "hf"
 
 
 def test_model_sizes_fall_in_the_seeds_branches():
@@ -161,7 +163,7 @@ def test_cli_plan_parameter_count_as_json(capsys):
 def test_cli_plan_config_still_plans_backends_and_advises(capsys):
     code, out, _ = run_cli(capsys, "plan")
     assert code == 0
-    assert out.splitlines()[0] == "training backend: dtensor; generation backend: hf"
+    assert out.splitlines()[0] == f"training backend: dtensor; generation backend: {DEFAULT_GENERATION}"
     assert "recommended: dtensor fsdp2" in out
 
 

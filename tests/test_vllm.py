@@ -75,6 +75,10 @@ def statistics_mean(values):
     return sum(values) / len(values)
 
 
+WEIGHT_BYTES = 4 * (297_984 + 19 * 128)
+"""fp32 bytes of the bundled tiny model's state dict: its parameters, and lm_head.weight, tied to the embedding but a key of its own."""
+
+
 def grpo_steps(tmp_path, *extra):
     cfg = load_config(BUNDLED_RECIPE, overrides=[
         f"logger.log_dir={tmp_path}", "logger.progress_bar=false", "grpo.max_train_seconds=null",
@@ -98,6 +102,8 @@ def test_dedicated_generation_on_its_own_ray_actor_matches_colocated(tmp_path):
     finally:
         ray.shutdown()
     for one, two in zip(colocated, dedicated, strict=True):
+        # the full fp32 weights went rank to rank over the weight-transfer group
+        assert "weight_sync_mb" not in one and two["weight_sync_mb"] == pytest.approx(WEIGHT_BYTES / 1e6)
         assert two["reward_mean"] == one["reward_mean"]
         assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
         assert two["logprob_mismatch"] < 1e-3

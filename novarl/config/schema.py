@@ -270,6 +270,10 @@ class TokenizerConfig(Section):
 class PolicyConfig(Section):
     model_name: str = "tiny-arith"
     """Hugging Face hub id, local folder, or a bundled model name (tiny-arith)."""
+    backend: Literal["auto"] | None = None
+    """novarl's own key. 'auto': the planner picks the training backend, parallel sizes,
+    generation backend and placement (see `novarl plan`), overriding the *_cfg flags; None:
+    the flags decide (megatron > deepspeed > dtensor)."""
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     trust_remote_code: bool = False
     train_global_batch_size: int | None = Field(None, ge=1)

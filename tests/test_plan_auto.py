@@ -1,0 +1,77 @@
+"""`policy.backend: auto`: the planner's choice written into the config as the seeds' keys."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from novarl.cli import BUNDLED_RECIPE, main
+from novarl.config import load_config
+from novarl.errors import UserError
+from novarl.plan.auto import apply_auto
+from novarl.plan.resolve import installed, resolve_backends
+
+QWEN = {"model_type": "qwen2", "tie_word_embeddings": False, "vocab_size": 152064, "num_key_value_heads": 8}
+QWEN_32B = {**QWEN, "hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 40, "intermediate_size": 27648}
+QWEN_72B = {**QWEN, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64, "intermediate_size": 29568}
+VLLM = "vllm" if installed("vllm") else "hf"
+
+
+def model_folder(tmp_path, config: dict) -> str:
+    """A model folder with only config.json: the planner reads the shape, never the weights."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def auto(*overrides: str, **host):
+    cfg = load_config(BUNDLED_RECIPE, overrides=["policy.backend=auto", *overrides])
+    return apply_auto(cfg, **host)
+
+
+def test_without_auto_the_config_is_untouched():
+    cfg = load_config(BUNDLED_RECIPE)
+    assert apply_auto(cfg, on_gpu=False) == (cfg, [])
+
+
+def test_no_gpu_takes_the_cpu_layout():
+    cfg, why = auto("policy.generation.backend=hf", "policy.dtensor_cfg.tensor_parallel_size=2",
+                    "cluster.gpus_per_node=2", on_gpu=False)
+    assert cfg.policy.backend is None  # resolved: the saved config.yaml is explicit
+    assert resolve_backends(cfg).training == "dtensor"
+    assert cfg.policy.dtensor_cfg.tensor_parallel_size == 1
+    assert cfg.policy.generation.backend == VLLM and cfg.policy.generation.colocated.enabled
+    assert "no GPU here" in why[0] and "2 x 1 CPU rank(s)" in why[0]
+
+
+def test_small_model_on_a_gpu_follows_the_advisor():
+    cfg, why = auto("policy.megatron_cfg.enabled=true", "cluster.gpus_per_node=8", on_gpu=True, gpu_memory_gb=80)
+    assert resolve_backends(cfg).training == "dtensor"  # auto overrides the flags it was given
+    assert cfg.policy.generation.backend == VLLM and cfg.policy.generation.colocated.enabled
+    assert cfg.policy.generation.vllm_cfg.tensor_parallel_size == 1
+    assert any("<10B" in line for line in why)
+
+
+def test_unbuilt_recommendation_runs_the_best_built_layout_and_says_so(tmp_path):
+    cfg, why = auto(f"policy.model_name={model_folder(tmp_path, QWEN_32B)}", "policy.max_total_sequence_length=4096",
+                    "policy.train_micro_batch_size=1", "cluster.gpus_per_node=8", "cluster.num_nodes=4",
+                    on_gpu=True, gpu_memory_gb=80)
+    assert any("which novarl does not run yet" in line and "megatron" in line for line in why)
+    assert resolve_backends(cfg).training == "dtensor"
+    gen = cfg.policy.generation
+    # 32B on 4 nodes: generation on a node of its own (the tree's multi-node branch)
+    assert not gen.colocated.enabled and gen.colocated.resources.gpus_per_node == 8
+    assert gen.colocated.resources.num_nodes == 1 and cfg.cluster.num_nodes == 3
+
+
+def test_nothing_runnable_fits_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="no layout novarl can run today fits"):
+        auto(f"policy.model_name={model_folder(tmp_path, QWEN_72B)}", "policy.max_total_sequence_length=4096",
+             "cluster.gpus_per_node=1", on_gpu=True, gpu_memory_gb=24)
+
+
+def test_validate_prints_the_choice(capsys):
+    assert main(["validate", "policy.backend=auto"]) == 0
+    out = capsys.readouterr().out
+    assert "# policy.backend=auto" in out and "training backend: dtensor" in out
