@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from novarl.algorithms.losses import LossFn
+from novarl.backends.training.rows import DataParallelRows
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.parallelize import (
     ParallelDims,
@@ -35,11 +36,11 @@ from novarl.backends.training.parallelize import (
     dp_group,
 )
 from novarl.config.schema import PolicyConfig
-from novarl.models.loading import DTYPES, load_causal_lm, token_logprobs
+from novarl.models.loading import DTYPES, load_causal_lm
 from novarl.types import TrainBatch
 
 
-class ShardedModel:
+class ShardedModel(DataParallelRows):
     """A Hugging Face causal LM parallelised on a device mesh, and its data-parallel place."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None,
@@ -68,39 +69,6 @@ class ShardedModel:
         self.logprob_batch_size = policy.logprob_batch_size or policy.train_micro_batch_size
         self.sequence_multiple = math.lcm(policy.make_sequence_length_divisible_by,
                                           dims.tensor_parallel if dt.sequence_parallel else 1)
-
-    def shard(self, batch: TrainBatch) -> TrainBatch:
-        """This data-parallel rank's contiguous share of the rows."""
-        if len(batch) % self.dp_size:
-            raise ValueError(f"{len(batch)} rows do not split over {self.dp_size} data-parallel ranks")
-        share = len(batch) // self.dp_size
-        return _to(batch.slice(self.dp_rank * share, (self.dp_rank + 1) * share), self.device)
-
-    def forward_logprobs(self, mb: TrainBatch) -> torch.Tensor:
-        ids, mask = mb.input_ids, mb.attention_mask
-        length = ids.shape[1]
-        pad = -length % self.sequence_multiple  # sequence parallelism splits the sequence evenly
-        if pad:
-            ids = torch.nn.functional.pad(ids, (0, pad), value=0)
-            mask = torch.nn.functional.pad(mask, (0, pad), value=False)
-        logits = self.model(input_ids=ids, attention_mask=mask).logits
-        return token_logprobs(logits, ids, self.temperature)[:, :length]
-
-    @torch.no_grad()
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """[B, L] logprobs of batch.input_ids (0 on padding): each data-parallel rank
-        computes its share, then they are all-gathered."""
-        local = self.shard(batch)
-        parts = [self.forward_logprobs(local.slice(s, s + self.logprob_batch_size))
-                 * local.attention_mask[s:s + self.logprob_batch_size]
-                 for s in range(0, len(local), self.logprob_batch_size)]
-        mine = torch.cat(parts)
-        if self.dp_size == 1:
-            return mine.cpu()
-        gathered = [torch.empty_like(mine) for _ in range(self.dp_size)]
-        dist.all_gather(gathered, mine, group=self.dp_group)
-        return torch.cat(gathered).cpu()
-
 
 class DTensorPolicy(ShardedModel):
     """The trainable policy on the DTensor backend (implements TrainingBackend)."""
@@ -187,11 +155,3 @@ class DTensorReference(ShardedModel):
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None,
                  *, temperature: float) -> None:
         super().__init__(policy, model_path, device, trainable=False, temperature=temperature)
-
-
-def _to(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    if device.type == "cpu":
-        return batch
-    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(batch).items()}
-    moved["extras"] = {k: v.to(device) for k, v in batch.extras.items()}
-    return TrainBatch(**moved)

@@ -1,0 +1,254 @@
+"""The DeepSpeed ZeRO training backend: stages 1, 2 and 3, CPU offload, bf16.
+
+Same contract as the DTensor backend (TrainingBackend) and the same Ray worker
+groups: every rank runs each method; data-parallel ranks split each batch into
+contiguous shares (rows.py). ZeRO partitions, over the data-parallel ranks,
+the optimizer state (stage 1), and the gradients (2), and the parameters (3).
+
+- Precision: `policy.precision: bfloat16` keeps bf16 weights for the forward and
+  backward and fp32 master weights in the optimizer; float32 trains in fp32.
+- Accumulation: each optimizer step's micro-batches on a rank accumulate
+  gradients, reduced once, at the last one (the accumulation boundary is set
+  explicitly, so a short last chunk is handled the same way as DTensor's).
+- Clipping: `policy.max_grad_norm` becomes DeepSpeed's `gradient_clipping`.
+- Offload: `deepspeed_cfg.offload_optimizer` keeps the optimizer state and step
+  on the CPU (DeepSpeed's CPU Adam, a C++ op built on first use: see
+  ops.py); `offload_param` (stage 3) keeps the parameters there too.
+- `deepspeed_cfg.config` is merged over the config built here, for any
+  DeepSpeed key novarl does not set (see `deepspeed_config`).
+
+DeepSpeed is imported in this module only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from novarl.algorithms.losses import LossFn
+from novarl.backends.training.optim import build_optimizer, build_scheduler
+from novarl.backends.training.rows import DataParallelRows
+from novarl.config.schema import PolicyConfig
+from novarl.errors import ConfigError
+from novarl.models.loading import load_causal_lm
+from novarl.types import TrainBatch
+
+CHECKPOINT_TAG = "deepspeed"
+"""The engine's files go to <checkpoint>/deepspeed/ (no `latest` file beside them)."""
+
+
+def deepspeed_config(policy: PolicyConfig, *, world_size: int, accumulation_steps: int,
+                     on_gpu: bool) -> dict[str, Any]:
+    """The DeepSpeed JSON config for `policy`, with `deepspeed_cfg.config` merged over it."""
+    ds = policy.deepspeed_cfg
+    precision = policy.precision or ("bfloat16" if on_gpu else "float32")
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    if ds.offload_param:
+        if ds.zero_stage != 3:
+            raise ConfigError(f"policy.deepspeed_cfg.offload_param needs zero_stage 3 (it is {ds.zero_stage}): "
+                              "only stage 3 partitions the parameters.")
+        zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+    if ds.zero_stage == 3:
+        # Gather each layer's parameters as it runs, and release them after; keep none resident.
+        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=5e7)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": policy.train_micro_batch_size,
+        "gradient_accumulation_steps": accumulation_steps,
+        "train_batch_size": policy.train_micro_batch_size * accumulation_steps * world_size,
+        "gradient_clipping": policy.max_grad_norm or 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bfloat16"},
+        "fp16": {"enabled": precision == "float16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    return _merge(config, ds.config or {})
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) \
+            else value
+    return merged
+
+
+class DeepSpeedModel(DataParallelRows):
+    """A Hugging Face causal LM in a DeepSpeed engine, one data-parallel rank of it."""
+
+    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None, *, trainable: bool,
+                 temperature: float, accumulation_steps: int = 1, total_steps: int = 1) -> None:
+        from novarl.backends.training.ops import deepspeed_environment
+        from novarl.distributed.local import default_device
+
+        deepspeed_environment()
+        import deepspeed
+
+        if not dist.is_initialized():
+            raise RuntimeError("the DeepSpeed backend needs the process group joined first")
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        self.device = device or default_device()
+        self.temperature = temperature
+        self.dp_group = dist.group.WORLD
+        self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        self.logprob_batch_size = policy.logprob_batch_size or policy.train_micro_batch_size
+        self.sequence_multiple = policy.make_sequence_length_divisible_by
+        self.zero_stage = policy.deepspeed_cfg.zero_stage
+        config = deepspeed_config(policy, world_size=self.dp_size, accumulation_steps=accumulation_steps,
+                                  on_gpu=self.device.type == "cuda")
+        model = load_causal_lm(model_path, dtype=torch.float32, trust_remote_code=policy.trust_remote_code)
+        model.train(trainable)
+        model.requires_grad_(trainable)
+        self.optimizer = self.scheduler = None
+        if trainable:
+            self.optimizer = build_deepspeed_optimizer(policy, model.parameters())
+            self.scheduler = build_scheduler(policy.scheduler, self.optimizer, total_steps)
+        elif self.zero_stage != 3:  # a frozen copy needs no engine unless its parameters are partitioned
+            config = None
+        if config is None:
+            self.engine = None
+            self.model = model.to(self.device, dtype=_dtype(policy, self.device))
+            return
+        try:
+            self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,
+                                                   lr_scheduler=self.scheduler, config=config)
+        except (ValueError, AssertionError, KeyError) as err:
+            raise ConfigError(f"DeepSpeed refused its config (policy.deepspeed_cfg, with deepspeed_cfg.config "
+                              f"merged over it): {err}") from None
+        self.model = self.engine  # called like the module; ZeRO-3 gathers parameters on the way
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: every rank calls it; rank 0 gets the full CPU tensors (Hugging Face
+        names), the others {}. Stage 3 gathers each partitioned parameter in turn."""
+        module = self.engine.module if self.engine is not None else self.model
+        full: dict[str, torch.Tensor] = {}
+        if self.zero_stage == 3 and self.engine is not None:
+            import deepspeed
+
+            for name, param in module.named_parameters():
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    if self.dp_rank == 0:
+                        full[name] = param.detach().to("cpu", copy=True)
+            for name, buffer in module.named_buffers():
+                if self.dp_rank == 0 and name in module.state_dict():
+                    full[name] = buffer.detach().to("cpu", copy=True)
+            if self.dp_rank == 0:  # tied weights share one parameter: add the other names
+                state = module.state_dict(keep_vars=True)
+                by_id = {id(p): n for n, p in module.named_parameters()}
+                for name, tensor in state.items():
+                    if name not in full and id(tensor) in by_id:
+                        full[name] = full[by_id[id(tensor)]]
+            return full
+        if self.dp_rank != 0:
+            return {}
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
+
+
+class DeepSpeedPolicy(DeepSpeedModel):
+    """The trainable policy on DeepSpeed ZeRO (implements TrainingBackend)."""
+
+    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
+                 total_steps: int, temperature: float, accumulation_steps: int = 1) -> None:
+        super().__init__(policy, model_path, device, trainable=True, temperature=temperature,
+                         accumulation_steps=accumulation_steps, total_steps=total_steps)
+        self.micro_batch_size = policy.train_micro_batch_size
+
+    def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]:
+        """Accumulate gradients of `loss` over this rank's rows in micro-batches; reduced
+        over the ranks at the last one. Metrics summed over micro-batches and ranks."""
+        local = self.shard(batch)
+        totals: dict[str, torch.Tensor] = {}
+        starts = range(0, len(local), self.micro_batch_size)
+        for i, start in enumerate(starts):
+            mb = local.slice(start, start + self.micro_batch_size)
+            self.engine.set_gradient_accumulation_boundary(i == len(starts) - 1)
+            value, metrics = loss(self.forward_logprobs(mb), mb)
+            # Each rank's loss is its share of the step's mean; DeepSpeed averages gradients
+            # over ranks, hence the factor (and no division by the accumulation steps).
+            self.engine.backward(value * self.dp_size, scale_wrt_gas=False)
+            for name, metric in metrics.items():
+                totals[name] = totals.get(name, 0.0) + metric.detach().float()
+        names = sorted(totals)
+        summed = torch.stack([totals[n] for n in names])
+        dist.all_reduce(summed, group=self.dp_group)
+        return dict(zip(names, summed.tolist()))
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip (gradient_clipping), step the optimizer and the schedule, zero the gradients."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else math.nan
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.full_state_dict().items()
+
+    def save(self, path: Path) -> None:
+        """The engine's partitioned state (weights, optimizer, schedule) under path/deepspeed/.
+        Resuming needs the same number of ranks."""
+        self.engine.save_checkpoint(str(path), tag=CHECKPOINT_TAG, save_latest=False)
+        dist.barrier()
+
+    def load(self, path: Path) -> None:
+        load_path, _ = self.engine.load_checkpoint(str(path), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if load_path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {path / CHECKPOINT_TAG}")
+
+    def save_hf(self, path: Path, tokenizer) -> None:
+        """A consolidated Hugging Face folder (fp32 weights), from any ZeRO stage."""
+        state = self.full_state_dict()
+        if self.dp_rank != 0:
+            return
+        module = self.engine.module
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(module.config, dtype=torch.float32)
+        plain.load_state_dict({k: v.float() for k, v in state.items()}, strict=True, assign=True)
+        plain.tie_weights()
+        plain.save_pretrained(path, safe_serialization=True)
+        tokenizer.save_pretrained(path)
+
+
+class DeepSpeedReference(DeepSpeedModel):
+    """The frozen reference policy (KL penalty) beside a DeepSpeed policy: partitioned
+    like it under ZeRO-3, a plain replica otherwise."""
+
+    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
+                 temperature: float) -> None:
+        super().__init__(policy, model_path, device, trainable=False, temperature=temperature)
+
+
+def build_deepspeed_optimizer(policy: PolicyConfig, params) -> torch.optim.Optimizer:
+    """The configured torch optimizer; with optimizer offload, DeepSpeed's CPU Adam(W) with
+    the same hyper-parameters (DeepSpeed steps offloaded state with its own kernel)."""
+    if not policy.deepspeed_cfg.offload_optimizer:
+        return build_optimizer(policy.optimizer, params)
+    name = policy.optimizer.name.removeprefix("torch.optim.")
+    if name not in ("Adam", "AdamW"):
+        raise ConfigError(f"policy.deepspeed_cfg.offload_optimizer steps Adam or AdamW on the CPU; "
+                          f"policy.optimizer.name is {policy.optimizer.name}.")
+    from novarl.backends.training.ops import cpu_adam
+
+    kwargs = dict(policy.optimizer.kwargs)
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    kwargs.pop("foreach", None)
+    kwargs.pop("fused", None)
+    return cpu_adam()(params, adamw_mode=name == "AdamW", **kwargs)
+
+
+def _dtype(policy: PolicyConfig, device: torch.device) -> torch.dtype:
+    from novarl.models.loading import DTYPES
+
+    return DTYPES[policy.precision or ("bfloat16" if device.type == "cuda" else "float32")]

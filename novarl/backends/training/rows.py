@@ -1,0 +1,60 @@
+"""What every training backend does the same way with a batch's rows.
+
+Data-parallel ranks split each batch into contiguous shares; ranks that split
+one model (tensor parallel) see the same rows. Logprobs are computed on each
+rank's share and all-gathered, so every rank returns the whole batch's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from novarl.models.loading import token_logprobs
+from novarl.types import TrainBatch
+
+
+class DataParallelRows:
+    """Mixin: needs self.model (callable like a Hugging Face causal LM), self.device,
+    self.temperature, self.dp_group, self.dp_rank, self.dp_size, self.logprob_batch_size
+    and self.sequence_multiple (pad the length to a multiple of it; 1: no padding)."""
+
+    def shard(self, batch: TrainBatch) -> TrainBatch:
+        """This data-parallel rank's contiguous share of the rows."""
+        if len(batch) % self.dp_size:
+            raise ValueError(f"{len(batch)} rows do not split over {self.dp_size} data-parallel ranks")
+        share = len(batch) // self.dp_size
+        return _to(batch.slice(self.dp_rank * share, (self.dp_rank + 1) * share), self.device)
+
+    def forward_logprobs(self, mb: TrainBatch) -> torch.Tensor:
+        ids, mask = mb.input_ids, mb.attention_mask
+        length = ids.shape[1]
+        pad = -length % self.sequence_multiple  # sequence parallelism splits the sequence evenly
+        if pad:
+            ids = torch.nn.functional.pad(ids, (0, pad), value=0)
+            mask = torch.nn.functional.pad(mask, (0, pad), value=False)
+        logits = self.model(input_ids=ids, attention_mask=mask).logits
+        return token_logprobs(logits, ids, self.temperature)[:, :length]
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, L] logprobs of batch.input_ids (0 on padding): each data-parallel rank
+        computes its share, then they are all-gathered."""
+        local = self.shard(batch)
+        parts = [self.forward_logprobs(local.slice(s, s + self.logprob_batch_size))
+                 * local.attention_mask[s:s + self.logprob_batch_size]
+                 for s in range(0, len(local), self.logprob_batch_size)]
+        mine = torch.cat(parts)
+        if self.dp_size == 1:
+            return mine.cpu()
+        gathered = [torch.empty_like(mine) for _ in range(self.dp_size)]
+        dist.all_gather(gathered, mine, group=self.dp_group)
+        return torch.cat(gathered).cpu()
+
+
+def _to(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    if device.type == "cpu":
+        return batch
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(batch).items()}
+    moved["extras"] = {k: v.to(device) for k, v in batch.extras.items()}
+    return TrainBatch(**moved)
