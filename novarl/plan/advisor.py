@@ -81,6 +81,7 @@ from novarl.plan.memory import (
     kv_cache_bytes,
 )
 from novarl.plan.model_shape import ModelShape
+from novarl.plan.resolve import BUILT_TRAINING_BACKENDS
 
 HEADROOM = 0.9
 """Share of the GPU memory a layout may plan to use (the rest: CUDA context,
@@ -107,7 +108,7 @@ class _Layout:
     pipeline_parallel_size: int = 1
 
 
-_BUILT_BACKENDS = ("dtensor",)
+_BUILT_BACKENDS = BUILT_TRAINING_BACKENDS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import ConfigError, NotAvailableYet
 
-BUILT_TRAINING_BACKENDS = ("dtensor",)
+BUILT_TRAINING_BACKENDS = ("dtensor", "deepspeed")
 BUILT_GENERATION_BACKENDS = ("hf", "vllm")
 
 
@@ -65,6 +65,9 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     policy, missing, warnings = cfg.policy, [], []
     if choice.training not in BUILT_TRAINING_BACKENDS:
         missing.append(f"training backend '{choice.training}' (policy.{choice.training}_cfg.enabled)")
+    if choice.training == "deepspeed" and not installed("deepspeed"):
+        missing.append("DeepSpeed, for policy.deepspeed_cfg.enabled: pip install 'novarl[deepspeed]' "
+                       "(the Makefile shows how on a CPU-only host)")
     if choice.generation not in BUILT_GENERATION_BACKENDS:
         missing.append(f"generation backend '{choice.generation}' (policy.generation.backend); "
                        "'hf' and 'vllm' work today")

@@ -12,7 +12,8 @@ from novarl.config import NovaRLConfig, dump_config, load_config
 from novarl.data.arithmetic import Example
 from novarl.data.datasets import BUNDLED_DATASETS
 from novarl.errors import RunFailed, UserError
-from novarl.trainer.checkpoint import Checkpoint, Checkpointer
+from novarl.plan.resolve import world_size
+from novarl.trainer.checkpoint import POLICY_DIR, Checkpoint, Checkpointer
 
 RewardFn = Callable[..., float]
 
@@ -129,6 +130,11 @@ def check_resumable(latest: Checkpoint, config: NovaRLConfig) -> None:
             "policy.optimizer.name")
     differ = [k for k in keys if _get(saved, k) != _get(config, k)]
     where = f"checkpointing.checkpoint_dir='{latest.path.parent}'"
+    if (latest.path / POLICY_DIR / "deepspeed").is_dir() and world_size(saved) != world_size(config):
+        raise UserError(f"{where} holds a DeepSpeed checkpoint written by {world_size(saved)} ranks; ZeRO's "
+                        f"partitions load only on as many ranks, and this config has {world_size(config)} "
+                        "(cluster.gpus_per_node x cluster.num_nodes). `novarl convert` turns it into a "
+                        "Hugging Face folder on any number.")
     if differ:
         shown = ", ".join(f"{k}: {_get(saved, k)!r} there, {_get(config, k)!r} here" for k in differ)
         raise UserError(f"{where} holds a checkpoint of another run ({shown}). Give another checkpoint_dir, "

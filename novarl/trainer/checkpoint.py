@@ -121,6 +121,11 @@ def check_checkpoint(path: Path) -> str | None:
     if not isinstance(data, dict) or data.get("step") != _step_of(path):
         return f"{STATE_FILE} does not describe step {_step_of(path)}"
     policy = path / POLICY_DIR
+    if (policy / "deepspeed").is_dir():  # written by the DeepSpeed backend
+        engine = policy / "deepspeed"
+        if not any(engine.glob("*model_states.pt")) or not any(engine.glob("*optim_states.pt")):
+            return "DeepSpeed engine state missing"
+        return None
     if not (policy / ".metadata").is_file() or not any(policy.glob("*.distcp")):
         return "policy shards missing"
     if not (policy / "scheduler.pt").is_file():

@@ -23,11 +23,31 @@ def export_checkpoint(checkpoint: Path, output: Path) -> Path:
         raise UserError(f"'{output}' exists and is not empty; give a new folder.")
     cfg = load_config(checkpoint / "config.yaml")
     model_path = resolve_model_path(cfg.policy.model_name)
+    tokenizer = load_tokenizer(cfg.policy.tokenizer.name or model_path,
+                               trust_remote_code=cfg.policy.trust_remote_code)
+    if (checkpoint / POLICY_DIR / "deepspeed").is_dir():
+        return _export_deepspeed(checkpoint / POLICY_DIR, model_path, tokenizer, output)
     ensure_single_process_group()
     policy = DTensorPolicy(cfg.policy, model_path, default_device(), total_steps=1,
                            temperature=cfg.policy.generation.temperature)
     policy.load(checkpoint / POLICY_DIR)
-    tokenizer = load_tokenizer(cfg.policy.tokenizer.name or model_path,
-                               trust_remote_code=cfg.policy.trust_remote_code)
     save_atomically(output, lambda tmp: policy.save_hf(tmp, tokenizer))
+    return output
+
+
+def _export_deepspeed(policy_dir: Path, model_path: str, tokenizer, output: Path) -> Path:
+    """DeepSpeed's fp32 master weights, merged from every rank's partition offline (no
+    process group, any number of ranks wrote them)."""
+    from transformers import AutoConfig
+
+    from novarl.backends.training.ops import deepspeed_environment
+    from novarl.models.loading import save_hf_folder
+    from novarl.trainer.api import save_atomically
+
+    deepspeed_environment()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(policy_dir), tag="deepspeed")
+    model_config = AutoConfig.from_pretrained(model_path)
+    save_atomically(output, lambda tmp: save_hf_folder(tmp, model_config, state, tokenizer))
     return output

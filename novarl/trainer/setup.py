@@ -178,12 +178,18 @@ def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> R
 
 
 def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device):
-    from novarl.backends.training.dtensor import DTensorPolicy, DTensorReference
-
     temperature = cfg.policy.generation.temperature
     total_steps = cfg.grpo.max_num_steps * inputs.batches.optimizer_steps_per_step
     policy_args = dict(policy=cfg.policy, model_path=inputs.model_path, total_steps=total_steps,
                        temperature=temperature)
+    if inputs.choice.training == "deepspeed":
+        from novarl.backends.training.deepspeed import DeepSpeedPolicy as Policy
+        from novarl.backends.training.deepspeed import DeepSpeedReference as Reference
+
+        policy_args["accumulation_steps"] = inputs.batches.gradient_accumulation_steps
+    else:
+        from novarl.backends.training.dtensor import DTensorPolicy as Policy
+        from novarl.backends.training.dtensor import DTensorReference as Reference
     reference_args = dict(policy=cfg.policy, model_path=inputs.model_path, temperature=temperature)
     with_reference = cfg.loss_fn.reference_policy_kl_penalty > 0
     ranks = world_size(cfg)
@@ -191,19 +197,19 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device):
         from novarl.distributed.local import ensure_single_process_group
 
         ensure_single_process_group()
-        policy = DTensorPolicy(device=device, **policy_args)
-        return policy, DTensorReference(device=device, **reference_args) if with_reference else None
+        policy = Policy(device=device, **policy_args)
+        return policy, Reference(device=device, **reference_args) if with_reference else None
     from novarl.distributed.ray_group import RayWorkerGroup
     from novarl.distributed.remote import RemotePolicy, RemoteReference
 
     gpus = 1 if device.type == "cuda" else 0
     info(f"starting {ranks} policy ranks on Ray ({'1 GPU' if gpus else '1 CPU'} each)")
-    policy = RemotePolicy(RayWorkerGroup(DTensorPolicy, policy_args, world_size=ranks,
+    policy = RemotePolicy(RayWorkerGroup(Policy, policy_args, world_size=ranks,
                                          gpus_per_rank=gpus, name="policy"))
     if not with_reference:
         return policy, None
     try:
-        return policy, RemoteReference(RayWorkerGroup(DTensorReference, reference_args, world_size=ranks,
+        return policy, RemoteReference(RayWorkerGroup(Reference, reference_args, world_size=ranks,
                                                       gpus_per_rank=gpus, name="reference"))
     except BaseException:
         policy.shutdown()

@@ -23,6 +23,7 @@ DeepSpeed is imported in this module only.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.rows import DataParallelRows
 from novarl.config.schema import PolicyConfig
 from novarl.errors import ConfigError
-from novarl.models.loading import load_causal_lm
+from novarl.models.loading import load_causal_lm, save_hf_folder
 from novarl.types import TrainBatch
 
 CHECKPOINT_TAG = "deepspeed"
@@ -86,15 +87,19 @@ class DeepSpeedModel(DataParallelRows):
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None, *, trainable: bool,
                  temperature: float, accumulation_steps: int = 1, total_steps: int = 1) -> None:
-        from novarl.backends.training.ops import deepspeed_environment
+        from novarl.backends.training.ops import deepspeed_environment, first_build
         from novarl.distributed.local import default_device
 
         deepspeed_environment()
         import deepspeed
 
+        # DeepSpeed's own collectives use a name torch has deprecated; not the user's to fix.
+        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+
         if not dist.is_initialized():
             raise RuntimeError("the DeepSpeed backend needs the process group joined first")
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        with first_build("deepspeed_shm_comm", "DeepSpeed's shared-memory communication op"):
+            deepspeed.init_distributed(dist_backend=dist.get_backend())
         self.device = device or default_device()
         self.temperature = temperature
         self.dp_group = dist.group.WORLD
@@ -207,17 +212,8 @@ class DeepSpeedPolicy(DeepSpeedModel):
     def save_hf(self, path: Path, tokenizer) -> None:
         """A consolidated Hugging Face folder (fp32 weights), from any ZeRO stage."""
         state = self.full_state_dict()
-        if self.dp_rank != 0:
-            return
-        module = self.engine.module
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            plain = AutoModelForCausalLM.from_config(module.config, dtype=torch.float32)
-        plain.load_state_dict({k: v.float() for k, v in state.items()}, strict=True, assign=True)
-        plain.tie_weights()
-        plain.save_pretrained(path, safe_serialization=True)
-        tokenizer.save_pretrained(path)
+        if self.dp_rank == 0:
+            save_hf_folder(path, self.engine.module.config, state, tokenizer)
 
 
 class DeepSpeedReference(DeepSpeedModel):

@@ -36,7 +36,7 @@ from novarl.backends.training.parallelize import (
     dp_group,
 )
 from novarl.config.schema import PolicyConfig
-from novarl.models.loading import DTYPES, load_causal_lm
+from novarl.models.loading import DTYPES, load_causal_lm, save_hf_folder
 from novarl.types import TrainBatch
 
 
@@ -136,17 +136,9 @@ class DTensorPolicy(ShardedModel):
 
     def save_hf(self, path: Path, tokenizer) -> None:
         """A consolidated Hugging Face folder that transformers and vLLM load as is."""
-        from transformers import AutoModelForCausalLM
-
         state = self.full_state_dict()
-        if dist.get_rank() != 0:
-            return
-        with torch.device("meta"):
-            plain = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
-        plain.load_state_dict(state, strict=True, assign=True)
-        plain.tie_weights()
-        plain.save_pretrained(path, safe_serialization=True)
-        tokenizer.save_pretrained(path)
+        if dist.get_rank() == 0:
+            save_hf_folder(path, self.model.config, state, tokenizer)
 
 
 class DTensorReference(ShardedModel):

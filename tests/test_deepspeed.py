@@ -1,0 +1,124 @@
+"""The DeepSpeed ZeRO backend on 2 CPU ranks (Ray actors, gloo): every stage trains like
+the DTensor backend, offload runs, checkpoints resume after a kill and convert."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from novarl.cli import BUNDLED_RECIPE, main
+from novarl.config import load_config
+from novarl.errors import UserError
+from novarl.logging.metrics import read_jsonl
+from novarl.trainer.api import GRPOTrainer
+from tests.helpers import HF
+
+pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.slow
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+COMMON = ["logger.progress_bar=false", "grpo.max_train_seconds=null", "grpo.val_at_start=false",
+          "grpo.val_at_end=false", "policy.train_micro_batch_size=128", "cluster.gpus_per_node=2", HF]
+ZERO = "policy.deepspeed_cfg.enabled=true"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    ray = pytest.importorskip("ray")
+    yield
+    ray.shutdown()
+
+
+def run(tmp_path, steps, *overrides):
+    cfg = load_config(BUNDLED_RECIPE, overrides=[f"logger.log_dir={tmp_path / 'logs'}", f"grpo.max_num_steps={steps}",
+                                                 *COMMON, *overrides])
+    result = GRPOTrainer(cfg).train()
+    return result, {r["step"]: r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def dtensor_steps(tmp_path_factory):
+    """FSDP2 on the same 2 ranks: what every ZeRO stage must match."""
+    return run(tmp_path_factory.mktemp("dtensor"), 4)[1]
+
+
+def assert_same_training(got, expected, *, loss_abs=1e-6, grad_rel=1e-4):
+    assert sorted(got) == sorted(expected)
+    for step in expected:
+        # same samples (same generator weights each step), so the same loss and gradients,
+        # up to the order of floating-point sums
+        assert got[step]["reward_mean"] == expected[step]["reward_mean"]
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], abs=loss_abs)
+        assert got[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=grad_rel)
+        assert got[step]["logprob_mismatch"] < 1e-3  # the synced weights are the trained ones
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_trains_like_dtensor(tmp_path, dtensor_steps, stage):
+    result, got = run(tmp_path, 4, ZERO, f"policy.deepspeed_cfg.zero_stage={stage}")
+    assert_same_training(got, dtensor_steps)
+    assert (result.model_dir / "model.safetensors").is_file()  # exported from the partitions
+
+
+def test_zero3_with_optimizer_and_parameter_offload(tmp_path, dtensor_steps):
+    _, got = run(tmp_path, 4, ZERO, "policy.deepspeed_cfg.zero_stage=3", "policy.deepspeed_cfg.offload_optimizer=true",
+                 "policy.deepspeed_cfg.offload_param=true")
+    # DeepSpeed's CPU Adam steps the offloaded state: the same update as torch's AdamW up to rounding
+    assert_same_training(got, dtensor_steps, loss_abs=1e-5, grad_rel=1e-3)
+
+
+def test_bf16_and_config_pass_through(tmp_path):
+    _, got = run(tmp_path, 2, ZERO, "policy.precision=bfloat16", "policy.deepspeed_cfg.zero_stage=2",
+                 "policy.deepspeed_cfg.config={zero_optimization: {reduce_bucket_size: 100000}}")
+    assert all(abs(r["loss"]) < 1 and r["grad_norm"] > 0 for r in got.values())
+    assert max(r["logprob_mismatch"] for r in got.values()) < 0.05  # bf16 trainer vs fp32 generator
+
+
+def test_offload_param_needs_stage_3(tmp_path):
+    with pytest.raises(UserError, match="offload_param needs zero_stage 3"):
+        run(tmp_path, 1, ZERO, "policy.deepspeed_cfg.zero_stage=2", "policy.deepspeed_cfg.offload_param=true")
+
+
+def test_resume_after_a_killed_rank_matches_and_converts(tmp_path):
+    ckpt = ["checkpointing.enabled=true", "checkpointing.save_period=2", "checkpointing.keep_top_k=10",
+            "policy.deepspeed_cfg.zero_stage=3", ZERO]
+    reference, expected = run(tmp_path / "ref", 8, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'ref_ckpt'}")
+
+    where = [f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}", f"logger.log_dir={tmp_path / 'logs'}"]
+    cmd = [sys.executable, "-m", "novarl.cli", "train", f"grpo.max_num_steps=8", *COMMON, *ckpt, *where]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (tmp_path / "ckpt" / "step_4").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    ranks = subprocess.run(["pgrep", "-f", "ray::RankActor"], capture_output=True, text=True).stdout.split()
+    assert ranks, "no rank processes found"
+    os.kill(int(ranks[-1]), signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "died" in err
+    assert (tmp_path / "ckpt" / "step_4").exists() and not (tmp_path / "ckpt" / "step_8").exists()
+
+    _, got = run(tmp_path, 8, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}")
+    first = min(got)
+    assert 5 <= first <= 7 and max(got) == 8  # it went on from the newest complete checkpoint
+    assert_same_training(got, {s: expected[s] for s in range(first, 9)}, loss_abs=1e-7, grad_rel=1e-6)
+
+    # The partitioned checkpoint of the finished reference run, converted offline, is its final policy.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert main(["convert", str(tmp_path / "ref_ckpt" / "step_8"), str(tmp_path / "hf")]) == 0
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    final = AutoModelForCausalLM.from_pretrained(reference.model_dir).state_dict()
+    assert converted.keys() == final.keys()
+    assert all(torch.equal(converted[k], final[k]) for k in final)
+
+
+def test_resume_on_another_number_of_ranks_is_refused(tmp_path):
+    ckpt = ["checkpointing.enabled=true", "checkpointing.save_period=1", f"checkpointing.checkpoint_dir={tmp_path}/c",
+            ZERO]
+    run(tmp_path, 1, *ckpt)
+    with pytest.raises(UserError, match="written by 2 ranks; ZeRO's partitions load only on as many ranks"):
+        run(tmp_path, 2, *ckpt, "cluster.gpus_per_node=1")
