@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("-c", "--config", type=Path, default=None,
                        help=f"YAML config (default: the bundled {BUNDLED_RECIPE.name})")
+        p.add_argument("--preset", default=None, metavar="NAME",
+                       help="a training-strategy preset merged over the config, under the overrides: "
+                            "fsdp, zero2, zero3, zero3-offload (see novarl/core/distributed.py)")
         p.add_argument("overrides", nargs="*", metavar="key.path=value", help="dotted overrides")
         p.set_defaults(run=run)
         if name == "plan":
@@ -75,8 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace):
     from novarl.config import load_config
+    from novarl.core.distributed import get_preset
 
-    return load_config(args.config or BUNDLED_RECIPE, overrides=args.overrides)
+    preset = get_preset(args.preset) if getattr(args, "preset", None) else {}
+    return load_config(args.config or BUNDLED_RECIPE, overrides=args.overrides, **preset)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

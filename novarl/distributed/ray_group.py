@@ -62,7 +62,27 @@ class RankActor:
         return os.getpid()
 
     def setup(self, factory: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        from novarl.distributed.memory import current_rss_bytes
+
+        self.rss_before_role = current_rss_bytes()
         self.role = factory(**kwargs)
+
+    def reset_memory_peak(self) -> None:
+        """Measure the peak from now on (after loading, whose full-model transient would mask it)."""
+        import torch
+
+        from novarl.distributed.memory import reset_peak
+
+        reset_peak()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def memory(self) -> dict[str, float]:
+        """This rank's memory in bytes (see distributed/memory.py): the peak resident set over
+        what the process held before its role was built, and live tensor bytes now."""
+        from novarl.distributed.memory import memory_report
+
+        return memory_report(baseline=self.rss_before_role)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.role, method)(*args, **kwargs)
@@ -154,6 +174,10 @@ class RayWorkerGroup:
 
         args = tuple(ray.put(a) for a in args)  # one copy in the object store, not one per rank
         return self._get([a.call.remote(method, *args, **kwargs) for a in self.actors])
+
+    def call_all_actors(self, method: str, *args: Any) -> list[Any]:
+        """Run a RankActor method (memory, reset_memory_peak) on every rank; rank order."""
+        return self._get([getattr(a, method).remote(*args) for a in self.actors])
 
     def _get(self, refs: list) -> list[Any]:
         return wait_groups([(self, refs)])[0]

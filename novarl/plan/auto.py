@@ -65,7 +65,7 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
         raise UserError(f"policy.backend=auto: no layout novarl can run today fits {cfg.policy.model_name} on "
                         f"{cfg.cluster.num_nodes} x {cfg.cluster.gpus_per_node} GPU(s) of {gpu_memory_gb:.0f} GB; "
                         "`novarl plan -c CONFIG` lists every layout with its memory.")
-    pick = runnable[0]
+    pick = advice.recommended if advice.recommended in runnable else runnable[0]
     why = [f"policy.backend=auto ({gpu_memory_gb:.0f} GB GPUs): {line}" for line in advice.explanation]
     if pick is not advice.recommended:
         wanted = advice.recommended.describe() if advice.recommended else "nothing"
@@ -77,7 +77,8 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
         why.append("vLLM is not installed: generation falls back to Hugging Face")
     overrides = _layout_overrides(tp=pick.tensor_parallel_size, activation_checkpointing=pick.activation_checkpointing,
                                   cpu_offload="offload" in pick.strategy, generation=generation,
-                                  generation_tp=pick.generation_tp, colocated=pick.placement == "colocated")
+                                  generation_tp=pick.generation_tp, colocated=pick.placement == "colocated",
+                                  zero_stage=int(pick.strategy[-1]) if pick.training_backend == "deepspeed" else None)
     if pick.placement == "dedicated":  # generation on the last node, training on the others
         overrides += [f"policy.generation.colocated.resources.gpus_per_node={cfg.cluster.gpus_per_node}",
                       "policy.generation.colocated.resources.num_nodes=1",
@@ -86,9 +87,11 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
 
 
 def _layout_overrides(*, tp: int, activation_checkpointing: bool, cpu_offload: bool, generation: str,
-                      generation_tp: int, colocated: bool) -> list[str]:
-    return ["policy.dtensor_cfg.enabled=true", "policy.megatron_cfg.enabled=false",
-            "policy.deepspeed_cfg.enabled=false",
+                      generation_tp: int, colocated: bool, zero_stage: int | None = None) -> list[str]:
+    """The seeds' keys for a layout: DTensor, or DeepSpeed ZeRO `zero_stage` when given."""
+    deepspeed = (["policy.deepspeed_cfg.enabled=true", f"policy.deepspeed_cfg.zero_stage={zero_stage}"]
+                 if zero_stage is not None else ["policy.deepspeed_cfg.enabled=false"])
+    return ["policy.dtensor_cfg.enabled=true", "policy.megatron_cfg.enabled=false", *deepspeed,
             f"policy.dtensor_cfg.tensor_parallel_size={tp}",
             f"policy.dtensor_cfg.activation_checkpointing={str(activation_checkpointing).lower()}",
             f"policy.dtensor_cfg.cpu_offload={str(cpu_offload).lower()}",
