@@ -99,19 +99,28 @@ def bridge_transfer(path: str) -> tuple[float, int]:
     return got
 
 
-def grpo_steps(backend: str, log_dir: str, *, dedicated: bool = False) -> dict[str, float]:
+LARGE_STEP = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.generation.max_new_tokens=32",
+              "policy.max_total_sequence_length=64", "policy.train_micro_batch_size=16", "policy.logprob_batch_size=16"]
+"""The ~100M model's GRPO step: 16 samples of up to 32 new tokens (a random model rarely stops)."""
+
+
+def grpo_steps(backend: str, log_dir: str, *, dedicated: bool = False, model: str | None = None) -> dict[str, float]:
+    """Median per-step times: the demo recipe (40 steps, from step 6), or with `model` the
+    LARGE_STEP workload on it (6 steps, from step 3)."""
     from novarl.cli import BUNDLED_RECIPE
     from novarl.config import load_config
     from novarl.logging.metrics import read_jsonl
     from novarl.trainer.api import GRPOTrainer
 
+    steps, skip = (6, 2) if model else (40, 5)
+    large = [f"policy.model_name={model}", *LARGE_STEP] if model else []
     cfg = load_config(BUNDLED_RECIPE, overrides=[
-        "grpo.max_num_steps=40", "grpo.max_train_seconds=null", "grpo.val_at_start=false",
+        *large, f"grpo.max_num_steps={steps}", "grpo.max_train_seconds=null", "grpo.val_at_start=false",
         "grpo.val_at_end=false", "grpo.val_period=0", f"logger.log_dir={log_dir}", "logger.progress_bar=false",
         "logger.print_every_n_steps=40", f"policy.generation.backend={backend}",
         "policy.generation.vllm_cfg.enforce_eager=true", f"policy.generation.colocated.enabled={not dedicated}"])
     result = GRPOTrainer(cfg).train()
-    steps = [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"][5:]
+    steps = [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"][skip:]
     return {k: statistics.median(r[f"time_{k}"] for r in steps)
             for k in ("generation", "logprobs", "training", "weight_sync", "step")}
 
@@ -136,16 +145,19 @@ def main() -> None:
                 print(rows[-1], flush=True)
             bridge.append((name, *bridge_transfer(path)))
             print(bridge[-1], flush=True)
-        for label, backend, dedicated in (("hf, colocated", "hf", False), ("vllm, colocated", "vllm", False),
-                                          ("vllm, dedicated (2 Ray actors)", "vllm", True)):
-            steps[label] = grpo_steps(backend, str(Path(tmp) / label.replace(" ", "_")), dedicated=dedicated)
-            print(label, steps[label], flush=True)
+        for name, (path, _) in models.items():
+            model = None if name.startswith("tiny") else path
+            for label, backend, dedicated in (("hf, colocated", "hf", False), ("vllm, colocated", "vllm", False),
+                                              ("vllm, dedicated (2 Ray actors)", "vllm", True)):
+                folder = str(Path(tmp) / f"{len(steps)}_{backend}")
+                steps[name, label] = grpo_steps(backend, folder, dedicated=dedicated, model=model)
+                print(name, label, steps[name, label], flush=True)
     table = "\n".join(f"| {m} | {b} | 512 x {n} | {tps:,.0f} | {sync * 1000:.1f} |" for m, b, n, tps, sync in rows)
     bridge_rows = "\n".join(f"| {m} | {nbytes / 1e6:,.1f} | {sec * 1000:.1f} | {nbytes / sec / 1e9:.2f} |"
                             for m, sec, nbytes in bridge)
     step_rows = "\n".join(
-        f"| {b} | {s['generation']:.3f} | {s['logprobs']:.3f} | {s['training']:.3f} | {s['weight_sync']:.4f} | "
-        f"{s['step']:.3f} |" for b, s in steps.items())
+        f"| {m} | {b} | {s['generation']:.3f} | {s['logprobs']:.3f} | {s['training']:.3f} | {s['weight_sync']:.4f} | "
+        f"{s['step']:.3f} |" for (m, b), s in steps.items())
     report = f"""# Generation backends on CPU: Hugging Face vs vLLM
 
 - date: {date.today()}
@@ -172,10 +184,13 @@ host), full fp32 weights, median of 3 after a warm-up; loading them into the eng
 |---|---|---|---|
 {bridge_rows}
 
-## GRPO step, demo recipe (64 prompts x 8), median of steps 6-40 (seconds)
+## GRPO step (seconds)
 
-| generation | generation | logprobs | training | weight sync | step |
-|---|---|---|---|---|---|
+Tiny model: the demo recipe (64 prompts x 8, up to 4 new tokens), median of steps 6-40.
+~100M model: 4 prompts x 4, up to 32 new tokens, micro-batch 16, median of steps 3-6.
+
+| model | generation | generation | logprobs | training | weight sync | step |
+|---|---|---|---|---|---|---|
 {step_rows}
 """
     args.out.parent.mkdir(parents=True, exist_ok=True)

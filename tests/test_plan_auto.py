@@ -15,7 +15,7 @@ from novarl.plan.resolve import installed, resolve_backends
 QWEN = {"model_type": "qwen2", "tie_word_embeddings": False, "vocab_size": 152064, "num_key_value_heads": 8}
 QWEN_32B = {**QWEN, "hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 40, "intermediate_size": 27648}
 QWEN_72B = {**QWEN, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64, "intermediate_size": 29568}
-VLLM = "vllm" if installed("vllm") else "hf"
+VLLM_OR_HF = "vllm" if installed("vllm") else "hf"
 
 
 def model_folder(tmp_path, config: dict) -> str:
@@ -41,14 +41,14 @@ def test_no_gpu_takes_the_cpu_layout():
     assert cfg.policy.backend is None  # resolved: the saved config.yaml is explicit
     assert resolve_backends(cfg).training == "dtensor"
     assert cfg.policy.dtensor_cfg.tensor_parallel_size == 1
-    assert cfg.policy.generation.backend == VLLM and cfg.policy.generation.colocated.enabled
+    assert cfg.policy.generation.backend == VLLM_OR_HF and cfg.policy.generation.colocated.enabled
     assert "no GPU here" in why[0] and "2 x 1 CPU rank(s)" in why[0]
 
 
 def test_small_model_on_a_gpu_follows_the_advisor():
     cfg, why = auto("policy.megatron_cfg.enabled=true", "cluster.gpus_per_node=8", on_gpu=True, gpu_memory_gb=80)
     assert resolve_backends(cfg).training == "dtensor"  # auto overrides the flags it was given
-    assert cfg.policy.generation.backend == VLLM and cfg.policy.generation.colocated.enabled
+    assert cfg.policy.generation.backend == VLLM_OR_HF and cfg.policy.generation.colocated.enabled
     assert cfg.policy.generation.vllm_cfg.tensor_parallel_size == 1
     assert any("<10B" in line for line in why)
 
@@ -75,3 +75,17 @@ def test_validate_prints_the_choice(capsys):
     assert main(["validate", "policy.backend=auto"]) == 0
     out = capsys.readouterr().out
     assert "# policy.backend=auto" in out and "training backend: dtensor" in out
+
+
+@pytest.mark.slow
+def test_train_runs_the_auto_choice_and_saves_it_explicitly(tmp_path):
+    from novarl.logging.metrics import read_jsonl
+    from novarl.trainer.api import GRPOTrainer
+
+    cfg = load_config(BUNDLED_RECIPE, overrides=[
+        "policy.backend=auto", f"logger.log_dir={tmp_path}", "logger.progress_bar=false", "grpo.max_num_steps=2",
+        "grpo.max_train_seconds=null", "grpo.val_at_start=false", "grpo.val_at_end=false"])
+    result = GRPOTrainer(cfg).train()
+    saved = load_config(result.output_dir / "config.yaml")
+    assert saved.policy.backend is None and saved.policy.generation.backend == VLLM_OR_HF
+    assert len([r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]) == 2

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import resource
 import sys
+import warnings
 from pathlib import Path
 
 _STATUS = Path("/proc/self/status")
@@ -58,9 +59,12 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
     import torch
 
     seen: dict[int, int] = {}
-    for obj in gc.get_objects():
+    with warnings.catch_warnings():  # isinstance on deprecated torch aliases warns
+        warnings.simplefilter("ignore")
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in objects:
         try:
-            if not isinstance(obj, torch.Tensor) or obj.is_meta:
+            if obj.is_meta:
                 continue
             tensor = getattr(obj, "_local_tensor", obj)  # a DTensor: its shard holds the storage
             if tensor.device.type != device_type:
@@ -72,12 +76,12 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
     return sum(seen.values())
 
 
-def memory_report(*, baseline: int) -> dict[str, float]:
-    """Bytes: `peak_over_start` (peak resident set over `baseline`), `tensors` (live CPU
-    tensors now); on GPU also `cuda_peak` (allocator peak) and `cuda_tensors`."""
+def memory_report() -> dict[str, float]:
+    """Bytes now: `rss` (resident set), `tensors` (live CPU tensors); on GPU also
+    `cuda_peak` (the allocator's peak) and `cuda_tensors`."""
     import torch
 
-    report = {"peak_over_start": float(peak_rss_bytes() - baseline), "tensors": float(live_tensor_bytes("cpu"))}
+    report = {"rss": float(current_rss_bytes()), "tensors": float(live_tensor_bytes("cpu"))}
     if torch.cuda.is_available():
         report["cuda_peak"] = float(torch.cuda.max_memory_allocated())
         report["cuda_tensors"] = float(live_tensor_bytes("cuda"))

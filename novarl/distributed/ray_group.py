@@ -19,6 +19,10 @@ from typing import Any
 from novarl.errors import RunFailed, UserError
 
 
+RELEASE_WAIT_S = 10.0
+"""How long a new group waits for resources that a group shut down just before still holds."""
+
+
 class WorkerDied(RunFailed):
     """A rank's actor died (killed, out of memory, crashed) during a call."""
 
@@ -71,18 +75,21 @@ class RankActor:
         """Measure the peak from now on (after loading, whose full-model transient would mask it)."""
         import torch
 
-        from novarl.distributed.memory import reset_peak
+        from novarl.distributed.memory import memory_report, reset_peak
 
+        self.memory_at_reset = memory_report()
         reset_peak()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
 
     def memory(self) -> dict[str, float]:
-        """This rank's memory in bytes (see distributed/memory.py): the peak resident set over
-        what the process held before its role was built, and live tensor bytes now."""
-        from novarl.distributed.memory import memory_report
+        """This rank's memory in bytes (see distributed/memory.py): live tensors now, and at
+        the last reset_memory_peak with the peak resident set since then (rss_peak_since)."""
+        from novarl.distributed.memory import memory_report, peak_rss_bytes
 
-        return memory_report(baseline=self.rss_before_role)
+        at_reset = getattr(self, "memory_at_reset", None) or {"rss": float(self.rss_before_role), "tensors": 0.0}
+        return {**memory_report(), "tensors_at_reset": at_reset["tensors"],
+                "rss_peak_since_reset": float(peak_rss_bytes()) - at_reset["rss"]}
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.role, method)(*args, **kwargs)
@@ -154,9 +161,18 @@ class RayWorkerGroup:
         self._get([a.setup.remote(factory, kwargs) for a in self.actors])
 
     def _check_resources(self, bundle: dict[str, float], world_size: int) -> None:
+        import time
+
         import ray
 
-        have = ray.available_resources()  # what the roles started before this one left free
+        def short() -> list[str]:
+            have = ray.available_resources()  # what the roles started before this one left free
+            return [r for r, amount in bundle.items() if have.get(r, 0) < amount * world_size]
+
+        deadline = time.monotonic() + RELEASE_WAIT_S  # Ray frees a shut-down group's bundles asynchronously
+        while short() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        have = ray.available_resources()
         for resource, amount in bundle.items():
             if have.get(resource, 0) < amount * world_size:
                 raise UserError(

@@ -346,9 +346,13 @@ def _replace(breakdown: MemoryBreakdown, **changes: float) -> MemoryBreakdown:
 
 
 def _data_parallel(shape: ModelShape, strategy: str, work: Workload, parallel: Parallelism) -> MemoryBreakdown:
-    """DDP and DeepSpeed ZeRO 1-3: the ZeRO paper's split, whole model on each rank."""
+    """DDP and DeepSpeed ZeRO 1-3: the ZeRO paper's split, whole model on each rank.
+    DeepSpeed's ZeRO optimizer keeps an fp32 master partition even when training in
+    fp32, so stages 1-3 in fp32 hold 4 + 4 + 12 (measured: benchmarks/results/memory_cpu.md)."""
     stage = _ZERO_STAGE[strategy]
     per_parameter = bytes_per_parameter(work.precision, work.optimizer)
+    if stage >= 1 and work.precision == "float32":
+        per_parameter = BytesPerParameter(per_parameter.weights, per_parameter.grads, per_parameter.optimizer + 4)
     weights, grads, optimizer = zero_model_states(shape.parameters, stage=stage,
                                                   data_parallel_size=parallel.data_parallel_size,
                                                   per_parameter=per_parameter)

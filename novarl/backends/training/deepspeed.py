@@ -31,24 +31,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from novarl.algorithms.losses import LossFn
 from novarl.backends.training.optim import build_optimizer, build_scheduler
-from novarl.backends.training.rows import DataParallelRows
+from novarl.backends.training.rows import AccumulatingRows, DataParallelRows
 from novarl.config.schema import PolicyConfig
 from novarl.errors import ConfigError
 from novarl.models.loading import load_causal_lm, save_hf_folder
-from novarl.types import TrainBatch
 
 CHECKPOINT_TAG = "deepspeed"
 """The engine's files go to <checkpoint>/deepspeed/ (no `latest` file beside them)."""
 
 
-def deepspeed_config(policy: PolicyConfig, *, world_size: int, accumulation_steps: int,
-                     on_gpu: bool) -> dict[str, Any]:
-    """The DeepSpeed JSON config for `policy`, with `deepspeed_cfg.config` merged over it."""
+def deepspeed_config(policy: PolicyConfig, *, world_size: int, accumulation_steps: int, on_gpu: bool,
+                     hidden_size: int) -> dict[str, Any]:
+    """The DeepSpeed JSON config for `policy`, with `deepspeed_cfg.config` merged over it.
+
+    Communication buckets are sized to the model like the Hugging Face integration's
+    "auto" values (hidden_size^2 elements): DeepSpeed's default, 5e8 elements, would hold
+    2 GB of fp32 buckets whatever the model's size."""
     ds = policy.deepspeed_cfg
     precision = policy.precision or ("bfloat16" if on_gpu else "float32")
-    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    bucket = int(min(5e8, max(5e5, hidden_size**2)))
+    zero: dict[str, Any] = {"stage": ds.zero_stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
     if ds.offload_param:
@@ -58,7 +61,8 @@ def deepspeed_config(policy: PolicyConfig, *, world_size: int, accumulation_step
         zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
     if ds.zero_stage == 3:
         # Gather each layer's parameters as it runs, and release them after; keep none resident.
-        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=5e7)
+        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=int(0.9 * bucket),
+                    stage3_max_live_parameters=bucket, stage3_max_reuse_distance=bucket)
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": policy.train_micro_batch_size,
         "gradient_accumulation_steps": accumulation_steps,
@@ -107,9 +111,10 @@ class DeepSpeedModel(DataParallelRows):
         self.logprob_batch_size = policy.logprob_batch_size or policy.train_micro_batch_size
         self.sequence_multiple = policy.make_sequence_length_divisible_by
         self.zero_stage = policy.deepspeed_cfg.zero_stage
-        config = deepspeed_config(policy, world_size=self.dp_size, accumulation_steps=accumulation_steps,
-                                  on_gpu=self.device.type == "cuda")
         model = load_causal_lm(model_path, dtype=torch.float32, trust_remote_code=policy.trust_remote_code)
+        config = deepspeed_config(policy, world_size=self.dp_size, accumulation_steps=accumulation_steps,
+                                  on_gpu=self.device.type == "cuda",
+                                  hidden_size=getattr(model.config, "hidden_size", None) or 4096)
         model.train(trainable)
         model.requires_grad_(trainable)
         self.optimizer = self.scheduler = None
@@ -157,7 +162,7 @@ class DeepSpeedModel(DataParallelRows):
         return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
 
 
-class DeepSpeedPolicy(DeepSpeedModel):
+class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows):
     """The trainable policy on DeepSpeed ZeRO (implements TrainingBackend)."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
@@ -166,25 +171,12 @@ class DeepSpeedPolicy(DeepSpeedModel):
                          accumulation_steps=accumulation_steps, total_steps=total_steps)
         self.micro_batch_size = policy.train_micro_batch_size
 
-    def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]:
-        """Accumulate gradients of `loss` over this rank's rows in micro-batches; reduced
-        over the ranks at the last one. Metrics summed over micro-batches and ranks."""
-        local = self.shard(batch)
-        totals: dict[str, torch.Tensor] = {}
-        starts = range(0, len(local), self.micro_batch_size)
-        for i, start in enumerate(starts):
-            mb = local.slice(start, start + self.micro_batch_size)
-            self.engine.set_gradient_accumulation_boundary(i == len(starts) - 1)
-            value, metrics = loss(self.forward_logprobs(mb), mb)
-            # Each rank's loss is its share of the step's mean; DeepSpeed averages gradients
-            # over ranks, hence the factor (and no division by the accumulation steps).
-            self.engine.backward(value * self.dp_size, scale_wrt_gas=False)
-            for name, metric in metrics.items():
-                totals[name] = totals.get(name, 0.0) + metric.detach().float()
-        names = sorted(totals)
-        summed = torch.stack([totals[n] for n in names])
-        dist.all_reduce(summed, group=self.dp_group)
-        return dict(zip(names, summed.tolist()))
+    def accumulation_boundary(self, last: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # the loss is already the step's mean: no division by the accumulation steps
+        self.engine.backward(loss, scale_wrt_gas=False)
 
     def optim_step(self) -> dict[str, float]:
         """Clip (gradient_clipping), step the optimizer and the schedule, zero the gradients."""

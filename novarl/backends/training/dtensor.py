@@ -23,8 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from novarl.algorithms.losses import LossFn
-from novarl.backends.training.rows import DataParallelRows
+from novarl.backends.training.rows import AccumulatingRows, DataParallelRows
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.parallelize import (
     ParallelDims,
@@ -37,7 +36,6 @@ from novarl.backends.training.parallelize import (
 )
 from novarl.config.schema import PolicyConfig
 from novarl.models.loading import DTYPES, load_causal_lm, save_hf_folder
-from novarl.types import TrainBatch
 
 
 class ShardedModel(DataParallelRows):
@@ -70,7 +68,7 @@ class ShardedModel(DataParallelRows):
         self.sequence_multiple = math.lcm(policy.make_sequence_length_divisible_by,
                                           dims.tensor_parallel if dt.sequence_parallel else 1)
 
-class DTensorPolicy(ShardedModel):
+class DTensorPolicy(ShardedModel, AccumulatingRows):
     """The trainable policy on the DTensor backend (implements TrainingBackend)."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None,
@@ -81,25 +79,11 @@ class DTensorPolicy(ShardedModel):
         self.scheduler = build_scheduler(policy.scheduler, self.optimizer, total_steps)
         self.micro_batch_size = policy.train_micro_batch_size
 
-    def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]:
-        """Accumulate gradients of `loss` over this rank's rows in micro-batches.
-        Metrics are summed over micro-batches and data-parallel ranks."""
-        local = self.shard(batch)
-        totals: dict[str, torch.Tensor] = {}
-        starts = range(0, len(local), self.micro_batch_size)
-        for i, start in enumerate(starts):
-            mb = local.slice(start, start + self.micro_batch_size)
-            self.model.set_requires_gradient_sync(i == len(starts) - 1)
-            value, metrics = loss(self.forward_logprobs(mb), mb)
-            # Each rank's loss is already its share of the step's mean (algorithms/losses.py),
-            # so gradients must be summed over ranks; FSDP2 averages them, hence the factor.
-            (value * self.dp_size).backward()
-            for name, metric in metrics.items():
-                totals[name] = totals.get(name, 0.0) + metric.detach().float()
-        names = sorted(totals)
-        summed = torch.stack([totals[n] for n in names])
-        dist.all_reduce(summed, group=self.dp_group)
-        return dict(zip(names, summed.tolist()))
+    def accumulation_boundary(self, last: bool) -> None:
+        self.model.set_requires_gradient_sync(last)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
 
     def optim_step(self) -> dict[str, float]:
         """Clip, step the optimizer and scheduler, zero the gradients."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from novarl.algorithms.losses import LossFn
 from novarl.models.loading import token_logprobs
 from novarl.types import TrainBatch
 
@@ -50,6 +51,40 @@ class DataParallelRows:
         gathered = [torch.empty_like(mine) for _ in range(self.dp_size)]
         dist.all_gather(gathered, mine, group=self.dp_group)
         return torch.cat(gathered).cpu()
+
+
+
+class AccumulatingRows(DataParallelRows):
+    """Mixin for a trainable policy: micro-batched forward/backward over this rank's rows.
+    Needs self.micro_batch_size, `accumulation_boundary(last)` (reduce gradients only at
+    the last micro-batch) and `backward(loss)` from the backend."""
+
+    def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]:
+        """Accumulate gradients of `loss` over this rank's rows in micro-batches, reduced over
+        the data-parallel ranks at the last one. Metrics summed over micro-batches and ranks."""
+        local = self.shard(batch)
+        totals: dict[str, torch.Tensor] = {}
+        starts = range(0, len(local), self.micro_batch_size)
+        for i, start in enumerate(starts):
+            mb = local.slice(start, start + self.micro_batch_size)
+            self.accumulation_boundary(i == len(starts) - 1)
+            value, metrics = loss(self.forward_logprobs(mb), mb)
+            # Each rank's loss is already its share of the step's mean (algorithms/losses.py),
+            # so gradients must be summed over ranks; FSDP2 and DeepSpeed average them, hence
+            # the factor.
+            self.backward(value * self.dp_size)
+            for name, metric in metrics.items():
+                totals[name] = totals.get(name, 0.0) + metric.detach().float()
+        names = sorted(totals)
+        summed = torch.stack([totals[n] for n in names])
+        dist.all_reduce(summed, group=self.dp_group)
+        return dict(zip(names, summed.tolist()))
+
+    def accumulation_boundary(self, last: bool) -> None:
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
 
 
 def _to(batch: TrainBatch, device: torch.device) -> TrainBatch:
