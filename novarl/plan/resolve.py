@@ -47,6 +47,12 @@ def resolve_backends(cfg: NovaRLConfig) -> BackendChoice:
     return BackendChoice(training, tuple(enabled[1:]), generation, tuple(notes))
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def installed(module: str) -> bool:
     import importlib.util
 
@@ -64,7 +70,11 @@ class Availability:
 def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     policy, missing, warnings = cfg.policy, [], []
     if choice.training not in BUILT_TRAINING_BACKENDS:
-        missing.append(f"training backend '{choice.training}' (policy.{choice.training}_cfg.enabled)")
+        item = f"training backend '{choice.training}' (policy.{choice.training}_cfg.enabled)"
+        if choice.training == "megatron" and not _has_cuda():
+            item += ("; Megatron-core trains and generates on CUDA GPUs only, and this host has none (its weight "
+                     "conversion runs anywhere: novarl.backends.megatron)")
+        missing.append(item)
     if choice.training == "deepspeed" and not installed("deepspeed"):
         missing.append("DeepSpeed, for policy.deepspeed_cfg.enabled: pip install 'novarl[deepspeed]' "
                        "(the Makefile shows how on a CPU-only host)")

@@ -1,0 +1,1 @@
+"""Megatron-core backend: weight conversion (CPU-testable); training and generation need CUDA."""

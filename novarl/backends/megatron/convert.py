@@ -1,0 +1,201 @@
+"""Hugging Face <-> Megatron-core weights for Llama-family models (Llama, Qwen2, Mistral).
+
+Pure tensor work: nothing here imports megatron-core, so conversion runs (and is
+tested) anywhere; megatron-core checks the result when it loads it.
+
+Megatron's GPTModel names and layouts (the local layer spec; the Transformer
+Engine spec fuses the two pre-norms into the linear layers that follow them,
+`fused_norms=True`):
+
+    embedding.word_embeddings.weight          [V, h]      vocab-parallel (rows)
+    decoder.layers.i.input_layernorm.weight   [h]         replicated
+        (TE: decoder.layers.i.self_attention.linear_qkv.layer_norm_weight)
+    decoder.layers.i.self_attention.linear_qkv.weight [(nq + 2 nkv) d, h]
+        column-parallel; rows grouped per KV group g: the group's nq/nkv query
+        heads, then its key head, then its value head (Qwen2 adds the bias, same rows)
+    decoder.layers.i.self_attention.linear_proj.weight [h, nq d]   row-parallel
+    decoder.layers.i.pre_mlp_layernorm.weight [h]
+        (TE: decoder.layers.i.mlp.linear_fc1.layer_norm_weight)
+    decoder.layers.i.mlp.linear_fc1.weight    [2 f, h]    column-parallel; [gate; up]
+        on each tensor-parallel rank (so the full tensor is [gate_0; up_0; gate_1; ...])
+    decoder.layers.i.mlp.linear_fc2.weight    [h, f]      row-parallel
+    decoder.final_layernorm.weight            [h]
+    output_layer.weight                       [V, h]      vocab-parallel; absent when tied
+
+The vocabulary is padded with zero rows to a multiple of the tensor-parallel size
+(`padded_vocab_size`); converting back drops the padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from novarl.errors import UserError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the conversion needs to know of a Hugging Face config."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, config) -> "LayerShape":
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UserError(f"Megatron conversion supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                            f"this model is '{model_type}'.")
+        heads = config.num_attention_heads
+        return cls(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=heads,
+                   num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   ffn_hidden_size=config.intermediate_size, vocab_size=config.vocab_size,
+                   tied=bool(getattr(config, "tie_word_embeddings", False)),
+                   qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)))
+
+    def padded_vocab_size(self, tensor_parallel_size: int) -> int:
+        return -(-self.vocab_size // tensor_parallel_size) * tensor_parallel_size
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        if tp < 1 or self.num_kv_heads % tp or self.num_heads % tp or self.ffn_hidden_size % tp:
+            raise UserError(f"tensor_parallel_size={tp} must divide the {self.num_heads} attention heads, the "
+                            f"{self.num_kv_heads} key/value heads and the MLP size {self.ffn_hidden_size}.")
+
+
+# ------------------------------------------------------------ whole tensors
+def hf_to_megatron(hf: dict[str, torch.Tensor], shape: LayerShape, *, tensor_parallel_size: int = 1,
+                   fused_norms: bool = False) -> dict[str, torch.Tensor]:
+    """The full (unsharded) Megatron state dict for a Hugging Face one, laid out for
+    `tensor_parallel_size` ranks: fc1 holds each rank's [gate; up] in turn, and the
+    vocabulary is padded to a multiple of it; `shard` cuts it into the ranks' parts."""
+    tp = tensor_parallel_size
+    shape.check_tensor_parallel(tp)
+    names = _names(fused_norms)
+    out = {"embedding.word_embeddings.weight": _pad_vocab(hf["model.embed_tokens.weight"], shape, tp),
+           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    if not shape.tied:
+        out["output_layer.weight"] = _pad_vocab(hf["lm_head.weight"], shape, tp)
+    for i in range(shape.num_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[dst + names["input_norm"]] = hf[src + "input_layernorm.weight"]
+        out[dst + names["mlp_norm"]] = hf[src + "post_attention_layernorm.weight"]
+        attn = src + "self_attn."
+        out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(
+            hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"], shape)
+        if shape.qkv_bias:
+            out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
+                hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"], shape)
+        out[dst + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
+        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [torch.cat(pair) for pair in zip(gate.chunk(tp), up.chunk(tp))])
+        out[dst + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"]
+    return out
+
+
+def megatron_to_hf(mc: dict[str, torch.Tensor], shape: LayerShape, *, tensor_parallel_size: int = 1,
+                   fused_norms: bool = False) -> dict[str, torch.Tensor]:
+    """The Hugging Face state dict for a full Megatron one (the inverse of hf_to_megatron)."""
+    tp = tensor_parallel_size
+    names = _names(fused_norms)
+    embed = mc["embedding.word_embeddings.weight"][:shape.vocab_size]
+    out = {"model.embed_tokens.weight": embed, "model.norm.weight": mc["decoder.final_layernorm.weight"],
+           "lm_head.weight": embed if shape.tied else mc["output_layer.weight"][:shape.vocab_size]}
+    for i in range(shape.num_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out[dst + "input_layernorm.weight"] = mc[src + names["input_norm"]]
+        out[dst + "post_attention_layernorm.weight"] = mc[src + names["mlp_norm"]]
+        attn = dst + "self_attn."
+        q, k, v = _split_qkv(mc[src + "self_attention.linear_qkv.weight"], shape)
+        out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v})
+        if shape.qkv_bias:
+            q, k, v = _split_qkv(mc[src + "self_attention.linear_qkv.bias"], shape)
+            out.update({attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v})
+        out[attn + "o_proj.weight"] = mc[src + "self_attention.linear_proj.weight"]
+        pairs = [chunk.chunk(2) for chunk in mc[src + "mlp.linear_fc1.weight"].chunk(tp)]
+        out[dst + "mlp.gate_proj.weight"] = torch.cat([gate for gate, _ in pairs])
+        out[dst + "mlp.up_proj.weight"] = torch.cat([up for _, up in pairs])
+        out[dst + "mlp.down_proj.weight"] = mc[src + "mlp.linear_fc2.weight"]
+    return out
+
+
+# ---------------------------------------------------- tensor-parallel shards
+COLUMN_PARALLEL = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight",
+                   "output_layer.weight")
+ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def shard(mc: dict[str, torch.Tensor], *, rank: int, tensor_parallel_size: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s part of a full Megatron state dict: column-parallel tensors split by
+    rows (qkv by whole KV groups, each group's rows being contiguous; fc1 into that rank's
+    [gate; up]), row-parallel by columns, the rest replicated."""
+    return {name: _part(name, tensor, rank, tensor_parallel_size) for name, tensor in mc.items()}
+
+
+def unshard(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The full Megatron state dict from every tensor-parallel rank's part, in rank order."""
+    first = shards[0]
+    return {name: _join(name, [s[name] for s in shards]) for name in first}
+
+
+def _part(name: str, tensor: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    dim = _parallel_dim(name)
+    return tensor if dim is None else tensor.chunk(tp, dim=dim)[rank].clone()
+
+
+def _join(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    dim = _parallel_dim(name)
+    return parts[0] if dim is None else torch.cat(parts, dim=dim)
+
+
+def _parallel_dim(name: str) -> int | None:
+    if name.endswith(COLUMN_PARALLEL):
+        return 0
+    if name.endswith(ROW_PARALLEL):
+        return 1
+    return None
+
+
+# ------------------------------------------------------------------ helpers
+def _names(fused_norms: bool) -> dict[str, str]:
+    if fused_norms:
+        return {"input_norm": "self_attention.linear_qkv.layer_norm_weight",
+                "mlp_norm": "mlp.linear_fc1.layer_norm_weight"}
+    return {"input_norm": "input_layernorm.weight", "mlp_norm": "pre_mlp_layernorm.weight"}
+
+
+def _pad_vocab(weight: torch.Tensor, shape: LayerShape, tp: int) -> torch.Tensor:
+    pad = shape.padded_vocab_size(tp) - weight.shape[0]
+    return torch.cat([weight, weight.new_zeros(pad, *weight.shape[1:])]) if pad else weight
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: LayerShape) -> torch.Tensor:
+    """[q; k; v] (HF) -> per KV group [its query heads; its key; its value] (Megatron)."""
+    groups, d = shape.num_kv_heads, shape.head_dim
+    per_group = shape.num_heads // groups
+    rest = q.shape[1:]
+    q = q.reshape(groups, per_group * d, *rest)
+    k = k.reshape(groups, d, *rest)
+    v = v.reshape(groups, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(qkv: torch.Tensor, shape: LayerShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, d = shape.num_kv_heads, shape.head_dim
+    per_group = shape.num_heads // groups
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(groups, (per_group + 2) * d, *rest)
+    q, k, v = grouped.split([per_group * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)

@@ -1,0 +1,200 @@
+"""Hugging Face <-> Megatron-core weight conversion, on CPU.
+
+Bit-exact round trips for a tiny Llama and a tiny Qwen2 (GQA, qkv biases, untied
+head), at TP=1 and TP=2; megatron-core's own GPTModel, built on CPU, loads the
+result strictly and its q/k/v projections, MLP and norms compute what the Hugging
+Face layers compute, on one rank and split over two gloo ranks. The cache folder
+follows the seeds' environment variables and redoes stale or partial conversions.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+
+import pytest
+import torch
+
+from novarl.backends.megatron.cache import checkpoint_root, check_conversion, converted_checkpoint, load_shard
+from novarl.backends.megatron.convert import LayerShape, hf_to_megatron, megatron_to_hf, shard, unshard
+from novarl.errors import UserError
+
+
+def tiny_qwen2():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=23, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, max_position_embeddings=64))
+
+
+def tiny_llama():
+    from transformers import AutoModelForCausalLM
+
+    from novarl.models.loading import resolve_model_path
+
+    return AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-arith"))
+
+
+MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request):
+    return MODELS[request.param]()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_round_trip_is_bit_exact(model, tp):
+    shape = LayerShape.from_hf_config(model.config)
+    hf = model.state_dict()
+    full = hf_to_megatron(hf, shape, tensor_parallel_size=tp)
+    parts = [shard(full, rank=r, tensor_parallel_size=tp) for r in range(tp)]
+    back = megatron_to_hf(unshard(parts), shape, tensor_parallel_size=tp)
+    assert back.keys() == hf.keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+    # the vocabulary is padded to a multiple of TP, and each rank holds its share
+    assert parts[0]["embedding.word_embeddings.weight"].shape[0] == shape.padded_vocab_size(tp) // tp
+    if shape.qkv_bias:
+        assert "decoder.layers.0.self_attention.linear_qkv.bias" in full
+
+
+def test_fused_norm_names_for_the_transformer_engine_spec(model):
+    shape = LayerShape.from_hf_config(model.config)
+    full = hf_to_megatron(model.state_dict(), shape, fused_norms=True)
+    assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in full
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in full
+    back = megatron_to_hf(full, shape, fused_norms=True)
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+
+
+def test_unsupported_model_type_and_tp_are_user_errors(model):
+    from transformers import GPT2Config
+
+    with pytest.raises(UserError, match="supports model types llama, qwen2, mistral; this model is 'gpt2'"):
+        LayerShape.from_hf_config(GPT2Config())
+    with pytest.raises(UserError, match="tensor_parallel_size=3 must divide"):
+        hf_to_megatron(model.state_dict(), LayerShape.from_hf_config(model.config), tensor_parallel_size=3)
+
+
+# ------------------------------------------------ megatron-core checks the layout
+def megatron_rank(rank: int, world: int, port: int, name: str, results) -> None:
+    """Build GPTModel with TP=world on CPU, load this rank's shard strictly, compare layers."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    hf = MODELS[name]()
+    shape = LayerShape.from_hf_config(hf.config)
+    config = TransformerConfig(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias, layernorm_epsilon=hf.config.rms_norm_eps, use_cpu_initialization=True,
+        params_dtype=torch.float32, tensor_model_parallel_size=world)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=shape.padded_vocab_size(world), max_sequence_length=64,
+                     position_embedding_type="rope", share_embeddings_and_output_weights=shape.tied)
+    full = hf_to_megatron(hf.state_dict(), shape, tensor_parallel_size=world)
+    missing, unexpected = model.load_state_dict(shard(full, rank=rank, tensor_parallel_size=world), strict=False)
+    checks = {"strict": not unexpected and all(m.endswith("_extra_state") for m in missing)}
+    torch.manual_seed(1)
+    x = torch.randn(5, 2, shape.hidden_size)  # [sequence, batch, hidden]
+    with torch.no_grad():
+        for i, (ours, theirs) in enumerate(zip(model.decoder.layers, hf.model.layers)):
+            q, k, v = ours.self_attention.get_query_key_value_tensors(x)[:3]
+            heads = slice(rank * shape.num_heads // world, (rank + 1) * shape.num_heads // world)
+            groups = slice(rank * shape.num_kv_heads // world, (rank + 1) * shape.num_kv_heads // world)
+            attn = theirs.self_attn
+            want_q = attn.q_proj(x).reshape(5, 2, shape.num_heads, shape.head_dim)[:, :, heads]
+            want_k = attn.k_proj(x).reshape(5, 2, shape.num_kv_heads, shape.head_dim)[:, :, groups]
+            want_v = attn.v_proj(x).reshape(5, 2, shape.num_kv_heads, shape.head_dim)[:, :, groups]
+            checks[f"qkv{i}"] = all(torch.allclose(a.reshape(b.shape), b, atol=1e-6)
+                                    for a, b in ((q, want_q), (k, want_k), (v, want_v)))
+            mlp, _ = ours.mlp(x)  # row-parallel fc2 all-reduces over the TP ranks
+            checks[f"mlp{i}"] = torch.allclose(mlp, theirs.mlp(x), atol=1e-5)
+            checks[f"norm{i}"] = torch.allclose(ours.input_layernorm(x), theirs.input_layernorm(x), atol=1e-6)
+    results.put((rank, checks))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_core_loads_and_computes_like_hugging_face(name, tp):
+    pytest.importorskip("megatron.core")
+    ctx = mp.get_context("spawn")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = ctx.Queue()
+    procs = [ctx.Process(target=megatron_rank, args=(r, tp, port, name, results)) for r in range(tp)]
+    for proc in procs:
+        proc.start()
+    got = dict(results.get(timeout=240) for _ in range(tp))
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0] * tp
+    for rank, checks in got.items():
+        assert all(checks.values()), (rank, checks)
+    assert len(got[0]) == 1 + 3 * 2  # strict load, then qkv/mlp/norm for each of the 2 layers
+
+
+# ---------------------------------------------------------------- the cache
+def test_cache_folder_follows_the_seeds_order(monkeypatch, tmp_path):
+    monkeypatch.delenv("NOVARL_MEGATRON_CHECKPOINT_DIR", raising=False)
+    monkeypatch.delenv("HF_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert checkpoint_root() == (tmp_path / "home" / ".cache" / "huggingface" / "novarl", "the default")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert checkpoint_root() == (tmp_path / "hf" / "novarl", "HF_HOME")
+    monkeypatch.setenv("NOVARL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "mine"))
+    assert checkpoint_root() == (tmp_path / "mine", "NOVARL_MEGATRON_CHECKPOINT_DIR")
+
+
+def test_conversion_is_cached_and_stale_or_partial_ones_are_redone(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("NOVARL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "qwen"
+    tiny_qwen2().save_pretrained(source)
+    folder = converted_checkpoint(source, tensor_parallel_size=2)
+    assert folder.parent.parent == tmp_path / "cache" and "converting qwen" in capsys.readouterr().out
+    parts = [load_shard(folder, r) for r in range(2)]
+    shape = LayerShape.from_hf_config(tiny_qwen2().config)
+    back = megatron_to_hf(unshard(parts), shape, tensor_parallel_size=2)
+    assert all(torch.equal(back[k], v) for k, v in tiny_qwen2().state_dict().items())
+
+    assert converted_checkpoint(source, tensor_parallel_size=2) == folder  # reused
+    assert "(cached;" in capsys.readouterr().out
+
+    (folder / "rank_1.pt").write_bytes(b"torn")  # a partial write
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert check_conversion(folder, {k: manifest[k] for k in ("format", "source", "tensor_parallel_size",
+                                                             "fused_norms")}) is not None
+    assert converted_checkpoint(source, tensor_parallel_size=2) == folder
+    assert "redoing the Megatron conversion" in capsys.readouterr().out
+    assert torch.equal(load_shard(folder, 1)["decoder.final_layernorm.weight"],
+                       parts[1]["decoder.final_layernorm.weight"])
+
+    tiny_llama().save_pretrained(source)  # the source changes: a new fingerprint, a new folder
+    assert converted_checkpoint(source, tensor_parallel_size=2) != folder
+
+
+def test_megatron_on_a_host_without_cuda_is_a_clear_refusal(capsys, tmp_path):
+    from novarl.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    assert main(["train", f"logger.log_dir={tmp_path}", "policy.megatron_cfg.enabled=true"]) == 2
+    err = capsys.readouterr().err
+    assert "Megatron-core trains and generates on CUDA GPUs only, and this host has none" in err
+    assert "Traceback" not in err and not any(tmp_path.iterdir())  # nothing written
