@@ -2,8 +2,8 @@
 
     novarl train                                   # the bundled default (tiny model, arithmetic)
     novarl train -c recipe.yaml policy.precision=bfloat16 grpo.max_num_steps=100
-    novarl validate -c recipe.yaml                 # check a config, start nothing
-    novarl plan -c recipe.yaml                     # which backends would run, and the batch arithmetic
+    novarl validate recipe.yaml                    # check a config, start nothing (-c recipe.yaml is the same)
+    novarl plan recipe.yaml                        # which backends would run, and the batch arithmetic
     novarl plan --model 7.5B cluster.gpus_per_node=8 [--json]   # which layouts fit, ranked, and why
     novarl eval runs/tiny_arith/exp_001/policy     # held-out greedy accuracy of a model folder
     novarl convert ckpts/step_100 out/hf_model     # a checkpoint as a Hugging Face folder
@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet_third_party()
     try:
+        take_positional_config(args)
         return args.run(args)
     except (UserError, RunFailed) as err:
         print(f"novarl: error: {err}", file=sys.stderr)
@@ -48,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--preset", default=None, metavar="NAME",
                        help="a training-strategy preset merged over the config, under the overrides: "
                             "fsdp, zero2, zero3, zero3-offload (see novarl/core/distributed.py)")
-        p.add_argument("overrides", nargs="*", metavar="key.path=value", help="dotted overrides")
+        p.add_argument("overrides", nargs="*", metavar="key.path=value",
+                       help="dotted overrides; the first may be the YAML config instead of -c (CONFIG.yaml)")
         p.set_defaults(run=run)
         if name == "plan":
             p.add_argument("--model", default=None, metavar="NAME_OR_PATH_OR_COUNT",
@@ -74,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
     p.set_defaults(run=cmd_eval)
     return parser
+
+
+def take_positional_config(args: argparse.Namespace) -> None:
+    """`novarl plan CONFIG.yaml` is `novarl plan -c CONFIG.yaml`: a first positional argument
+    that ends in .yaml or .yml and has no '=' is the config, not an override."""
+    overrides = getattr(args, "overrides", None)
+    if not overrides or "=" in overrides[0] or not overrides[0].endswith((".yaml", ".yml")):
+        return
+    if args.config is not None:
+        raise UserError(f"Two configs given: -c {args.config} and '{overrides[0]}'. Give one, either as "
+                        "the first argument after the command or with -c, not both.")
+    args.config, args.overrides = Path(overrides[0]), overrides[1:]
 
 
 def _config(args: argparse.Namespace):

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from novarl.cli import BUNDLED_RECIPE, main
 from novarl.errors import UserError
@@ -19,6 +20,7 @@ from novarl.rewards.registry import RewardScorer
 from novarl.types import Completion, Prompt
 
 DEFAULT_GENERATION = "vllm" if installed("vllm") else "hf"
+CUDA = torch.cuda.is_available()
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -90,9 +92,9 @@ def test_validate_prints_the_resolved_config_and_the_plan(capsys):
 
 
 def test_validate_reports_missing_backends_but_exits_0(capsys):
-    code, out, _ = run_cli(capsys, "validate", "policy.megatron_cfg.enabled=true")
+    code, out, _ = run_cli(capsys, "validate", "policy.megatron_cfg.enabled=true", "policy.generation.backend=megatron")
     assert code == 0
-    assert "# not available yet (a run would stop): training backend 'megatron'" in out
+    assert "# not available yet (a run would stop): generation backend 'megatron'" in out
 
 
 def test_train_unknown_nested_key(capsys, log_dir):
@@ -175,19 +177,24 @@ def test_train_reward_function_that_does_not_exist(capsys, log_dir, spec, expect
     assert f"reward.function='{spec}'" in msg and expected in msg
 
 
-def test_train_megatron_is_refused_before_any_output(capsys, log_dir):
+@pytest.mark.skipif(CUDA, reason="this host has CUDA: Megatron runs")
+def test_train_megatron_without_a_gpu_is_refused_before_any_output(capsys, log_dir, monkeypatch):
+    monkeypatch.delenv("NOVARL_MEGATRON_ON_CPU", raising=False)
     code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "policy.megatron_cfg.enabled=true")
     msg = assert_refused_cleanly(code, err, log_dir)
-    assert "does not have yet" in msg and "training backend 'megatron' (policy.megatron_cfg.enabled)" in msg
+    assert "does not have yet" in msg and "a CUDA GPU: Megatron-core trains and generates on CUDA GPUs only" in msg
+    assert "NOVARL_MEGATRON_ON_CPU=1 runs it on the CPU for tests" in msg
 
 
-def test_plan_megatron_exits_2_listing_what_is_not_available(capsys):
+@pytest.mark.skipif(CUDA, reason="this host has CUDA: Megatron runs")
+def test_plan_megatron_exits_2_listing_what_is_not_available(capsys, monkeypatch):
+    monkeypatch.delenv("NOVARL_MEGATRON_ON_CPU", raising=False)
     code, out, err = run_cli(capsys, "plan", "policy.megatron_cfg.enabled=true", "policy.generation.backend=vllm",
                              "cluster.gpus_per_node=2")
     assert code == 2
     assert "Traceback" not in err
     assert "training backend: megatron (also enabled, ignored by precedence" in out
-    assert "not available yet: training backend 'megatron' (policy.megatron_cfg.enabled)" in out
+    assert "not available yet: a CUDA GPU: Megatron-core trains" in out
     assert "generation backend: vllm" in out
     assert "not available yet: Ray" not in out and "(dp=2)" in out  # two DTensor ranks over Ray are built
 
@@ -275,3 +282,35 @@ def test_reward_scorer_by_registered_name_and_import_path():
     assert by_name.name == "exact_match" and by_path.name == "novarl.rewards.verifiers:exact_match"
     assert by_name.score([completion("2"), completion("3")]) == [1.0, 0.0]
     assert by_path.score([completion("2")]) == [1.0]
+
+
+# ============================================================ positional config
+FSDP2X2 = Path(__file__).parents[1] / "examples" / "configs" / "grpo_tiny_fsdp2x2.yaml"
+
+
+@pytest.mark.parametrize("command", ["validate", "plan"])
+def test_positional_config_is_the_same_as_dash_c(capsys, tmp_path, command):
+    with_flag = run_cli(capsys, command, "-c", str(FSDP2X2), "grpo.seed=7")
+    positional = run_cli(capsys, command, str(FSDP2X2), "grpo.seed=7")
+    assert positional == with_flag and positional[0] == 0, positional[2]
+    assert "(dp=2)" in positional[1]  # the example's 2 ranks, not the bundled recipe's 1
+    yml = tmp_path / "recipe.yml"
+    yml.write_text(FSDP2X2.read_text())
+    assert run_cli(capsys, command, str(yml), "grpo.seed=7") == with_flag
+
+
+def test_train_takes_a_positional_config(capsys, log_dir):
+    # Refused at validation (nothing starts): the message names the positional file as the config.
+    code, _, err = run_cli(capsys, "train", str(FSDP2X2), f"logger.log_dir={log_dir}", "grpo.num_prompts_per_stp=4")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert msg.startswith(f"novarl: error: Invalid config ({FSDP2X2} with overrides")
+    assert "unknown key 'grpo.num_prompts_per_stp'" in msg
+
+
+@pytest.mark.parametrize("command", ["train", "validate", "plan"])
+def test_dash_c_and_a_positional_config_together_is_refused(capsys, log_dir, command):
+    code, out, err = run_cli(capsys, command, "-c", str(BUNDLED_RECIPE), str(FSDP2X2), f"logger.log_dir={log_dir}")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert out == ""
+    assert msg.strip() == (f"novarl: error: Two configs given: -c {BUNDLED_RECIPE} and '{FSDP2X2}'. Give one, "
+                           "either as the first argument after the command or with -c, not both.")

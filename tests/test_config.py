@@ -5,6 +5,7 @@ model is loaded, nothing is trained."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import textwrap
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from novarl.cli import BUNDLED_RECIPE
 from novarl.config import load_config
 from novarl.config.schema import NovaRLConfig, SchedulerMilestones
 from novarl.data.datasets import dataset_kind
@@ -331,18 +333,28 @@ MEGATRON_GENERATION_WITH_TRAINING = {"policy": {
     **SEED_000_MEGATRON_GENERATION["policy"], "megatron_cfg": {"enabled": True}}}
 
 
+def _megatron_here() -> list[str]:
+    """What a Megatron run lacks on this host: nothing with CUDA, the GPU itself without."""
+    import torch
+
+    return [] if torch.cuda.is_available() else ["a CUDA GPU: Megatron-core trains"]
+
+
+MEGATRON_HERE = _megatron_here()
+
+
 @pytest.mark.parametrize("tree, expected_missing", [
     (SEED_000_DTENSOR, []),
     (SEED_000_COLOCATED, []),
     (SEED_000_MEMORY, []),
     (SEED_000_THROUGHPUT, []),
-    (SEED_000_MEGATRON_SMALL, ["training backend 'megatron'"]),
-    (SEED_000_MEGATRON_FULL, ["training backend 'megatron'"]),
-    (SEED_000_FP8, ["training backend 'megatron'"]),
+    (SEED_000_MEGATRON_SMALL, MEGATRON_HERE),
+    (SEED_000_MEGATRON_FULL, MEGATRON_HERE),
+    (SEED_000_FP8, MEGATRON_HERE),
     (SEED_000_VLLM, [m[:9] for m in VLLM_MISSING]),
-    (MEGATRON_GENERATION_WITH_TRAINING, ["training backend 'megatron'", "generation backend 'megatron'"]),
+    (MEGATRON_GENERATION_WITH_TRAINING, [*MEGATRON_HERE, "generation backend 'megatron'"]),
     (SEED_000_DEDICATED, []),  # generation on its own Ray actor: built
-    (SEED_000_LARGE, ["training backend 'megatron'"]),
+    (SEED_000_LARGE, MEGATRON_HERE),
 ], ids=["dtensor", "colocated", "memory", "throughput", "megatron", "megatron-full", "fp8", "vllm",
         "megatron-generation", "dedicated", "large"])
 def test_seed_000_examples_load_and_report_what_is_not_built(tree, expected_missing):
@@ -382,7 +394,8 @@ def test_seed_000_python_api_keywords():
     assert missing(medium) == ()  # tensor parallelism is built, but 8 ranks are needed:
     with pytest.raises(ConfigError, match=r"1 x 1 = 1 ranks is not a multiple of .* 8 x 1 = 8"):
         plan_batches(medium)
-    assert plan_batches(load_config(None, tensor_parallel_size=8, cluster={"gpus_per_node": 8})).data_parallel_size == 1
+    on_8 = load_config(None, model_name="Qwen/Qwen2.5-32B", tensor_parallel_size=8, cluster={"gpus_per_node": 8})
+    assert plan_batches(on_8).data_parallel_size == 1
 
 
 def test_plain_dtensor_hf_config_needs_nothing_missing():
@@ -629,6 +642,54 @@ def test_hydra_defaults_are_refused(tmp_path):
     assert "'defaults' (Hydra inheritance) is not supported" in config_error(write(tmp_path, "defaults: [base]\n"))
 
 
+def nemo_tree_with(**unknown_keys) -> dict:
+    """The NeMo RL interop file with `unknown_keys` ({'a__b': value} for a.b) added."""
+    tree = yaml.safe_load(NEMO_YAML.read_text())
+    for dotted, value in unknown_keys.items():
+        *parents, leaf = dotted.split("__")
+        node = tree
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return tree
+
+
+def test_nemo_rl_config_with_unknown_keys_lists_every_one_in_one_message(tmp_path):
+    tree = nemo_tree_with(defaults="grpo_math_1B.yaml", grpo__num_prompts_per_stp=4, policy__dtensor_cfg__zzz=1,
+                          checkpointing__upload_to_s3=True)
+    path = write(tmp_path, yaml.safe_dump(tree, sort_keys=False))
+    msg = config_error(path)
+    lines = msg.splitlines()
+    assert lines[0] == f"Invalid config ({path}):"
+    assert len([line for line in lines if line.startswith("  - unknown key")]) == 4, msg
+    assert "  - unknown key 'grpo.num_prompts_per_stp' (did you mean 'num_prompts_per_step'?)." in lines
+    assert any(line.startswith("  - unknown key 'policy.dtensor_cfg.zzz'. Allowed here: _v2, enabled") for line in lines)
+    assert any(line.startswith("  - unknown key 'checkpointing.upload_to_s3'.") for line in lines)
+    assert ("  - unknown key 'defaults': 'defaults' (Hydra inheritance) is not supported; merge the base file "
+            "into this one.") in lines
+
+
+def test_hydra_child_config_referring_to_its_base_lists_the_unknown_keys_too(tmp_path):
+    # A Hydra child file refers to keys its base file defines: the broken reference is
+    # reported with `defaults` and the other unknown keys, not instead of them.
+    path = write(tmp_path, """
+        defaults: grpo_math_1B.yaml
+        policy:
+          tokenizer:
+            name: ${policy.base_model_name}
+          dtensor_cgf:
+            enabled: true
+    """)
+    msg = config_error(path)
+    assert msg.startswith(f"Invalid config ({path}):\n")
+    assert "'policy.tokenizer.name': '${policy.base_model_name}' refers to a key that is not in the config." in msg
+    assert "unknown key 'defaults': 'defaults' (Hydra inheritance) is not supported" in msg
+    assert "unknown key 'policy.dtensor_cgf' (did you mean 'dtensor_cfg'?)" in msg
+    # Without unknown keys, a broken reference is reported alone, as before.
+    assert config_error({"policy": {"model_name": "${policy.nope}"}}) == \
+        "'policy.model_name': '${policy.nope}' refers to a key that is not in the config."
+
+
 def test_data_path_given_with_a_bundled_dataset_name_is_not_silently_ignored():
     # The bundled recipe sets data.dataset_name=arithmetic. A user who adds
     # data.train_data_path=... must train on that file or be told it is ignored.
@@ -747,11 +808,162 @@ def test_derived_global_batch_error_names_gradient_accumulation():
 
 
 def test_data_parallel_size_from_the_cluster_and_model_parallel_sizes():
+    # org/m is a hub id: its heads are not read (nothing is downloaded), so tp=2 is not checked against them.
     cfg = load_config({"cluster": {"gpus_per_node": 4}, "policy": {"dtensor_cfg": {"tensor_parallel_size": 2},
-                                                                  "train_micro_batch_size": 2},
+                                                                  "train_micro_batch_size": 2, "model_name": "org/m"},
                        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4}})
     plan = plan_batches(cfg)
     assert (plan.data_parallel_size, plan.global_batch_size, plan.gradient_accumulation_steps) == (2, 16, 4)
+
+
+def model_folder(tmp_path: Path, heads: int, kv_heads: int, name: str = "model") -> str:
+    """A local model folder holding only a Llama-style config.json: all the planner reads."""
+    folder = tmp_path / name
+    folder.mkdir()
+    config = {"model_type": "llama", "hidden_size": 64 * heads, "num_hidden_layers": 2, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "intermediate_size": 256, "vocab_size": 32}
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def plan_error(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        plan_batches(load_config(BUNDLED_RECIPE, overrides=list(overrides)))
+    return str(info.value)
+
+
+def test_every_size_inconsistency_is_reported_together_with_the_heads(tmp_path):
+    text = plan_error(
+        f"policy.model_name={model_folder(tmp_path, heads=6, kv_heads=2)}",
+        "cluster.gpus_per_node=4", "policy.dtensor_cfg.tensor_parallel_size=4",   # 6 and 2 heads, tp 4
+        "policy.train_global_batch_size=100", "grpo.num_generations_per_prompt=1",  # 64 samples
+        "grpo.num_prompts_per_step=64", "policy.generation.backend=vllm",
+        "policy.generation.vllm_cfg.tensor_parallel_size=4", "policy.generation.vllm_cfg.max_model_len=8")
+    config_json = tmp_path / "model" / "config.json"
+    assert text.startswith("The config's sizes do not fit together:")
+    for needle in ("64 x 1 = 64 samples, not a multiple of", "every advantage would be 0",
+                   "policy.train_global_batch_size=100 is not a multiple of",
+                   "max_model_len=8 is shorter than policy.max_seq_length=16",
+                   f"policy.dtensor_cfg.tensor_parallel_size=4 must divide num_attention_heads and "
+                   f"num_key_value_heads: the model ({config_json}) has num_attention_heads=6, num_key_value_heads=2.",
+                   "policy.generation.vllm_cfg.tensor_parallel_size=4 must divide num_attention_heads and divide (or "
+                   f"be a multiple of) num_key_value_heads: the model ({config_json}) has num_attention_heads=6"):
+        assert needle in text, needle
+    assert len(text.splitlines()) == 1 + 6, text  # the header and the six problems
+
+
+def test_bundled_model_heads_are_checked():
+    # tiny-arith: 2 attention heads, 1 KV head.
+    text = plan_error("cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2",
+                      "policy.generation.backend=hf")
+    assert text.startswith("policy.dtensor_cfg.tensor_parallel_size=2 must divide num_attention_heads and "
+                           "num_key_value_heads") and "num_attention_heads=2, num_key_value_heads=1." in text
+
+
+def test_vllm_may_replicate_kv_heads_but_training_tensor_parallelism_may_not(tmp_path):
+    model = f"policy.model_name={model_folder(tmp_path, heads=8, kv_heads=2)}"
+    # vLLM: tp 4 over 2 KV heads keeps each on 2 ranks; DTensor tp 2 splits both evenly.
+    plan = plan_batches(load_config(BUNDLED_RECIPE, overrides=[
+        model, "cluster.gpus_per_node=4", "policy.dtensor_cfg.tensor_parallel_size=2",
+        "policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=4"]))
+    assert plan.data_parallel_size == 2
+    text = plan_error(model, "cluster.gpus_per_node=4", "policy.dtensor_cfg.tensor_parallel_size=4",
+                      "policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=4")
+    assert text.startswith("policy.dtensor_cfg.tensor_parallel_size=4 must divide") and "\n" not in text
+
+
+def test_heads_of_a_hub_id_or_an_unreadable_config_are_not_checked(tmp_path):
+    # Nothing is downloaded to plan; a broken config.json is not the planner's to report.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    for name in ("org/not-downloaded", str(broken)):
+        plan = plan_batches(load_config(BUNDLED_RECIPE, overrides=[
+            f"policy.model_name={name}", "cluster.gpus_per_node=8", "policy.dtensor_cfg.tensor_parallel_size=8",
+            "policy.generation.backend=hf"]))
+        assert plan.data_parallel_size == 1, name
+
+
+MEGATRON = ("policy.megatron_cfg.enabled=true", "policy.generation.backend=hf")
+
+
+def test_megatron_data_parallel_size_is_world_over_tp_pp_cp(tmp_path):
+    # The DTensor sizes are ignored when Megatron trains: 16 ranks / (2 x 2 x 2) = dp 2.
+    plan = plan_batches(load_config(BUNDLED_RECIPE, overrides=[
+        *MEGATRON, f"policy.model_name={model_folder(tmp_path, heads=8, kv_heads=2)}", "cluster.gpus_per_node=8",
+        "cluster.num_nodes=2", "policy.megatron_cfg.tensor_model_parallel_size=2",
+        "policy.megatron_cfg.pipeline_model_parallel_size=2", "policy.megatron_cfg.context_parallel_size=2",
+        "policy.dtensor_cfg.tensor_parallel_size=16", "policy.train_micro_batch_size=4"]))
+    assert (plan.data_parallel_size, plan.gradient_accumulation_steps) == (2, 512 // (4 * 2))
+
+
+def test_megatron_sizes_that_do_not_fit_name_the_megatron_keys(tmp_path):
+    text = plan_error(*MEGATRON, f"policy.model_name={model_folder(tmp_path, heads=6, kv_heads=2)}",
+                      "cluster.gpus_per_node=4", "policy.megatron_cfg.tensor_model_parallel_size=4",
+                      "policy.megatron_cfg.pipeline_model_parallel_size=2", "policy.dtensor_cfg.tensor_parallel_size=3")
+    assert text.startswith("The config's sizes do not fit together:")
+    assert ("The world size must be dp x tp x pp x cp: cluster.gpus_per_node x cluster.num_nodes = 4 x 1 = 4 ranks "
+            "is not a multiple of policy.megatron_cfg.tensor_model_parallel_size x pipeline_model_parallel_size x "
+            "context_parallel_size = 4 x 2 x 1 = 8.") in text
+    assert ("policy.megatron_cfg.tensor_model_parallel_size=4 must divide num_attention_heads and "
+            "num_key_value_heads") in text and "num_attention_heads=6, num_key_value_heads=2." in text
+    assert "dtensor_cfg" not in text  # not in force
+
+
+def test_deepspeed_data_parallel_size_is_the_world_size():
+    # ZeRO has no model parallelism: a leftover dtensor_cfg.tensor_parallel_size does not shrink dp.
+    plan = plan_batches(load_config(BUNDLED_RECIPE, overrides=[
+        "policy.deepspeed_cfg.enabled=true", "policy.dtensor_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=2",
+        "policy.generation.backend=hf"]))
+    assert plan.data_parallel_size == 2
+
+
+# ============================================================ DeepSpeed JSON config
+def zero_config(*overrides: str, world_size: int = 2, accumulation_steps: int = 3, on_gpu: bool = False) -> dict:
+    from novarl.backends.training.deepspeed import deepspeed_config
+
+    policy = load_config(overrides=["policy.deepspeed_cfg.enabled=true", *overrides]).policy
+    return deepspeed_config(policy, world_size=world_size, accumulation_steps=accumulation_steps, on_gpu=on_gpu,
+                            hidden_size=128)
+
+
+@pytest.mark.parametrize("precision, on_gpu, bf16, fp16", [
+    ("bfloat16", False, True, False), ("float16", True, False, True), ("float32", True, False, False),
+    (None, True, True, False), (None, False, False, False),  # unset: bf16 on GPU, fp32 on CPU
+])
+def test_deepspeed_precision_follows_policy_precision(precision, on_gpu, bf16, fp16):
+    config = zero_config(*([f"policy.precision={precision}"] if precision else []), on_gpu=on_gpu)
+    assert (config["bf16"], config["fp16"]) == ({"enabled": bf16}, {"enabled": fp16})
+
+
+def test_deepspeed_clipping_and_batch_sizes():
+    config = zero_config("policy.max_grad_norm=0.25", "policy.train_micro_batch_size=4", world_size=2,
+                         accumulation_steps=3)
+    assert config["gradient_clipping"] == 0.25
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"]) == (4, 3, 4 * 3 * 2)
+    assert zero_config("policy.max_grad_norm=null")["gradient_clipping"] == 0.0  # DeepSpeed: 0 is off
+
+
+def test_deepspeed_config_pass_through_is_merged_deeply():
+    built = zero_config("policy.deepspeed_cfg.zero_stage=3", "policy.deepspeed_cfg.offload_optimizer=true")
+    config = zero_config("policy.deepspeed_cfg.zero_stage=3", "policy.deepspeed_cfg.offload_optimizer=true",
+                         "policy.deepspeed_cfg.config={zero_optimization: {reduce_bucket_size: 1000, "
+                         "contiguous_gradients: true}, bf16: {enabled: true}, communication_data_type: fp32}")
+    zero = config["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 1000 and zero["contiguous_gradients"] is True      # given
+    assert zero["stage"] == 3 and zero["offload_optimizer"] == {"device": "cpu", "pin_memory": False}  # kept
+    assert zero["allgather_bucket_size"] == built["zero_optimization"]["allgather_bucket_size"]
+    assert config["bf16"] == {"enabled": True} and config["communication_data_type"] == "fp32"
+    assert {k: v for k, v in config.items() if k not in ("zero_optimization", "bf16", "communication_data_type")} \
+        == {k: v for k, v in built.items() if k not in ("zero_optimization", "bf16")}
+
+
+def test_deepspeed_parameter_offload_needs_stage_3():
+    with pytest.raises(ConfigError, match=r"offload_param needs zero_stage 3 \(it is 2\)"):
+        zero_config("policy.deepspeed_cfg.zero_stage=2", "policy.deepspeed_cfg.offload_param=true")
+    zero = zero_config("policy.deepspeed_cfg.zero_stage=3", "policy.deepspeed_cfg.offload_param=true")
+    assert zero["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": False}
 
 
 # ====================================================================== frozen

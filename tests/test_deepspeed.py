@@ -33,16 +33,29 @@ def ray_session():
 
 
 def run(tmp_path, steps, *overrides):
+    _, result, got = run_trainer(tmp_path, steps, *overrides)
+    return result, got
+
+
+def run_trainer(tmp_path, steps, *overrides):
+    """(the trainer after its run, the TrainResult, {step: train metrics})."""
     cfg = load_config(BUNDLED_RECIPE, overrides=[f"logger.log_dir={tmp_path / 'logs'}", f"grpo.max_num_steps={steps}",
                                                  *COMMON, *overrides])
-    result = GRPOTrainer(cfg).train()
-    return result, {r["step"]: r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"}
+    trainer = GRPOTrainer(cfg)
+    result = trainer.train()
+    return trainer, result, {r["step"]: r for r in read_jsonl(result.output_dir / "metrics.jsonl")
+                             if r["kind"] == "train"}
 
 
 @pytest.fixture(scope="module")
-def dtensor_steps(tmp_path_factory):
+def dtensor_run(tmp_path_factory):
     """FSDP2 on the same 2 ranks: what every ZeRO stage must match."""
-    return run(tmp_path_factory.mktemp("dtensor"), 4)[1]
+    return run(tmp_path_factory.mktemp("dtensor"), 4)
+
+
+@pytest.fixture(scope="module")
+def dtensor_steps(dtensor_run):
+    return dtensor_run[1]
 
 
 def assert_same_training(got, expected, *, loss_abs=1e-6, grad_rel=1e-4):
@@ -56,11 +69,31 @@ def assert_same_training(got, expected, *, loss_abs=1e-6, grad_rel=1e-4):
         assert got[step]["logprob_mismatch"] < 1e-3  # the synced weights are the trained ones
 
 
+def hf_weights(folder) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder).state_dict()
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stage_trains_like_dtensor(tmp_path, dtensor_steps, stage):
-    result, got = run(tmp_path, 4, ZERO, f"policy.deepspeed_cfg.zero_stage={stage}")
-    assert_same_training(got, dtensor_steps)
-    assert (result.model_dir / "model.safetensors").is_file()  # exported from the partitions
+def test_zero_stage_trains_like_dtensor_and_exports_the_trained_weights(tmp_path, dtensor_run, stage):
+    import torch
+
+    from novarl.models.loading import resolve_model_path
+
+    trainer, result, got = run_trainer(tmp_path, 4, ZERO, f"policy.deepspeed_cfg.zero_stage={stage}")
+    assert_same_training(got, dtensor_run[1])
+    # The exported folder holds the final weights, gathered from the partitions: exactly the
+    # full_state_dict the last weight sync put into the (in-process) generator ...
+    exported, synced = hf_weights(result.model_dir), trainer.roles.generator.model.state_dict()
+    assert exported.keys() == synced.keys()
+    assert all(torch.equal(exported[name], synced[name]) for name in synced)
+    # ... which are trained (not the bundled start) and agree with FSDP2's after the same 4 steps.
+    start, fsdp2 = hf_weights(resolve_model_path("tiny-arith")), hf_weights(dtensor_run[0].model_dir)
+    assert all(not torch.equal(exported[name], start[name]) for name in start if "norm" not in name)
+    assert exported.keys() == fsdp2.keys()
+    for name in fsdp2:  # measured: at most 2e-7 apart, the order of floating-point sums
+        torch.testing.assert_close(exported[name], fsdp2[name], rtol=0, atol=1e-5, msg=name)
 
 
 def test_zero3_with_optimizer_and_parameter_offload(tmp_path, dtensor_steps):

@@ -147,3 +147,30 @@ def test_python_api_train_with_a_callable_reward_and_in_memory_data(tmp_path):
     assert isinstance(result, novarl.TrainResult) and result.steps == 2
     assert result.final_accuracy is not None and result.model_dir.is_dir()
     assert set(seen) <= {r["prompt"] for r in rows} and len(seen) >= 2 * 8 * 4
+
+
+@pytest.mark.parametrize("threshold, warned", [(-1.0, True), (None, False)], ids=["above", "default"])
+def test_logprob_mismatch_above_the_threshold_prints_one_warning_with_advice(tmp_path, monkeypatch, capsys,
+                                                                              threshold, warned):
+    import novarl.trainer.grpo
+    import novarl.trainer.rollout
+
+    if threshold is not None:  # any mismatch, 0 included, is above -1
+        # the loop compares with its imported copy; the advice quotes rollout's
+        monkeypatch.setattr(novarl.trainer.grpo, "MISMATCH_WARNING", threshold)
+        monkeypatch.setattr(novarl.trainer.rollout, "MISMATCH_WARNING", threshold)
+    cfg = recipe(tmp_path, "grpo.max_num_steps=2", "grpo.val_at_start=false", "grpo.val_at_end=false",
+                 "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4",
+                 "policy.train_micro_batch_size=32")
+    result = GRPOTrainer(cfg).train()
+    err = capsys.readouterr().err
+    first = next(r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train")
+    warning = (f"[novarl] warning at step 1: the generator's token probabilities differ from the trainer's by "
+               f"{first['logprob_mismatch']:.3f} on average (warning above {novarl.trainer.grpo.MISMATCH_WARNING})")
+    if warned:
+        assert warning in err, err
+        assert err.count("token probabilities differ") == 1  # once per run, not every step
+        assert "policy.generation.vllm_cfg.precision matches policy.precision" in err
+    else:
+        assert first["logprob_mismatch"] < novarl.trainer.grpo.MISMATCH_WARNING
+        assert "token probabilities differ" not in err

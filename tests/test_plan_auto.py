@@ -53,16 +53,27 @@ def test_small_model_on_a_gpu_follows_the_advisor():
     assert any("<10B" in line for line in why)
 
 
-def test_unbuilt_recommendation_runs_the_best_built_layout_and_says_so(tmp_path):
+def test_megatron_recommendation_runs_megatron_with_its_sizes(tmp_path):
     cfg, why = auto(f"policy.model_name={model_folder(tmp_path, QWEN_32B)}", "policy.max_total_sequence_length=4096",
                     "policy.train_micro_batch_size=1", "cluster.gpus_per_node=8", "cluster.num_nodes=4",
                     on_gpu=True, gpu_memory_gb=80)
-    assert any("which novarl does not run yet" in line and "megatron" in line for line in why)
-    assert resolve_backends(cfg).training == "dtensor"
+    assert not any("which novarl does not run yet" in line for line in why)
+    assert resolve_backends(cfg).training == "megatron"
+    mc = cfg.policy.megatron_cfg
+    assert mc.tensor_model_parallel_size == 8 and 24 % (8 * mc.pipeline_model_parallel_size) == 0
     gen = cfg.policy.generation
     # 32B on 4 nodes: generation on a node of its own (the tree's multi-node branch)
     assert not gen.colocated.enabled and gen.colocated.resources.gpus_per_node == 8
     assert gen.colocated.resources.num_nodes == 1 and cfg.cluster.num_nodes == 3
+
+
+def test_unbuilt_recommendation_runs_the_best_built_layout_and_says_so(tmp_path):
+    """Above 70B the seeds' tree ends at Megatron generation, which novarl does not have yet."""
+    cfg, why = auto(f"policy.model_name={model_folder(tmp_path, QWEN_72B)}", "policy.max_total_sequence_length=4096",
+                    "policy.train_micro_batch_size=1", "cluster.gpus_per_node=8", "cluster.num_nodes=4",
+                    on_gpu=True, gpu_memory_gb=80)
+    assert any("which novarl does not run yet" in line and "megatron" in line for line in why)
+    assert cfg.policy.generation.backend in ("vllm", "hf")
 
 
 def test_nothing_runnable_fits_is_a_user_error(tmp_path):

@@ -56,6 +56,56 @@ def test_version_check():
         check_vllm_version("0.20.1")
 
 
+class EngineArgsRecorded(Exception):
+    """Raised by RecordingLLM once it holds the engine arguments, so that no engine starts."""
+
+
+@pytest.fixture
+def engine_args(monkeypatch) -> dict:
+    """What VllmGeneration passes to vllm.LLM(...), filled when it is constructed."""
+    import vllm
+
+    seen: dict = {}
+
+    class RecordingLLM:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+            raise EngineArgsRecorded
+
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    return seen
+
+
+def test_every_vllm_cfg_field_and_vllm_kwargs_reach_the_engine(engine_args):
+    cfg = load_config(BUNDLED_RECIPE, overrides=[
+        "policy.generation.vllm_cfg.tensor_parallel_size=2", "policy.generation.vllm_cfg.pipeline_parallel_size=3",
+        "policy.generation.vllm_cfg.gpu_memory_utilization=0.37", "policy.generation.vllm_cfg.max_model_len=48",
+        "policy.generation.vllm_cfg.enforce_eager=true",
+        "policy.generation.vllm_kwargs={swap_space: 3, enable_chunked_prefill: false, seed: 11}"])
+    path = resolve_model_path("tiny-arith")
+    with pytest.raises(EngineArgsRecorded):
+        VllmGeneration(path, None, cfg.policy.generation, precision="bfloat16", max_seq_length=16, seed=5)
+    assert {key: engine_args[key] for key in ("tensor_parallel_size", "pipeline_parallel_size",
+                                              "gpu_memory_utilization", "max_model_len", "enforce_eager")} == \
+        {"tensor_parallel_size": 2, "pipeline_parallel_size": 3, "gpu_memory_utilization": 0.37,
+         "max_model_len": 48, "enforce_eager": True}
+    # vllm_kwargs pass through, and win over what novarl sets (seed)
+    assert (engine_args["swap_space"], engine_args["enable_chunked_prefill"], engine_args["seed"]) == (3, False, 11)
+    assert (engine_args["model"], engine_args["dtype"]) == (path, "bfloat16")
+
+
+def test_engine_defaults_take_max_model_len_from_the_policy(engine_args):
+    cfg = load_config(BUNDLED_RECIPE)
+    with pytest.raises(EngineArgsRecorded):
+        VllmGeneration(resolve_model_path("tiny-arith"), None, cfg.policy.generation, precision="float32",
+                       max_seq_length=cfg.policy.max_seq_length, seed=5)
+    v = cfg.policy.generation.vllm_cfg
+    assert (engine_args["tensor_parallel_size"], engine_args["pipeline_parallel_size"],
+            engine_args["gpu_memory_utilization"], engine_args["enforce_eager"], engine_args["seed"]) == \
+        (v.tensor_parallel_size, v.pipeline_parallel_size, v.gpu_memory_utilization, v.enforce_eager, 5)
+    assert v.max_model_len is None and engine_args["max_model_len"] == cfg.policy.max_seq_length == 16
+
+
 def test_grpo_with_vllm_colocated(tmp_path):
     cfg = load_config(BUNDLED_RECIPE, overrides=[
         f"logger.log_dir={tmp_path}", "logger.progress_bar=false", "grpo.max_train_seconds=null",

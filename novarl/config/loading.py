@@ -103,7 +103,16 @@ def load_config(
         path, value = parse_override(item)
         path = canonical_path(path)
         set_path(tree, path, canonical(value, path), merge=False)
-    tree = resolve_interpolations(tree)
+    try:
+        tree = resolve_interpolations(tree)
+    except ConfigError as err:
+        # A Hydra child file (`defaults:`) often refers to keys of its base file: report
+        # the unknown keys with the broken reference, not one of them alone.
+        unknown = unknown_keys(tree)
+        if not unknown:
+            raise
+        lines = "\n".join(f"  - {line}" for line in [str(err), *unknown])
+        raise ConfigError(f"Invalid config ({where}):\n{lines}") from None
     return validate(tree, where)
 
 
@@ -124,9 +133,8 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"Config file '{path}' must hold a mapping at the top, "
                           f"not a {type(data).__name__}.")
-    if "defaults" in data:
-        raise ConfigError(f"Config file '{path}': 'defaults' (Hydra inheritance) is not supported; "
-                          "merge the base file into this one.")
+    # A Hydra `defaults:` list is left in: validation reports it as an unknown key,
+    # together with every other key novarl does not support (see format_error).
     return data
 
 
@@ -302,6 +310,15 @@ def validate(tree: dict[str, Any], where: str = "the config") -> NovaRLConfig:
         raise ConfigError(f"Invalid config ({where}):\n" + "\n".join(f"  - {line}" for line in lines)) from None
 
 
+def unknown_keys(tree: dict[str, Any]) -> list[str]:
+    """validate's lines for the keys the schema does not have, whatever the values in `tree`."""
+    try:
+        NovaRLConfig.model_validate(tree)
+    except ValidationError as err:
+        return [format_error(e, tree) for e in err.errors() if e["type"] == "extra_forbidden"]
+    return []
+
+
 def format_error(error: Mapping[str, Any], tree: Mapping[str, Any]) -> str:
     loc = [str(p) for p in error["loc"] if not str(p).startswith(("function-after", "function-"))]
     # Union members show up as extra loc items (e.g. 'SchedulerStep'); keep real keys only.
@@ -310,6 +327,9 @@ def format_error(error: Mapping[str, Any], tree: Mapping[str, Any]) -> str:
     if error["type"] == "extra_forbidden":
         parent = _model_at(NovaRLConfig, loc[:-1])
         choices = _field_names(parent) if parent else []
+        if loc == ["defaults"]:
+            return ("unknown key 'defaults': 'defaults' (Hydra inheritance) is not supported; "
+                    "merge the base file into this one.")
         hint = _did_you_mean(loc[-1], choices)
         allowed = f" Allowed here: {', '.join(choices)}." if choices and not hint else ""
         return f"unknown key '{path}'{hint}.{allowed}"

@@ -497,6 +497,11 @@ class NovaRLConfig(Section):
             raise ValueError(
                 "policy.generation.backend='megatron' needs the Megatron training backend: "
                 "set policy.megatron_cfg.enabled=true or pick backend 'vllm' or 'hf'")
+        if gen.backend == "megatron" and not gen.colocated.enabled:
+            raise ValueError(
+                "policy.generation.backend='megatron' samples with the policy's own model on its own GPUs, "
+                "so it cannot be dedicated: set policy.generation.colocated.enabled=true, or use 'vllm' "
+                "for generation on GPUs of its own")
         if self.loss_fn.ratio_clip_min >= 1:
             raise ValueError(f"loss_fn.ratio_clip_min={self.loss_fn.ratio_clip_min} must be < 1 "
                              "(the ratio is clipped to [1 - min, 1 + max])")

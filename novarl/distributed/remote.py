@@ -20,7 +20,7 @@ from novarl.types import TrainBatch
 
 
 class RemotePolicy:
-    """TrainingBackend over a RayWorkerGroup of DTensorPolicy ranks."""
+    """TrainingBackend over a RayWorkerGroup of policy ranks (any training backend)."""
 
     def __init__(self, group: RayWorkerGroup) -> None:
         self.group = group
@@ -45,6 +45,10 @@ class RemotePolicy:
 
     def save_hf(self, path: Path, tokenizer) -> None:
         self.group.call("save_hf", path, tokenizer)
+
+    def sample_tokens(self, *args):
+        """Megatron generation on the policy's own ranks (MegatronPolicy only)."""
+        return self.group.call("sample_tokens", *args)
 
     def shutdown(self) -> None:
         self.group.shutdown()

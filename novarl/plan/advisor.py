@@ -58,8 +58,8 @@ node and the attention heads); FSDP2 + CPU offload; DeepSpeed ZeRO-2 and
 ZeRO-3; Megatron TP x PP (the same TPs, PP a power of two dividing the training
 GPUs / TP, at most the layers; per TP the pipeline deepens only until a layout
 fits, deeper ones only add bubble). Context parallelism is not enumerated
-(cp = 1). DeepSpeed and Megatron are listed with `built=False`: novarl does not
-have those backends yet.
+(cp = 1). A layout is `built` when novarl has both its training and its generation
+backend (Megatron generation, the >70B branch, is not built yet).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ from novarl.plan.memory import (
     kv_cache_bytes,
 )
 from novarl.plan.model_shape import ModelShape
-from novarl.plan.resolve import BUILT_TRAINING_BACKENDS
+from novarl.plan.resolve import BUILT_GENERATION_BACKENDS, BUILT_TRAINING_BACKENDS
 
 HEADROOM = 0.9
 """Share of the GPU memory a layout may plan to use (the rest: CUDA context,
@@ -108,7 +108,6 @@ class _Layout:
     pipeline_parallel_size: int = 1
 
 
-_BUILT_BACKENDS = BUILT_TRAINING_BACKENDS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -328,7 +327,8 @@ def _size(context: _Context, layout: _Layout) -> Candidate:
         notes.append(f"generation on the last node: {context.gpus_per_node // generation_tp} vLLM engine(s) "
                      f"of TP={generation_tp}")
     score, factors = _score(context, layout, dp=dp, recompute=recompute)
-    return Candidate(strategy=layout.strategy, training_backend=layout.backend, built=layout.backend in _BUILT_BACKENDS,
+    built = layout.backend in BUILT_TRAINING_BACKENDS and generation in BUILT_GENERATION_BACKENDS
+    return Candidate(strategy=layout.strategy, training_backend=layout.backend, built=built,
                      data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=1,
                      training_gpus=training_gpus, generation_backend=generation, generation_tp=generation_tp,
                      placement=placement, activation_checkpointing=recompute == "full",
@@ -462,7 +462,10 @@ def _explain(context: _Context, pick: Candidate, recommended: Candidate | None,
         lines.append("It fits only with full activation checkpointing (about 25% slower).")
     if not recommended.built:
         built = next((c for c in fitting if c.built), None)
-        lines.append(f"novarl does not have the {recommended.training_backend} training backend yet"
+        missing = (f"the {recommended.training_backend} training backend"
+                   if recommended.training_backend not in BUILT_TRAINING_BACKENDS
+                   else f"the {recommended.generation_backend} generation backend")
+        lines.append(f"novarl does not have {missing} yet"
                      + (f"; the fastest built layout that fits is {built.describe()} ({built.peak_gb:.1f} GB)."
                         if built else "; no built layout fits."))
     lines.append(f"Placement {recommended.placement}: "

@@ -60,7 +60,7 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
                     gpu_memory_gb=gpu_memory_gb, sequence_length=cfg.policy.max_seq_length,
                     micro_batch_size=cfg.policy.train_micro_batch_size,
                     precision=cfg.policy.precision or "bfloat16")
-    runnable = [c for c in advice.candidates if c.fits and c.built and c.generation_backend != "megatron"]
+    runnable = [c for c in advice.candidates if c.fits and c.built]
     if not runnable:
         raise UserError(f"policy.backend=auto: no layout novarl can run today fits {cfg.policy.model_name} on "
                         f"{cfg.cluster.num_nodes} x {cfg.cluster.gpus_per_node} GPU(s) of {gpu_memory_gb:.0f} GB; "
@@ -79,6 +79,8 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
                                   cpu_offload="offload" in pick.strategy, generation=generation,
                                   generation_tp=pick.generation_tp, colocated=pick.placement == "colocated",
                                   zero_stage=int(pick.strategy[-1]) if pick.training_backend == "deepspeed" else None)
+    if pick.training_backend == "megatron":
+        overrides += _megatron_overrides(pick)
     if pick.placement == "dedicated":  # generation on the last node, training on the others
         overrides += [f"policy.generation.colocated.resources.gpus_per_node={cfg.cluster.gpus_per_node}",
                       "policy.generation.colocated.resources.num_nodes=1",
@@ -98,3 +100,16 @@ def _layout_overrides(*, tp: int, activation_checkpointing: bool, cpu_offload: b
             f"policy.generation.backend={generation}",
             f"policy.generation.vllm_cfg.tensor_parallel_size={generation_tp}",
             f"policy.generation.colocated.enabled={str(colocated).lower()}"]
+
+
+def _megatron_overrides(pick) -> list[str]:
+    """Megatron-core for a `megatron tp x pp` layout (after _layout_overrides, which it
+    overrides): sequence parallelism with TP where Transformer Engine is there to run it."""
+    from novarl.backends.megatron.model import transformer_engine_available
+
+    sequence_parallel = pick.tensor_parallel_size > 1 and transformer_engine_available()
+    return ["policy.megatron_cfg.enabled=true", "policy.dtensor_cfg.tensor_parallel_size=1",
+            f"policy.megatron_cfg.tensor_model_parallel_size={pick.tensor_parallel_size}",
+            f"policy.megatron_cfg.pipeline_model_parallel_size={pick.pipeline_parallel_size}",
+            f"policy.megatron_cfg.sequence_parallel={str(sequence_parallel).lower()}",
+            f"policy.megatron_cfg.activation_checkpointing={str(pick.activation_checkpointing).lower()}"]

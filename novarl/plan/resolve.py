@@ -7,13 +7,17 @@ over `policy.deepspeed_cfg.enabled` over DTensor, the default.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from novarl.config.schema import NovaRLConfig
-from novarl.errors import ConfigError, NotAvailableYet
+from novarl.errors import ConfigError, NotAvailableYet, UserError
+from novarl.models.bundled import resolve_bundled
+from novarl.plan.model_shape import ModelShape
 
-BUILT_TRAINING_BACKENDS = ("dtensor", "deepspeed")
-BUILT_GENERATION_BACKENDS = ("hf", "vllm")
+BUILT_TRAINING_BACKENDS = ("dtensor", "deepspeed", "megatron")
+BUILT_GENERATION_BACKENDS = ("hf", "vllm", "megatron")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,17 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _megatron_missing() -> list[str]:
+    if not installed("megatron.core"):
+        return ["megatron-core, for policy.megatron_cfg.enabled: pip install 'novarl[megatron]'"]
+    from novarl.backends.megatron import cpu
+
+    if not _has_cuda() and not cpu.requested():
+        return ["a CUDA GPU: Megatron-core trains and generates on CUDA GPUs only, and this host has none "
+                f"(its weight conversion runs anywhere; {cpu.ENV}=1 runs it on the CPU for tests, slowly)"]
+    return []
+
+
 def installed(module: str) -> bool:
     import importlib.util
 
@@ -70,11 +85,9 @@ class Availability:
 def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     policy, missing, warnings = cfg.policy, [], []
     if choice.training not in BUILT_TRAINING_BACKENDS:
-        item = f"training backend '{choice.training}' (policy.{choice.training}_cfg.enabled)"
-        if choice.training == "megatron" and not _has_cuda():
-            item += ("; Megatron-core trains and generates on CUDA GPUs only, and this host has none (its weight "
-                     "conversion runs anywhere: novarl.backends.megatron)")
-        missing.append(item)
+        missing.append(f"training backend '{choice.training}' (policy.{choice.training}_cfg.enabled)")
+    if choice.training == "megatron":
+        missing.extend(_megatron_missing())
     if choice.training == "deepspeed" and not installed("deepspeed"):
         missing.append("DeepSpeed, for policy.deepspeed_cfg.enabled: pip install 'novarl[deepspeed]' "
                        "(the Makefile shows how on a CPU-only host)")
@@ -143,18 +156,25 @@ class BatchPlan:
 
 def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
     """Derive and check the batch and parallel arithmetic. Every inconsistency is
-    reported together, each with its numbers, in one ConfigError."""
+    reported together, each with its numbers, in one ConfigError.
+
+    The data-parallel size is the world size over the training backend's
+    model-parallel sizes: DTensor tp x cp, Megatron tp x pp x cp, DeepSpeed none.
+    Tensor-parallel sizes are checked against the model's heads when its
+    config.json is local (see `_model_shape`)."""
     grpo, policy = cfg.grpo, cfg.policy
     problems: list[str] = []
     samples = grpo.num_prompts_per_step * grpo.num_generations_per_prompt
-    dt = policy.dtensor_cfg
-    ranks, model_parallel = world_size(cfg), dt.tensor_parallel_size * dt.context_parallel_size
+    training, shape = resolve_backends(cfg).training, _model_shape(cfg)
+    layout, keys, sizes, tensor_parallel = _model_parallel_sizes(cfg, training)
+    ranks, model_parallel = world_size(cfg), math.prod(sizes)
     if ranks % model_parallel:
         problems.append(
-            f"The world size must be dp x tp x cp: cluster.gpus_per_node x cluster.num_nodes = "
+            f"The world size must be {layout}: cluster.gpus_per_node x cluster.num_nodes = "
             f"{max(cfg.cluster.gpus_per_node, 1)} x {cfg.cluster.num_nodes} = {ranks} ranks is not a multiple "
-            f"of policy.dtensor_cfg.tensor_parallel_size x context_parallel_size = {dt.tensor_parallel_size} x "
-            f"{dt.context_parallel_size} = {model_parallel}.")
+            f"of {keys} = {' x '.join(map(str, sizes))} = {model_parallel}.")
+    if tensor_parallel is not None:
+        problems.extend(_head_problems(shape, *tensor_parallel, kv_replicated=False))
     dp = max(ranks // model_parallel, 1)
     micro = policy.train_micro_batch_size
     global_batch = policy.train_global_batch_size or samples
@@ -176,7 +196,7 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
         problems.append(f"grpo.gradient_accumulation_steps={grpo.gradient_accumulation_steps} does not match "
                         f"policy.train_global_batch_size / (train_micro_batch_size x dp) = "
                         f"{global_batch} / ({micro} x {dp}) = {accumulation}. Set one of them, not both.")
-    problems.extend(_generation_problems(cfg))
+    problems.extend(_generation_problems(cfg, shape))
     if problems:
         if len(problems) == 1:
             raise ConfigError(problems[0])
@@ -184,7 +204,7 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
     return BatchPlan(samples, dp, global_batch, samples // global_batch, micro, accumulation)
 
 
-def _generation_problems(cfg: NovaRLConfig) -> list[str]:
+def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> list[str]:
     grpo, policy, gen = cfg.grpo, cfg.policy, cfg.policy.generation
     problems = []
     if grpo.num_generations_per_prompt < 2 and grpo.advantage_estimator == "grpo":
@@ -202,4 +222,52 @@ def _generation_problems(cfg: NovaRLConfig) -> list[str]:
     if gen.colocated.enabled and gpus % engine_gpus:
         problems.append(f"policy.generation.vllm_cfg tensor_parallel_size x pipeline_parallel_size = {engine_gpus} "
                         f"does not divide cluster.gpus_per_node={gpus}, so colocated engines cannot tile the node.")
+    problems.extend(_head_problems(shape, "policy.generation.vllm_cfg.tensor_parallel_size",
+                                   gen.vllm_cfg.tensor_parallel_size, kv_replicated=True))
     return problems
+
+
+def _model_parallel_sizes(cfg: NovaRLConfig, training: str
+                          ) -> tuple[str, str, tuple[int, ...], tuple[str, int] | None]:
+    """(layout, the keys, their sizes, (tensor-parallel key, size) or None) of the training backend."""
+    if training == "megatron":
+        mg = cfg.policy.megatron_cfg
+        return ("dp x tp x pp x cp",
+                "policy.megatron_cfg.tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size",
+                (mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size),
+                ("policy.megatron_cfg.tensor_model_parallel_size", mg.tensor_model_parallel_size))
+    if training == "deepspeed":  # ZeRO: every rank is a data-parallel rank
+        return "dp", "", (1,), None
+    dt = cfg.policy.dtensor_cfg
+    return ("dp x tp x cp", "policy.dtensor_cfg.tensor_parallel_size x context_parallel_size",
+            (dt.tensor_parallel_size, dt.context_parallel_size),
+            ("policy.dtensor_cfg.tensor_parallel_size", dt.tensor_parallel_size))
+
+
+def _model_shape(cfg: NovaRLConfig) -> ModelShape | None:
+    """The shape in policy.model_name's config.json when the model is bundled or a local
+    folder; None for a hub id (nothing is downloaded) or a config.json that cannot be read."""
+    name = cfg.policy.model_name
+    folder = resolve_bundled(name) or Path(name).expanduser()
+    if not (folder / "config.json").is_file():
+        return None
+    try:
+        return ModelShape.from_folder(folder)
+    except UserError:
+        return None
+
+
+def _head_problems(shape: ModelShape | None, key: str, size: int, *, kv_replicated: bool) -> list[str]:
+    """Tensor parallelism splits attention by heads: `size` must divide the query heads and
+    the KV heads. kv_replicated (vLLM): fewer KV heads than ranks is allowed when `size`
+    is a multiple of them, each KV head then living on size / kv_heads ranks."""
+    if shape is None or size == 1:
+        return []
+    heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
+    kv_fits = not kv_heads % size or (kv_replicated and kv_heads < size and not size % kv_heads)
+    if not heads % size and kv_fits:
+        return []
+    need = "divide num_attention_heads and divide (or be a multiple of) num_key_value_heads" if kv_replicated \
+        else "divide num_attention_heads and num_key_value_heads"
+    return [f"{key}={size} must {need}: the model ({shape.source}) has num_attention_heads={heads}, "
+            f"num_key_value_heads={kv_heads}."]

@@ -126,9 +126,28 @@ def check_checkpoint(path: Path) -> str | None:
         if not any(engine.glob("*model_states.pt")) or not any(engine.glob("*optim_states.pt")):
             return "DeepSpeed engine state missing"
         return None
+    if (policy / "megatron").is_dir():  # written by the Megatron backend
+        return _check_megatron(policy / "megatron")
     if not (policy / ".metadata").is_file() or not any(policy.glob("*.distcp")):
         return "policy shards missing"
     if not (policy / "scheduler.pt").is_file():
+        return "scheduler state missing"
+    return None
+
+
+def _check_megatron(folder: Path) -> str | None:
+    try:
+        parallel = json.loads((folder / "layout.json").read_text())["parallel"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+        return f"Megatron layout unreadable: {err}"
+    for tp in range(parallel["tp"]):
+        for pp in range(parallel["pp"]):
+            if not (folder / f"model_tp{tp}_pp{pp}.pt").is_file():
+                return f"Megatron model shard tp{tp}_pp{pp} missing"
+    for rank in range(parallel["tp"] * parallel["pp"] * parallel["dp"]):
+        if not (folder / f"optim_rank{rank}.pt").is_file():
+            return f"Megatron optimizer state of rank {rank} missing"
+    if not (folder / "scheduler.pt").is_file():
         return "scheduler state missing"
     return None
 

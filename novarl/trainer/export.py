@@ -27,6 +27,8 @@ def export_checkpoint(checkpoint: Path, output: Path) -> Path:
                                trust_remote_code=cfg.policy.trust_remote_code)
     if (checkpoint / POLICY_DIR / "deepspeed").is_dir():
         return _export_deepspeed(checkpoint / POLICY_DIR, model_path, tokenizer, output)
+    if (checkpoint / POLICY_DIR / "megatron").is_dir():
+        return _export_megatron(checkpoint / POLICY_DIR / "megatron", model_path, tokenizer, output)
     ensure_single_process_group()
     policy = DTensorPolicy(cfg.policy, model_path, default_device(), total_steps=1,
                            temperature=cfg.policy.generation.temperature)
@@ -50,4 +52,28 @@ def _export_deepspeed(policy_dir: Path, model_path: str, tokenizer, output: Path
     state = get_fp32_state_dict_from_zero_checkpoint(str(policy_dir), tag="deepspeed")
     model_config = AutoConfig.from_pretrained(model_path)
     save_atomically(output, lambda tmp: save_hf_folder(tmp, model_config, state, tokenizer))
+    return output
+
+
+def _export_megatron(folder: Path, model_path: str, tokenizer, output: Path) -> Path:
+    """The Megatron model shards (every tensor-parallel rank of every pipeline stage), joined
+    offline with the conversion's name mapping; no process group, no megatron-core."""
+    import json
+
+    import torch
+    from transformers import AutoConfig
+
+    from novarl.backends.megatron.convert import LayerShape, shards_to_hf
+    from novarl.models.loading import save_hf_folder
+    from novarl.trainer.api import save_atomically
+
+    layout = json.loads((folder / "layout.json").read_text())
+    tp, pp = layout["parallel"]["tp"], layout["parallel"]["pp"]
+    parts = [(t, p, torch.load(folder / f"model_tp{t}_pp{p}.pt", weights_only=True))
+             for t in range(tp) for p in range(pp)]
+    model_config = AutoConfig.from_pretrained(model_path)
+    state = shards_to_hf(parts, LayerShape.from_hf_config(model_config), tensor_parallel_size=tp,
+                         fused_norms=layout["fused_norms"])
+    save_atomically(output, lambda tmp: save_hf_folder(tmp, model_config, {k: v.float() for k, v in state.items()},
+                                                       tokenizer))
     return output

@@ -52,6 +52,8 @@ def prepare_inputs(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | No
     info(batches.describe())
 
     model_path = resolve_model_path(cfg.policy.model_name)
+    if choice.training == "megatron":
+        check_megatron_model(cfg, model_path)
     tokenizer = load_tokenizer(cfg.policy.tokenizer.name or model_path,
                                trust_remote_code=cfg.policy.trust_remote_code)
     scorer = RewardScorer.from_spec(reward_fn or cfg.reward.function)
@@ -61,6 +63,15 @@ def prepare_inputs(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | No
     info(f"model: {cfg.policy.model_name} ({model_path}); {len(train)} train / {len(val)} held-out prompts; "
          f"reward: {scorer.name}")
     return RunInputs(choice, batches, model_path, tokenizer, scorer, sampler, val)
+
+
+def check_megatron_model(cfg: NovaRLConfig, model_path: str) -> None:
+    """What megatron_cfg asks of this model, checked here rather than on every rank."""
+    from transformers import AutoConfig
+
+    from novarl.backends.megatron.model import check_model
+
+    check_model(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code), cfg.policy)
 
 
 def split_prompts(cfg: NovaRLConfig, tokenizer, split: str,
@@ -117,7 +128,10 @@ class Roles:
     def sync_weights(self, version: int) -> dict[str, float]:
         """The policy's current weights into the generator: rank to rank over the weight-transfer
         group when the generator is dedicated (metrics: MB sent), by reference in this process
-        when colocated (no metrics)."""
+        when colocated (no metrics); nothing moves when it samples from the policy's own model."""
+        if hasattr(self.generator, "follow_policy"):
+            self.generator.follow_policy(version)
+            return {}
         if hasattr(self.generator, "pull_weights"):
             return {"weight_sync_mb": self.generator.pull_weights(version) / 1e6}
         self.generator.update_weights(self.policy.named_weights(), version=version)
@@ -131,11 +145,17 @@ class Roles:
                 role.shutdown()
 
 
-def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device):
+def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device, policy=None):
     """The generation backend the config resolved to: in this process when colocated,
-    on its own Ray actor when `policy.generation.colocated.enabled` is false."""
+    on its own Ray actor when `policy.generation.colocated.enabled` is false, on the
+    policy's own ranks for Megatron generation."""
     gen = cfg.policy.generation
     precision = generation_precision(cfg, device)
+    if inputs.choice.generation == "megatron":
+        from novarl.backends.generation.megatron import MegatronGeneration
+
+        return MegatronGeneration(policy, inputs.tokenizer, max_seq_length=cfg.policy.max_seq_length,
+                                  config=gen.mcore_generation_config)
     if inputs.choice.generation == "vllm":
         from novarl.backends.generation.vllm import VllmGeneration
 
@@ -168,7 +188,7 @@ def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> R
     roles = Roles(policy=None, reference=None, generator=None)
     try:
         roles.policy, roles.reference = build_trainers(cfg, inputs, device)
-        roles.generator = build_generator(cfg, inputs, device)
+        roles.generator = build_generator(cfg, inputs, device, roles.policy)
         if not cfg.policy.generation.colocated.enabled:
             roles.generator.connect(roles.policy)
     except BaseException:
@@ -180,20 +200,26 @@ def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> R
 def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device):
     temperature = cfg.policy.generation.temperature
     total_steps = cfg.grpo.max_num_steps * inputs.batches.optimizer_steps_per_step
-    policy_args = dict(policy=cfg.policy, model_path=inputs.model_path, total_steps=total_steps,
-                       temperature=temperature)
+    common = dict(policy=cfg.policy, model_path=inputs.model_path, temperature=temperature)
+    policy_only: dict = dict(total_steps=total_steps)
     if inputs.choice.training == "deepspeed":
         from novarl.backends.training.deepspeed import DeepSpeedPolicy as Policy
         from novarl.backends.training.deepspeed import DeepSpeedReference as Reference
 
-        policy_args["accumulation_steps"] = inputs.batches.gradient_accumulation_steps
+        policy_only["accumulation_steps"] = inputs.batches.gradient_accumulation_steps
+    elif inputs.choice.training == "megatron":
+        from novarl.backends.training.megatron import MegatronPolicy as Policy
+        from novarl.backends.training.megatron import MegatronReference as Reference
+
+        common["emulate_cuda"] = _megatron_on_cpu(inputs)  # the ranks' processes may not see the variable
+        policy_only["seed"] = cfg.grpo.seed
     else:
         from novarl.backends.training.dtensor import DTensorPolicy as Policy
         from novarl.backends.training.dtensor import DTensorReference as Reference
-    reference_args = dict(policy=cfg.policy, model_path=inputs.model_path, temperature=temperature)
+    policy_args, reference_args = {**common, **policy_only}, common
     with_reference = cfg.loss_fn.reference_policy_kl_penalty > 0
     ranks = world_size(cfg)
-    if ranks == 1 and cfg.policy.generation.colocated.enabled:
+    if ranks == 1 and cfg.policy.generation.colocated.enabled and not _megatron_on_cpu(inputs):
         from novarl.distributed.local import ensure_single_process_group
 
         ensure_single_process_group()
@@ -214,3 +240,10 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device):
     except BaseException:
         policy.shutdown()
         raise
+
+
+def _megatron_on_cpu(inputs: RunInputs) -> bool:
+    """megatron-core emulated on the CPU changes torch process-wide: never in the driver."""
+    from novarl.backends.megatron import cpu
+
+    return inputs.choice.training == "megatron" and cpu.requested()

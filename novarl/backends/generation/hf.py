@@ -70,20 +70,9 @@ class HFGeneration:
         if not greedy:
             logits = logits / sampling.temperature
         logprobs = torch.gather(torch.log_softmax(logits, -1), -1, new_tokens[..., None]).squeeze(-1)
-        return [self._completion(p, new_tokens[i].tolist(), logprobs[i].tolist(), set(stop_ids))
+        return [make_completion(p, new_tokens[i].tolist(), logprobs[i].tolist(), stop_ids=set(stop_ids),
+                                tokenizer=self.tokenizer, max_seq_length=self.max_seq_length, version=self.version)
                 for i, p in enumerate(prompts)]
-
-    def _completion(self, prompt: Prompt, tokens: list[int], logprobs: list[float],
-                    stop_ids: set[int]) -> Completion:
-        end = next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), None)
-        finish = "stop" if end is not None else "length"
-        tokens, logprobs = tokens[:end], logprobs[:end]
-        room = None if self.max_seq_length is None else self.max_seq_length - len(prompt.token_ids)
-        if room is not None and len(tokens) > room:
-            tokens, logprobs, finish = tokens[:room], logprobs[:room], "length"
-        return Completion(prompt=prompt, token_ids=tokens, logprobs=logprobs,
-                          text=self.tokenizer.decode(tokens, skip_special_tokens=True),
-                          finish_reason=finish, policy_version=self.version)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy full tensors (HF names) into the generator's model; every name must match."""
@@ -100,3 +89,18 @@ class HFGeneration:
         if missing:
             raise KeyError(f"the trainer sent no weights for {sorted(missing)[:5]}")
         self.version = version
+
+
+def make_completion(prompt: Prompt, tokens: list[int], logprobs: list[float], *, stop_ids: set[int], tokenizer,
+                    max_seq_length: int | None, version: int) -> Completion:
+    """A Completion from generated tokens: cut after the first stop token ('stop') or at the
+    sequence budget ('length'), decoded without special tokens."""
+    end = next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), None)
+    finish = "stop" if end is not None else "length"
+    tokens, logprobs = tokens[:end], logprobs[:end]
+    room = None if max_seq_length is None else max_seq_length - len(prompt.token_ids)
+    if room is not None and len(tokens) > room:
+        tokens, logprobs, finish = tokens[:room], logprobs[:room], "length"
+    return Completion(prompt=prompt, token_ids=tokens, logprobs=logprobs,
+                      text=tokenizer.decode(tokens, skip_special_tokens=True), finish_reason=finish,
+                      policy_version=version)

@@ -168,6 +168,20 @@ def _parallel_dim(name: str) -> int | None:
     return None
 
 
+def shards_to_hf(parts: list[tuple[int, int, dict[str, torch.Tensor]]], shape, *, tensor_parallel_size: int,
+                 fused_norms: bool) -> dict[str, torch.Tensor]:
+    """Hugging Face weights from every (tensor-parallel rank, pipeline stage, that rank's
+    state dict with global layer numbers): each stage's shards joined, then converted."""
+    stages: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+    for tp_rank, pp_rank, state in parts:
+        stages.setdefault(pp_rank, {})[tp_rank] = state
+    full: dict[str, torch.Tensor] = {}
+    for pp_rank in sorted(stages):
+        by_tp = stages[pp_rank]
+        full.update(unshard([by_tp[r] for r in range(tensor_parallel_size)]))
+    return megatron_to_hf(full, shape, tensor_parallel_size=tensor_parallel_size, fused_norms=fused_norms)
+
+
 # ------------------------------------------------------------------ helpers
 def _names(fused_norms: bool) -> dict[str, str]:
     if fused_norms:

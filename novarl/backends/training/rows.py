@@ -22,10 +22,7 @@ class DataParallelRows:
 
     def shard(self, batch: TrainBatch) -> TrainBatch:
         """This data-parallel rank's contiguous share of the rows."""
-        if len(batch) % self.dp_size:
-            raise ValueError(f"{len(batch)} rows do not split over {self.dp_size} data-parallel ranks")
-        share = len(batch) // self.dp_size
-        return _to(batch.slice(self.dp_rank * share, (self.dp_rank + 1) * share), self.device)
+        return data_parallel_share(batch, self.dp_rank, self.dp_size, self.device)
 
     def forward_logprobs(self, mb: TrainBatch) -> torch.Tensor:
         ids, mask = mb.input_ids, mb.attention_mask
@@ -85,6 +82,14 @@ class AccumulatingRows(DataParallelRows):
 
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
+
+
+def data_parallel_share(batch: TrainBatch, rank: int, size: int, device: torch.device) -> TrainBatch:
+    """Data-parallel rank `rank`'s contiguous share of the rows (of `size` equal shares), on `device`."""
+    if len(batch) % size:
+        raise ValueError(f"{len(batch)} rows do not split over {size} data-parallel ranks")
+    share = len(batch) // size
+    return _to(batch.slice(rank * share, (rank + 1) * share), device)
 
 
 def _to(batch: TrainBatch, device: torch.device) -> TrainBatch:

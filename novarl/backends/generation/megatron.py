@@ -1,0 +1,214 @@
+"""Megatron generation: sampling with the Megatron policy's own model, on its own ranks.
+
+For models already loaded with Megatron (the seeds' >70B branch), there is no second
+copy of the weights and so nothing to sync: after each optimizer step the generator
+samples from the weights that were just trained. The driver's `MegatronGeneration`
+(GenerationBackend) asks the policy's ranks to run `sample_tokens`; each
+data-parallel replica samples a contiguous share of the prompts.
+
+Decoding uses megatron-core's static KV cache (StaticInferenceContext): rows
+advance together one position at a time; a row whose prompt is longer than the
+position reached is fed its own prompt token there, as megatron-core's static
+engine does. Pipeline stages pass hidden states point to point; the last stage
+samples, from the full vocabulary (gathered over tensor-parallel ranks, each of
+which draws the same token with the same seed), and sends the tokens back to
+the other stages.
+
+`mcore_generation_config`:
+- buffer_size_gb caps the KV cache: prompts are decoded in batches whose cache
+  fits in it;
+- block_size_tokens: the cache length is rounded up to a multiple of it, and
+  with enable_chunked_prefill the shared prompt prefix is encoded in chunks of
+  that many tokens (one pass otherwise);
+- num_cuda_graphs: decoding runs eagerly (CUDA graphs are not captured).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from novarl.backends.generation.hf import make_completion
+from novarl.config.schema import McoreGenerationConfig
+from novarl.types import Completion, Prompt, SamplingConfig
+
+Sampled = tuple[list[int], list[float]]
+"""Generated token ids (stop token included) and their logprobs at the sampling temperature."""
+
+
+class MegatronGeneration:
+    """Implements GenerationBackend with the Megatron policy's model (local or on Ray ranks)."""
+
+    def __init__(self, policy, tokenizer, *, max_seq_length: int, config: McoreGenerationConfig) -> None:
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.max_seq_length = max_seq_length
+        self.config = config
+        self.version = 0
+
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[Completion]:
+        """One completion per prompt (repeat a prompt for several samples)."""
+        stop_ids = {self.tokenizer.eos_token_id, *sampling.stop_token_ids}
+        sampled = self.policy.sample_tokens([list(p.token_ids) for p in prompts], sampling, sorted(stop_ids),
+                                            self.max_seq_length, self.config)
+        return [make_completion(p, tokens, logprobs, stop_ids=stop_ids, tokenizer=self.tokenizer,
+                                max_seq_length=self.max_seq_length, version=self.version)
+                for p, (tokens, logprobs) in zip(prompts, sampled, strict=True)]
+
+    def follow_policy(self, version: int) -> None:
+        """The policy stepped: its weights are the ones this generator samples from."""
+        self.version = version
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Nothing to load (the weights are the policy's own); only the version moves."""
+        self.follow_policy(version)
+
+
+# ------------------------------------------------------------ on the ranks
+@torch.no_grad()
+def sample_tokens(model, prompts: list[list[int]], sampling: SamplingConfig, stop_ids: list[int],
+                  max_seq_length: int, config: McoreGenerationConfig) -> list[Sampled]:
+    """Collective over every rank of a MegatronModel: rank 0 returns every prompt's sample,
+    the others []. Each data-parallel replica decodes a contiguous share."""
+    share = -(-len(prompts) // model.dp_size)
+    start = model.dp_rank * share
+    mine = prompts[start:start + share]
+    batch = max_batch(model, config, _cache_length(mine, sampling, max_seq_length, config)) if mine else 1
+    out: list[Sampled] = []
+    training = model.module.training
+    model.module.eval()  # no recomputation while decoding
+    try:
+        for index, first in enumerate(range(0, len(mine), batch)):
+            seed = None if sampling.seed is None else sampling.seed * 1_000_003 + start + index
+            out.extend(_decode(model, mine[first:first + batch], sampling, set(stop_ids), max_seq_length, config,
+                               seed))
+    finally:
+        model.module.train(training)
+    keep = out if model.tp_rank == 0 and model.pp_rank == 0 else None
+    parts: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((model.dp_rank, keep), parts, dst=0, group=model.cpu_group)
+    if dist.get_rank() != 0:
+        return []
+    by_replica = dict(p for p in parts if p[1] is not None)
+    return [sample for replica in sorted(by_replica) for sample in by_replica[replica]]
+
+
+def max_batch(model, config: McoreGenerationConfig, cache_length: int) -> int:
+    """Sequences whose KV cache (every layer of this stage, this rank's heads) fits in
+    buffer_size_gb."""
+    shape, cfg = model.shape, model.config
+    bytes_per_value = 2 if cfg.params_dtype in (torch.bfloat16, torch.float16) else 4
+    per_sequence = (2 * len(model.layers) * max(shape.num_kv_heads // model.tp_size, 1) * shape.head_dim
+                    * cache_length * bytes_per_value)
+    return max(1, int(config.buffer_size_gb * 1e9 // per_sequence))
+
+
+def _cache_length(prompts: list[list[int]], sampling: SamplingConfig, max_seq_length: int,
+                  config: McoreGenerationConfig) -> int:
+    longest = min(max(len(p) for p in prompts) + sampling.max_new_tokens, max_seq_length)
+    return -(-longest // config.block_size_tokens) * config.block_size_tokens
+
+
+def _decode(model, prompts: list[list[int]], sampling: SamplingConfig, stop_ids: set[int], max_seq_length: int,
+            config: McoreGenerationConfig, seed: int | None) -> list[Sampled]:
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    rows, device = len(prompts), model.device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    limit = torch.clamp(torch.minimum(lengths + sampling.max_new_tokens, torch.full_like(lengths, max_seq_length)),
+                        max=max_seq_length)
+    total = int(limit.max())
+    tokens = torch.zeros(rows, total, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = torch.tensor(prompt[:total], device=device)
+    logprobs = torch.zeros(rows, total, device=device)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    context = StaticInferenceContext(rows, _cache_length(prompts, sampling, max_seq_length, config))
+    generator = torch.Generator(device=device)
+    if seed is not None:
+        generator.manual_seed(seed)
+    position = int(lengths.min())
+    chunk = config.block_size_tokens if config.enable_chunked_prefill else position
+    for begin in range(0, position, chunk):  # the prefix every row has
+        logits = _forward_stage(model, tokens, begin, min(begin + chunk, position), context)
+    while position < total and not bool(finished.all()):
+        chosen, chosen_logprobs = _sample(model, logits, sampling, generator, rows)
+        in_prompt = position < lengths
+        active = ~in_prompt & ~finished & (position < limit)
+        tokens[:, position] = torch.where(in_prompt, tokens[:, position], torch.where(active, chosen, 0))
+        logprobs[:, position] = torch.where(active, chosen_logprobs, 0.0)
+        stopped = torch.isin(chosen, torch.tensor(sorted(stop_ids), device=device))
+        finished |= (active & stopped) | (~in_prompt & (position + 1 >= limit))
+        position += 1
+        if position < total and not bool(finished.all()):
+            logits = _forward_stage(model, tokens, position - 1, position, context)
+    out = []
+    for row in range(rows):
+        first, end = len(prompts[row]), int(limit[row])
+        generated = tokens[row, first:end].tolist()
+        cut = next((i + 1 for i, t in enumerate(generated) if t in stop_ids), len(generated))
+        out.append((generated[:cut], logprobs[row, first:first + cut].tolist()))
+    return out
+
+
+def _forward_stage(model, tokens: torch.Tensor, begin: int, end: int, context) -> torch.Tensor | None:
+    """Positions [begin, end) through this pipeline stage with the KV cache; the last stage
+    returns the full-vocabulary logits of position end - 1 ([B, V]), the others None."""
+    module = model.module
+    rows, width = tokens.shape[0], end - begin
+    if not model.first_stage:
+        hidden = torch.empty(width, rows, model.shape.hidden_size, dtype=model.config.params_dtype,
+                             device=model.device)
+        dist.recv(hidden, src=_stage_rank(model, model.pp_rank - 1), group=model.pp_group)
+        module.set_input_tensor(hidden)
+    positions = torch.arange(begin, end, device=model.device).unsqueeze(0).expand(rows, -1)
+    # queries at positions [begin, end) see keys [0, end): causal within the chunk
+    mask = torch.ones(width, end, dtype=torch.bool, device=model.device).triu(begin + 1)[None, None]
+    output = module(tokens[:, begin:end], positions, mask, inference_context=context, runtime_gather_output=True)
+    context.increment_sequence_len_offset(width)
+    if not model.last_stage:
+        dist.send(output.contiguous(), dst=_stage_rank(model, model.pp_rank + 1), group=model.pp_group)
+        return None
+    return output[:, -1, :model.shape.vocab_size].float()
+
+
+def _sample(model, logits: torch.Tensor | None, sampling: SamplingConfig, generator: torch.Generator,
+            rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], logprobs [B]) drawn on the last stage and sent to the others. The logprob
+    is at the sampling temperature before top-p/top-k, as the trainer computes it."""
+    tokens = torch.zeros(rows, dtype=torch.long, device=model.device)
+    chosen_logprobs = torch.zeros(rows, device=model.device)
+    if model.last_stage:
+        greedy = sampling.temperature == 0
+        scaled = logits if greedy else logits / sampling.temperature
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        if greedy:
+            tokens = scaled.argmax(dim=-1)
+        else:
+            probs = _filtered(scaled, top_p=sampling.top_p, top_k=sampling.top_k).softmax(dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        chosen_logprobs = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    if model.pp_size > 1:
+        last = _stage_rank(model, model.pp_size - 1)
+        dist.broadcast(tokens, src=last, group=model.pp_group)
+        dist.broadcast(chosen_logprobs, src=last, group=model.pp_group)
+    return tokens, chosen_logprobs
+
+
+def _filtered(logits: torch.Tensor, *, top_p: float, top_k: int | None) -> torch.Tensor:
+    """Logits with everything outside the top k and the top-p nucleus set to -inf."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        before = ordered.softmax(dim=-1).cumsum(dim=-1) - ordered.softmax(dim=-1)
+        drop = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, before > top_p)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _stage_rank(model, stage: int) -> int:
+    return dist.get_global_rank(model.pp_group, stage)

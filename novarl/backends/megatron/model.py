@@ -1,0 +1,271 @@
+"""A Hugging Face Llama-family model as megatron-core's GPTModel, from `policy.megatron_cfg`.
+
+What maps where (the seeds' keys on the left):
+
+    tensor/pipeline/context_parallel_size,      -> parallel_state.initialize_model_parallel
+    expert_model/expert_tensor_parallel_size
+    virtual_pipeline_model_parallel_size         -> refused (one model chunk per stage for now)
+    num_layers_in_first/last_pipeline_stage,     -> TransformerConfig (uneven pipeline stages)
+    pipeline_dtype
+    sequence_parallel                            -> TransformerConfig; needs Transformer Engine's norms
+    activation_checkpointing,                    -> recompute_granularity "full" (uniform, every layer)
+    recompute_granularity                           or "selective" (attention core only)
+    apply_rope_fusion, bias_activation_fusion    -> TransformerConfig (fused kernels)
+    moe_* , freeze_moe_router                    -> MoE only: the converter handles dense models, so
+                                                    expert parallelism is refused for them
+    fp8_cfg                                      -> TransformerConfig fp8 / fp8_recipe / fp8_param
+                                                    (Transformer Engine on Hopper or newer)
+    converter_type                               -> checked against the checkpoint's architecture
+    policy.precision                             -> bf16 / fp16 / fp32 (params_dtype)
+    defer_fp32_logits                            -> nothing to change: logprobs are always taken
+                                                    from the logits cast to fp32 after the head
+    empty_unused_memory_level                    -> the CUDA cache is emptied after logprobs (1)
+                                                    and after optimizer steps too (2)
+    env_vars                                     -> set in each rank's environment first
+
+The optimizer, scheduler and DDP keys are mapped in backends/training/megatron.py.
+megatron-core is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from novarl.backends.megatron.convert import LayerShape
+from novarl.config.schema import PolicyConfig
+from novarl.errors import ConfigError
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    tensor: int
+    pipeline: int
+    context: int
+    expert: int
+    expert_tensor: int
+
+    @classmethod
+    def from_policy(cls, policy: PolicyConfig) -> "ParallelSizes":
+        mc = policy.megatron_cfg
+        return cls(mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size, mc.context_parallel_size,
+                   mc.expert_model_parallel_size, mc.expert_tensor_parallel_size)
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one copy of the model: tp x pp x cp."""
+        return self.tensor * self.pipeline * self.context
+
+
+def check_model(hf_config, policy: PolicyConfig) -> LayerShape:
+    """The model's shape, after checking that megatron_cfg can run it; every problem at once."""
+    mc, problems = policy.megatron_cfg, []
+    shape = LayerShape.from_hf_config(hf_config)
+    expected = ARCHITECTURES[hf_config.model_type]
+    if mc.converter_type not in (None, expected):
+        problems.append(f"policy.megatron_cfg.converter_type={mc.converter_type!r} does not match the model, "
+                        f"a {expected} ({hf_config.model_type}).")
+    tp = mc.tensor_model_parallel_size
+    if shape.num_heads % tp or shape.num_kv_heads % tp or shape.ffn_hidden_size % tp:
+        problems.append(f"policy.megatron_cfg.tensor_model_parallel_size={tp} must divide the {shape.num_heads} "
+                        f"attention heads, the {shape.num_kv_heads} key/value heads and the MLP size "
+                        f"{shape.ffn_hidden_size}.")
+    pp = mc.pipeline_model_parallel_size
+    if pp > 1 and not (mc.num_layers_in_first_pipeline_stage or mc.num_layers_in_last_pipeline_stage) \
+            and shape.num_layers % pp:
+        problems.append(f"policy.megatron_cfg.pipeline_model_parallel_size={pp} does not divide the "
+                        f"{shape.num_layers} layers; set num_layers_in_first/last_pipeline_stage.")
+    if mc.virtual_pipeline_model_parallel_size not in (None, 1):
+        problems.append("policy.megatron_cfg.virtual_pipeline_model_parallel_size (interleaved pipeline "
+                        "schedules) is not available yet; leave it unset.")
+    if mc.expert_model_parallel_size > 1 or mc.expert_tensor_parallel_size > 1:
+        problems.append(f"expert parallelism (policy.megatron_cfg.expert_model_parallel_size="
+                        f"{mc.expert_model_parallel_size}, expert_tensor_parallel_size="
+                        f"{mc.expert_tensor_parallel_size}) needs a Mixture-of-Experts model; {expected} is dense.")
+    if mc.context_parallel_size > 1:
+        problems.append(f"policy.megatron_cfg.context_parallel_size={mc.context_parallel_size}: context "
+                        "parallelism needs Transformer Engine's attention; not available yet.")
+    rope = _rope(hf_config)
+    if rope.get("rope_type", "default") not in ("default", "llama3"):
+        problems.append(f"the model's rope_type {rope.get('rope_type')!r} is not mapped to Megatron "
+                        "(default and llama3 are).")
+    if problems:
+        raise ConfigError("The Megatron backend cannot run this model as configured:\n"
+                          + "\n".join(f"  - {p}" for p in problems))
+    return shape
+
+
+def transformer_engine_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(hf_config, shape: LayerShape, policy: PolicyConfig, *, precision: str,
+                       world_size: int) -> Any:
+    """megatron-core's TransformerConfig for this model and megatron_cfg."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    mc = policy.megatron_cfg
+    te = transformer_engine_available()
+    if mc.sequence_parallel and not te and mc.tensor_model_parallel_size > 1:
+        raise ConfigError("policy.megatron_cfg.sequence_parallel needs Transformer Engine's norms "
+                          "(pip install transformer-engine on the GPU hosts); set it false without it.")
+    params_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[precision]
+    kwargs: dict[str, Any] = dict(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=mc.tensor_model_parallel_size,
+        pipeline_model_parallel_size=mc.pipeline_model_parallel_size,
+        context_parallel_size=mc.context_parallel_size,
+        sequence_parallel=mc.sequence_parallel and mc.tensor_model_parallel_size > 1,
+        num_layers_in_first_pipeline_stage=mc.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=mc.num_layers_in_last_pipeline_stage,
+        pipeline_dtype=_dtype(mc.pipeline_dtype) if mc.pipeline_dtype else params_dtype,
+        params_dtype=params_dtype, bf16=precision == "bfloat16", fp16=precision == "float16",
+        apply_rope_fusion=mc.apply_rope_fusion, bias_activation_fusion=mc.bias_activation_fusion,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # each micro-batch's loss is already its share of the step's mean, summed over ranks
+        calculate_per_token_loss=True,
+        # initialised on the device, then overwritten by the checkpoint; megatron-core marks which
+        # parameters are tensor-parallel only while initialising them (gradient norms need it)
+        use_cpu_initialization=False, perform_initialization=True,
+    )
+    granularity = mc.recompute_granularity or ("full" if mc.activation_checkpointing else None)
+    if granularity == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif granularity == "selective":
+        kwargs.update(recompute_granularity="selective")
+    if mc.fp8_cfg is not None and mc.fp8_cfg.enabled:
+        kwargs.update(_fp8(mc, te))
+    if world_size % (mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size * mc.context_parallel_size):
+        raise ConfigError("the world size is not a multiple of tp x pp x cp")  # checked at validation too
+    return TransformerConfig(**kwargs)
+
+
+def _fp8(mc, te: bool) -> dict[str, Any]:
+    if not te:
+        raise ConfigError("policy.megatron_cfg.fp8_cfg.enabled needs Transformer Engine (pip install "
+                          "transformer-engine) on Hopper-or-newer GPUs.")
+    if torch.cuda.get_device_capability() < (8, 9):
+        name = torch.cuda.get_device_name()
+        raise ConfigError(f"policy.megatron_cfg.fp8_cfg.enabled needs an FP8 GPU (Hopper, Ada or newer); "
+                          f"this one is a {name}.")
+    fp8 = {"fp8": mc.fp8_cfg.fp8_format, "fp8_param": mc.fp8_cfg.fp8_param}
+    if mc.fp8_cfg.fp8_recipe:
+        fp8["fp8_recipe"] = mc.fp8_cfg.fp8_recipe
+    return fp8
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def _rope(hf_config) -> dict[str, Any]:
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return {**rope, "rope_theta": theta}
+
+
+def layer_spec(config):
+    """Transformer Engine's layer spec where it is installed (fused norms, FP8, sequence
+    parallelism), else megatron-core's local one."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if transformer_engine_available():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt_model(config, hf_config, shape: LayerShape, *, max_sequence_length: int):
+    """This pipeline stage's GPTModel (embedding on the first stage, head on the last)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    rope = _rope(hf_config)
+    scaling = rope.get("rope_type") == "llama3"
+    return GPTModel(
+        config=config, transformer_layer_spec=layer_spec(config),
+        vocab_size=shape.padded_vocab_size(config.tensor_model_parallel_size),
+        max_sequence_length=max(max_sequence_length, getattr(hf_config, "max_position_embeddings", 0)),
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=shape.tied, position_embedding_type="rope",
+        rotary_base=int(rope["rope_theta"]), rope_scaling=scaling,
+        rope_scaling_factor=float(rope.get("factor", 8.0)) if scaling else 8.0)
+
+
+def stage_layers(config) -> range:
+    """The global indexes of the decoder layers this pipeline stage holds."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron.core import parallel_state
+
+    first = get_transformer_layer_offset(config)
+    count = _layers_on_stage(config, parallel_state.get_pipeline_model_parallel_rank())
+    return range(first, first + count)
+
+
+def _layers_on_stage(config, stage: int) -> int:
+    pp = config.pipeline_model_parallel_size
+    first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
+    if pp == 1:
+        return config.num_layers
+    if first is None and last is None:
+        return config.num_layers // pp
+    middle_layers = config.num_layers - (first or 0) - (last or 0)
+    middle_stages = pp - (first is not None) - (last is not None)
+    if stage == 0 and first is not None:
+        return first
+    if stage == pp - 1 and last is not None:
+        return last
+    return middle_layers // middle_stages
+
+
+def to_stage(full_shard: dict[str, torch.Tensor], layers: range, *, first: bool, last: bool,
+             tied: bool) -> dict[str, torch.Tensor]:
+    """A tensor-parallel shard of the whole model (global layer numbers) cut to one pipeline
+    stage, its layers renumbered from 0 as the stage's GPTModel names them."""
+    out = {}
+    for name, tensor in full_shard.items():
+        if name.startswith("decoder.layers."):
+            index, rest = name[len("decoder.layers."):].split(".", 1)
+            if int(index) in layers:
+                out[f"decoder.layers.{int(index) - layers.start}.{rest}"] = tensor
+        elif name.startswith("embedding.") and (first or (last and tied)):
+            # a tied last stage keeps its own copy of the embedding as the output layer
+            out[name if first else "output_layer.weight"] = tensor
+        elif name.startswith("output_layer.") and last:
+            out[name] = tensor
+        elif name.startswith("decoder.final_layernorm.") and last:
+            out[name] = tensor
+    return out
+
+
+def from_stage(stage_state: dict[str, torch.Tensor], layers: range) -> dict[str, torch.Tensor]:
+    """The inverse of to_stage for one stage: global layer numbers, the tied copy dropped."""
+    out = {}
+    for name, tensor in stage_state.items():
+        if name.endswith("_extra_state"):
+            continue
+        if name.startswith("decoder.layers."):
+            index, rest = name[len("decoder.layers."):].split(".", 1)
+            out[f"decoder.layers.{int(index) + layers.start}.{rest}"] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
+def apply_env_vars(policy: PolicyConfig) -> None:
+    """megatron_cfg.env_vars, set in the rank's environment before megatron-core starts."""
+    for key, value in (policy.megatron_cfg.env_vars or {}).items():
+        os.environ[key] = str(value)

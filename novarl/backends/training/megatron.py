@@ -1,0 +1,445 @@
+"""The Megatron-core training backend: tensor, pipeline and data parallelism with
+megatron-core's GPTModel, DistributedDataParallel and (distributed) optimizer.
+
+Same contract as the other backends (TrainingBackend) and the same Ray worker
+groups. Every rank runs each method. Ranks are laid out by megatron-core
+(tp-cp-ep-dp-pp order): tensor-parallel ranks split each layer, pipeline stages
+hold consecutive layers, data-parallel ranks split each batch into contiguous
+shares.
+
+- Weights: the Hugging Face checkpoint is converted once (backends/megatron/
+  cache.py, by global rank 0 while the others wait) and each rank loads its
+  tensor-parallel shard, cut to its pipeline stage. `named_weights` gathers the
+  shards back to Hugging Face names (the same name mapping), for the generator
+  and for export.
+- Loss: each micro-batch's loss is already its share of the step's token mean
+  (algorithms/losses.py), so megatron-core runs with `calculate_per_token_loss`
+  (no division by the micro-batch count) and DDP sums gradients over data-parallel
+  ranks (`average_in_collective` off).
+- Logprobs come from the vocab-parallel logits without gathering the vocabulary
+  (megatron-core's vocab-parallel cross-entropy); the padding rows Megatron adds
+  to the vocabulary are masked out.
+- Optimizer and schedule come from `megatron_cfg.optimizer` and `.scheduler`
+  (the seeds' rule for Megatron), gradient clipping from `optimizer.clip_grad`;
+  DDP from `megatron_cfg.distributed_data_parallel_config`.
+- Parameters are all-gathered synchronously at each step (the generator reads
+  them right after), so `overlap_param_gather` is not applied.
+
+megatron-core is imported in this module's functions only. It needs CUDA; see
+backends/megatron/cpu.py for running it on the CPU in tests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from novarl.algorithms.losses import LossFn
+from novarl.backends.megatron.convert import shards_to_hf
+from novarl.backends.training.rows import data_parallel_share
+from novarl.config.schema import PolicyConfig
+from novarl.errors import ConfigError, UserError
+from novarl.logging.console import info
+from novarl.types import TrainBatch
+
+CHECKPOINT_DIR = "megatron"
+"""A checkpoint's Megatron files go to <checkpoint>/policy/megatron/."""
+LAYOUT_FILE = "layout.json"
+
+
+class MegatronModel:
+    """One rank of a Megatron GPTModel built from a Hugging Face checkpoint."""
+
+    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None, *, trainable: bool,
+                 temperature: float, seed: int = 42, emulate_cuda: bool = False) -> None:
+        from novarl.backends.megatron import cpu, model
+
+        if emulate_cuda or cpu.requested():
+            cpu.install()
+        model.apply_env_vars(policy)
+        from megatron.core import parallel_state, tensor_parallel
+        from transformers import AutoConfig
+
+        if not dist.is_initialized():
+            raise RuntimeError("the Megatron backend needs the process group joined first")
+        sizes = model.ParallelSizes.from_policy(policy)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=sizes.tensor, pipeline_model_parallel_size=sizes.pipeline,
+                context_parallel_size=sizes.context, expert_model_parallel_size=sizes.expert,
+                expert_tensor_parallel_size=sizes.expert_tensor)
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        self.on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        self.temperature = temperature
+        self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=policy.trust_remote_code)
+        self.shape = model.check_model(self.hf_config, policy)
+        self.precision = policy.precision or ("bfloat16" if self.on_gpu else "float32")
+        self.config = model.transformer_config(self.hf_config, self.shape, policy, precision=self.precision,
+                                               world_size=dist.get_world_size())
+        self.fused_norms = model.transformer_engine_available()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.first_stage = parallel_state.is_pipeline_first_stage()
+        self.last_stage = parallel_state.is_pipeline_last_stage()
+        self.cpu_group = dist.new_group(backend="gloo")  # weights and checkpoints travel on the CPU
+        self.module = model.build_gpt_model(self.config, self.hf_config, self.shape,
+                                            max_sequence_length=policy.max_seq_length)
+        self.layers = model.stage_layers(self.config)
+        self._load_converted(model_path)
+        if self.on_gpu:
+            self.module.cuda()
+        self.module.train(trainable)
+        self.module.requires_grad_(trainable)
+        self.model = self.module
+        self.micro_batch_size = policy.train_micro_batch_size
+        self.logprob_batch_size = policy.logprob_batch_size or policy.train_micro_batch_size
+        self.sequence_multiple = policy.make_sequence_length_divisible_by * (
+            self.tp_size if self.config.sequence_parallel else 1)
+        self.empty_unused_memory_level = policy.megatron_cfg.empty_unused_memory_level
+
+    # ------------------------------------------------------------ weights in
+    def _load_converted(self, model_path: str) -> None:
+        from novarl.backends.megatron import model
+        from novarl.backends.megatron.cache import converted_checkpoint, load_shard
+
+        if dist.get_rank() == 0:
+            folder = converted_checkpoint(model_path, tensor_parallel_size=self.tp_size, fused_norms=self.fused_norms)
+        dist.barrier(group=self.cpu_group)
+        if dist.get_rank() != 0:  # found complete: rank 0 made or checked it
+            folder = converted_checkpoint(model_path, tensor_parallel_size=self.tp_size, fused_norms=self.fused_norms)
+        state = model.to_stage(load_shard(folder, self.tp_rank), self.layers, first=self.first_stage,
+                               last=self.last_stage, tied=self.shape.tied)
+        missing, unexpected = self.module.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not m.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"the converted Megatron weights do not fit the model: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}")
+
+    # -------------------------------------------------------------- compute
+    def shard(self, batch: TrainBatch) -> TrainBatch:
+        """This data-parallel rank's contiguous share of the rows, on this rank's device."""
+        return data_parallel_share(batch, self.dp_rank, self.dp_size, self.device)
+
+    def _padded_length(self, batch: TrainBatch) -> int:
+        length = batch.input_ids.shape[1]
+        return length + (-length % self.sequence_multiple)
+
+    def _forward(self, model, mb: TrainBatch, length: int) -> torch.Tensor:
+        """The stage's output for a micro-batch: vocab-parallel logits [B, S, V/tp] on the
+        last stage, hidden states for the next stage otherwise."""
+        ids = torch.nn.functional.pad(mb.input_ids, (0, length - mb.input_ids.shape[1]), value=0)
+        positions = torch.arange(length, device=ids.device).unsqueeze(0).expand_as(ids)
+        # right-padded rows need only the causal mask (True = masked out)
+        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).triu(1)[None, None]
+        return model(ids, positions, causal)
+
+    def _token_logprobs(self, logits: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
+        """[B, L] logprobs of mb.input_ids at the sampling temperature from vocab-parallel logits."""
+        from megatron.core import tensor_parallel
+
+        length = mb.input_ids.shape[1]
+        logits = logits[:, :length - 1].float() / self.temperature
+        part = logits.shape[-1]
+        columns = torch.arange(self.tp_rank * part, (self.tp_rank + 1) * part, device=logits.device)
+        if columns[-1] >= self.shape.vocab_size:  # Megatron's vocabulary padding: never a token
+            logits = logits.masked_fill(columns >= self.shape.vocab_size, float("-inf"))
+        nll = tensor_parallel.vocab_parallel_cross_entropy(logits, mb.input_ids[:, 1:].contiguous())
+        return torch.nn.functional.pad(-nll, (1, 0))
+
+    def _run_pipeline(self, local: TrainBatch, micro: int, loss_of, forward_only: bool) -> list[Any]:
+        """megatron-core's schedule over this rank's rows in micro-batches of `micro`:
+        loss_of(logprobs, mb) -> (loss, what to keep) runs on the last stage; what it keeps
+        per micro-batch is returned there ([] elsewhere)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        length = self._padded_length(local)
+        batches = [local.slice(s, s + micro) for s in range(0, len(local), micro)]
+        kept: list[Any] = []
+
+        def step(data_iterator, model):
+            mb = next(data_iterator)
+            output = self._forward(model, mb, length)
+
+            def loss_func(output_tensor):
+                value, keep = loss_of(self._token_logprobs(output_tensor, mb), mb)
+                kept.append(keep)
+                return value, torch.ones((), dtype=torch.int, device=value.device), {}
+
+            return output, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(batches), model=[self.model],
+            num_microbatches=len(batches), seq_length=length, micro_batch_size=micro, forward_only=forward_only)
+        return kept
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, L] logprobs of batch.input_ids (0 on padding), on every rank: computed on each
+        data-parallel share's last stage, sent to the other stages, all-gathered over dp."""
+        local = self.shard(batch)
+        zero = torch.zeros((), device=self.device)
+        parts = self._run_pipeline(local, self.logprob_batch_size,
+                                   lambda lp, mb: (zero, (lp * mb.attention_mask).detach()), forward_only=True)
+        mine = torch.cat(parts) if self.last_stage else torch.empty(local.input_ids.shape, device=self.device)
+        if self.pp_size > 1:
+            dist.broadcast(mine, src=self._last_stage_rank(), group=self.pp_group)
+        if self.dp_size > 1:
+            gathered = [torch.empty_like(mine) for _ in range(self.dp_size)]
+            dist.all_gather(gathered, mine, group=self.dp_group)
+            mine = torch.cat(gathered)
+        self._empty_cache(level=1)
+        return mine.float().cpu()
+
+    def sample_tokens(self, prompts: list[list[int]], sampling, stop_ids: list[int], max_seq_length: int,
+                      config) -> list[tuple[list[int], list[float]]]:
+        """Megatron generation on this model's ranks (backends/generation/megatron.py)."""
+        from novarl.backends.generation.megatron import sample_tokens
+
+        return sample_tokens(self, prompts, sampling, stop_ids, max_seq_length, config)
+
+    def _last_stage_rank(self) -> int:
+        return dist.get_global_rank(self.pp_group, self.pp_size - 1)
+
+    def _empty_cache(self, level: int) -> None:
+        """megatron_cfg.empty_unused_memory_level: 1 frees the allocator cache after logprobs,
+        2 after training steps too."""
+        if self.on_gpu and self.empty_unused_memory_level >= level:
+            torch.cuda.empty_cache()
+
+    # ----------------------------------------------------------- weights out
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        from novarl.backends.megatron.model import from_stage
+
+        module = self.model.module if hasattr(self.model, "module") else self.model
+        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()
+                 if not name.endswith("_extra_state") and tensor is not None}
+        return from_stage(state, self.layers)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: every rank calls it; rank 0 gets the full CPU tensors under Hugging Face
+        names, the others {}. The shards of data-parallel replica 0 travel over a gloo group."""
+        mine = (self.tp_rank, self.pp_rank, self._local_state()) if self.dp_rank == 0 else None
+        parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, parts, dst=0, group=self.cpu_group)
+        if dist.get_rank() != 0:
+            return {}
+        return self._to_hf([p for p in parts if p is not None])
+
+    def _to_hf(self, parts: list[tuple[int, int, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+        return shards_to_hf(parts, self.shape, tensor_parallel_size=self.tp_size, fused_norms=self.fused_norms)
+
+
+class MegatronPolicy(MegatronModel):
+    """The trainable policy on Megatron-core (implements TrainingBackend)."""
+
+    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
+                 total_steps: int, temperature: float, seed: int = 42, emulate_cuda: bool = False) -> None:
+        super().__init__(policy, model_path, device, trainable=True, temperature=temperature, seed=seed,
+                         emulate_cuda=emulate_cuda)
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+
+        mc = policy.megatron_cfg
+        self.distributed_optimizer = mc.optimizer.use_distributed_optimizer and mc.use_distributed_optimizer
+        self.model = DistributedDataParallel(self.config, ddp_config(mc, self.distributed_optimizer),
+                                             module=self.module)
+        self.config.no_sync_func = self.model.no_sync
+        # gradients are summed as they are: no division by a token count (see the module doc)
+        self.config.finalize_model_grads_func = partial(_finalize_without_token_scaling, finalize_model_grads)
+        self.optimizer = build_optimizer(mc, self.model, precision=self.precision,
+                                         distributed=self.distributed_optimizer)
+        self.scheduler = build_scheduler(mc, self.optimizer, total_steps)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        if dist.get_rank() == 0:
+            info(f"Megatron: tp={self.tp_size} pp={self.pp_size} dp={self.dp_size}, {self.precision}, "
+                 f"{'distributed' if self.distributed_optimizer else 'replicated'} {mc.optimizer.optimizer} "
+                 f"optimizer, {self.config.recompute_granularity or 'no'} recomputation")
+
+    def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]:
+        """Accumulate gradients of `loss` over this rank's rows in micro-batches (through the
+        pipeline), reduced over data-parallel ranks after the last. Metrics summed over
+        micro-batches and ranks, on every rank."""
+        local = self.shard(batch)
+        kept = self._run_pipeline(local, self.micro_batch_size, lambda lp, mb: _detached_metrics(loss(lp, mb)),
+                                  forward_only=False)
+        names = sorted(kept[0]) if kept else []
+        if self.pp_size > 1:  # only the last stage computed the loss: it tells the others
+            box = [names]
+            dist.broadcast_object_list(box, src=self._last_stage_rank(), group=self.pp_group)
+            names = box[0]
+        summed = torch.stack([sum(k[n] for k in kept) for n in names]) if kept else \
+            torch.zeros(len(names), device=self.device)
+        if self.pp_size > 1:
+            dist.broadcast(summed, src=self._last_stage_rank(), group=self.pp_group)
+        dist.all_reduce(summed, group=self.dp_group)
+        return dict(zip(names, summed.tolist()))
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip (optimizer.clip_grad), step the optimizer and the schedule, zero the gradients."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        succeeded, grad_norm, _ = self.optimizer.step()
+        if not succeeded:
+            info("Megatron skipped an optimizer step (the loss scaler found inf/nan gradients)")
+        self.scheduler.step(increment=1)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._empty_cache(level=2)
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr}
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.full_state_dict().items()
+
+    # ---------------------------------------------------------- checkpoints
+    def save(self, path: Path) -> None:
+        """The model shards (one file per tensor-parallel rank and pipeline stage, global layer
+        numbers: `novarl convert` reads them offline), each rank's optimizer state and fp32
+        master weights, and the schedule, under path/megatron/. Resuming needs the same
+        tp x pp x dp layout."""
+        folder = Path(path) / CHECKPOINT_DIR
+        if dist.get_rank() == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+        dist.barrier(group=self.cpu_group)
+        if self.dp_rank == 0:
+            torch.save(self._local_state(), folder / f"model_tp{self.tp_rank}_pp{self.pp_rank}.pt")
+        torch.save([_optimizer_state(o) for o in self._optimizers()], folder / f"optim_rank{dist.get_rank()}.pt")
+        if dist.get_rank() == 0:
+            torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
+            (folder / LAYOUT_FILE).write_text(json.dumps(self._layout(), indent=2))
+        dist.barrier(group=self.cpu_group)
+
+    @torch.no_grad()
+    def load(self, path: Path) -> None:
+        from novarl.backends.megatron.model import to_stage
+
+        folder = Path(path) / CHECKPOINT_DIR
+        saved = json.loads((folder / LAYOUT_FILE).read_text())
+        if saved["parallel"] != self._layout()["parallel"]:
+            raise UserError(f"{path} was written with {saved['parallel']} (Megatron ranks); this run has "
+                            f"{self._layout()['parallel']}. Resume with the same layout, or export it with "
+                            "`novarl convert` and start from the Hugging Face folder.")
+        model_state = torch.load(folder / f"model_tp{self.tp_rank}_pp{self.pp_rank}.pt", weights_only=True)
+        self.model.module.load_state_dict(to_stage(model_state, self.layers, first=self.first_stage,
+                                                   last=self.last_stage, tied=False), strict=False)
+        states = torch.load(folder / f"optim_rank{dist.get_rank()}.pt", weights_only=False)
+        for optimizer, state in zip(self._optimizers(), states, strict=True):
+            _load_optimizer_state(optimizer, state)
+        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+
+    def _optimizers(self) -> list:
+        """megatron-core's optimizers behind the chained one (one per parameter group kind)."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def _layout(self) -> dict[str, Any]:
+        return {"parallel": {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size},
+                "vocab_size": self.shape.vocab_size, "fused_norms": self.fused_norms,
+                "distributed_optimizer": self.distributed_optimizer}
+
+    def save_hf(self, path: Path, tokenizer) -> None:
+        """A consolidated Hugging Face folder (fp32 weights) from every rank's shard."""
+        from novarl.models.loading import save_hf_folder
+
+        state = self.full_state_dict()
+        if dist.get_rank() == 0:
+            save_hf_folder(path, self.hf_config, {k: v.float() for k, v in state.items()}, tokenizer)
+
+
+class MegatronReference(MegatronModel):
+    """The frozen reference policy (KL penalty) beside a Megatron policy, laid out like it."""
+
+    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
+                 temperature: float, emulate_cuda: bool = False) -> None:
+        super().__init__(policy, model_path, device, trainable=False, temperature=temperature,
+                         emulate_cuda=emulate_cuda)
+
+
+# ------------------------------------------------------------------ mapping
+def ddp_config(mc, distributed_optimizer: bool):
+    """megatron_cfg.distributed_data_parallel_config (and the top-level overlap_grad_reduce)
+    as megatron-core's DistributedDataParallelConfig."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    d = mc.distributed_data_parallel_config
+    kwargs: dict[str, Any] = dict(
+        grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce or mc.overlap_grad_reduce,
+        overlap_param_gather=False, average_in_collective=False, use_distributed_optimizer=distributed_optimizer)
+    if d.use_custom_fsdp:
+        kwargs.update(use_custom_fsdp=True, data_parallel_sharding_strategy=d.data_parallel_sharding_strategy)
+    return DistributedDataParallelConfig(**kwargs)
+
+
+def build_optimizer(mc, model, *, precision: str, distributed: bool):
+    """megatron_cfg.optimizer as megatron-core's optimizer (Adam or SGD; distributed: its state
+    and fp32 master weights partitioned over data-parallel ranks)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    o = mc.optimizer
+    try:
+        config = OptimizerConfig(
+            optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            bf16=precision == "bfloat16", fp16=precision == "float16",
+            params_dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}.get(precision, torch.float32),
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum,
+            use_distributed_optimizer=distributed, use_precision_aware_optimizer=o.use_precision_aware_optimizer,
+            clip_grad=o.clip_grad)
+    except (AssertionError, ValueError) as err:
+        raise ConfigError(f"policy.megatron_cfg.optimizer: megatron-core refused it: {err}") from None
+    return get_megatron_optimizer(config, [model])
+
+
+def build_scheduler(mc, optimizer, total_steps: int):
+    """megatron_cfg.scheduler as megatron-core's OptimizerParamScheduler, stepped once per
+    optimizer step; lr_decay_iters defaults to the run's optimizer steps."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    s, o = mc.scheduler, mc.optimizer
+    decay = max(s.lr_decay_iters or total_steps, s.lr_warmup_iters + 1)
+    try:
+        return OptimizerParamScheduler(
+            optimizer, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=s.lr_warmup_iters,
+            lr_decay_steps=decay, lr_decay_style=s.lr_decay_style, start_wd=s.start_weight_decay,
+            end_wd=s.end_weight_decay, wd_incr_steps=max(total_steps, 1), wd_incr_style=s.weight_decay_incr_style)
+    except (AssertionError, ValueError, KeyError) as err:
+        raise ConfigError(f"policy.megatron_cfg.scheduler: megatron-core refused it: {err}") from None
+
+
+def _optimizer_state(optimizer) -> dict[str, Any]:
+    """A megatron-core optimizer's state on this rank, as it is: the torch optimizer's state,
+    the parameters it steps (fp32 master weights, this rank's shard of them when distributed)
+    and the loss scaler. (megatron-core's own parameter-state formats assume fused Adam's
+    state keys; this works for any torch optimizer, on the same layout.)"""
+    inner = optimizer.optimizer
+    scaler = getattr(optimizer, "grad_scaler", None)
+    return {"optimizer": inner.state_dict(),
+            "params": [p.detach().to("cpu", copy=True) for g in inner.param_groups for p in g["params"]],
+            "grad_scaler": scaler.state_dict() if scaler is not None else None}
+
+
+def _load_optimizer_state(optimizer, state: dict[str, Any]) -> None:
+    inner = optimizer.optimizer
+    inner.load_state_dict(state["optimizer"])
+    for param, saved in zip([p for g in inner.param_groups for p in g["params"]], state["params"], strict=True):
+        param.copy_(saved)
+    if state["grad_scaler"] is not None:
+        optimizer.grad_scaler.load_state_dict(state["grad_scaler"])
+
+
+def _finalize_without_token_scaling(finalize, model, num_tokens=None, **kwargs) -> None:
+    finalize(model, None, **kwargs)
+
+
+def _detached_metrics(result):
+    value, metrics = result
+    return value, {name: metric.detach().float() for name, metric in metrics.items()}

@@ -1,0 +1,107 @@
+"""megatron_cfg -> megatron-core objects, and pipeline stages' weights, without ranks."""
+
+import pytest
+import torch
+
+from novarl.backends.megatron.convert import LayerShape, hf_to_megatron, megatron_to_hf, shards_to_hf
+from novarl.backends.megatron.model import check_model, from_stage, to_stage
+from novarl.config import load_config
+from novarl.cli import BUNDLED_RECIPE
+from novarl.errors import ConfigError
+
+pytest.importorskip("megatron.core")
+
+
+def policy(*overrides):
+    return load_config(BUNDLED_RECIPE, overrides=["policy.megatron_cfg.enabled=true", *overrides]).policy
+
+
+def tiny(layers=4):
+    from transformers import AutoConfig
+
+    from novarl.models.loading import resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path("tiny-arith"))
+    config.num_hidden_layers = layers
+    return config
+
+
+def transformer_config(*overrides, layers=4):
+    from novarl.backends.megatron.model import transformer_config as build
+
+    hf = tiny(layers)
+    p = policy(*overrides)
+    return build(hf, check_model(hf, p), p, precision="float32", world_size=8)
+
+
+def test_transformer_config_maps_the_seeds_keys():
+    config = transformer_config("policy.megatron_cfg.pipeline_model_parallel_size=2",
+                                "policy.megatron_cfg.activation_checkpointing=true",
+                                "policy.megatron_cfg.bias_activation_fusion=true")
+    assert (config.num_layers, config.hidden_size, config.num_attention_heads, config.num_query_groups,
+            config.kv_channels, config.ffn_hidden_size) == (4, 128, 2, 1, 64, 256)
+    assert config.normalization == "RMSNorm" and config.gated_linear_unit and not config.add_bias_linear
+    assert config.pipeline_model_parallel_size == 2 and config.params_dtype == torch.float32
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == \
+        ("full", "uniform", 1)
+    assert config.bias_activation_fusion and config.calculate_per_token_loss
+    assert transformer_config("policy.megatron_cfg.recompute_granularity=selective").recompute_granularity == \
+        "selective"
+    assert transformer_config().recompute_granularity is None
+
+
+def test_features_that_need_transformer_engine_are_refused_without_it():
+    from novarl.backends.megatron.model import transformer_engine_available
+
+    if transformer_engine_available():
+        pytest.skip("Transformer Engine is installed here")
+    with pytest.raises(ConfigError, match="fp8_cfg.enabled needs Transformer Engine"):
+        transformer_config("policy.megatron_cfg.fp8_cfg={enabled: true}")
+    with pytest.raises(ConfigError, match="sequence_parallel needs Transformer Engine"):
+        from novarl.backends.megatron.model import transformer_config as build
+
+        hf = tiny()
+        hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim = 4, 2, 32
+        p = policy("policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.sequence_parallel=true")
+        build(hf, check_model(hf, p), p, precision="float32", world_size=2)
+
+
+def test_pipeline_stages_cut_and_join_the_weights():
+    from transformers import AutoModelForCausalLM
+
+    hf_config = tiny(layers=4)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(hf_config).state_dict()
+    shape = LayerShape.from_hf_config(hf_config)
+    full = hf_to_megatron(hf, shape)
+    # three stages, uneven: 1 + 2 + 1 layers
+    stages = [(0, range(0, 1)), (1, range(1, 3)), (2, range(3, 4))]
+    parts = []
+    for stage, layers in stages:
+        local = to_stage(full, layers, first=stage == 0, last=stage == 2, tied=shape.tied)
+        assert sorted({k.split(".")[2] for k in local if k.startswith("decoder.layers.")}) == \
+            [str(i) for i in range(len(layers))]  # renumbered from 0 on each stage
+        assert ("embedding.word_embeddings.weight" in local) == (stage == 0)
+        assert ("output_layer.weight" in local) == (stage == 2)  # the tied head's own copy
+        parts.append((0, stage, from_stage(local, layers)))
+    back = shards_to_hf(parts, shape, tensor_parallel_size=1, fused_norms=False)
+    assert back.keys() == megatron_to_hf(full, shape).keys()
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_stage_sizes_follow_first_and_last_stage_settings():
+    from types import SimpleNamespace
+
+    from novarl.backends.megatron.model import _layers_on_stage
+
+    config = SimpleNamespace(num_layers=10, pipeline_model_parallel_size=4, num_layers_in_first_pipeline_stage=1,
+                             num_layers_in_last_pipeline_stage=1)
+    assert [_layers_on_stage(config, s) for s in range(4)] == [1, 4, 4, 1]
+    even = SimpleNamespace(num_layers=8, pipeline_model_parallel_size=4, num_layers_in_first_pipeline_stage=None,
+                           num_layers_in_last_pipeline_stage=None)
+    assert [_layers_on_stage(even, s) for s in range(4)] == [2, 2, 2, 2]
+
+
+def test_uneven_layers_without_stage_settings_are_refused():
+    with pytest.raises(ConfigError, match="pipeline_model_parallel_size=3 does not divide the 4 layers"):
+        check_model(tiny(4), policy("policy.megatron_cfg.pipeline_model_parallel_size=3"))
