@@ -352,7 +352,7 @@ MEGATRON_HERE = _megatron_here()
     (SEED_000_MEGATRON_FULL, MEGATRON_HERE),
     (SEED_000_FP8, MEGATRON_HERE),
     (SEED_000_VLLM, [m[:9] for m in VLLM_MISSING]),
-    (MEGATRON_GENERATION_WITH_TRAINING, [*MEGATRON_HERE, "generation backend 'megatron'"]),
+    (MEGATRON_GENERATION_WITH_TRAINING, MEGATRON_HERE),
     (SEED_000_DEDICATED, []),  # generation on its own Ray actor: built
     (SEED_000_LARGE, MEGATRON_HERE),
 ], ids=["dtensor", "colocated", "memory", "throughput", "megatron", "megatron-full", "fp8", "vllm",

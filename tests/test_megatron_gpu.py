@@ -64,3 +64,31 @@ def test_grpo_on_megatron_learns_the_bundled_task(tmp_path, monkeypatch):
     rows = read_jsonl(next(tmp_path.glob("exp_*")) / "metrics.jsonl")
     accuracy = [r["accuracy"] for r in rows if r["kind"] == "eval"]
     assert accuracy[-1] > accuracy[0] + 0.15, accuracy
+
+
+def test_generation_on_the_gpu_is_greedy_like_hugging_face_chunked_or_not(tmp_path, monkeypatch):
+    """On GPU the layers may be Transformer Engine's, whose attention handles masks its own way:
+    greedy completions must equal transformers' with and without chunked prefill."""
+    from novarl.backends.generation.hf import HFGeneration
+    from novarl.backends.generation.megatron import MegatronGeneration
+    from novarl.backends.training.megatron import MegatronReference
+    from novarl.cli import BUNDLED_RECIPE
+    from novarl.config import load_config
+    from novarl.config.schema import McoreGenerationConfig
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.loading import load_tokenizer, resolve_model_path
+    from novarl.types import Prompt, SamplingConfig
+
+    monkeypatch.setenv("NOVARL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "cache"))
+    model = resolve_model_path("tiny-arith")
+    cfg = load_config(BUNDLED_RECIPE, overrides=["policy.megatron_cfg.enabled=true", "policy.precision=float32"])
+    ensure_single_process_group()
+    reference = MegatronReference(cfg.policy, model, temperature=1.0)
+    tokenizer = load_tokenizer(model)
+    prompts = [Prompt(t, tokenizer(t)["input_ids"]) for t in ("12+34=", "56+7=", "99+99=", "40+60=")]
+    greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    expected = [c.text for c in HFGeneration(model, tokenizer, max_seq_length=16).generate(prompts, greedy)]
+    for chunked in (False, True):
+        config = McoreGenerationConfig(block_size_tokens=2, enable_chunked_prefill=chunked)
+        got = MegatronGeneration(reference, tokenizer, max_seq_length=16, config=config).generate(prompts, greedy)
+        assert [c.text for c in got] == expected, chunked

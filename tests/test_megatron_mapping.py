@@ -66,6 +66,15 @@ def test_features_that_need_transformer_engine_are_refused_without_it():
         build(hf, check_model(hf, p), p, precision="float32", world_size=2)
 
 
+def test_a_fusion_without_its_kernel_is_a_config_error():
+    from novarl.backends.megatron.model import transformer_engine_available
+
+    if transformer_engine_available():
+        pytest.skip("Transformer Engine is installed here")
+    with pytest.raises(ConfigError, match="megatron-core refused the model's configuration: apply_rope_fusion"):
+        transformer_config("policy.megatron_cfg.apply_rope_fusion=true")
+
+
 def test_pipeline_stages_cut_and_join_the_weights():
     from transformers import AutoModelForCausalLM
 

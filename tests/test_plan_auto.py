@@ -67,13 +67,16 @@ def test_megatron_recommendation_runs_megatron_with_its_sizes(tmp_path):
     assert gen.colocated.resources.num_nodes == 1 and cfg.cluster.num_nodes == 3
 
 
-def test_unbuilt_recommendation_runs_the_best_built_layout_and_says_so(tmp_path):
-    """Above 70B the seeds' tree ends at Megatron generation, which novarl does not have yet."""
+def test_above_70b_runs_megatron_training_and_generation(tmp_path):
+    """The tree's last branch: Megatron training and Megatron generation on the same GPUs."""
     cfg, why = auto(f"policy.model_name={model_folder(tmp_path, QWEN_72B)}", "policy.max_total_sequence_length=4096",
                     "policy.train_micro_batch_size=1", "cluster.gpus_per_node=8", "cluster.num_nodes=4",
                     on_gpu=True, gpu_memory_gb=80)
-    assert any("which novarl does not run yet" in line and "megatron" in line for line in why)
-    assert cfg.policy.generation.backend in ("vllm", "hf")
+    choice = resolve_backends(cfg)
+    assert (choice.training, choice.generation) == ("megatron", "megatron")
+    mc = cfg.policy.megatron_cfg
+    assert (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size) == (8, 4)  # the seeds' 72B example
+    assert cfg.policy.generation.colocated.enabled and cfg.cluster.num_nodes == 4
 
 
 def test_nothing_runnable_fits_is_a_user_error(tmp_path):

@@ -118,8 +118,10 @@ class MegatronOptimizerConfig(Section):
 
 
 class MegatronSchedulerConfig(Section):
-    start_weight_decay: float = 0.01
-    end_weight_decay: float = 0.01
+    start_weight_decay: float | None = None
+    """None: megatron_cfg.optimizer.weight_decay (the schedule sets every group's decay)."""
+    end_weight_decay: float | None = None
+    """None: megatron_cfg.optimizer.weight_decay."""
     weight_decay_incr_style: str = "constant"
     lr_decay_style: str = "constant"
     lr_decay_iters: int | None = None

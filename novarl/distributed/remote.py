@@ -46,9 +46,10 @@ class RemotePolicy:
     def save_hf(self, path: Path, tokenizer) -> None:
         self.group.call("save_hf", path, tokenizer)
 
-    def sample_tokens(self, *args):
+    def sample_tokens(self, prompts: list[list[int]], sampling, stop_ids: list[int], max_seq_length: int,
+                      config) -> list[tuple[list[int], list[float]]]:
         """Megatron generation on the policy's own ranks (MegatronPolicy only)."""
-        return self.group.call("sample_tokens", *args)
+        return self.group.call("sample_tokens", prompts, sampling, stop_ids, max_seq_length, config)
 
     def shutdown(self) -> None:
         self.group.shutdown()

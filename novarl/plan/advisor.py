@@ -492,7 +492,7 @@ def format_advice(advice: Advice) -> str:
                     f"{c.generation_backend + ' tp=' + str(c.generation_tp):<14} {c.placement:<9} {numbers} "
                     f"{'yes' if c.fits else 'no':<4} {c.score:>5.2f}")
     rows.append("+ckpt: with full activation checkpointing (tried when a layout does not fit without it); "
-                "*: training backend not built in novarl yet; peak: see novarl.plan.advisor")
+                "*: a backend novarl does not have yet; peak: see novarl.plan.advisor")
     rows.append(f"recommended: {advice.recommended.describe() if advice.recommended else 'none (nothing fits)'}")
     rows += [f"- {line}" for line in advice.explanation]
     return "\n".join(rows)

@@ -104,10 +104,13 @@ def _layout_overrides(*, tp: int, activation_checkpointing: bool, cpu_offload: b
 
 def _megatron_overrides(pick) -> list[str]:
     """Megatron-core for a `megatron tp x pp` layout (after _layout_overrides, which it
-    overrides): sequence parallelism with TP where Transformer Engine is there to run it."""
+    overrides): sequence parallelism with TP where Transformer Engine is there to run it
+    and generation is not Megatron's."""
     from novarl.backends.megatron.model import transformer_engine_available
 
-    sequence_parallel = pick.tensor_parallel_size > 1 and transformer_engine_available()
+    # decoding with Megatron feeds one token at a time, which sequence parallelism cannot split
+    sequence_parallel = (pick.tensor_parallel_size > 1 and transformer_engine_available()
+                         and pick.generation_backend != "megatron")
     return ["policy.megatron_cfg.enabled=true", "policy.dtensor_cfg.tensor_parallel_size=1",
             f"policy.megatron_cfg.tensor_model_parallel_size={pick.tensor_parallel_size}",
             f"policy.megatron_cfg.pipeline_model_parallel_size={pick.pipeline_parallel_size}",

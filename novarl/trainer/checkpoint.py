@@ -138,13 +138,14 @@ def check_checkpoint(path: Path) -> str | None:
 def _check_megatron(folder: Path) -> str | None:
     try:
         parallel = json.loads((folder / "layout.json").read_text())["parallel"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+        tp, pp, dp = (int(parallel[k]) for k in ("tp", "pp", "dp"))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         return f"Megatron layout unreadable: {err}"
-    for tp in range(parallel["tp"]):
-        for pp in range(parallel["pp"]):
-            if not (folder / f"model_tp{tp}_pp{pp}.pt").is_file():
-                return f"Megatron model shard tp{tp}_pp{pp} missing"
-    for rank in range(parallel["tp"] * parallel["pp"] * parallel["dp"]):
+    for t in range(tp):
+        for p in range(pp):
+            if not (folder / f"model_tp{t}_pp{p}.pt").is_file():
+                return f"Megatron model shard tp{t}_pp{p} missing"
+    for rank in range(tp * pp * dp):
         if not (folder / f"optim_rank{rank}.pt").is_file():
             return f"Megatron optimizer state of rank {rank} missing"
     if not (folder / "scheduler.pt").is_file():

@@ -69,9 +69,12 @@ def check_megatron_model(cfg: NovaRLConfig, model_path: str) -> None:
     """What megatron_cfg asks of this model, checked here rather than on every rank."""
     from transformers import AutoConfig
 
-    from novarl.backends.megatron.model import check_model
+    from novarl.backends.megatron.model import check_model, transformer_config
 
-    check_model(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code), cfg.policy)
+    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code)
+    shape = check_model(hf_config, cfg.policy)
+    precision = cfg.policy.precision or ("bfloat16" if torch.cuda.is_available() else "float32")
+    transformer_config(hf_config, shape, cfg.policy, precision=precision, world_size=world_size(cfg))
 
 
 def split_prompts(cfg: NovaRLConfig, tokenizer, split: str,

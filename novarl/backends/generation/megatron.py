@@ -10,16 +10,17 @@ Decoding uses megatron-core's static KV cache (StaticInferenceContext): rows
 advance together one position at a time; a row whose prompt is longer than the
 position reached is fed its own prompt token there, as megatron-core's static
 engine does. Pipeline stages pass hidden states point to point; the last stage
-samples, from the full vocabulary (gathered over tensor-parallel ranks, each of
-which draws the same token with the same seed), and sends the tokens back to
-the other stages.
+samples, from the full vocabulary (gathered over tensor-parallel ranks; tensor-
+parallel rank 0's draw is the one kept), and sends the tokens back to the other
+stages.
 
 `mcore_generation_config`:
 - buffer_size_gb caps the KV cache: prompts are decoded in batches whose cache
   fits in it;
 - block_size_tokens: the cache length is rounded up to a multiple of it, and
   with enable_chunked_prefill the shared prompt prefix is encoded in chunks of
-  that many tokens (one pass otherwise);
+  that many tokens (one pass otherwise, and always with Transformer Engine's
+  layers, whose attention takes no explicit mask once the cache holds keys);
 - num_cuda_graphs: decoding runs eagerly (CUDA graphs are not captured).
 """
 
@@ -96,11 +97,14 @@ def sample_tokens(model, prompts: list[list[int]], sampling: SamplingConfig, sto
 
 
 def max_batch(model, config: McoreGenerationConfig, cache_length: int) -> int:
-    """Sequences whose KV cache (every layer of this stage, this rank's heads) fits in
-    buffer_size_gb."""
+    """Sequences whose KV cache (the layers of the largest pipeline stage, this rank's heads)
+    fits in buffer_size_gb."""
     shape, cfg = model.shape, model.config
     bytes_per_value = 2 if cfg.params_dtype in (torch.bfloat16, torch.float16) else 4
-    per_sequence = (2 * len(model.layers) * max(shape.num_kv_heads // model.tp_size, 1) * shape.head_dim
+    from novarl.backends.megatron.model import largest_stage
+
+    # the same on every stage (the largest one decides), so their batches line up
+    per_sequence = (2 * largest_stage(cfg) * max(shape.num_kv_heads // model.tp_size, 1) * shape.head_dim
                     * cache_length * bytes_per_value)
     return max(1, int(config.buffer_size_gb * 1e9 // per_sequence))
 
@@ -117,8 +121,7 @@ def _decode(model, prompts: list[list[int]], sampling: SamplingConfig, stop_ids:
 
     rows, device = len(prompts), model.device
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    limit = torch.clamp(torch.minimum(lengths + sampling.max_new_tokens, torch.full_like(lengths, max_seq_length)),
-                        max=max_seq_length)
+    limit = torch.clamp(lengths + sampling.max_new_tokens, max=max_seq_length)
     total = int(limit.max())
     tokens = torch.zeros(rows, total, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
@@ -130,7 +133,10 @@ def _decode(model, prompts: list[list[int]], sampling: SamplingConfig, stop_ids:
     if seed is not None:
         generator.manual_seed(seed)
     position = int(lengths.min())
-    chunk = config.block_size_tokens if config.enable_chunked_prefill else position
+    # Transformer Engine's attention drops the explicit mask once the cache holds keys, so a chunk
+    # after the first would see its own later tokens: with it, the prefix goes in one pass.
+    chunked = config.enable_chunked_prefill and not model.fused_norms
+    chunk = config.block_size_tokens if chunked else position
     for begin in range(0, position, chunk):  # the prefix every row has
         logits = _forward_stage(model, tokens, begin, min(begin + chunk, position), context)
     while position < total and not bool(finished.all()):
@@ -190,6 +196,10 @@ def _sample(model, logits: torch.Tensor | None, sampling: SamplingConfig, genera
             probs = _filtered(scaled, top_p=sampling.top_p, top_k=sampling.top_k).softmax(dim=-1)
             tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         chosen_logprobs = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    if model.last_stage and model.tp_size > 1:  # every tensor-parallel rank keeps tp rank 0's draw
+        source = dist.get_global_rank(model.tp_group, 0)
+        dist.broadcast(tokens, src=source, group=model.tp_group)
+        dist.broadcast(chosen_logprobs, src=source, group=model.tp_group)
     if model.pp_size > 1:
         last = _stage_rank(model, model.pp_size - 1)
         dist.broadcast(tokens, src=last, group=model.pp_group)

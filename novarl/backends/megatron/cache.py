@@ -50,10 +50,8 @@ def converted_checkpoint(model_dir: str | Path, *, tensor_parallel_size: int, fu
     """The folder holding `model_dir`'s weights as Megatron tensor-parallel shards:
     reused when complete and current, converted (and logged) otherwise."""
     model_dir = Path(model_dir)
-    root, chosen_by = checkpoint_root()
-    folder = root / f"{model_dir.name}-{fingerprint(model_dir)}" / f"tp{tensor_parallel_size}{'-te' * fused_norms}"
-    expected = {"format": FORMAT, "source": str(model_dir.resolve()), "tensor_parallel_size": tensor_parallel_size,
-                "fused_norms": fused_norms}
+    _, chosen_by = checkpoint_root()
+    folder, expected = conversion_folder(model_dir, tensor_parallel_size=tensor_parallel_size, fused_norms=fused_norms)
     problem = check_conversion(folder, expected)
     if problem is None:
         info(f"Megatron weights for {model_dir.name} (TP={tensor_parallel_size}): {folder} (cached; the folder "
@@ -65,6 +63,23 @@ def converted_checkpoint(model_dir: str | Path, *, tensor_parallel_size: int, fu
          f"{chosen_by})")
     _convert(model_dir, folder, expected)
     return folder
+
+
+def conversion_folder(model_dir: str | Path, *, tensor_parallel_size: int,
+                      fused_norms: bool = False) -> tuple[Path, dict]:
+    """(where `model_dir`'s conversion lives, what its manifest must say)."""
+    model_dir = Path(model_dir)
+    root, _ = checkpoint_root()
+    folder = root / f"{model_dir.name}-{fingerprint(model_dir)}" / f"tp{tensor_parallel_size}{'-te' * fused_norms}"
+    expected = {"format": FORMAT, "source": str(model_dir.resolve()), "tensor_parallel_size": tensor_parallel_size,
+                "fused_norms": fused_norms}
+    return folder, expected
+
+
+def conversion_ready(model_dir: str | Path, *, tensor_parallel_size: int, fused_norms: bool = False) -> Path | None:
+    """The folder of a complete, current conversion, or None; nothing is converted or logged."""
+    folder, expected = conversion_folder(model_dir, tensor_parallel_size=tensor_parallel_size, fused_norms=fused_norms)
+    return folder if check_conversion(folder, expected) is None else None
 
 
 def check_conversion(folder: Path, expected: dict) -> str | None:

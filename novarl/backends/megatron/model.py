@@ -6,7 +6,8 @@ What maps where (the seeds' keys on the left):
     expert_model/expert_tensor_parallel_size
     virtual_pipeline_model_parallel_size         -> refused (one model chunk per stage for now)
     num_layers_in_first/last_pipeline_stage,     -> TransformerConfig (uneven pipeline stages)
-    pipeline_dtype
+    pipeline_dtype                               -> must equal policy.precision (stages send activations
+                                                    in the parameters' precision)
     sequence_parallel                            -> TransformerConfig; needs Transformer Engine's norms
     activation_checkpointing,                    -> recompute_granularity "full" (uniform, every layer)
     recompute_granularity                           or "selective" (attention core only)
@@ -38,6 +39,7 @@ import torch
 from novarl.backends.megatron.convert import LayerShape
 from novarl.config.schema import PolicyConfig
 from novarl.errors import ConfigError
+from novarl.models.loading import DTYPES
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
@@ -87,6 +89,17 @@ def check_model(hf_config, policy: PolicyConfig) -> LayerShape:
         problems.append(f"expert parallelism (policy.megatron_cfg.expert_model_parallel_size="
                         f"{mc.expert_model_parallel_size}, expert_tensor_parallel_size="
                         f"{mc.expert_tensor_parallel_size}) needs a Mixture-of-Experts model; {expected} is dense.")
+    if mc.sequence_parallel and mc.tensor_model_parallel_size > 1 and policy.generation.backend == "megatron":
+        problems.append("policy.megatron_cfg.sequence_parallel with policy.generation.backend='megatron': decoding "
+                        "feeds one token at a time, which sequence parallelism cannot split over "
+                        f"{mc.tensor_model_parallel_size} ranks; turn one of them off.")
+    precision = policy.precision
+    if mc.pipeline_dtype is not None and precision is not None and mc.pipeline_dtype != precision:
+        problems.append(f"policy.megatron_cfg.pipeline_dtype={mc.pipeline_dtype} differs from policy.precision="
+                        f"{precision}: pipeline stages send activations in the parameters' precision.")
+    if mc.distributed_data_parallel_config.use_custom_fsdp:
+        problems.append("policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp: Megatron's FSDP is "
+                        "not available yet; use the distributed optimizer (ZeRO-1 style) or the DTensor backend.")
     if mc.context_parallel_size > 1:
         problems.append(f"policy.megatron_cfg.context_parallel_size={mc.context_parallel_size}: context "
                         "parallelism needs Transformer Engine's attention; not available yet.")
@@ -117,7 +130,7 @@ def transformer_config(hf_config, shape: LayerShape, policy: PolicyConfig, *, pr
     if mc.sequence_parallel and not te and mc.tensor_model_parallel_size > 1:
         raise ConfigError("policy.megatron_cfg.sequence_parallel needs Transformer Engine's norms "
                           "(pip install transformer-engine on the GPU hosts); set it false without it.")
-    params_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[precision]
+    params_dtype = DTYPES[precision]
     kwargs: dict[str, Any] = dict(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
         num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
@@ -130,7 +143,7 @@ def transformer_config(hf_config, shape: LayerShape, policy: PolicyConfig, *, pr
         sequence_parallel=mc.sequence_parallel and mc.tensor_model_parallel_size > 1,
         num_layers_in_first_pipeline_stage=mc.num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=mc.num_layers_in_last_pipeline_stage,
-        pipeline_dtype=_dtype(mc.pipeline_dtype) if mc.pipeline_dtype else params_dtype,
+        pipeline_dtype=params_dtype,
         params_dtype=params_dtype, bf16=precision == "bfloat16", fp16=precision == "float16",
         apply_rope_fusion=mc.apply_rope_fusion, bias_activation_fusion=mc.bias_activation_fusion,
         masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
@@ -150,14 +163,17 @@ def transformer_config(hf_config, shape: LayerShape, policy: PolicyConfig, *, pr
         kwargs.update(_fp8(mc, te))
     if world_size % (mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size * mc.context_parallel_size):
         raise ConfigError("the world size is not a multiple of tp x pp x cp")  # checked at validation too
-    return TransformerConfig(**kwargs)
+    try:
+        return TransformerConfig(**kwargs)
+    except (ValueError, AssertionError) as err:  # e.g. a fusion whose kernel is not installed
+        raise ConfigError(f"policy.megatron_cfg: megatron-core refused the model's configuration: {err}") from None
 
 
 def _fp8(mc, te: bool) -> dict[str, Any]:
     if not te:
         raise ConfigError("policy.megatron_cfg.fp8_cfg.enabled needs Transformer Engine (pip install "
                           "transformer-engine) on Hopper-or-newer GPUs.")
-    if torch.cuda.get_device_capability() < (8, 9):
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         name = torch.cuda.get_device_name()
         raise ConfigError(f"policy.megatron_cfg.fp8_cfg.enabled needs an FP8 GPU (Hopper, Ada or newer); "
                           f"this one is a {name}.")
@@ -165,10 +181,6 @@ def _fp8(mc, te: bool) -> dict[str, Any]:
     if mc.fp8_cfg.fp8_recipe:
         fp8["fp8_recipe"] = mc.fp8_cfg.fp8_recipe
     return fp8
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
 def _rope(hf_config) -> dict[str, Any]:
@@ -215,6 +227,11 @@ def stage_layers(config) -> range:
     return range(first, first + count)
 
 
+def largest_stage(config) -> int:
+    """Decoder layers on the pipeline stage that holds the most."""
+    return max(_layers_on_stage(config, stage) for stage in range(config.pipeline_model_parallel_size))
+
+
 def _layers_on_stage(config, stage: int) -> int:
     pp = config.pipeline_model_parallel_size
     first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
@@ -252,7 +269,8 @@ def to_stage(full_shard: dict[str, torch.Tensor], layers: range, *, first: bool,
 
 
 def from_stage(stage_state: dict[str, torch.Tensor], layers: range) -> dict[str, torch.Tensor]:
-    """The inverse of to_stage for one stage: global layer numbers, the tied copy dropped."""
+    """The inverse of to_stage for one stage: global layer numbers (a tied last stage's
+    output_layer copy is kept; megatron_to_hf reads the embedding instead)."""
     out = {}
     for name, tensor in stage_state.items():
         if name.endswith("_extra_state"):

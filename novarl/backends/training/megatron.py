@@ -76,7 +76,9 @@ class MegatronModel:
                 expert_tensor_parallel_size=sizes.expert_tensor)
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.on_gpu = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        # megatron-core computes on the rank's current CUDA device (Ray shows each rank one GPU)
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if self.on_gpu
+                                 else torch.device("cpu"))
         self.temperature = temperature
         self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=policy.trust_remote_code)
         self.shape = model.check_model(self.hf_config, policy)
@@ -91,10 +93,12 @@ class MegatronModel:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
         self.cpu_group = dist.new_group(backend="gloo")  # weights and checkpoints travel on the CPU
+        self.replica_group = self._replica_zero_group()
         self.module = model.build_gpt_model(self.config, self.hf_config, self.shape,
                                             max_sequence_length=policy.max_seq_length)
         self.layers = model.stage_layers(self.config)
@@ -113,13 +117,9 @@ class MegatronModel:
     # ------------------------------------------------------------ weights in
     def _load_converted(self, model_path: str) -> None:
         from novarl.backends.megatron import model
-        from novarl.backends.megatron.cache import converted_checkpoint, load_shard
+        from novarl.backends.megatron.cache import load_shard
 
-        if dist.get_rank() == 0:
-            folder = converted_checkpoint(model_path, tensor_parallel_size=self.tp_size, fused_norms=self.fused_norms)
-        dist.barrier(group=self.cpu_group)
-        if dist.get_rank() != 0:  # found complete: rank 0 made or checked it
-            folder = converted_checkpoint(model_path, tensor_parallel_size=self.tp_size, fused_norms=self.fused_norms)
+        folder = self._converted_folder(model_path)
         state = model.to_stage(load_shard(folder, self.tp_rank), self.layers, first=self.first_stage,
                                last=self.last_stage, tied=self.shape.tied)
         missing, unexpected = self.module.load_state_dict(state, strict=False)
@@ -127,6 +127,36 @@ class MegatronModel:
         if missing or unexpected:
             raise RuntimeError(f"the converted Megatron weights do not fit the model: missing {missing[:5]}, "
                                f"unexpected {unexpected[:5]}")
+
+    def _replica_zero_group(self):
+        """A gloo group of data-parallel replica 0's ranks (every tp x pp shard once, global
+        rank 0 among them): the full weights are gathered over it alone."""
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, self.dp_rank, group=self.cpu_group)
+        return dist.new_group(ranks=[r for r, dp in enumerate(ranks) if dp == 0], backend="gloo")
+
+    def _converted_folder(self, model_path: str) -> Path:
+        """The conversion, made once: by global rank 0, and again by the first rank of any node
+        whose disk does not show it (a node-local cache folder); the other ranks wait."""
+        import socket
+
+        from novarl.backends.megatron.cache import conversion_ready, converted_checkpoint
+
+        sizes = dict(tensor_parallel_size=self.tp_size, fused_norms=self.fused_norms)
+        if dist.get_rank() == 0:
+            converted_checkpoint(model_path, **sizes)
+        dist.barrier(group=self.cpu_group)
+        host, ready = socket.gethostname(), conversion_ready(model_path, **sizes) is not None
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (host, ready), group=self.cpu_group)
+        first_here = min(rank for rank, (where, _) in enumerate(everyone) if where == host)
+        if not ready and dist.get_rank() == first_here:
+            converted_checkpoint(model_path, **sizes)
+        dist.barrier(group=self.cpu_group)
+        folder = conversion_ready(model_path, **sizes)
+        if folder is None:
+            raise RuntimeError(f"rank {dist.get_rank()} on {host} sees no complete Megatron conversion of {model_path}")
+        return folder
 
     # -------------------------------------------------------------- compute
     def shard(self, batch: TrainBatch) -> TrainBatch:
@@ -190,10 +220,13 @@ class MegatronModel:
         """[B, L] logprobs of batch.input_ids (0 on padding), on every rank: computed on each
         data-parallel share's last stage, sent to the other stages, all-gathered over dp."""
         local = self.shard(batch)
+        rows, micro = len(local), min(self.logprob_batch_size, len(local))
+        # pipeline buffers have the micro-batch's size: a short last one is filled with copies of a row
+        padded = _pad_rows(local, -rows % micro)
         zero = torch.zeros((), device=self.device)
-        parts = self._run_pipeline(local, self.logprob_batch_size,
-                                   lambda lp, mb: (zero, (lp * mb.attention_mask).detach()), forward_only=True)
-        mine = torch.cat(parts) if self.last_stage else torch.empty(local.input_ids.shape, device=self.device)
+        parts = self._run_pipeline(padded, micro, lambda lp, mb: (zero, (lp * mb.attention_mask).detach()),
+                                   forward_only=True)
+        mine = torch.cat(parts)[:rows] if self.last_stage else torch.empty(local.input_ids.shape, device=self.device)
         if self.pp_size > 1:
             dist.broadcast(mine, src=self._last_stage_rank(), group=self.pp_group)
         if self.dp_size > 1:
@@ -230,13 +263,13 @@ class MegatronModel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the full CPU tensors under Hugging Face
-        names, the others {}. The shards of data-parallel replica 0 travel over a gloo group."""
-        mine = (self.tp_rank, self.pp_rank, self._local_state()) if self.dp_rank == 0 else None
-        parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, parts, dst=0, group=self.cpu_group)
-        if dist.get_rank() != 0:
+        names, the others {}. The shards of data-parallel replica 0 travel over a gloo group of
+        its ranks."""
+        if self.dp_rank != 0:
             return {}
-        return self._to_hf([p for p in parts if p is not None])
+        parts: list[Any] = [None] * dist.get_world_size(self.replica_group) if dist.get_rank() == 0 else None
+        dist.gather_object((self.tp_rank, self.pp_rank, self._local_state()), parts, dst=0, group=self.replica_group)
+        return self._to_hf(parts) if dist.get_rank() == 0 else {}
 
     def _to_hf(self, parts: list[tuple[int, int, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
         return shards_to_hf(parts, self.shape, tensor_parallel_size=self.tp_size, fused_norms=self.fused_norms)
@@ -261,6 +294,7 @@ class MegatronPolicy(MegatronModel):
         self.optimizer = build_optimizer(mc, self.model, precision=self.precision,
                                          distributed=self.distributed_optimizer)
         self.scheduler = build_scheduler(mc, self.optimizer, total_steps)
+        self.config.grad_scale_func = self.optimizer.scale_loss  # fp16's loss scale (1 otherwise)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         if dist.get_rank() == 0:
@@ -326,13 +360,17 @@ class MegatronPolicy(MegatronModel):
 
         folder = Path(path) / CHECKPOINT_DIR
         saved = json.loads((folder / LAYOUT_FILE).read_text())
-        if saved["parallel"] != self._layout()["parallel"]:
-            raise UserError(f"{path} was written with {saved['parallel']} (Megatron ranks); this run has "
-                            f"{self._layout()['parallel']}. Resume with the same layout, or export it with "
+        if saved != self._layout():
+            raise UserError(f"{path} was written with {saved} (Megatron ranks); this run has "
+                            f"{self._layout()}. Resume with the same layout, or export it with "
                             "`novarl convert` and start from the Hugging Face folder.")
         model_state = torch.load(folder / f"model_tp{self.tp_rank}_pp{self.pp_rank}.pt", weights_only=True)
-        self.model.module.load_state_dict(to_stage(model_state, self.layers, first=self.first_stage,
-                                                   last=self.last_stage, tied=False), strict=False)
+        missing, unexpected = self.model.module.load_state_dict(
+            to_stage(model_state, self.layers, first=self.first_stage, last=self.last_stage, tied=False), strict=False)
+        missing = [m for m in missing if not m.endswith("_extra_state")]
+        if missing or unexpected:
+            raise UserError(f"{path}: the Megatron shard tp{self.tp_rank}_pp{self.pp_rank} does not fit this model "
+                            f"(missing {missing[:3]}, unexpected {unexpected[:3]}).")
         states = torch.load(folder / f"optim_rank{dist.get_rank()}.pt", weights_only=False)
         for optimizer, state in zip(self._optimizers(), states, strict=True):
             _load_optimizer_state(optimizer, state)
@@ -409,8 +447,10 @@ def build_scheduler(mc, optimizer, total_steps: int):
     try:
         return OptimizerParamScheduler(
             optimizer, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=s.lr_warmup_iters,
-            lr_decay_steps=decay, lr_decay_style=s.lr_decay_style, start_wd=s.start_weight_decay,
-            end_wd=s.end_weight_decay, wd_incr_steps=max(total_steps, 1), wd_incr_style=s.weight_decay_incr_style)
+            lr_decay_steps=decay, lr_decay_style=s.lr_decay_style,
+            start_wd=o.weight_decay if s.start_weight_decay is None else s.start_weight_decay,
+            end_wd=o.weight_decay if s.end_weight_decay is None else s.end_weight_decay,
+            wd_incr_steps=max(total_steps, 1), wd_incr_style=s.weight_decay_incr_style)
     except (AssertionError, ValueError, KeyError) as err:
         raise ConfigError(f"policy.megatron_cfg.scheduler: megatron-core refused it: {err}") from None
 
@@ -434,6 +474,16 @@ def _load_optimizer_state(optimizer, state: dict[str, Any]) -> None:
         param.copy_(saved)
     if state["grad_scaler"] is not None:
         optimizer.grad_scaler.load_state_dict(state["grad_scaler"])
+
+
+def _pad_rows(batch: TrainBatch, extra: int) -> TrainBatch:
+    """`batch` with its last row repeated `extra` more times."""
+    if not extra:
+        return batch
+    index = torch.cat([torch.arange(len(batch)), torch.full((extra,), len(batch) - 1)])
+    fields = {k: v[index.to(v.device)] if isinstance(v, torch.Tensor) else v for k, v in vars(batch).items()
+              if k != "extras"}
+    return TrainBatch(**fields, extras={k: v[index.to(v.device)] for k, v in batch.extras.items()})
 
 
 def _finalize_without_token_scaling(finalize, model, num_tokens=None, **kwargs) -> None:
