@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from bench_parallel import make_models
+from models import synthetic_batch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -48,8 +49,6 @@ class Bench:
                  batch_size: int, seq_len: int, precision: str) -> None:
         from novarl.algorithms.losses import make_loss
         from novarl.config.schema import LossConfig, PolicyConfig
-        from novarl.trainer.rollout import with_global_counts
-        from novarl.types import TrainBatch
 
         policy = PolicyConfig(
             model_name=model_path, precision=precision, train_micro_batch_size=batch_size,
@@ -66,14 +65,7 @@ class Bench:
             from novarl.backends.training.dtensor import DTensorPolicy
 
             self.policy = DTensorPolicy(policy, model_path, total_steps=100, temperature=1.0)
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(4, 18, (batch_size, seq_len), generator=gen)
-        mask = torch.ones_like(ids, dtype=torch.bool)
-        loss_mask = mask.clone()
-        loss_mask[:, :seq_len // 2] = False
-        self.batch = with_global_counts(TrainBatch(
-            input_ids=ids, attention_mask=mask, loss_mask=loss_mask,
-            advantages=torch.randn(batch_size, generator=gen), generator_logprobs=torch.zeros(batch_size, seq_len)))
+        self.batch = synthetic_batch(batch_size, seq_len)
         self.loss = make_loss(LossConfig())
 
     def step(self) -> float:

@@ -25,7 +25,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
-from models import random_llama_100m
+from models import random_llama_100m, synthetic_batch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -45,20 +45,11 @@ class Bench:
         from novarl.algorithms.losses import make_loss
         from novarl.backends.training.dtensor import DTensorPolicy
         from novarl.config.schema import LossConfig, PolicyConfig
-        from novarl.trainer.rollout import with_global_counts
-        from novarl.types import TrainBatch
 
         policy = PolicyConfig(model_name=model_path, precision="float32", train_micro_batch_size=batch_size,
                               dtensor_cfg={"tensor_parallel_size": tensor_parallel, "cpu_offload": cpu_offload})
         self.policy = DTensorPolicy(policy, model_path, total_steps=100, temperature=1.0)
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(4, 18, (batch_size, seq_len), generator=gen)
-        mask = torch.ones_like(ids, dtype=torch.bool)
-        loss_mask = mask.clone()
-        loss_mask[:, :seq_len // 2] = False
-        self.batch = with_global_counts(TrainBatch(
-            input_ids=ids, attention_mask=mask, loss_mask=loss_mask,
-            advantages=torch.randn(batch_size, generator=gen), generator_logprobs=torch.zeros(batch_size, seq_len)))
+        self.batch = synthetic_batch(batch_size, seq_len)
         self.loss = make_loss(LossConfig())
 
     def step(self) -> float:

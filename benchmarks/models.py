@@ -22,3 +22,21 @@ def random_llama_100m(folder: Path) -> tuple[str, int]:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder), model.num_parameters()
+
+
+def synthetic_batch(batch_size: int, seq_len: int):
+    """A fixed TrainBatch of random tokens of the bundled vocabulary, the second half of each
+    row trained on, random advantages (seeded)."""
+    import torch
+
+    from novarl.trainer.rollout import with_global_counts
+    from novarl.types import TrainBatch
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 18, (batch_size, seq_len), generator=gen)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    loss_mask = mask.clone()
+    loss_mask[:, :seq_len // 2] = False
+    return with_global_counts(TrainBatch(
+        input_ids=ids, attention_mask=mask, loss_mask=loss_mask,
+        advantages=torch.randn(batch_size, generator=gen), generator_logprobs=torch.zeros(batch_size, seq_len)))
