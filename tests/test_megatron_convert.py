@@ -86,10 +86,47 @@ def test_fused_norm_names_for_the_transformer_engine_spec(model):
 def test_unsupported_model_type_and_tp_are_user_errors(model):
     from transformers import GPT2Config
 
-    with pytest.raises(UserError, match="supports model types llama, qwen2, mistral; this model is 'gpt2'"):
+    with pytest.raises(UserError, match="supports model types llama, qwen2, mistral, mixtral; this model is 'gpt2'"):
         LayerShape.from_hf_config(GPT2Config())
     with pytest.raises(UserError, match="tensor_parallel_size=3 must divide"):
         hf_to_megatron(model.state_dict(), LayerShape.from_hf_config(model.config), tensor_parallel_size=3)
+
+
+def tiny_mixtral():
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(MixtralConfig(
+        vocab_size=19, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        tie_word_embeddings=False))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("fused_norms", [False, True])
+def test_mixtral_round_trip_and_expert_parallel_cuts(tp, fused_norms):
+    """Mixtral's router and stacked experts become Megatron's router and per-expert MLPs (whole on
+    every tensor-parallel rank), and come back bit for bit; expert-parallel ranks each take
+    their contiguous share of the experts, numbered from 0."""
+    from novarl.backends.megatron.convert import experts_of_rank, experts_to_global
+
+    model = tiny_mixtral()
+    shape = LayerShape.from_hf_config(model.config)
+    assert (shape.num_experts, shape.experts_per_token, shape.ffn_hidden_size) == (4, 2, 96)
+    hf = model.state_dict()
+    full = hf_to_megatron(hf, shape, tensor_parallel_size=tp, fused_norms=fused_norms)
+    assert full["decoder.layers.1.mlp.router.weight"].shape == (4, 64)
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in full  # never fused into an expert
+    parts = [shard(full, rank=r, tensor_parallel_size=tp) for r in range(tp)]
+    expert = "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"
+    assert all(torch.equal(p[expert], full[expert]) for p in parts)
+    back = megatron_to_hf(unshard(parts), shape, tensor_parallel_size=tp, fused_norms=fused_norms)
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+    second = experts_of_rank(full, rank=1, expert_parallel_size=2, num_experts=4)
+    assert torch.equal(second["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"], full[expert])
+    assert "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight" not in second
+    assert experts_to_global(second, rank=1, expert_parallel_size=2, num_experts=4).keys() == \
+        {k for k in full if ".local_experts.0." not in k and ".local_experts.1." not in k}
 
 
 # ------------------------------------------------ megatron-core checks the layout

@@ -137,14 +137,18 @@ def check_checkpoint(path: Path) -> str | None:
 
 def _check_megatron(folder: Path) -> str | None:
     try:
-        parallel = json.loads((folder / "layout.json").read_text())["parallel"]
-        tp, pp, dp = (int(parallel[k]) for k in ("tp", "pp", "dp"))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        layout = json.loads((folder / "layout.json").read_text())
+        tp, pp, dp = (int(layout["parallel"][k]) for k in ("tp", "pp", "dp"))
+        ep = int(layout["parallel"].get("ep", 1)) if layout.get("experts") else 0
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
         return f"Megatron layout unreadable: {err}"
-    for t in range(tp):
-        for p in range(pp):
+    for p in range(pp):
+        for t in range(tp):
             if not (folder / f"model_tp{t}_pp{p}.pt").is_file():
                 return f"Megatron model shard tp{t}_pp{p} missing"
+        for e in range(ep):
+            if not (folder / f"experts_ep{e}_pp{p}.pt").is_file():
+                return f"Megatron experts of expert-parallel rank {e}, stage {p} missing"
     for rank in range(tp * pp * dp):
         if not (folder / f"optim_rank{rank}.pt").is_file():
             return f"Megatron optimizer state of rank {rank} missing"

@@ -56,8 +56,9 @@ def _export_deepspeed(policy_dir: Path, model_path: str, tokenizer, output: Path
 
 
 def _export_megatron(folder: Path, model_path: str, tokenizer, output: Path) -> Path:
-    """The Megatron model shards (every tensor-parallel rank of every pipeline stage), joined
-    offline with the conversion's name mapping; no process group, no megatron-core."""
+    """The Megatron model shards (every tensor-parallel rank of every pipeline stage, and every
+    expert-parallel rank's experts), joined offline with the conversion's name mapping; no
+    process group, no megatron-core."""
     import json
 
     import torch
@@ -68,12 +69,16 @@ def _export_megatron(folder: Path, model_path: str, tokenizer, output: Path) -> 
     from novarl.trainer.api import save_atomically
 
     layout = json.loads((folder / "layout.json").read_text())
-    tp, pp = layout["parallel"]["tp"], layout["parallel"]["pp"]
+    tp, pp, ep = (layout["parallel"].get(k, 1) for k in ("tp", "pp", "ep"))
     parts = [(t, p, torch.load(folder / f"model_tp{t}_pp{p}.pt", weights_only=True))
              for t in range(tp) for p in range(pp)]
+    experts = {}
+    for e in range(ep if layout.get("experts") else 0):
+        for p in range(pp):
+            experts.update(torch.load(folder / f"experts_ep{e}_pp{p}.pt", weights_only=True))
     model_config = AutoConfig.from_pretrained(model_path)
     state = shards_to_hf(parts, LayerShape.from_hf_config(model_config), tensor_parallel_size=tp,
-                         fused_norms=layout["fused_norms"])
+                         fused_norms=layout["fused_norms"], experts=experts)
     save_atomically(output, lambda tmp: save_hf_folder(tmp, model_config, {k: v.float() for k, v in state.items()},
                                                        tokenizer))
     return output

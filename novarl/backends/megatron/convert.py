@@ -1,4 +1,6 @@
-"""Hugging Face <-> Megatron-core weights for Llama-family models (Llama, Qwen2, Mistral).
+"""Hugging Face <-> Megatron-core weights for Llama-family models (Llama, Qwen2, Mistral) and
+Mixtral's Mixture-of-Experts layers (router + per-expert MLPs, whole on every tensor-parallel
+rank, cut by expert-parallel rank at load time).
 
 Pure tensor work: nothing here imports megatron-core, so conversion runs (and is
 tested) anywhere; megatron-core checks the result when it loads it.
@@ -34,7 +36,9 @@ import torch
 
 from novarl.errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral")
+EXPERTS = ".mlp.experts.local_experts."
+"""Megatron's per-expert MLPs (SequentialMLP): decoder.layers.i.mlp.experts.local_experts.j.linear_fc1/2."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,9 @@ class LayerShape:
     vocab_size: int
     tied: bool
     qkv_bias: bool
+    num_experts: int = 0
+    """Mixture-of-Experts: experts per layer (0: a dense MLP); ffn_hidden_size is each expert's."""
+    experts_per_token: int = 0
 
     @classmethod
     def from_hf_config(cls, config) -> "LayerShape":
@@ -63,7 +70,9 @@ class LayerShape:
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                    ffn_hidden_size=config.intermediate_size, vocab_size=config.vocab_size,
                    tied=bool(getattr(config, "tie_word_embeddings", False)),
-                   qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)))
+                   qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+                   num_experts=getattr(config, "num_local_experts", 0) if model_type == "mixtral" else 0,
+                   experts_per_token=getattr(config, "num_experts_per_tok", 0) if model_type == "mixtral" else 0)
 
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
         return -(-self.vocab_size // tensor_parallel_size) * tensor_parallel_size
@@ -82,7 +91,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: LayerShape, *, tensor_par
     vocabulary is padded to a multiple of it; `shard` cuts it into the ranks' parts."""
     tp = tensor_parallel_size
     shape.check_tensor_parallel(tp)
-    names = _names(fused_norms)
+    names = _names(fused_norms, moe=shape.num_experts > 0)
     out = {"embedding.word_embeddings.weight": _pad_vocab(hf["model.embed_tokens.weight"], shape, tp),
            "decoder.final_layernorm.weight": hf["model.norm.weight"]}
     if not shape.tied:
@@ -98,6 +107,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: LayerShape, *, tensor_par
             out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
                 hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"], shape)
         out[dst + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
+        if shape.num_experts:
+            out.update(_experts_to_megatron(hf, src, dst, shape))
+            continue
         gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
         out[dst + "mlp.linear_fc1.weight"] = torch.cat(
             [torch.cat(pair) for pair in zip(gate.chunk(tp), up.chunk(tp))])
@@ -109,7 +121,7 @@ def megatron_to_hf(mc: dict[str, torch.Tensor], shape: LayerShape, *, tensor_par
                    fused_norms: bool = False) -> dict[str, torch.Tensor]:
     """The Hugging Face state dict for a full Megatron one (the inverse of hf_to_megatron)."""
     tp = tensor_parallel_size
-    names = _names(fused_norms)
+    names = _names(fused_norms, moe=shape.num_experts > 0)
     embed = mc["embedding.word_embeddings.weight"][:shape.vocab_size]
     out = {"model.embed_tokens.weight": embed, "model.norm.weight": mc["decoder.final_layernorm.weight"],
            "lm_head.weight": embed if shape.tied else mc["output_layer.weight"][:shape.vocab_size]}
@@ -124,6 +136,9 @@ def megatron_to_hf(mc: dict[str, torch.Tensor], shape: LayerShape, *, tensor_par
             q, k, v = _split_qkv(mc[src + "self_attention.linear_qkv.bias"], shape)
             out.update({attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v})
         out[attn + "o_proj.weight"] = mc[src + "self_attention.linear_proj.weight"]
+        if shape.num_experts:
+            out.update(_experts_to_hf(mc, src, dst, shape))
+            continue
         pairs = [chunk.chunk(2) for chunk in mc[src + "mlp.linear_fc1.weight"].chunk(tp)]
         out[dst + "mlp.gate_proj.weight"] = torch.cat([gate for gate, _ in pairs])
         out[dst + "mlp.up_proj.weight"] = torch.cat([up for _, up in pairs])
@@ -161,6 +176,8 @@ def _join(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _parallel_dim(name: str) -> int | None:
+    if EXPERTS in name:  # whole on every tensor-parallel rank (expert_tensor_parallel_size 1)
+        return None
     if name.endswith(COLUMN_PARALLEL):
         return 0
     if name.endswith(ROW_PARALLEL):
@@ -169,24 +186,73 @@ def _parallel_dim(name: str) -> int | None:
 
 
 def shards_to_hf(parts: list[tuple[int, int, dict[str, torch.Tensor]]], shape, *, tensor_parallel_size: int,
-                 fused_norms: bool) -> dict[str, torch.Tensor]:
+                 fused_norms: bool, experts: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Hugging Face weights from every (tensor-parallel rank, pipeline stage, that rank's
-    state dict with global layer numbers): each stage's shards joined, then converted."""
+    state dict with global layer numbers): each stage's shards joined, then converted.
+    `experts`: every expert's weights (global layer and expert numbers), gathered apart
+    because expert-parallel ranks hold different experts."""
     stages: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
     for tp_rank, pp_rank, state in parts:
         stages.setdefault(pp_rank, {})[tp_rank] = state
-    full: dict[str, torch.Tensor] = {}
+    full: dict[str, torch.Tensor] = dict(experts or {})
     for pp_rank in sorted(stages):
         by_tp = stages[pp_rank]
         full.update(unshard([by_tp[r] for r in range(tensor_parallel_size)]))
     return megatron_to_hf(full, shape, tensor_parallel_size=tensor_parallel_size, fused_norms=fused_norms)
 
 
+def experts_of_rank(state: dict[str, torch.Tensor], *, rank: int, expert_parallel_size: int,
+                    num_experts: int) -> dict[str, torch.Tensor]:
+    """`state` with only expert-parallel rank `rank`'s experts, numbered from 0 as its
+    layers name them (the rest of the state kept)."""
+    per_rank = num_experts // expert_parallel_size
+    return _renumber_experts(state, lambda j: j - rank * per_rank if j // per_rank == rank else None)
+
+
+def experts_to_global(state: dict[str, torch.Tensor], *, rank: int, expert_parallel_size: int,
+                      num_experts: int) -> dict[str, torch.Tensor]:
+    """The inverse of experts_of_rank for one rank's experts."""
+    per_rank = num_experts // expert_parallel_size
+    return _renumber_experts(state, lambda j: j + rank * per_rank)
+
+
+def _renumber_experts(state: dict[str, torch.Tensor], new_index) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state.items():
+        if EXPERTS not in name:
+            out[name] = tensor
+            continue
+        head, tail = name.split(EXPERTS)
+        index, rest = tail.split(".", 1)
+        renumbered = new_index(int(index))
+        if renumbered is not None:
+            out[f"{head}{EXPERTS}{renumbered}.{rest}"] = tensor
+    return out
+
+
 # ------------------------------------------------------------------ helpers
-def _names(fused_norms: bool) -> dict[str, str]:
-    if fused_norms:
+def _experts_to_megatron(hf: dict[str, torch.Tensor], src: str, dst: str, shape: LayerShape) -> dict:
+    """Mixtral's router and stacked experts ([E, 2f, h] gate;up and [E, h, f] down) as
+    Megatron's router and per-expert MLPs."""
+    out = {dst + "mlp.router.weight": hf[src + "mlp.gate.weight"]}
+    gate_up, down = hf[src + "mlp.experts.gate_up_proj"], hf[src + "mlp.experts.down_proj"]
+    for j in range(shape.num_experts):
+        out[f"{dst}mlp.experts.local_experts.{j}.linear_fc1.weight"] = gate_up[j]
+        out[f"{dst}mlp.experts.local_experts.{j}.linear_fc2.weight"] = down[j]
+    return out
+
+
+def _experts_to_hf(mc: dict[str, torch.Tensor], src: str, dst: str, shape: LayerShape) -> dict:
+    experts = range(shape.num_experts)
+    return {dst + "mlp.gate.weight": mc[src + "mlp.router.weight"],
+            dst + "mlp.experts.gate_up_proj": torch.stack(
+                [mc[f"{src}mlp.experts.local_experts.{j}.linear_fc1.weight"] for j in experts]),
+            dst + "mlp.experts.down_proj": torch.stack(
+                [mc[f"{src}mlp.experts.local_experts.{j}.linear_fc2.weight"] for j in experts])}
+def _names(fused_norms: bool, moe: bool = False) -> dict[str, str]:
+    if fused_norms:  # a Mixture-of-Experts layer keeps its MLP norm apart (no single fc1 to fuse into)
         return {"input_norm": "self_attention.linear_qkv.layer_norm_weight",
-                "mlp_norm": "mlp.linear_fc1.layer_norm_weight"}
+                "mlp_norm": "pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight"}
     return {"input_norm": "input_layernorm.weight", "mlp_norm": "pre_mlp_layernorm.weight"}
 
 

@@ -12,8 +12,10 @@ What maps where (the seeds' keys on the left):
     activation_checkpointing,                    -> recompute_granularity "full" (uniform, every layer)
     recompute_granularity                           or "selective" (attention core only)
     apply_rope_fusion, bias_activation_fusion    -> TransformerConfig (fused kernels)
-    moe_* , freeze_moe_router                    -> MoE only: the converter handles dense models, so
-                                                    expert parallelism is refused for them
+    expert_model_parallel_size, moe_*,           -> Mixture-of-Experts models (Mixtral): experts spread
+    freeze_moe_router                               over expert-parallel ranks, whole (expert tensor
+                                                    parallelism 1); the router frozen by default;
+                                                    refused for dense models
     fp8_cfg                                      -> TransformerConfig fp8 / fp8_recipe / fp8_param
                                                     (Transformer Engine on Hopper or newer)
     converter_type                               -> checked against the checkpoint's architecture
@@ -41,7 +43,8 @@ from novarl.config.schema import PolicyConfig
 from novarl.errors import ConfigError
 from novarl.models.loading import DTYPES
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -85,10 +88,18 @@ def check_model(hf_config, policy: PolicyConfig) -> LayerShape:
     if mc.virtual_pipeline_model_parallel_size not in (None, 1):
         problems.append("policy.megatron_cfg.virtual_pipeline_model_parallel_size (interleaved pipeline "
                         "schedules) is not available yet; leave it unset.")
-    if mc.expert_model_parallel_size > 1 or mc.expert_tensor_parallel_size > 1:
-        problems.append(f"expert parallelism (policy.megatron_cfg.expert_model_parallel_size="
-                        f"{mc.expert_model_parallel_size}, expert_tensor_parallel_size="
-                        f"{mc.expert_tensor_parallel_size}) needs a Mixture-of-Experts model; {expected} is dense.")
+    ep = mc.expert_model_parallel_size
+    if not shape.num_experts and (ep > 1 or mc.expert_tensor_parallel_size > 1):
+        problems.append(f"expert parallelism (policy.megatron_cfg.expert_model_parallel_size={ep}, "
+                        f"expert_tensor_parallel_size={mc.expert_tensor_parallel_size}) needs a Mixture-of-Experts "
+                        f"model; {expected} is dense.")
+    if shape.num_experts and shape.num_experts % ep:
+        problems.append(f"policy.megatron_cfg.expert_model_parallel_size={ep} must divide the model's "
+                        f"{shape.num_experts} experts.")
+    if shape.num_experts and mc.expert_tensor_parallel_size > 1:
+        problems.append(f"policy.megatron_cfg.expert_tensor_parallel_size={mc.expert_tensor_parallel_size}: "
+                        "splitting each expert over tensor-parallel ranks is not available yet; use 1 (whole "
+                        "experts, spread by expert_model_parallel_size).")
     if mc.sequence_parallel and mc.tensor_model_parallel_size > 1 and policy.generation.backend == "megatron":
         problems.append("policy.megatron_cfg.sequence_parallel with policy.generation.backend='megatron': decoding "
                         "feeds one token at a time, which sequence parallelism cannot split over "
@@ -154,6 +165,8 @@ def transformer_config(hf_config, shape: LayerShape, policy: PolicyConfig, *, pr
         # parameters are tensor-parallel only while initialising them (gradient norms need it)
         use_cpu_initialization=False, perform_initialization=True,
     )
+    if shape.num_experts:
+        kwargs.update(_moe(mc, shape))
     granularity = mc.recompute_granularity or ("full" if mc.activation_checkpointing else None)
     if granularity == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -161,12 +174,33 @@ def transformer_config(hf_config, shape: LayerShape, policy: PolicyConfig, *, pr
         kwargs.update(recompute_granularity="selective")
     if mc.fp8_cfg is not None and mc.fp8_cfg.enabled:
         kwargs.update(_fp8(mc, te))
+    if world_size % (mc.expert_model_parallel_size * mc.pipeline_model_parallel_size):
+        raise ConfigError(f"policy.megatron_cfg.expert_model_parallel_size={mc.expert_model_parallel_size} x "
+                          f"pipeline_model_parallel_size={mc.pipeline_model_parallel_size} must divide the "
+                          f"{world_size} ranks.")
     if world_size % (mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size * mc.context_parallel_size):
         raise ConfigError("the world size is not a multiple of tp x pp x cp")  # checked at validation too
     try:
         return TransformerConfig(**kwargs)
     except (ValueError, AssertionError) as err:  # e.g. a fusion whose kernel is not installed
         raise ConfigError(f"policy.megatron_cfg: megatron-core refused the model's configuration: {err}") from None
+
+
+def _moe(mc, shape: LayerShape) -> dict[str, Any]:
+    """The Mixture-of-Experts keys: Mixtral's routing (top-k of the logits, softmax over the
+    chosen) is megatron-core's default score function without pre-softmax."""
+    moe: dict[str, Any] = dict(
+        num_moe_experts=shape.num_experts, moe_router_topk=shape.experts_per_token,
+        moe_ffn_hidden_size=shape.ffn_hidden_size, moe_router_pre_softmax=False,
+        expert_model_parallel_size=mc.expert_model_parallel_size, expert_tensor_parallel_size=1,
+        moe_router_load_balancing_type=mc.moe_router_load_balancing_type,
+        moe_token_dispatcher_type=mc.moe_token_dispatcher_type, moe_grouped_gemm=mc.moe_grouped_gemm,
+        moe_permute_fusion=mc.moe_permute_fusion, moe_router_bias_update_rate=mc.moe_router_bias_update_rate)
+    if mc.moe_router_dtype:
+        moe["moe_router_dtype"] = mc.moe_router_dtype
+    if mc.moe_layer_recompute:
+        moe.update(recompute_granularity="selective", recompute_modules=["moe"])
+    return moe
 
 
 def _fp8(mc, te: bool) -> dict[str, Any]:
@@ -191,12 +225,24 @@ def _rope(hf_config) -> dict[str, Any]:
 
 def layer_spec(config):
     """Transformer Engine's layer spec where it is installed (fused norms, FP8, sequence
-    parallelism), else megatron-core's local one."""
+    parallelism), else megatron-core's local one; with experts when the model has them."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    experts = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     if transformer_engine_available():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**experts)
+    _moe_router_without_transformer_engine()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **experts)
+
+
+def _moe_router_without_transformer_engine() -> None:
+    """megatron-core 0.16's router asks for `te_general_gemm` even when Transformer Engine is
+    absent, where the name is never defined: define it as absent, so the router's plain
+    matmul path runs."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def build_gpt_model(config, hf_config, shape: LayerShape, *, max_sequence_length: int):

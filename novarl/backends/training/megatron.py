@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from novarl.algorithms.losses import LossFn
-from novarl.backends.megatron.convert import shards_to_hf
+from novarl.backends.megatron.convert import EXPERTS, experts_of_rank, experts_to_global, shards_to_hf
 from novarl.backends.training.rows import data_parallel_share
 from novarl.config.schema import PolicyConfig
 from novarl.errors import ConfigError, UserError
@@ -95,18 +95,30 @@ class MegatronModel:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self.ep_size = parallel_state.get_expert_model_parallel_world_size()
+        # who holds a copy of each weight to gather or save: data-parallel replica 0 the dense
+        # ones, expert-data-parallel replica 0 (tensor-parallel rank 0 of it) the experts
+        self.holds_dense = self.dp_rank == 0
+        self.holds_experts = (self.shape.num_experts > 0 and self.tp_rank == 0
+                              and parallel_state.get_expert_data_parallel_rank() == 0)
         self.first_stage = parallel_state.is_pipeline_first_stage()
+        self.replica_group = None
         self.last_stage = parallel_state.is_pipeline_last_stage()
         self.cpu_group = dist.new_group(backend="gloo")  # weights and checkpoints travel on the CPU
-        self.replica_group = self._replica_zero_group()
         self.module = model.build_gpt_model(self.config, self.hf_config, self.shape,
                                             max_sequence_length=policy.max_seq_length)
         self.layers = model.stage_layers(self.config)
+        self.replica_group = self._replica_zero_group()
         self._load_converted(model_path)
         if self.on_gpu:
             self.module.cuda()
         self.module.train(trainable)
         self.module.requires_grad_(trainable)
+        if trainable and self.shape.num_experts and policy.megatron_cfg.freeze_moe_router:
+            for name, param in self.module.named_parameters():
+                if ".mlp.router." in name:
+                    param.requires_grad_(False)
         self.model = self.module
         self.micro_batch_size = policy.train_micro_batch_size
         self.logprob_batch_size = policy.logprob_batch_size or policy.train_micro_batch_size
@@ -120,20 +132,27 @@ class MegatronModel:
         from novarl.backends.megatron.cache import load_shard
 
         folder = self._converted_folder(model_path)
-        state = model.to_stage(load_shard(folder, self.tp_rank), self.layers, first=self.first_stage,
-                               last=self.last_stage, tied=self.shape.tied)
+        state = self._experts_here(model.to_stage(load_shard(folder, self.tp_rank), self.layers,
+                                                  first=self.first_stage, last=self.last_stage, tied=self.shape.tied))
         missing, unexpected = self.module.load_state_dict(state, strict=False)
         missing = [m for m in missing if not m.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"the converted Megatron weights do not fit the model: missing {missing[:5]}, "
                                f"unexpected {unexpected[:5]}")
 
+    def _experts_here(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` (every expert, global numbers) cut to this expert-parallel rank's experts."""
+        if not self.shape.num_experts:
+            return state
+        return experts_of_rank(state, rank=self.ep_rank, expert_parallel_size=self.ep_size,
+                               num_experts=self.shape.num_experts)
+
     def _replica_zero_group(self):
-        """A gloo group of data-parallel replica 0's ranks (every tp x pp shard once, global
-        rank 0 among them): the full weights are gathered over it alone."""
+        """A gloo group of the ranks that hold a copy of some weight to gather (global rank 0
+        among them): the full weights travel over it alone."""
         ranks: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, self.dp_rank, group=self.cpu_group)
-        return dist.new_group(ranks=[r for r, dp in enumerate(ranks) if dp == 0], backend="gloo")
+        dist.all_gather_object(ranks, self.holds_dense or self.holds_experts, group=self.cpu_group)
+        return dist.new_group(ranks=[r for r, holds in enumerate(ranks) if holds], backend="gloo")
 
     def _converted_folder(self, model_path: str) -> Path:
         """The conversion, made once: by global rank 0, and again by the first rank of any node
@@ -253,26 +272,35 @@ class MegatronModel:
             torch.cuda.empty_cache()
 
     # ----------------------------------------------------------- weights out
-    def _local_state(self) -> dict[str, torch.Tensor]:
+    def _local_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(this rank's dense weights, its experts' weights), on the CPU with global layer and
+        expert numbers."""
         from novarl.backends.megatron.model import from_stage
 
         module = self.model.module if hasattr(self.model, "module") else self.model
-        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()
-                 if not name.endswith("_extra_state") and tensor is not None}
-        return from_stage(state, self.layers)
+        state = from_stage({name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()
+                            if not name.endswith("_extra_state") and tensor is not None}, self.layers)
+        experts = {name: tensor for name, tensor in state.items() if EXPERTS in name}
+        if experts:
+            experts = experts_to_global(experts, rank=self.ep_rank, expert_parallel_size=self.ep_size,
+                                        num_experts=self.shape.num_experts)
+        return {name: tensor for name, tensor in state.items() if EXPERTS not in name}, experts
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the full CPU tensors under Hugging Face
-        names, the others {}. The shards of data-parallel replica 0 travel over a gloo group of
-        its ranks."""
-        if self.dp_rank != 0:
+        names, the others {}. The ranks holding a copy of each weight send it over a gloo group
+        of their own."""
+        if not (self.holds_dense or self.holds_experts):
             return {}
+        dense, experts = self._local_state()
+        mine = (self.tp_rank, self.pp_rank, dense if self.holds_dense else None, experts if self.holds_experts else {})
         parts: list[Any] = [None] * dist.get_world_size(self.replica_group) if dist.get_rank() == 0 else None
-        dist.gather_object((self.tp_rank, self.pp_rank, self._local_state()), parts, dst=0, group=self.replica_group)
-        return self._to_hf(parts) if dist.get_rank() == 0 else {}
-
-    def _to_hf(self, parts: list[tuple[int, int, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-        return shards_to_hf(parts, self.shape, tensor_parallel_size=self.tp_size, fused_norms=self.fused_norms)
+        dist.gather_object(mine, parts, dst=0, group=self.replica_group)
+        if dist.get_rank() != 0:
+            return {}
+        every_expert = {name: tensor for *_, part in parts for name, tensor in part.items()}
+        return shards_to_hf([(tp, pp, d) for tp, pp, d, _ in parts if d is not None], self.shape,
+                            tensor_parallel_size=self.tp_size, fused_norms=self.fused_norms, experts=every_expert)
 
 
 class MegatronPolicy(MegatronModel):
@@ -346,8 +374,11 @@ class MegatronPolicy(MegatronModel):
         if dist.get_rank() == 0:
             folder.mkdir(parents=True, exist_ok=True)
         dist.barrier(group=self.cpu_group)
-        if self.dp_rank == 0:
-            torch.save(self._local_state(), folder / f"model_tp{self.tp_rank}_pp{self.pp_rank}.pt")
+        dense, experts = self._local_state()
+        if self.holds_dense:
+            torch.save(dense, folder / f"model_tp{self.tp_rank}_pp{self.pp_rank}.pt")
+        if self.holds_experts:
+            torch.save(experts, folder / f"experts_ep{self.ep_rank}_pp{self.pp_rank}.pt")
         torch.save([_optimizer_state(o) for o in self._optimizers()], folder / f"optim_rank{dist.get_rank()}.pt")
         if dist.get_rank() == 0:
             torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
@@ -365,6 +396,9 @@ class MegatronPolicy(MegatronModel):
                             f"{self._layout()}. Resume with the same layout, or export it with "
                             "`novarl convert` and start from the Hugging Face folder.")
         model_state = torch.load(folder / f"model_tp{self.tp_rank}_pp{self.pp_rank}.pt", weights_only=True)
+        if self.shape.num_experts:
+            model_state.update(self._experts_here(torch.load(folder / f"experts_ep{self.ep_rank}_pp{self.pp_rank}.pt",
+                                                             weights_only=True)))
         missing, unexpected = self.model.module.load_state_dict(
             to_stage(model_state, self.layers, first=self.first_stage, last=self.last_stage, tied=False), strict=False)
         missing = [m for m in missing if not m.endswith("_extra_state")]
@@ -381,8 +415,8 @@ class MegatronPolicy(MegatronModel):
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def _layout(self) -> dict[str, Any]:
-        return {"parallel": {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size},
-                "vocab_size": self.shape.vocab_size, "fused_norms": self.fused_norms,
+        return {"parallel": {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size, "ep": self.ep_size},
+                "vocab_size": self.shape.vocab_size, "experts": self.shape.num_experts, "fused_norms": self.fused_norms,
                 "distributed_optimizer": self.distributed_optimizer}
 
     def save_hf(self, path: Path, tokenizer) -> None:
