@@ -99,10 +99,10 @@ def sample_tokens(model, prompts: list[list[int]], sampling: SamplingConfig, sto
 def max_batch(model, config: McoreGenerationConfig, cache_length: int) -> int:
     """Sequences whose KV cache (the layers of the largest pipeline stage, this rank's heads)
     fits in buffer_size_gb."""
-    shape, cfg = model.shape, model.config
-    bytes_per_value = 2 if cfg.params_dtype in (torch.bfloat16, torch.float16) else 4
     from novarl.backends.megatron.model import largest_stage
 
+    shape, cfg = model.shape, model.config
+    bytes_per_value = 2 if cfg.params_dtype in (torch.bfloat16, torch.float16) else 4
     # the same on every stage (the largest one decides), so their batches line up
     per_sequence = (2 * largest_stage(cfg) * max(shape.num_kv_heads // model.tp_size, 1) * shape.head_dim
                     * cache_length * bytes_per_value)
