@@ -39,12 +39,15 @@ def run(tmp_path, *overrides, recipe=BUNDLED_RECIPE):
 
 
 def test_fsdp2_on_two_ranks_matches_one_rank(tmp_path):
-    """The shipped 2-rank recipe, through Ray, against the same recipe on one in-process rank."""
+    """The shipped 2-rank recipe, through Ray, against the same recipe on one in-process rank;
+    with a KL penalty, so the frozen reference runs beside the policy on its 2 rank processes."""
     import torch
 
     ckpt = f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"
-    _, single = run(tmp_path / "one", "cluster.gpus_per_node=1", ckpt, recipe=FSDP2X2_RECIPE)
-    result, double = run(tmp_path / "two", ckpt + "2", recipe=FSDP2X2_RECIPE)
+    kl = "loss_fn.reference_policy_kl_penalty=0.05"
+    _, single = run(tmp_path / "one", "cluster.gpus_per_node=1", ckpt, kl, recipe=FSDP2X2_RECIPE)
+    result, double = run(tmp_path / "two", ckpt + "2", kl, recipe=FSDP2X2_RECIPE)
+    assert double[-1]["kl_to_reference"] > 0  # the policy has moved away from the reference
     assert len(single) == len(double) == 4
     for one, two in zip(single, double):
         # Same samples (same seeded generator weights), so the same loss and gradients,
@@ -53,6 +56,7 @@ def test_fsdp2_on_two_ranks_matches_one_rank(tmp_path):
         assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
         assert two["logprob_mismatch"] < 1e-3
+        assert two["kl_to_reference"] == pytest.approx(one["kl_to_reference"], rel=1e-3, abs=1e-9)
     from transformers import AutoModelForCausalLM
 
     final = AutoModelForCausalLM.from_pretrained(result.model_dir).state_dict()

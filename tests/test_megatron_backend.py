@@ -30,7 +30,7 @@ COMMON = ["logger.progress_bar=false", "grpo.max_train_seconds=null", "grpo.val_
           "policy.scheduler=[]", "policy.optimizer.kwargs={lr: 4.0e-4, weight_decay: 0.0}",
           "policy.megatron_cfg.optimizer.lr=4.0e-4", "policy.megatron_cfg.optimizer.weight_decay=0.0",
           "policy.megatron_cfg.optimizer.clip_grad=1.0",
-          # a frozen reference on ranks of its own, laid out like the policy
+          # a frozen reference in the policy's rank processes, laid out like it
           "loss_fn.reference_policy_kl_penalty=0.05"]
 MEGATRON = "policy.megatron_cfg.enabled=true"
 
@@ -41,10 +41,6 @@ def megatron_on_cpu(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("NOVARL_MEGATRON_ON_CPU", "NOVARL_MEGATRON_CHECKPOINT_DIR")}
     os.environ["NOVARL_MEGATRON_ON_CPU"] = "1"
     os.environ["NOVARL_MEGATRON_CHECKPOINT_DIR"] = str(tmp_path_factory.mktemp("megatron_cache"))
-    from novarl.distributed.ray_group import ensure_ray
-
-    ray.shutdown()
-    ensure_ray(num_cpus=4)  # 2 policy ranks + the 2 reference ranks beside them, on 2 cores
     yield
     ray.shutdown()
     for key, value in saved.items():

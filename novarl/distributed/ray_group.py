@@ -28,11 +28,13 @@ class WorkerDied(RunFailed):
 
 
 class RankActor:
-    """The process behind one rank: joins the process group, then hosts one role."""
+    """The process behind one rank: joins the process group, then hosts a role (and, beside
+    it, others that share its ranks: the frozen reference beside the policy)."""
 
     def __init__(self, rank: int, world_size: int, cpus: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.role: Any = None
+        self.others: dict[str, Any] = {}
         self.bridge: Any = None
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0"})
         import torch
@@ -93,6 +95,13 @@ class RankActor:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.role, method)(*args, **kwargs)
+
+    def add_role(self, name: str, factory: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        """Build another role in this process, on the same ranks and process group."""
+        self.others[name] = factory(**kwargs)
+
+    def call_role(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.others[name], method)(*args, **kwargs)
 
     def join_weight_bridge(self, host: str, port: int, rank: int, world_size: int) -> None:
         """Join the weight-transfer group (policy rank 0 + the generator ranks)."""
@@ -178,8 +187,8 @@ class RayWorkerGroup:
                 raise UserError(
                     f"The {self.name} worker group needs {world_size} ranks x {amount:g} {resource} = "
                     f"{amount * world_size:g} {resource}, but the Ray cluster has {have.get(resource, 0):g} free "
-                    "(cluster.gpus_per_node x cluster.num_nodes sets the policy's ranks; the reference and a "
-                    "dedicated generator take their own).")
+                    "(cluster.gpus_per_node x cluster.num_nodes sets the policy's ranks; a dedicated "
+                    "generator takes its own).")
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run `method` on every rank; rank 0's result."""
@@ -190,6 +199,18 @@ class RayWorkerGroup:
 
         args = tuple(ray.put(a) for a in args)  # one copy in the object store, not one per rank
         return self._get([a.call.remote(method, *args, **kwargs) for a in self.actors])
+
+    def add_role(self, name: str, factory: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        """Build `factory(**kwargs)` on every rank beside the group's role (same processes,
+        devices and process group); reach it with call_role."""
+        self._get([a.add_role.remote(name, factory, kwargs) for a in self.actors])
+
+    def call_role(self, name: str, method: str, *args: Any) -> Any:
+        """Run `method` of the added role `name` on every rank; rank 0's result."""
+        import ray
+
+        args = tuple(ray.put(a) for a in args)
+        return self._get([a.call_role.remote(name, method, *args) for a in self.actors])[0]
 
     def call_all_actors(self, method: str, *args: Any) -> list[Any]:
         """Run a RankActor method (memory, reset_memory_peak) on every rank; rank order."""

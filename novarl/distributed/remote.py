@@ -96,13 +96,16 @@ class RemoteGenerator:
 
 
 class RemoteReference:
-    """The frozen reference over a RayWorkerGroup of DTensorReference ranks."""
+    """The frozen reference, built beside the policy on the policy group's ranks (same
+    processes and devices, as NeMo RL keeps it in the policy's workers)."""
+
+    ROLE = "reference"
 
     def __init__(self, group: RayWorkerGroup) -> None:
         self.group = group
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self.group.call("logprobs", batch)
+        return self.group.call_role(self.ROLE, "logprobs", batch)
 
     def shutdown(self) -> None:
-        self.group.shutdown()
+        """Nothing of its own: the policy's group stops its processes."""

@@ -233,13 +233,13 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device):
 
     gpus = 1 if device.type == "cuda" else 0
     info(f"starting {ranks} policy ranks on Ray ({'1 GPU' if gpus else '1 CPU'} each)")
-    policy = RemotePolicy(RayWorkerGroup(Policy, policy_args, world_size=ranks,
-                                         gpus_per_rank=gpus, name="policy"))
+    group = RayWorkerGroup(Policy, policy_args, world_size=ranks, gpus_per_rank=gpus, name="policy")
+    policy = RemotePolicy(group)
     if not with_reference:
         return policy, None
     try:
-        return policy, RemoteReference(RayWorkerGroup(Reference, reference_args, world_size=ranks,
-                                                      gpus_per_rank=gpus, name="reference"))
+        group.add_role(RemoteReference.ROLE, Reference, reference_args)  # on the policy's ranks
+        return policy, RemoteReference(group)
     except BaseException:
         policy.shutdown()
         raise
