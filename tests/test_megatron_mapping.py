@@ -114,3 +114,18 @@ def test_stage_sizes_follow_first_and_last_stage_settings():
 def test_uneven_layers_without_stage_settings_are_refused():
     with pytest.raises(ConfigError, match="pipeline_model_parallel_size=3 does not divide the 4 layers"):
         check_model(tiny(4), policy("policy.megatron_cfg.pipeline_model_parallel_size=3"))
+
+
+def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
+    from transformers import MixtralConfig
+
+    mixtral = MixtralConfig(vocab_size=19, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4)
+    with pytest.raises(ConfigError) as err:
+        check_model(mixtral, policy("policy.megatron_cfg.tensor_model_parallel_size=2",
+                                    "policy.megatron_cfg.expert_model_parallel_size=3",
+                                    "policy.megatron_cfg.expert_tensor_parallel_size=2"))
+    for part in ("needs sequence_parallel=true", "expert_model_parallel_size=3 must divide the model's 4 experts",
+                 "expert_tensor_parallel_size=2: splitting each expert"):
+        assert part in str(err.value)
+    assert check_model(mixtral, policy("policy.megatron_cfg.expert_model_parallel_size=2")).num_experts == 4

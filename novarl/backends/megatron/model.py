@@ -96,6 +96,10 @@ def check_model(hf_config, policy: PolicyConfig) -> LayerShape:
     if shape.num_experts and shape.num_experts % ep:
         problems.append(f"policy.megatron_cfg.expert_model_parallel_size={ep} must divide the model's "
                         f"{shape.num_experts} experts.")
+    if shape.num_experts and mc.tensor_model_parallel_size > 1 and not mc.sequence_parallel:
+        problems.append(f"policy.megatron_cfg.tensor_model_parallel_size={mc.tensor_model_parallel_size} on a "
+                        "Mixture-of-Experts model needs sequence_parallel=true (megatron-core's rule for MoE with "
+                        "tensor parallelism; it needs Transformer Engine).")
     if shape.num_experts and mc.expert_tensor_parallel_size > 1:
         problems.append(f"policy.megatron_cfg.expert_tensor_parallel_size={mc.expert_tensor_parallel_size}: "
                         "splitting each expert over tensor-parallel ranks is not available yet; use 1 (whole "

@@ -98,12 +98,11 @@ class MegatronModel:
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()
         self.ep_size = parallel_state.get_expert_model_parallel_world_size()
         # who holds a copy of each weight to gather or save: data-parallel replica 0 the dense
-        # ones, expert-data-parallel replica 0 (tensor-parallel rank 0 of it) the experts
+        # ones, expert-data-parallel replica 0 the experts (whole: expert tensor parallelism 1)
         self.holds_dense = self.dp_rank == 0
-        self.holds_experts = (self.shape.num_experts > 0 and self.tp_rank == 0
-                              and parallel_state.get_expert_data_parallel_rank() == 0)
+        self.holds_experts = (self.shape.num_experts > 0 and parallel_state.get_expert_data_parallel_rank() == 0
+                              and parallel_state.get_expert_tensor_parallel_rank() == 0)
         self.first_stage = parallel_state.is_pipeline_first_stage()
-        self.replica_group = None
         self.last_stage = parallel_state.is_pipeline_last_stage()
         self.cpu_group = dist.new_group(backend="gloo")  # weights and checkpoints travel on the CPU
         self.module = model.build_gpt_model(self.config, self.hf_config, self.shape,
