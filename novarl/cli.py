@@ -176,7 +176,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
                         gpu_memory_gb=args.gpu_memory_gb, sequence_length=cfg.policy.max_seq_length,
                         micro_batch_size=cfg.policy.train_micro_batch_size,
-                        precision=cfg.policy.precision or "bfloat16")
+                        precision=cfg.policy.precision or "bfloat16",
+                        with_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
     if args.json:
         print(json.dumps(advice.to_dict() if advice else {"skipped": skipped}, indent=2))
     else:

@@ -175,3 +175,20 @@ def test_cli_plan_skips_advice_for_an_uncached_hub_model(capsys):
 def test_cli_plan_unknown_model_flag_exits_2(capsys):
     code, _, err = run_cli(capsys, "plan", "--model", "novarl-test/not-a-cached-model")
     assert code == 2 and "Traceback" not in err and "parameter count" in err
+
+
+def test_a_kl_reference_adds_a_copy_of_the_weights_on_every_gpu():
+    """The reference lives in the policy's processes, sharded like its weights."""
+    shape = ModelShape.from_name("7B")
+    plain = advise(shape, gpus_per_node=8, num_nodes=1, sequence_length=SEQ)
+    with_kl = advise(shape, gpus_per_node=8, num_nodes=1, sequence_length=SEQ, with_reference=True)
+    def key(c):
+        return c.strategy, c.tensor_parallel_size, c.pipeline_parallel_size, c.activation_checkpointing
+
+    before = {key(c): c for c in plain.candidates}
+    common = [(before[key(c)], c) for c in with_kl.candidates if key(c) in before]
+    assert len(common) >= 5
+    for without, kl in common:
+        assert without.memory_gb["reference_weights"] == 0
+        assert kl.memory_gb["reference_weights"] == pytest.approx(without.memory_gb["params"])
+        assert kl.memory_gb["training"] == pytest.approx(without.memory_gb["training"] + without.memory_gb["params"])

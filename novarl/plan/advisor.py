@@ -218,9 +218,10 @@ def placement_for(shape: ModelShape, *, num_nodes: int, generation_backend: str)
 # ------------------------------------------------------------------ advise
 def advise(shape: ModelShape, *, gpus_per_node: int, num_nodes: int, gpu_memory_gb: float = 80,
            sequence_length: int, micro_batch_size: int = 1, precision: Precision = "bfloat16",
-           generation_tp: int | None = None) -> Advice:
+           generation_tp: int | None = None, with_reference: bool = False) -> Advice:
     """Rank the training layouts for `shape` on `num_nodes` x `gpus_per_node` GPUs of
-    `gpu_memory_gb` GB each, and recommend one (see the module docstring)."""
+    `gpu_memory_gb` GB each, and recommend one (see the module docstring). with_reference:
+    a KL penalty keeps a frozen copy of the weights beside the policy's on each GPU."""
     if gpus_per_node < 1 or num_nodes < 1:
         raise UserError(f"the advisor plans for GPUs: cluster {num_nodes} node(s) x {gpus_per_node} GPU(s) has none.")
     if gpu_memory_gb <= 0 or sequence_length < 1 or micro_batch_size < 1:
@@ -233,7 +234,7 @@ def advise(shape: ModelShape, *, gpus_per_node: int, num_nodes: int, gpu_memory_
     context = _Context(shape=shape, gpus_per_node=gpus_per_node, num_nodes=num_nodes, gpu_memory_gb=gpu_memory_gb,
                        workload=Workload(sequence_length=sequence_length, micro_batch_size=micro_batch_size,
                                          precision=precision),
-                       generation_tp=generation_tp, tps=tps, branch=branch)
+                       generation_tp=generation_tp, tps=tps, branch=branch, with_reference=with_reference)
     candidates = _candidates(context)
     ranked = sorted(candidates, key=lambda c: (not c.fits, -c.score, c.peak_gb))
     pick = _tree_pick(context, candidates)
@@ -258,6 +259,7 @@ class _Context:
     generation_tp: int | None
     tps: list[int]
     branch: str
+    with_reference: bool = False
 
     @property
     def budget_gb(self) -> float:
@@ -348,12 +350,14 @@ def _breakdown(context: _Context, layout: _Layout, workload: Workload, parallel:
     if generation == "megatron":
         # Megatron generation runs on the training weights: no second copy, a KV buffer.
         breakdown = dataclasses.replace(breakdown, kv_cache=MEGATRON_GENERATION_BUFFER_GB * GB)
+    if context.with_reference:  # the reference is sharded like the policy's weights
+        breakdown = dataclasses.replace(breakdown, reference_weights=breakdown.params)
     return breakdown
 
 
 def _peak(breakdown: MemoryBreakdown, placement: Placement, generation: str) -> float:
     if generation == "megatron":
-        return max(breakdown.training, breakdown.model_states + breakdown.kv_cache)
+        return max(breakdown.training, breakdown.model_states + breakdown.reference_weights + breakdown.kv_cache)
     if placement == "colocated":
         return max(breakdown.training, breakdown.generation)
     return breakdown.training
@@ -476,7 +480,8 @@ def _explain(context: _Context, pick: Candidate, recommended: Candidate | None,
 
 # ------------------------------------------------------------------ table
 _TABLE_COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "optim"), ("gathered_params", "gathered"),
-                  ("activations", "activ"), ("generator_weights", "gen wts"), ("kv_cache", "KV"), ("peak", "peak"))
+                  ("activations", "activ"), ("reference_weights", "ref wts"), ("generator_weights", "gen wts"),
+                  ("kv_cache", "KV"), ("peak", "peak"))
 
 
 def format_advice(advice: Advice) -> str:

@@ -59,7 +59,8 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
     advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
                     gpu_memory_gb=gpu_memory_gb, sequence_length=cfg.policy.max_seq_length,
                     micro_batch_size=cfg.policy.train_micro_batch_size,
-                    precision=cfg.policy.precision or "bfloat16")
+                    precision=cfg.policy.precision or "bfloat16",
+                    with_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
     runnable = [c for c in advice.candidates if c.fits and c.built]
     if not runnable:
         raise UserError(f"policy.backend=auto: no layout novarl can run today fits {cfg.policy.model_name} on "

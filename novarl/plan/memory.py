@@ -77,6 +77,8 @@ class MemoryBreakdown:
     """Unsharded working copies that ZeRO-3 / FSDP2 gather for compute."""
     generator_weights: float = 0.0
     kv_cache: float = 0.0
+    reference_weights: float = 0.0
+    """A frozen KL reference's weights, laid out like `params`, in the policy's processes."""
     cpu_offloaded: float = 0.0
     """Model states moved to host memory (not counted in the GPU totals)."""
     notes: tuple[str, ...] = ()
@@ -87,7 +89,7 @@ class MemoryBreakdown:
 
     @property
     def training(self) -> float:
-        return self.model_states + self.gathered_params + self.activations
+        return self.model_states + self.reference_weights + self.gathered_params + self.activations
 
     @property
     def generation(self) -> float:
