@@ -129,3 +129,12 @@ def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
                  "expert_tensor_parallel_size=2: splitting each expert"):
         assert part in str(err.value)
     assert check_model(mixtral, policy("policy.megatron_cfg.expert_model_parallel_size=2")).num_experts == 4
+
+
+def test_a_sliding_window_shorter_than_the_sequences_is_refused():
+    hf = tiny()
+    hf.sliding_window = 8
+    with pytest.raises(ConfigError, match="sliding window of 8 tokens.*max_seq_length=16 must be at most 8"):
+        check_model(hf, policy())
+    hf.sliding_window = 4096  # longer than any sequence: the window never cuts
+    check_model(hf, policy())

@@ -118,6 +118,10 @@ def check_model(hf_config, policy: PolicyConfig) -> LayerShape:
     if mc.context_parallel_size > 1:
         problems.append(f"policy.megatron_cfg.context_parallel_size={mc.context_parallel_size}: context "
                         "parallelism needs Transformer Engine's attention; not available yet.")
+    window = getattr(hf_config, "sliding_window", None)
+    if window is not None and window < policy.max_seq_length:
+        problems.append(f"the model attends within a sliding window of {window} tokens, which the Megatron backend "
+                        f"does not map; policy.max_seq_length={policy.max_seq_length} must be at most {window}.")
     rope = _rope(hf_config)
     if rope.get("rope_type", "default") not in ("default", "llama3"):
         problems.append(f"the model's rope_type {rope.get('rope_type')!r} is not mapped to Megatron "

@@ -21,6 +21,7 @@ shares.
   to the vocabulary are masked out.
 - Optimizer and schedule come from `megatron_cfg.optimizer` and `.scheduler`
   (the seeds' rule for Megatron), gradient clipping from `optimizer.clip_grad`;
+  the precision from `policy.precision` (`optimizer.bf16/fp16/params_dtype` follow it);
   DDP from `megatron_cfg.distributed_data_parallel_config`.
 - Parameters are all-gathered synchronously at each step (the generator reads
   them right after), so `overlap_param_gather` is not applied.
