@@ -3,9 +3,11 @@
 Public API (kept light: no vllm, deepspeed, megatron or ray at import time)::
 
     import novarl
-    result = novarl.train(model="tiny-arith", dataset="arithmetic", reward_fn="exact_match")
+    result = novarl.train(model="tiny-arith", dataset="arithmetic", reward_fn="exact_match", max_num_steps=200)
     trainer = novarl.GRPOTrainer.from_pretrained("tiny-arith", max_num_steps=50)
     trainer = novarl.GRPOTrainer(novarl.load_config("recipe.yaml"))
+
+With no config, `train` and `GRPOTrainer` start from the bundled recipe (`novarl train`'s default).
 """
 
 from __future__ import annotations

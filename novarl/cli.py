@@ -5,8 +5,9 @@
     novarl validate recipe.yaml                    # check a config, start nothing (-c recipe.yaml is the same)
     novarl plan recipe.yaml                        # which backends would run, and the batch arithmetic
     novarl plan --model 7.5B cluster.gpus_per_node=8 [--json]   # which layouts fit, ranked, and why
-    novarl eval runs/tiny_arith/exp_001/policy     # held-out greedy accuracy of a model folder
-    novarl convert ckpts/step_100 out/hf_model     # a checkpoint as a Hugging Face folder
+    novarl eval runs/tiny_arith/exp_001/policy     # held-out greedy accuracy of a model folder (the run's config)
+    novarl convert results/grpo out/hf_model       # the newest checkpoint (or a step_N folder) as a HF folder
+    python -m novarl ...                           # the same; novarl --version
 
 Bad input ends with a one-paragraph message on stderr and exit code 2.
 """
@@ -17,9 +18,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from novarl.config.loading import BUNDLED_RECIPE
 from novarl.errors import RunFailed, UserError
+from novarl.logging.quiet import quiet_third_party
 
-BUNDLED_RECIPE = Path(__file__).parent / "config" / "recipes" / "tiny_arith.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from novarl import __version__
+
     parser = argparse.ArgumentParser(prog="novarl", description="RL post-training of language models.")
+    parser.add_argument("--version", action="version", version=f"novarl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, run, helptext in (("train", cmd_train, "run GRPO"),
                                 ("validate", cmd_validate, "check a config and print it resolved"),
@@ -67,12 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
             resume.add_argument("--no-resume", dest="resume", action="store_false",
                                 help="refuse to start if checkpoint_dir already holds checkpoints")
     p = sub.add_parser("convert", help="export a checkpoint (checkpoint_dir/step_N) as a Hugging Face folder")
-    p.add_argument("checkpoint", type=Path, help="a step_N folder written by checkpointing")
+    p.add_argument("checkpoint", type=Path,
+                   help="a step_N folder written by checkpointing, or checkpoint_dir itself (its newest complete step)")
     p.add_argument("output", type=Path, help="the Hugging Face folder to write")
     p.set_defaults(run=cmd_convert)
     p = sub.add_parser("eval", help="held-out greedy accuracy of a model folder")
     p.add_argument("model", help="model folder, hub id, or bundled name")
-    p.add_argument("-c", "--config", type=Path, default=None, help="config giving data and reward")
+    p.add_argument("-c", "--config", type=Path, default=None,
+                   help="config giving data and reward (default: RUN/config.yaml for a RUN/policy folder, "
+                        "else the bundled recipe)")
     p.add_argument("overrides", nargs="*", metavar="key.path=value")
     p.set_defaults(run=cmd_eval)
     return parser
@@ -101,28 +109,33 @@ def _config(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> int:
     from novarl.trainer.api import GRPOTrainer
 
-    result = GRPOTrainer(_config(args)).train(resume=args.resume)
+    cfg = _config(args)
+    result = GRPOTrainer(cfg).train(resume=args.resume)
     before, after = result.initial_accuracy, result.final_accuracy
-    print(f"held-out greedy accuracy: before {_pct(before)} -> after {_pct(after)} "
-          f"({result.steps} steps)")
+    steps = f"{result.steps} steps" if not result.stopped_early else \
+        f"{result.steps} of {cfg.grpo.max_num_steps} steps: stopped on grpo.max_train_seconds"
+    print(f"{result.accuracy_source} greedy accuracy: before {_pct(before)} -> after {_pct(after)} ({steps})")
     print(f"output folder: {result.output_dir}")
     print(f"policy (Hugging Face folder): {result.model_dir}")
     return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """The checks `novarl train` makes before it starts anything (the same function:
+    trainer.setup.preflight), then the resolved config. Starts no worker, loads no weights."""
     from novarl.config import dump_config
     from novarl.plan.auto import apply_auto
-    from novarl.plan.resolve import check_available, plan_batches, resolve_backends
+    from novarl.trainer.setup import preflight
 
     cfg, why = apply_auto(_config(args))
-    choice = resolve_backends(cfg)
+    inputs = preflight(cfg)
     print(dump_config(cfg), end="")
     for line in why:
         print(f"# {line}")
-    print(f"# valid. {choice.describe()}; {plan_batches(cfg).describe()}")
-    for item in check_available(cfg, choice).missing:
-        print(f"# not available yet (a run would stop): {item}")
+    print(f"# valid. {inputs.choice.describe()}; {inputs.batches.describe()}")
+    for line in (*(f"note: {n}" for n in inputs.notes), *(f"warning: {w}" for w in inputs.warnings),
+                 inputs.summary):
+        print(f"# {line}")
     return 0
 
 
@@ -165,7 +178,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         try:
             shape = ModelShape.from_parameter_count(parse_parameter_count(name))
         except UserError:  # not a count: a bundled name, a folder or a cached hub id
-            shape = ModelShape.from_name(resolve_model_path(name))
+            shape = ModelShape.from_name(resolve_model_path(name, download=False))
     except UserError as err:
         if args.model is not None:
             raise
@@ -186,33 +199,59 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from novarl.trainer.export import export_checkpoint
+    from novarl.trainer.export import export_checkpoint, find_checkpoint
 
-    export_checkpoint(args.checkpoint, args.output)
+    step = find_checkpoint(args.checkpoint)
+    if step != args.checkpoint:
+        print(f"converting {step}: the newest complete checkpoint in {args.checkpoint}")
+    export_checkpoint(step, args.output)
     print(f"wrote {args.output}")
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from novarl.config import load_config
     from novarl.distributed.local import default_device
+    from novarl.logging.console import info
     from novarl.trainer.evaluate import evaluate
     from novarl.trainer.setup import prepare_eval
 
-    cfg = _config(args)
-    generator, prompts, scorer = prepare_eval(cfg, args.model, default_device())
-    result = evaluate(generator, prompts, scorer, cfg.policy.generation.max_new_tokens,
+    refuse_checkpoint_as_model(args.model)
+    run_config = None if args.config is not None else run_config_of(args.model)
+    if run_config is not None:
+        cfg = load_config(run_config, overrides=args.overrides)
+        info(f"using the run's own config {run_config} (data, reward, generation); -c CONFIG uses another")
+    else:
+        cfg = _config(args)
+    inputs = prepare_eval(cfg, args.model, default_device())
+    result = evaluate(inputs.generator, inputs.prompts, inputs.scorer, cfg.policy.generation.max_new_tokens,
                       batch_size=cfg.grpo.val_batch_size)
-    print(f"held-out greedy accuracy of {args.model}: {_pct(result['accuracy'])} "
-          f"on {int(result['num_samples'])} prompts")
+    which = "held-out greedy accuracy" if inputs.val_source == "held-out" else \
+        "greedy accuracy (on training prompts: the data has no held-out split)"
+    print(f"{which} of {args.model}: {_pct(result['accuracy'])} on {int(result['num_samples'])} prompts")
     return 0
 
 
-def quiet_third_party() -> None:
-    """Our progress bar is the one to watch: hide transformers' per-load bars."""
-    import os
+def run_config_of(model: str) -> Path | None:
+    """The config.yaml of the run whose final policy `model` is (RUN/policy), or None."""
+    folder = Path(model).expanduser()
+    config = folder.parent / "config.yaml"
+    return config if folder.name == "policy" and folder.is_dir() and config.is_file() else None
 
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+def refuse_checkpoint_as_model(model: str) -> None:
+    """A checkpoint (step_N, or its policy/ shards) is not a Hugging Face folder: say how to make one."""
+    from novarl.trainer.checkpoint import POLICY_DIR, STATE_FILE
+
+    folder = Path(model).expanduser()
+    if (folder / STATE_FILE).is_file():
+        step = folder
+    elif folder.name == POLICY_DIR and (folder.parent / STATE_FILE).is_file():
+        step = folder.parent
+    else:
+        return
+    raise UserError(f"'{model}' is a training checkpoint, not a Hugging Face model folder. Convert it "
+                    f"first: `novarl convert {step} OUT`, then `novarl eval OUT`.")
 
 
 def _pct(value: float | None) -> str:

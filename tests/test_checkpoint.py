@@ -12,10 +12,9 @@ import torch
 from novarl.cli import BUNDLED_RECIPE, main
 from novarl.config import load_config
 from novarl.errors import UserError
-from novarl.logging.metrics import read_jsonl
 from novarl.trainer.api import GRPOTrainer
 from novarl.trainer.checkpoint import check_checkpoint
-from tests.helpers import HF
+from tests.helpers import HF, train_steps
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +28,9 @@ def overrides(tmp_path, steps, *extra):
             f"grpo.max_num_steps={steps}", *COMMON, *extra]
 
 
-def train_steps(result):
-    return {r["step"]: r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"}
-
-
 def test_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
     reference = GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path / "ref", 8))).train()
-    expected = train_steps(reference)
+    expected = train_steps(reference.output_dir)
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "novarl.cli", "train", *overrides(run, 8)]
@@ -48,13 +43,17 @@ def test_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
     assert (run / "ckpt" / "step_4").exists() and not (run / "ckpt" / "step_8").exists()
 
     resumed = GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(run, 8))).train()
-    got = train_steps(resumed)
+    got = train_steps(resumed.output_dir)
     first = min(got)
     assert 5 <= first <= 7 and max(got) == 8  # it went on from the newest complete checkpoint
     for step in range(first, 9):
         assert got[step]["reward_mean"] == expected[step]["reward_mean"]
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-7)
         assert got[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=1e-6)
+    # The resumed run's metrics.jsonl (and its curve) carry the killed run's steps before it.
+    whole = train_steps(resumed.output_dir, this_run_only=False)
+    assert sorted(whole) == list(range(1, 9))
+    assert all(whole[step]["reward_mean"] == expected[step]["reward_mean"] for step in range(1, first))
 
 
 def test_partial_checkpoint_is_skipped_for_the_previous_good_one(tmp_path, capsys):
@@ -65,8 +64,9 @@ def test_partial_checkpoint_is_skipped_for_the_previous_good_one(tmp_path, capsy
         shard.unlink()  # as if the disk lost it
     assert check_checkpoint(ckpt / "step_4") == "policy shards missing"
     trainer = GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path, 5)))
-    steps = train_steps(trainer.train())
-    assert sorted(steps) == [3, 4, 5]
+    result = trainer.train()
+    assert sorted(train_steps(result.output_dir)) == [3, 4, 5]
+    assert sorted(train_steps(result.output_dir, this_run_only=False)) == [1, 2, 3, 4, 5]  # history from step_2
     assert "step_4 is not usable (policy shards missing)" in capsys.readouterr().err
 
 

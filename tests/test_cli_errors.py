@@ -1,6 +1,7 @@
 """The command line on bad input: exit code 2, a short message naming what is
-wrong and where, no traceback, and no run folder. Plus the reward scorer's
-checks on what a user's reward function returns. Nothing is trained."""
+wrong and where, no traceback, and no run folder; `validate` refuses what `train`
+refuses (the same preflight). Plus the reward scorer's checks on what a user's
+reward function returns. Nothing is trained."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from novarl.errors import UserError
 from novarl.plan.resolve import installed
 from novarl.rewards.registry import RewardScorer
 from novarl.types import Completion, Prompt
+from tests.helpers import HF
 
 DEFAULT_GENERATION = "vllm" if installed("vllm") else "hf"
 CUDA = torch.cuda.is_available()
@@ -50,8 +52,21 @@ def log_dir(tmp_path) -> Path:
 
 # ============================================================ subprocess: real exit codes
 def novarl(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "novarl.cli", *argv], cwd=cwd, capture_output=True,
+    """`python -m novarl ...` (novarl/__main__.py), as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "novarl", *argv], cwd=cwd, capture_output=True,
                           text=True, timeout=120)
+
+
+def test_version_exits_0(tmp_path):
+    import novarl as package
+
+    proc = novarl("--version", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"novarl {package.__version__}\n"
+    script = Path(sys.executable).parent / "novarl"  # the console script, where installed
+    if script.is_file():
+        console = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60)
+        assert (console.returncode, console.stdout) == (0, proc.stdout)
 
 
 def test_validate_bundled_recipe_exits_0(tmp_path):
@@ -60,7 +75,15 @@ def test_validate_bundled_recipe_exits_0(tmp_path):
     assert f"# valid. training backend: dtensor; generation backend: {DEFAULT_GENERATION}" in proc.stdout
     assert "model_name: tiny-arith" in proc.stdout
     assert "not available yet" not in proc.stdout
+    assert "# model: tiny-arith" in proc.stdout and "7100 train / 1000 held-out prompts" in proc.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_validate_refusal_exits_2_without_traceback(tmp_path):
+    proc = novarl("validate", f"policy.model_name={tmp_path / 'nope'}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert proc.stderr.startswith(f"novarl: error: policy.model_name='{tmp_path / 'nope'}'")
 
 
 def test_train_unknown_key_exits_2_without_traceback(tmp_path):
@@ -91,10 +114,19 @@ def test_validate_prints_the_resolved_config_and_the_plan(capsys):
     assert "batch: 256 samples per GRPO step" in out
 
 
-def test_validate_reports_missing_backends_but_exits_0(capsys):
-    code, out, _ = run_cli(capsys, "validate", "grpo.async_grpo.enabled=true")
-    assert code == 0
-    assert "# not available yet (a run would stop): asynchronous GRPO (grpo.async_grpo.enabled)" in out
+def test_validate_refuses_what_train_cannot_run_yet(capsys, log_dir):
+    code, out, err = run_cli(capsys, "validate", "grpo.async_grpo.enabled=true")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert out == ""
+    assert "does not have yet" in msg and "asynchronous GRPO (grpo.async_grpo.enabled)" in msg
+
+
+def test_validate_prints_the_warnings_plan_prints(capsys):
+    code, out, err = run_cli(capsys, "validate", "logger.wandb_enabled=true", "policy.deepspeed_cfg.enabled=true")
+    assert code == 0, err
+    assert f"# note: policy.generation.backend not set: using '{DEFAULT_GENERATION}'\n" in out
+    assert "# warning: logger.wandb_enabled: not available yet; metrics go to the JSONL file\n" in out
+    assert "# valid. training backend: deepspeed (also enabled, ignored by precedence" in out
 
 
 def test_train_unknown_nested_key(capsys, log_dir):
@@ -124,45 +156,90 @@ def test_train_invalid_yaml_names_the_line(capsys, tmp_path, log_dir):
     assert str(path) in msg and "not valid YAML at line 3" in msg
 
 
-def test_train_bad_model_path(capsys, log_dir):
-    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "policy.model_name=./does/not/exist")
+# Each bad input below is refused by `train` before anything starts, and by `validate` alike.
+BOTH = pytest.mark.parametrize("command", ["train", "validate"])
+
+
+@BOTH
+def test_bad_model_path(capsys, log_dir, command):
+    code, _, err = run_cli(capsys, command, f"logger.log_dir={log_dir}", "policy.model_name=./does/not/exist")
     msg = assert_refused_cleanly(code, err, log_dir)
     assert "policy.model_name='./does/not/exist'" in msg and "no model folder there" in msg
 
 
-def test_train_model_folder_without_config_json(capsys, tmp_path, log_dir):
+@BOTH
+def test_sequence_longer_than_the_model_positions_with_vllm(capsys, log_dir, command):
+    code, _, err = run_cli(capsys, command, f"logger.log_dir={log_dir}", "policy.max_seq_length=512",
+                           "policy.generation.backend=vllm")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert "policy.max_seq_length=512 is longer than the model's max_position_embeddings=64" in msg
+    assert "at most 64" in msg
+
+
+def test_a_start_that_fails_after_the_checks_leaves_no_run_folder(capsys, log_dir):
+    """More ranks than this machine's Ray cluster has: refused when the workers are placed,
+    after the run folder was made; the folder goes again."""
+    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "cluster.gpus_per_node=64",
+                           "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", HF)
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert "64 CPU" in msg and "free" in msg
+
+
+@BOTH
+def test_model_folder_without_config_json(capsys, tmp_path, log_dir, command):
     folder = tmp_path / "empty_model"
     folder.mkdir()
-    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", f"policy.model_name={folder}")
+    code, _, err = run_cli(capsys, command, f"logger.log_dir={log_dir}", f"policy.model_name={folder}")
     msg = assert_refused_cleanly(code, err, log_dir)
     assert f"policy.model_name='{folder}'" in msg and "no config.json" in msg
 
 
-def test_train_dataset_with_a_bad_json_line_names_file_and_line(capsys, tmp_path, log_dir):
+@BOTH
+def test_dataset_with_a_bad_json_line_names_file_and_line(capsys, tmp_path, log_dir, command):
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n"
                     + json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n"
                     + '{"prompt": "3+3=", "answer": \n')
-    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "data.dataset_name=ResponseDataset",
+    code, _, err = run_cli(capsys, command, f"logger.log_dir={log_dir}", "data.dataset_name=ResponseDataset",
                            f"data.train_data_path={data}")
     msg = assert_refused_cleanly(code, err, log_dir)
     assert f"{data}:3: not valid JSON" in msg
 
 
-def test_train_dataset_row_without_the_prompt_field(capsys, tmp_path, log_dir):
+@BOTH
+def test_dataset_row_without_the_prompt_field(capsys, tmp_path, log_dir, command):
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
-    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "data.dataset_name=ResponseDataset",
+    code, _, err = run_cli(capsys, command, f"logger.log_dir={log_dir}", "data.dataset_name=ResponseDataset",
                            f"data.train_data_path={data}")
     msg = assert_refused_cleanly(code, err, log_dir)
     assert f"{data}:1: no field 'prompt'" in msg and "data.input_key" in msg
 
 
-def test_train_missing_dataset_file(capsys, tmp_path, log_dir):
-    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "data.dataset_name=ResponseDataset",
+@BOTH
+def test_missing_dataset_file(capsys, tmp_path, log_dir, command):
+    code, _, err = run_cli(capsys, command, f"logger.log_dir={log_dir}", "data.dataset_name=ResponseDataset",
                            f"data.train_data_path={tmp_path / 'none.jsonl'}")
     msg = assert_refused_cleanly(code, err, log_dir)
     assert f"data.train_data_path='{tmp_path / 'none.jsonl'}': no such file" in msg
+
+
+@BOTH
+def test_missing_validation_file(capsys, tmp_path, log_dir, command):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    code, _, err = run_cli(capsys, command, f"logger.log_dir={log_dir}", f"data.train_data_path={data}",
+                           f"data.val_data_path={tmp_path / 'none.jsonl'}", "grpo.num_prompts_per_step=1",
+                           "policy.train_micro_batch_size=8")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert f"data.val_data_path='{tmp_path / 'none.jsonl'}': no such file" in msg
+
+
+@BOTH
+def test_unknown_dataset_name(capsys, log_dir, command):
+    code, _, err = run_cli(capsys, command, f"logger.log_dir={log_dir}", "data.dataset_name=gsm8k_typo")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert "data.dataset_name='gsm8k_typo' is not available yet" in msg and "'arithmetic'" in msg
 
 
 @pytest.mark.parametrize("spec, expected", [
@@ -171,16 +248,32 @@ def test_train_missing_dataset_file(capsys, tmp_path, log_dir):
     ("no_such_module_for_novarl_tests:score", "importing module 'no_such_module_for_novarl_tests' failed: ModuleNotFoundError"),
     ("exact_mtch", "neither a registered reward (exact_match) nor an import path 'module:function'"),
 ])
-def test_train_reward_function_that_does_not_exist(capsys, log_dir, spec, expected):
-    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", f"reward.function={spec}")
+@BOTH
+def test_reward_function_that_does_not_exist(capsys, log_dir, spec, expected, command):
+    code, _, err = run_cli(capsys, command, f"logger.log_dir={log_dir}", f"reward.function={spec}")
     msg = assert_refused_cleanly(code, err, log_dir)
     assert f"reward.function='{spec}'" in msg and expected in msg
 
 
+@pytest.mark.parametrize("spec, expected", [
+    ("raising_reward", "raised ZeroDivisionError: no denominator"),
+    ("string_reward", "returned '1.0' (str), not a finite number"),
+])
+@BOTH
+def test_reward_function_that_fails_its_smoke_call(capsys, log_dir, spec, expected, command):
+    # Called once on a training example before anything starts (the functions are defined below).
+    spec = f"{__name__}:{spec}"
+    code, _, err = run_cli(capsys, command, f"logger.log_dir={log_dir}", f"reward.function={spec}")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert msg.startswith(f"novarl: error: reward.function='{spec}': a trial call on a training example")
+    assert expected in msg and "completion '" in msg
+
+
 @pytest.mark.skipif(CUDA, reason="this host has CUDA: Megatron runs")
-def test_train_megatron_without_a_gpu_is_refused_before_any_output(capsys, log_dir, monkeypatch):
+@BOTH
+def test_megatron_without_a_gpu_is_refused_before_any_output(capsys, log_dir, monkeypatch, command):
     monkeypatch.delenv("NOVARL_MEGATRON_ON_CPU", raising=False)
-    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "policy.megatron_cfg.enabled=true")
+    code, _, err = run_cli(capsys, command, f"logger.log_dir={log_dir}", "policy.megatron_cfg.enabled=true")
     msg = assert_refused_cleanly(code, err, log_dir)
     assert "does not have yet" in msg and "a CUDA GPU: Megatron-core trains and generates on CUDA GPUs only" in msg
     assert "NOVARL_MEGATRON_ON_CPU=1 runs it on the CPU for tests" in msg

@@ -121,7 +121,8 @@ def test_unreadable_inputs_are_user_errors(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(UserError, match="importing module 'broken_reward_mod' failed: RuntimeError: boom at import"):
         import_reward_fn("broken_reward_mod:score")
-    with pytest.raises(UserError, match="not a file path"):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"the file '.*rewards\.py' does not exist"):
         import_reward_fn("./rewards.py:score")
 
 

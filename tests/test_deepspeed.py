@@ -12,9 +12,8 @@ import pytest
 from novarl.cli import BUNDLED_RECIPE, main
 from novarl.config import load_config
 from novarl.errors import UserError
-from novarl.logging.metrics import read_jsonl
 from novarl.trainer.api import GRPOTrainer
-from tests.helpers import HF
+from tests.helpers import HF, train_steps
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
@@ -43,8 +42,7 @@ def run_trainer(tmp_path, steps, *overrides):
                                                  *COMMON, *overrides])
     trainer = GRPOTrainer(cfg)
     result = trainer.train()
-    return trainer, result, {r["step"]: r for r in read_jsonl(result.output_dir / "metrics.jsonl")
-                             if r["kind"] == "train"}
+    return trainer, result, train_steps(result.output_dir)
 
 
 @pytest.fixture(scope="module")

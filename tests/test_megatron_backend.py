@@ -16,9 +16,8 @@ import torch
 from novarl.cli import BUNDLED_RECIPE, main
 from novarl.config import load_config
 from novarl.errors import ConfigError
-from novarl.logging.metrics import read_jsonl
 from novarl.trainer.api import GRPOTrainer
-from tests.helpers import HF
+from tests.helpers import HF, train_steps
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
@@ -78,7 +77,7 @@ def run(tmp_path, steps, model, *overrides):
     cfg = load_config(BUNDLED_RECIPE, overrides=[f"logger.log_dir={tmp_path / 'logs'}", f"grpo.max_num_steps={steps}",
                                                  f"policy.model_name={model}", *COMMON, *overrides])
     result = GRPOTrainer(cfg).train()
-    return result, {r["step"]: r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"}
+    return result, train_steps(result.output_dir)
 
 
 @pytest.fixture(scope="module")

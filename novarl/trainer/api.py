@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from novarl.config import NovaRLConfig, dump_config, load_config
+from novarl.config import BUNDLED_RECIPE, NovaRLConfig, dump_config, load_config
 from novarl.data.arithmetic import Example
 from novarl.data.datasets import BUNDLED_DATASETS
 from novarl.errors import RunFailed, UserError
+from novarl.logging.metrics import JsonlSink, read_jsonl
 from novarl.plan.resolve import world_size
 from novarl.trainer.checkpoint import POLICY_DIR, Checkpoint, Checkpointer
 
@@ -29,6 +31,10 @@ class TrainResult:
     initial_accuracy: float | None = None
     final_accuracy: float | None = None
     steps: int = 0
+    accuracy_source: str = "held-out"
+    """Where the evaluation prompts came from: "held-out", or "training-set" when the data has no held-out split."""
+    stopped_early: bool = False
+    """True when grpo.max_train_seconds ended the run before grpo.max_num_steps."""
     extras: dict[str, Any] = field(default_factory=dict)
 
 
@@ -37,21 +43,26 @@ class GRPOTrainer:
 
         trainer = GRPOTrainer.from_pretrained("tiny-arith", max_num_steps=100)
         result = trainer.train()
+
+    config: a NovaRLConfig, a dict, a YAML path, or None for the bundled recipe
+    (`novarl train`'s default: tiny model, arithmetic task); keyword overrides go on top.
     """
 
     def __init__(self, config: NovaRLConfig | Mapping[str, Any] | str | Path | None = None, *,
                  reward_fn: str | RewardFn | None = None, train_examples: Sequence[Example] | None = None,
-                 **overrides: Any) -> None:
+                 checkpoints_in_run_folder: bool = False, **overrides: Any) -> None:
         if isinstance(config, NovaRLConfig):
             if overrides:
-                config = load_config(config.model_dump(by_alias=True), **overrides)
+                config = load_config(config.model_dump(by_alias=True, exclude_unset=True), **overrides)
             self.config = config
         else:
-            self.config = load_config(config, **overrides)
+            self.config = load_config(BUNDLED_RECIPE if config is None else config, **overrides)
         self.reward_fn = reward_fn
         self.roles = None
         """The policy, reference and generator of the last `train()`, kept for inspection."""
         self.train_examples = list(train_examples) if train_examples is not None else None
+        self.checkpoints_in_run_folder = checkpoints_in_run_folder
+        """Checkpoints to <run folder>/checkpoints unless the config sets checkpointing.checkpoint_dir."""
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, config: Mapping[str, Any] | str | Path | None = None,
@@ -62,29 +73,50 @@ class GRPOTrainer:
     def train(self, resume: bool | None = None) -> TrainResult:
         """Run GRPO. resume: None continues from the newest good checkpoint in
         checkpointing.checkpoint_dir if there is one; True requires one; False
-        requires there is none (a fresh run never overwrites checkpoints)."""
-        import torch
+        requires there is none (a fresh run never overwrites checkpoints).
 
-        from novarl.distributed.local import default_device
+        Everything that bad input can fail is checked before the run folder is made;
+        a start that fails later (a worker, an engine) removes the folder it made."""
         from novarl.logging.console import info
-        from novarl.logging.metrics import JsonlSink, read_jsonl
-        from novarl.logging.plots import plot_reward_curve
-        from novarl.trainer.grpo import run_grpo
+        from novarl.logging.quiet import quiet_third_party
         from novarl.plan.auto import apply_auto
-        from novarl.trainer.setup import build_roles, prepare_inputs
+        from novarl.trainer.setup import prepare_inputs
 
+        quiet_third_party()
         cfg, why = apply_auto(self.config)
         for line in why:
             info(line)
         inputs = prepare_inputs(cfg, self.reward_fn, self.train_examples)
+        run_dir = new_run_dir(Path(cfg.logger.log_dir))
+        if self.checkpoints_in_run_folder and "checkpoint_dir" not in cfg.checkpointing.model_fields_set:
+            cfg = cfg.model_copy(update={"checkpointing": cfg.checkpointing.model_copy(
+                update={"checkpoint_dir": str(run_dir / "checkpoints")})})
+        sink = JsonlSink(run_dir / "metrics.jsonl")
+        try:
+            return self._run(cfg, inputs, run_dir, sink, resume)
+        except BaseException:
+            sink.close()
+            if not sink.count("train"):  # nothing trained: leave no folder behind
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        finally:
+            sink.close()
+
+    def _run(self, cfg: NovaRLConfig, inputs, run_dir: Path, sink: JsonlSink, resume: bool | None) -> TrainResult:
+        import torch
+
+        from novarl.distributed.local import default_device
+        from novarl.logging.console import info
+        from novarl.logging.plots import plot_reward_curve
+        from novarl.trainer.grpo import run_grpo
+        from novarl.trainer.setup import build_roles
+
         checkpointer = Checkpointer(cfg.checkpointing, dump_config(cfg)) if cfg.checkpointing.enabled else None
         start = pick_checkpoint(checkpointer, resume, cfg)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
         torch.manual_seed(cfg.grpo.seed)
         roles = self.roles = build_roles(cfg, inputs, default_device())
-        run_dir = new_run_dir(Path(cfg.logger.log_dir))  # only once the workers stand
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
         info(f"output folder: {run_dir}")
-        sink = JsonlSink(run_dir / "metrics.jsonl")
         model_dir = run_dir / "policy"
         try:
             summary = run_grpo(cfg, inputs, roles, sink, checkpointer, start)
@@ -95,14 +127,16 @@ class GRPOTrainer:
                      "resumes from it" if newest else "no checkpoint was written (checkpointing.enabled)")
             raise RunFailed(f"{err} Metrics so far are in {run_dir}; {where}.") from None
         finally:
-            sink.close()
             roles.shutdown()
-        plot = plot_reward_curve(read_jsonl(run_dir / "metrics.jsonl"), run_dir / "reward_curve.png",
+        sink.close()
+        plot = plot_reward_curve(read_jsonl(sink.path), run_dir / "reward_curve.png",
                                  title=f"GRPO on {cfg.policy.model_name}")
         info(f"saved the policy to {model_dir} and the reward curve to {plot}")
         return TrainResult(metrics=summary, output_dir=run_dir, model_dir=model_dir,
                            initial_accuracy=summary.get("initial_accuracy"),
-                           final_accuracy=summary.get("val_accuracy"), steps=int(summary.get("steps", 0)))
+                           final_accuracy=summary.get("val_accuracy"), steps=int(summary.get("steps", 0)),
+                           accuracy_source="held-out" if inputs.val_source == "held-out" else "training-set",
+                           stopped_early=bool(summary.get("stopped_on_time_budget")))
 
 
 def pick_checkpoint(checkpointer: Checkpointer | None, resume: bool | None,
@@ -162,6 +196,11 @@ def train(model: str | None = None, dataset: str | Sequence[Mapping[str, Any]] |
       list of {"prompt": ..., "answer": ...} dicts.
     reward_fn: a callable fn(completion, answer) -> float, a registered name
       ("exact_match"), or "module:function".
+    config: a YAML path or a dict; None starts from the bundled recipe (as `novarl train`).
+    overrides: keyword overrides (see `load_config`), e.g. max_num_steps=200.
+
+    Each call is a new run: checkpoints (when enabled) go to <run folder>/checkpoints
+    unless checkpointing.checkpoint_dir is given.
     """
     examples = None
     if isinstance(dataset, str):
@@ -171,7 +210,8 @@ def train(model: str | None = None, dataset: str | Sequence[Mapping[str, Any]] |
         examples = [_example_from(row, i) for i, row in enumerate(dataset)]
     if model is not None:
         overrides["model_name"] = model
-    return GRPOTrainer(config, reward_fn=reward_fn, train_examples=examples, **overrides).train()
+    return GRPOTrainer(config, reward_fn=reward_fn, train_examples=examples, checkpoints_in_run_folder=True,
+                       **overrides).train()
 
 
 def _example_from(row: Any, index: int) -> Example:

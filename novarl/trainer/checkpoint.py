@@ -23,6 +23,7 @@ from novarl.config.schema import CheckpointingConfig
 from novarl.logging.console import info
 
 STATE_FILE = "trainer_state.json"
+METRICS_FILE = "metrics.jsonl"
 POLICY_DIR = "policy"
 
 
@@ -31,6 +32,19 @@ class Checkpoint:
     path: Path
     step: int
     state: dict[str, Any]
+
+    def history(self) -> list[dict[str, Any]]:
+        """The metrics records of the run up to this step (none for a checkpoint saved without them)."""
+        from novarl.logging.metrics import read_jsonl
+
+        path = self.path / METRICS_FILE
+        try:
+            records = read_jsonl(path) if path.is_file() else []
+        except (OSError, ValueError):  # a damaged copy costs the curve its past, not the run
+            info(f"{path} is unreadable: the resumed run's metrics start at step {self.step + 1}")
+            return []
+        return [r for r in records if isinstance(r, dict) and isinstance(r.get("step"), int)
+                and r["step"] <= self.step]
 
 
 class Checkpointer:
@@ -42,8 +56,10 @@ class Checkpointer:
     def due(self, step: int, *, last: bool) -> bool:
         return self.cfg.enabled and (step % self.cfg.save_period == 0 or last)
 
-    def save(self, step: int, policy, state: dict[str, Any]) -> Path:
-        """Write step_N atomically; then prune to keep_top_k (the newest always stays)."""
+    def save(self, step: int, policy, state: dict[str, Any], *, metrics: Path | None = None) -> Path:
+        """Write step_N atomically; then prune to keep_top_k (the newest always stays).
+        metrics: the run's metrics.jsonl, kept with the checkpoint so that a resumed run
+        carries the whole history (its curve starts at step 1, not at the resume)."""
         final = self.root / f"step_{step}"
         tmp = self.root / f".tmp_step_{step}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -51,8 +67,11 @@ class Checkpointer:
         policy.save(tmp / POLICY_DIR)
         state = {**state, "step": step, "rng": _rng_state()}
         (tmp / "config.yaml").write_text(self.config_yaml)
+        if metrics is not None and metrics.is_file():
+            shutil.copyfile(metrics, tmp / METRICS_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))  # written last: marks completeness
         replace_dir(tmp, final)
+        info(f"checkpoint step_{step} -> {final}")
         self._prune()
         return final
 

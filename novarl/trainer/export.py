@@ -5,17 +5,39 @@ from __future__ import annotations
 from pathlib import Path
 
 from novarl.config import load_config
+from novarl.config.schema import CheckpointingConfig
 from novarl.errors import UserError
-from novarl.trainer.checkpoint import POLICY_DIR, check_checkpoint
+from novarl.trainer.checkpoint import POLICY_DIR, STATE_FILE, Checkpointer, check_checkpoint
+
+
+def find_checkpoint(path: Path) -> Path:
+    """`path` itself when it is a checkpoint (a step_N folder), else the newest complete
+    step_N in it (a checkpointing.checkpoint_dir; incomplete ones are reported and skipped)."""
+    if not path.is_dir():
+        raise UserError(f"'{path}' does not exist or is not a folder; give a checkpoint "
+                        "(checkpoint_dir/step_N) or the checkpoint_dir holding them.")
+    if path.name.startswith("step_") or (path / STATE_FILE).exists():
+        return path  # a step folder: export_checkpoint says what is wrong if it is incomplete
+    steps = sorted(path.glob("step_*"))
+    if not steps:
+        raise UserError(f"'{path}' holds no checkpoint (no step_N folder): give a step_N folder written by "
+                        "checkpointing, or the checkpointing.checkpoint_dir holding them.")
+    latest = Checkpointer(CheckpointingConfig(checkpoint_dir=str(path)), config_yaml="").latest()
+    if latest is None:
+        found = "; ".join(f"{step.name}: {check_checkpoint(step)}" for step in steps)
+        raise UserError(f"'{path}' holds no complete checkpoint ({found}).")
+    return latest.path
 
 
 def export_checkpoint(checkpoint: Path, output: Path) -> Path:
-    """Load `checkpoint` (any number of ranks wrote it) on one rank and write `output`."""
+    """Load `checkpoint` (any number of ranks wrote it) on one rank and write `output`.
+    `checkpoint` may be the checkpoint_dir: its newest complete step is exported."""
     from novarl.backends.training.dtensor import DTensorPolicy
     from novarl.distributed.local import default_device, ensure_single_process_group
     from novarl.models.loading import load_tokenizer, resolve_model_path
     from novarl.trainer.api import save_atomically
 
+    checkpoint = find_checkpoint(checkpoint)
     problem = check_checkpoint(checkpoint)
     if problem is not None:
         raise UserError(f"'{checkpoint}' is not a complete checkpoint ({problem}).")

@@ -55,77 +55,99 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
     grpo, gen = cfg.grpo, cfg.policy.generation
     loss_fn = make_loss(cfg.loss_fn)
     estimate_advantages = ADVANTAGE_ESTIMATORS.get(grpo.advantage_estimator)
-    step = resume_from(resume, inputs, roles) if resume else 0
+    step = resume_from(resume, inputs, roles, sink) if resume else 0
     progress = Progress(grpo.max_num_steps, enabled=cfg.logger.progress_bar,
                         print_every=cfg.logger.print_every_n_steps, initial=step)
     summary: dict[str, float] = dict(resume.state.get("summary", {})) if resume else {}
+    summary.pop("stopped_on_time_budget", None)  # this run's own ending decides
+    accuracy_source = "held-out" if inputs.val_source == "held-out" else "training-set"
     saved = step
 
     def checkpoint(step: int, *, last: bool) -> None:
         nonlocal saved
         if checkpointer and saved != step and checkpointer.due(step, last=last):
-            checkpointer.save(step, roles.policy, {"sampler": inputs.sampler.state_dict(), "summary": summary})
+            checkpointer.save(step, roles.policy, {"sampler": inputs.sampler.state_dict(), "summary": summary},
+                              metrics=sink.path)
             saved = step
 
     def validate(step: int) -> None:
         result = evaluate(roles.generator, inputs.val_prompts, inputs.scorer, gen.max_new_tokens,
                           batch_size=grpo.val_batch_size, samples_to_print=cfg.logger.num_val_samples_to_print)
         sink.write({"kind": "eval", "step": step, **result})
-        progress.evaluated(step, result["accuracy"])
+        progress.evaluated(step, result["accuracy"], source=accuracy_source)
         summary.update({f"val_{k}": v for k, v in result.items()}, val_step=step)
         summary.setdefault("initial_accuracy", result["accuracy"])
 
-    if grpo.val_at_start and step == 0:
-        validate(0)
-    started = time.perf_counter()
-    while step < grpo.max_num_steps:
-        if grpo.max_train_seconds and time.perf_counter() - started > grpo.max_train_seconds:
-            break
-        step += 1
-        timer, tic = StepTimer(), time.perf_counter()
-        prompts = [p for p in inputs.sampler.next_batch() for _ in range(grpo.num_generations_per_prompt)]
-        sampling = SamplingConfig(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
-                                  top_k=gen.top_k, stop_token_ids=tuple(gen.stop_token_ids or ()),
-                                  seed=grpo.seed + step)
-        with timer("generation"):
-            completions = roles.generator.generate(prompts, sampling)
-            roles.release_generator()
-        rewards = torch.tensor(inputs.scorer.score(completions))
-        advantages = estimate_advantages(rewards, grpo.num_generations_per_prompt,
-                                         normalize_rewards=grpo.normalize_rewards,
-                                         use_leave_one_out_baseline=grpo.use_leave_one_out_baseline)
-        batch = build_train_batch(completions, advantages, pad_token_id=inputs.tokenizer.pad_token_id,
-                                  overlong_filtering=grpo.overlong_filtering)
-        with timer("logprobs"):
-            batch.old_logprobs = roles.policy.logprobs(batch)
-            if roles.reference is not None:
-                batch.reference_logprobs = roles.reference.logprobs(batch)
-        with timer("training"):
-            train_metrics = train_on_batch(roles.policy, batch, loss_fn, inputs.batches.global_batch_size)
-        with timer("weight_sync"):
-            sync_metrics = roles.sync_weights(step)
-        metrics = {**rollout_metrics(completions, rewards, grpo.num_generations_per_prompt), **train_metrics,
-                   **sync_metrics,
-                   **logprob_mismatch(batch), **timer.seconds, "time_step": time.perf_counter() - tic}
-        if metrics["logprob_mismatch"] > MISMATCH_WARNING and not summary.get("mismatch_warned"):
-            info(f"warning at step {step}: {mismatch_advice(metrics['logprob_mismatch'])}")
-            summary["mismatch_warned"] = 1.0
-        sink.write({"kind": "train", "step": step, **metrics})
-        progress.step(step, metrics)
-        summary.update(metrics)
-        if grpo.val_period and step % grpo.val_period == 0 and not (grpo.val_at_end and step == grpo.max_num_steps):
+    try:
+        if grpo.val_at_start and step == 0:
+            validate(0)
+        started = time.perf_counter()
+        while step < grpo.max_num_steps:
+            if grpo.max_train_seconds and time.perf_counter() - started > grpo.max_train_seconds:
+                progress.stopped_early(time_budget_message(step, grpo.max_num_steps, grpo.max_train_seconds))
+                summary["stopped_on_time_budget"] = 1.0
+                break
+            step += 1
+            metrics = grpo_step(cfg, inputs, roles, loss_fn, estimate_advantages, step)
+            if metrics["logprob_mismatch"] > MISMATCH_WARNING and not summary.get("mismatch_warned"):
+                info(f"warning at step {step}: {mismatch_advice(metrics['logprob_mismatch'])}")
+                summary["mismatch_warned"] = 1.0
+            sink.write({"kind": "train", "step": step, **metrics})
+            progress.step(step, metrics)
+            summary.update(metrics)
+            if grpo.val_period and step % grpo.val_period == 0 and not (grpo.val_at_end and step == grpo.max_num_steps):
+                validate(step)
+            checkpoint(step, last=False)
+        summary["steps"] = step
+        if grpo.val_at_end:
             validate(step)
-        checkpoint(step, last=False)
-    summary["steps"] = step
-    if grpo.val_at_end:
-        validate(step)
-    checkpoint(step, last=True)
-    progress.close()
+        checkpoint(step, last=True)
+    finally:
+        progress.close()  # before any error is printed: it must not land inside the bar
     return summary
 
 
-def resume_from(resume: Checkpoint, inputs: RunInputs, roles: Roles) -> int:
-    """Load a checkpoint into the roles and the data sampler; the step to continue after."""
+def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossFn, estimate_advantages,
+              step: int) -> dict[str, float]:
+    """One synchronous GRPO step: generate, reward, advantages, logprobs, update, weight sync."""
+    grpo, gen = cfg.grpo, cfg.policy.generation
+    timer, tic = StepTimer(), time.perf_counter()
+    prompts = [p for p in inputs.sampler.next_batch() for _ in range(grpo.num_generations_per_prompt)]
+    sampling = SamplingConfig(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
+                              top_k=gen.top_k, stop_token_ids=tuple(gen.stop_token_ids or ()),
+                              seed=grpo.seed + step)
+    with timer("generation"):
+        completions = roles.generator.generate(prompts, sampling)
+        roles.release_generator()
+    rewards = torch.tensor(inputs.scorer.score(completions))
+    advantages = estimate_advantages(rewards, grpo.num_generations_per_prompt,
+                                     normalize_rewards=grpo.normalize_rewards,
+                                     use_leave_one_out_baseline=grpo.use_leave_one_out_baseline)
+    batch = build_train_batch(completions, advantages, pad_token_id=inputs.tokenizer.pad_token_id,
+                              overlong_filtering=grpo.overlong_filtering)
+    with timer("logprobs"):
+        batch.old_logprobs = roles.policy.logprobs(batch)
+        if roles.reference is not None:
+            batch.reference_logprobs = roles.reference.logprobs(batch)
+    with timer("training"):
+        train_metrics = train_on_batch(roles.policy, batch, loss_fn, inputs.batches.global_batch_size)
+    with timer("weight_sync"):
+        sync_metrics = roles.sync_weights(step)
+    return {**rollout_metrics(completions, rewards, grpo.num_generations_per_prompt), **train_metrics,
+            **sync_metrics, **logprob_mismatch(batch), **timer.seconds, "time_step": time.perf_counter() - tic}
+
+
+def time_budget_message(step: int, max_num_steps: int, seconds: float) -> str:
+    return (f"stopped at step {step} of {max_num_steps}: grpo.max_train_seconds={seconds:g} reached. The "
+            f"learning-rate schedule, sized for {max_num_steps} steps, did not reach its end; to train to the "
+            "end, raise grpo.max_train_seconds (null: no limit) or lower grpo.max_num_steps.")
+
+
+def resume_from(resume: Checkpoint, inputs: RunInputs, roles: Roles, sink: JsonlSink) -> int:
+    """Load a checkpoint into the roles and the data sampler; the step to continue after.
+    The run's metrics so far go first into this run's metrics.jsonl, then a "resume" record."""
+    sink.write_history(resume.history())
+    sink.write({"kind": "resume", "step": resume.step, "checkpoint": str(resume.path)})
     roles.policy.load(resume.path / POLICY_DIR)
     inputs.sampler.load_state_dict(resume.state["sampler"])
     restore_rng(resume.state)

@@ -1,7 +1,8 @@
 """Building the roles a GRPO run needs from a validated config.
 
 Everything that can fail on bad input (backends, data, reward function, model
-path) is checked here, before any output folder is written.
+path) is checked by `preflight`, before any worker starts or output folder is
+written; `novarl validate` runs the same function.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ import torch
 
 from novarl.config.schema import NovaRLConfig
 from novarl.data.arithmetic import Example
-from novarl.data.datasets import PromptSampler, load_examples, read_prompt_template, to_prompts
+from novarl.data.datasets import PromptSampler, dataset_kind, load_examples, read_prompt_template, to_prompts
 from novarl.errors import UserError
 from novarl.logging.console import info
 from novarl.models.loading import load_tokenizer, resolve_model_path
 from novarl.plan.resolve import (BackendChoice, BatchPlan, plan_batches, require_available, resolve_backends,
                                  world_size)
 from novarl.rewards.registry import RewardScorer
-from novarl.types import Prompt
+from novarl.types import Completion, Prompt
 
 
 @dataclass
@@ -34,35 +35,118 @@ class RunInputs:
     scorer: RewardScorer
     sampler: PromptSampler
     val_prompts: list[Prompt]
+    val_source: str = "held-out"
+    """Where val_prompts come from: "held-out" (a split that is not trained on) or "train"
+    (the first grpo.max_val_samples training prompts, when no held-out split was given)."""
+    summary: str = ""
+    """One line: the model, how many train and evaluation prompts, the reward."""
+    notes: tuple[str, ...] = ()
+    """What the user should know (a backend ignored by precedence, prompts dropped as too long)."""
+    warnings: tuple[str, ...] = ()
+    """What is not as asked (a setting not available yet, evaluation on training prompts)."""
+
+    def report(self) -> list[str]:
+        """The lines a run logs at start: backends, notes, warnings, batch arithmetic, data."""
+        return [self.choice.describe(), *(f"note: {n}" for n in self.notes),
+                *(f"warning: {w}" for w in self.warnings), self.batches.describe(), self.summary]
 
 
-def prepare_inputs(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = None,
-                   train_examples: list[Example] | None = None) -> RunInputs:
-    """Check the backends, batch arithmetic, model, tokenizer, reward and data.
+def preflight(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = None,
+              train_examples: list[Example] | None = None) -> RunInputs:
+    """Every check `novarl train` makes before it starts a worker or writes a folder, and
+    `novarl validate` makes alone: backends and their availability, batch arithmetic, model
+    folder (config.json), Megatron's model constraints, tokenizer, data (every row), the
+    reward function (imported, then called once on a training example). Loads no weights.
 
     train_examples: in-memory examples used for training and (the first
     grpo.max_val_samples) for evaluation, instead of the configured data.
+    Raises UserError (or a subclass) naming the key at fault.
     """
     choice = resolve_backends(cfg)
     availability = require_available(cfg, choice)
     batches = plan_batches(cfg)
-    info(choice.describe())
-    for note in (*choice.notes, *availability.warnings):
-        info(note)
-    info(batches.describe())
+    notes, warnings = list(choice.notes), list(availability.warnings)
 
     model_path = resolve_model_path(cfg.policy.model_name)
+    check_sequence_length(cfg, model_path, choice, warnings)
     if choice.training == "megatron":
         check_megatron_model(cfg, model_path)
     tokenizer = load_tokenizer(cfg.policy.tokenizer.name or model_path,
                                trust_remote_code=cfg.policy.trust_remote_code)
     scorer = RewardScorer.from_spec(reward_fn or cfg.reward.function)
-    train = split_prompts(cfg, tokenizer, "train", train_examples)
-    val = split_prompts(cfg, tokenizer, "validation", train_examples)[:cfg.grpo.max_val_samples]
+    train = split_prompts(cfg, tokenizer, "train", train_examples, notes=notes)
     sampler = PromptSampler(train, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
-    info(f"model: {cfg.policy.model_name} ({model_path}); {len(train)} train / {len(val)} held-out prompts; "
-         f"reward: {scorer.name}")
-    return RunInputs(choice, batches, model_path, tokenizer, scorer, sampler, val)
+    check_reward(scorer, train[0], where=f"reward.function='{cfg.reward.function}'" if reward_fn is None
+                 else f"the reward function given to the trainer ({scorer.name})")
+    gap = held_out_gap(cfg, train_examples)
+    if gap is None:
+        val = split_prompts(cfg, tokenizer, "validation", notes=notes)[:cfg.grpo.max_val_samples]
+        prompts = f"{len(train)} train / {len(val)} held-out prompts"
+    else:
+        val = train[:cfg.grpo.max_val_samples]
+        prompts = f"{len(train)} train prompts, {len(val)} evaluation prompts taken from the training set ({gap})"
+        warnings.append(f"the evaluation accuracy is measured on training prompts, not held-out ones ({gap}); "
+                        + ("set data.val_data_path to a held-out file" if train_examples is None else
+                           "evaluate held-out examples separately (`novarl eval` with data.val_data_path)"))
+    summary = f"model: {cfg.policy.model_name} ({model_path}); {prompts}; reward: {scorer.name}"
+    return RunInputs(choice, batches, model_path, tokenizer, scorer, sampler, val,
+                     val_source="held-out" if gap is None else "train", summary=summary,
+                     notes=tuple(notes), warnings=tuple(warnings))
+
+
+def prepare_inputs(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = None,
+                   train_examples: list[Example] | None = None) -> RunInputs:
+    """`preflight`, then what it found in the log: the trainer's first step."""
+    inputs = preflight(cfg, reward_fn, train_examples)
+    for line in inputs.report():
+        info(line)
+    return inputs
+
+
+def held_out_gap(cfg: NovaRLConfig, train_examples: list[Example] | None = None) -> str | None:
+    """None when the configured data has a held-out split to evaluate on; otherwise why
+    not (the evaluation prompts are then training prompts)."""
+    if train_examples is not None:
+        return "train_examples were given in memory, with no held-out split"
+    if dataset_kind(cfg.data) == "ResponseDataset" and not cfg.data.val_data_path:
+        return "data.val_data_path is not set"
+    return None
+
+
+def check_reward(scorer: RewardScorer, prompt: Prompt, *, where: str) -> None:
+    """Call the reward once, on a training prompt completed with its own answer, so a function
+    that raises or returns a non-number stops the run before anything starts."""
+    sample = Completion(prompt=prompt, token_ids=[], logprobs=[], text=prompt.answer or "",
+                        finish_reason="stop", policy_version=0)
+    try:
+        scorer.score([sample])
+    except UserError as err:
+        raise UserError(f"{where}: a trial call on a training example (completed with its own answer) "
+                        f"failed before the run started. {err} A reward function must return a finite "
+                        "number for any completion.") from None
+
+
+def check_sequence_length(cfg: NovaRLConfig, model_path: str, choice: BackendChoice, warnings: list[str]) -> None:
+    """policy.max_seq_length against the model's max_position_embeddings (read from a local
+    config.json): vLLM refuses a longer engine, so that is refused here; other backends run
+    past it with degraded positions, so that is a warning."""
+    import json
+    import os
+    from pathlib import Path
+
+    try:
+        limit = json.loads((Path(model_path) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return  # a hub id, or a config.json that the loader reports on
+    length = cfg.policy.max_seq_length
+    if not isinstance(limit, int) or length <= limit:
+        return
+    problem = (f"policy.max_seq_length={length} is longer than the model's max_position_embeddings={limit} "
+               f"({model_path}/config.json)")
+    if choice.generation == "vllm" and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
+        raise UserError(f"{problem}: vLLM refuses such an engine. Set policy.max_seq_length to at most {limit} "
+                        "(or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, for a model whose positions extrapolate).")
+    warnings.append(f"{problem}: positions past {limit} were never trained")
 
 
 def check_megatron_model(cfg: NovaRLConfig, model_path: str) -> None:
@@ -77,9 +161,10 @@ def check_megatron_model(cfg: NovaRLConfig, model_path: str) -> None:
     transformer_config(hf_config, shape, cfg.policy, precision=precision, world_size=world_size(cfg))
 
 
-def split_prompts(cfg: NovaRLConfig, tokenizer, split: str,
-                  examples: list[Example] | None = None) -> list[Prompt]:
-    """Tokenised prompts of a split that fit the sequence budget (at least one)."""
+def split_prompts(cfg: NovaRLConfig, tokenizer, split: str, examples: list[Example] | None = None, *,
+                  notes: list[str] | None = None) -> list[Prompt]:
+    """Tokenised prompts of a split that fit the sequence budget (at least one). How many
+    were dropped as too long goes to `notes` (to the log when notes is None)."""
     template, system = read_prompt_template(cfg.data)
     examples = examples if examples is not None else load_examples(cfg.data, split)
     max_prompt = min(cfg.data.max_input_seq_length or cfg.policy.max_seq_length,
@@ -90,7 +175,11 @@ def split_prompts(cfg: NovaRLConfig, tokenizer, split: str,
         raise UserError(f"No {split} prompt fits in {max_prompt} tokens (policy.max_seq_length="
                         f"{cfg.policy.max_seq_length}); raise it or shorten the prompts.")
     if len(prompts) < len(examples):
-        info(f"{len(examples) - len(prompts)} {split} prompts longer than {max_prompt} tokens were dropped")
+        dropped = f"{len(examples) - len(prompts)} {split} prompts longer than {max_prompt} tokens were dropped"
+        if notes is None:
+            info(dropped)
+        else:
+            notes.append(dropped)
     return prompts
 
 
@@ -99,17 +188,32 @@ def generation_precision(cfg: NovaRLConfig, device: torch.device) -> str:
         ("bfloat16" if device.type == "cuda" else "float32")
 
 
-def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device):
-    """(generator, held-out prompts, scorer) to evaluate the model `model`."""
+@dataclass
+class EvalInputs:
+    generator: object
+    """GenerationBackend (Hugging Face generate) holding the model under evaluation."""
+    prompts: list[Prompt]
+    scorer: RewardScorer
+    val_source: str
+    """"held-out", or "train" when the data has no held-out split (see RunInputs.val_source)."""
+
+
+def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInputs:
+    """The generator, evaluation prompts and scorer to evaluate the model `model`; the
+    reward and data are checked before the weights load."""
     from novarl.backends.generation.hf import HFGeneration
 
     model_path = resolve_model_path(model)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.policy.trust_remote_code)
     scorer = RewardScorer.from_spec(cfg.reward.function)
-    prompts = split_prompts(cfg, tokenizer, "validation")[:cfg.grpo.max_val_samples]
+    gap = held_out_gap(cfg)
+    prompts = split_prompts(cfg, tokenizer, "train" if gap else "validation")[:cfg.grpo.max_val_samples]
+    check_reward(scorer, prompts[0], where=f"reward.function='{cfg.reward.function}'")
+    if gap:
+        info(f"warning: evaluating on {len(prompts)} training prompts, not held-out ones ({gap})")
     generator = HFGeneration(model_path, tokenizer, device, precision=generation_precision(cfg, device),
                              max_seq_length=cfg.policy.max_seq_length, trust_remote_code=cfg.policy.trust_remote_code)
-    return generator, prompts, scorer
+    return EvalInputs(generator, prompts, scorer, "held-out" if gap is None else "train")
 
 
 @dataclass

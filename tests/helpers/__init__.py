@@ -2,3 +2,16 @@ HF = "policy.generation.backend=hf"
 """Runs whose subject is not generation pin Hugging Face generation: the bundled recipe
 leaves the backend unset (vLLM where installed), and vLLM's engine start-up would add
 seconds to each of them; tests/test_vllm.py covers vLLM."""
+
+
+def train_steps(output_dir, *, this_run_only: bool = True) -> dict:
+    """Step -> train record of a run folder's metrics.jsonl. A resumed run's file first holds the
+    history it carried over from its checkpoint, up to a "resume" record: left out unless
+    this_run_only=False."""
+    from novarl.logging.metrics import read_jsonl
+
+    records = read_jsonl(output_dir / "metrics.jsonl")
+    resumes = [i for i, r in enumerate(records) if r["kind"] == "resume"]
+    if this_run_only and resumes:
+        records = records[resumes[-1] + 1:]
+    return {r["step"]: r for r in records if r["kind"] == "train"}

@@ -19,6 +19,7 @@ import torch
 
 from novarl.config.schema import GenerationConfig
 from novarl.errors import UserError
+from novarl.logging.quiet import quiet_third_party
 from novarl.types import Completion, Prompt, SamplingConfig
 
 SUPPORTED_VLLM = ((0, 30), (0, 40))
@@ -44,7 +45,7 @@ class VllmGeneration:
                  max_seq_length: int, seed: int = 0, trust_remote_code: bool = False) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, on CPU hosts
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-update INFO lines would bury novarl's
+        quiet_third_party()  # vLLM at ERROR unless the user raised it; also on a dedicated generator's actor
         import vllm
 
         _quiet_rotary_reload_warning()
@@ -60,8 +61,9 @@ class VllmGeneration:
             gpu_memory_utilization=v.gpu_memory_utilization,
             max_model_len=v.max_model_len or max_seq_length, enforce_eager=v.enforce_eager,
             trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",
-            skip_tokenizer_init=True,  # prompts go in as token ids and novarl decodes: no per-token detokenizing
-            enable_sleep_mode=self.sleep_mode,
+            # The tokenizer is initialised (vLLM's start-up warm-up renders a chat with it and logs a
+            # traceback without one); prompts still go in as token ids, and detokenize=False below.
+            enable_sleep_mode=self.sleep_mode, use_tqdm_on_load=False,
         )
         engine_args.update(cfg.vllm_kwargs)
         try:

@@ -17,12 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from novarl.logging.console import info
+from novarl.logging.quiet import cache_dir
 
 PROGRESS_EVERY_S = 10.0
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("NOVARL_CACHE_DIR", "~/.cache/novarl")).expanduser()
 
 
 def deepspeed_environment() -> None:
