@@ -15,6 +15,7 @@ Bad input ends with a one-paragraph message on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -26,9 +27,9 @@ from novarl.logging.quiet import quiet_third_party
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    quiet_third_party()
     try:
+        args = parser.parse_args(argv)
+        quiet_third_party()
         take_positional_config(args)
         return args.run(args)
     except (UserError, RunFailed) as err:
@@ -39,10 +40,29 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its refusals (a missing argument, a bad number) raised as UserError, so
+    they end like every other bad input: `novarl: error: ...`, exit code 2."""
+
+    def error(self, message: str):
+        raise UserError(f"{message[:1].upper()}{message[1:]} (`{self.prog} --help` lists the arguments).")
+
+
+def positive_finite(text: str) -> float:
+    """An argparse type: a finite number above 0 (float() also takes 'nan', 'inf', '-1')."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from novarl import __version__
 
-    parser = argparse.ArgumentParser(prog="novarl", description="RL post-training of language models.")
+    parser = _Parser(prog="novarl", description="RL post-training of language models.")
     parser.add_argument("--version", action="version", version=f"novarl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, run, helptext in (("train", cmd_train, "run GRPO"),
@@ -62,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="plan layouts for this model: a local Hugging Face folder, a bundled name "
                                 "(tiny-arith), a hub id with config.json cached, or a count such as 7.5B "
                                 "(default: the config's policy.model_name)")
-            p.add_argument("--gpu-memory-gb", type=float, default=80.0,
+            p.add_argument("--gpu-memory-gb", type=positive_finite, default=80.0,
                            help="memory of one GPU in GB (1e9 bytes; default 80)")
             p.add_argument("--json", action="store_true", help="print the layout advice as JSON only")
         if name == "train":

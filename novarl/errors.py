@@ -27,3 +27,15 @@ class RunFailed(Exception):
     The command line prints the message without a traceback and exits 1."""
 
     exit_code = 1
+
+
+class CheckpointLoadFailed(RunFailed):
+    """A checkpoint that passed its checks could not be loaded into the roles (torch, the
+    backend or the data position refused it). The trainer falls back to an older one."""
+
+    def __init__(self, path, cause: BaseException) -> None:
+        lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+        self.path, self.cause = path, cause
+        self.reason = f"{type(cause).__name__}: {lines[-1].strip()}" if lines else type(cause).__name__
+        """`Type: last line of the message` (a CheckpointException's message holds whole tracebacks)."""
+        super().__init__(f"Checkpoint {path} could not be loaded ({self.reason}).")

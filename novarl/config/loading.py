@@ -7,6 +7,12 @@ merged tree has its aliases rewritten, its `${...}` interpolations resolved
 validated into a frozen `NovaRLConfig`. Every failure is a `ConfigError` whose
 message names the key path, the bad value, what is allowed and, for a
 misspelled key, the closest valid one.
+
+Before any of the recursive steps runs, every input tree is checked by
+`check_tree` (string keys, at most MAX_DEPTH levels, at most MAX_VALUES values
+with every use of a YAML alias counted), and interpolation is bounded the same
+way: a hostile or broken file ends in a ConfigError, not a RecursionError or a
+run that expands an alias bomb forever.
 """
 
 from __future__ import annotations
@@ -24,8 +30,39 @@ from pydantic import BaseModel, ValidationError
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import ConfigError
 
+MAX_DEPTH = 64
+"""Deepest nesting of values a config may have (NeMo RL's deepest is under 10)."""
+
+MAX_VALUES = 100_000
+"""Most values (scalars, lists, mappings) a config may expand to, counting a YAML alias or
+a `${...}` reference as often as it is used: enough for any real config, and small enough
+that a "billion laughs" file (anchors of anchors, 1 KB expanding to 10^9 values) is refused
+in milliseconds."""
+
+MAX_INTERPOLATED_CHARS = 1_000_000
+"""Longest string an interpolation may build."""
+
+
+class NestingError(yaml.composer.ComposerError):
+    """The YAML is nested deeper than MAX_DEPTH."""
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads 1e-3 as a float (YAML 1.1 wants 1.0e-3)."""
+    """SafeLoader that also reads 1e-3 as a float (YAML 1.1 wants 1.0e-3), and stops at
+    MAX_DEPTH levels of nesting (PyYAML's composer recurses once per level; past about
+    300 it would end in a RecursionError)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        if self._depth >= MAX_DEPTH:
+            raise NestingError(None, None, f"values nested more than {MAX_DEPTH} levels deep; no setting is",
+                               self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 _Loader.add_implicit_resolver(
@@ -93,20 +130,25 @@ def load_config(
     if isinstance(source, (str, Path)):
         where = str(source)
         tree = read_yaml(Path(source))
+        check_tree(tree, f"Config file '{source}'")
     elif isinstance(source, Mapping):
+        check_tree(source, "The config dict")
         tree = copy.deepcopy(dict(source))
     elif source is not None:
         raise ConfigError(f"A config is a YAML file path or a dict, not {type(source).__name__}.")
     tree = canonical(tree)
     overrides = list(overrides)
     if overrides or keyword_overrides:
-        where += " with overrides " + " ".join([*(f"{k}=..." for k in keyword_overrides), *overrides])
+        where += " with overrides " + " ".join([*(f"{k}=..." for k in keyword_overrides),
+                                                *(_clip(item, 80) for item in overrides)])
     for key, value in keyword_overrides.items():
         path = keyword_path(key)
+        check_tree(value, f"Keyword override {key}=", prefix=path)
         set_path(tree, path, canonical(dict(value), path) if isinstance(value, Mapping) else value, merge=True)
     for item in overrides:
         path, value = parse_override(item)
         path = canonical_path(path)
+        check_tree(value, f"Override '{_clip(item)}'", prefix=path)
         set_path(tree, path, canonical(value, path), merge=False)
     try:
         tree = resolve_interpolations(tree)
@@ -122,8 +164,13 @@ def load_config(
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"Config file '{path}' does not exist.")
+    try:
+        exists = path.is_file()
+    except (OSError, ValueError) as err:  # a name too long, a NUL byte, a folder we may not enter
+        raise ConfigError(f"Config file '{_clip(str(path))}' cannot be opened ({_os_reason(err)}).") from None
+    if not exists:
+        what = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"Config file '{path}' {what}.")
     try:
         data = parse_yaml(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, OSError) as err:
@@ -133,6 +180,8 @@ def read_yaml(path: Path) -> dict[str, Any]:
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(f"Config file '{path}' is not valid YAML{at}: "
                           f"{getattr(err, 'problem', err)}.") from None
+    except (ValueError, OverflowError) as err:  # a scalar PyYAML matched but cannot build (2024-13-45, 10**5000)
+        raise ConfigError(f"Config file '{path}' has a value YAML cannot read: {_clip(str(err))}.") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -141,6 +190,61 @@ def read_yaml(path: Path) -> dict[str, Any]:
     # A Hydra `defaults:` list is left in: validation reports it as an unknown key,
     # together with every other key novarl does not support (see format_error).
     return data
+
+
+# ------------------------------------------------------------------ tree check
+def check_tree(tree: Any, where: str, *, prefix: str = "") -> None:
+    """Refuse, naming `where` and the key path, what the recursive steps after it cannot
+    take: a key that is not a string (YAML reads unquoted null, true, no, 1 as values), more
+    than MAX_DEPTH levels of nesting, more than MAX_VALUES values (YAML aliases counted as
+    often as they are used), and a value that contains itself (a recursive alias).
+    Iterative, and never visits more than MAX_VALUES values."""
+    stack: list[tuple[Any, str, tuple[int, ...]]] = [(tree, prefix, ())]
+    visited = 0
+    while stack:
+        node, path, parents = stack.pop()
+        visited += 1
+        if visited > MAX_VALUES:
+            raise ConfigError(
+                f"{where}: more than {MAX_VALUES:,} values (every use of a YAML alias counts, so anchors "
+                f"that refer to anchors multiply); no config needs that many. Look near '{path or '(top level)'}' "
+                "for aliases of aliases or a huge list.")
+        if not isinstance(node, (dict, list)):
+            continue
+        if id(node) in parents:
+            raise ConfigError(f"{where}: '{path}' contains itself (a YAML alias inside its own anchor).")
+        if len(parents) >= MAX_DEPTH:
+            raise ConfigError(f"{where}: '{path}' is nested more than {MAX_DEPTH} levels deep; no setting is.")
+        inner = (*parents, id(node))
+        if isinstance(node, list):
+            stack.extend((value, f"{path}[{i}]", inner) for i, value in enumerate(node))
+            continue
+        for key, value in node.items():
+            if not isinstance(key, str):
+                raise ConfigError(
+                    f"{where}: the key {_yaml_scalar(key)} {f'under {path!r}' if path else 'at the top level'} is "
+                    "not a name: YAML reads unquoted null, ~, true, false, yes, no, on, off and numbers as "
+                    "values, not strings. Setting names are strings; quote the key if it is meant as one.")
+            stack.append((value, _join(path, key), inner))
+
+
+def _yaml_scalar(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    """`text`, or its start and end around an ellipsis when it is longer than `limit`."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit // 2]}...{text[-limit // 4:]} ({len(text):,} characters)"
+
+
+def _os_reason(err: Exception) -> str:
+    return getattr(err, "strerror", None) or str(err)
 
 
 # ------------------------------------------------------------------- aliases
@@ -183,13 +287,15 @@ def _join(parent: str, key: str) -> str:
 def parse_override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     key = key.strip().lstrip("+")
-    if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w.]*", key):
-        raise ConfigError(f"Override '{item}' is not of the form key.path=value "
+    if not sep or not key or not re.fullmatch(r"[A-Za-z_]\w*(?:\.\w+)*", key):
+        raise ConfigError(f"Override '{_clip(item)}' is not of the form key.path=value "
                           "(e.g. policy.precision=bfloat16).")
     try:
         value = parse_yaml(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
+    except NestingError as err:
+        raise ConfigError(f"Override '{_clip(item)}': {err.problem}.") from None
+    except (yaml.YAMLError, ValueError, OverflowError):
+        value = raw  # not YAML: the text itself (validation says if a string is wrong there)
     return key, value
 
 
@@ -254,9 +360,21 @@ def _product(values: tuple) -> Any:
 
 
 def resolve_interpolations(tree: dict[str, Any]) -> dict[str, Any]:
-    """Resolve `${a.b}` references and `${mul:x, y}`-style resolvers in place of strings."""
+    """Resolve `${a.b}` references and `${mul:x, y}`-style resolvers in place of strings.
+    A reference copies what it names, so references to references multiply like YAML
+    aliases: the values built are counted against MAX_VALUES, strings against
+    MAX_INTERPOLATED_CHARS."""
+    built = 0
+
+    def count(at: str) -> None:
+        nonlocal built
+        built += 1
+        if built > MAX_VALUES:
+            raise ConfigError(f"'{at}': the ${{...}} references expand to more than {MAX_VALUES:,} values "
+                              "(references to references multiply); no config needs that many.")
 
     def walk(node: Any, path: str, stack: tuple[str, ...]) -> Any:
+        count(path)
         if isinstance(node, dict):
             return {k: walk(v, _join(path, str(k)), stack) for k, v in node.items()}
         if isinstance(node, list):
@@ -276,14 +394,20 @@ def resolve_interpolations(tree: dict[str, Any]) -> dict[str, Any]:
         return walk(node, ref, stack + (ref,))
 
     def resolve_string(text: str, at: str, stack: tuple[str, ...]) -> Any:
+        original = text
         while True:
             match = _INTERP.search(text)
             if match is None:
                 return text
-            value = evaluate(match.group(1).strip(), at, stack)
+            # The message names the text as written: after substitution '${sub:${a}, 1}' is '${sub:inf, 1}'.
+            where = at if text == original else f"{at}' = '{_clip(original)}"
+            value = evaluate(match.group(1).strip(), where, stack)
             if match.span() == (0, len(text)):
                 return value
             text = text[:match.start()] + str(value) + text[match.end():]
+            if len(text) > MAX_INTERPOLATED_CHARS:
+                raise ConfigError(f"'{at}': interpolation builds a string longer than "
+                                  f"{MAX_INTERPOLATED_CHARS:,} characters.")
 
     def evaluate(expr: str, at: str, stack: tuple[str, ...]) -> Any:
         name, colon, args = expr.partition(":")
@@ -299,9 +423,12 @@ def resolve_interpolations(tree: dict[str, Any]) -> dict[str, Any]:
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             raise ConfigError(f"'{at}': '${{{expr}}}' takes numbers, got {values}.")
         try:
-            return _RESOLVERS[name](*values)
-        except (TypeError, ZeroDivisionError) as err:
-            raise ConfigError(f"'{at}': cannot evaluate '${{{expr}}}': {err}.") from None
+            result = _RESOLVERS[name](*values)
+        except (TypeError, ZeroDivisionError, OverflowError) as err:
+            raise ConfigError(f"'{at}': cannot evaluate '${{{_clip(expr)}}}': {err}.") from None
+        if isinstance(result, int) and abs(result) >= 2**63:
+            raise ConfigError(f"'{at}': '${{{_clip(expr)}}}' is out of the 64-bit integer range.")
+        return result
 
     return walk(tree, "", ())
 
@@ -325,9 +452,7 @@ def unknown_keys(tree: dict[str, Any]) -> list[str]:
 
 
 def format_error(error: Mapping[str, Any], tree: Mapping[str, Any]) -> str:
-    loc = [str(p) for p in error["loc"] if not str(p).startswith(("function-after", "function-"))]
-    # Union members show up as extra loc items (e.g. 'SchedulerStep'); keep real keys only.
-    loc = [p for p in loc if not p[:1].isupper()]
+    loc = _input_path(error["loc"], tree)
     path = ".".join(loc) or "(top level)"
     if error["type"] == "extra_forbidden":
         parent = _model_at(NovaRLConfig, loc[:-1])
@@ -339,11 +464,33 @@ def format_error(error: Mapping[str, Any], tree: Mapping[str, Any]) -> str:
         allowed = f" Allowed here: {', '.join(choices)}." if choices and not hint else ""
         return f"unknown key '{path}'{hint}.{allowed}"
     msg = error["msg"].removeprefix("Value error, ")
-    if not loc or error.get("type") == "value_error" and isinstance(error.get("input"), dict):
-        return msg  # a check across keys: the message names them
+    if not loc or error.get("type") == "value_error" and isinstance(error.get("input"), dict) \
+            and _model_at(NovaRLConfig, loc) is not None:
+        return msg  # a check across the keys of a section: the message names them
     value = error.get("input")
-    shown = "missing" if error["type"] == "missing" else repr(value)
+    shown = "missing" if error["type"] == "missing" else _clip(repr(value))
     return f"'{path}' = {shown}: {msg}"
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "tuple"}
+
+
+def _input_path(loc: Iterable[Any], tree: Any) -> list[str]:
+    """The parts of a pydantic error location that are keys (or list indices) of the input:
+    union members and validators also show up in it ('SchedulerStep', 'str', 'function-after')."""
+    path, node = [], tree
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(node, dict) and isinstance(part, str) and part not in _TYPE_TAGS \
+                and not part[:1].isupper() and not part.startswith("function-") and "[" not in part:
+            node = None  # a key the input lacks: a missing field, named in the message
+        else:
+            continue
+        path.append(str(part))
+    return path
 
 
 def _model_at(model: type[BaseModel], loc: list[str]) -> type[BaseModel] | None:

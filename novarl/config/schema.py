@@ -9,21 +9,73 @@ models see it: `dtensor_config` -> `dtensor_cfg`, `max_total_sequence_length`
 Every section forbids unknown keys and is immutable once validated. Fields whose
 backend is not built yet are still typed here; `novarl.plan.resolve` reports
 them as "not available yet" only when a run would need them.
+
+Rules every section applies: floats are finite (no field takes inf or nan; a
+float | None field takes None for "no limit"), integers fit in 64 bits, and
+file and folder names (`PathText`) are names a file system can hold.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator,
+                      model_validator)
 
 Precision = Literal["float32", "bfloat16", "float16"]
 BUNDLED_TASKS = ("arithmetic",)
 """Tasks shipped with novarl (novarl.data.datasets.BUNDLED_DATASETS implements them)."""
 
+NAME_MAX_BYTES = 255
+"""Longest file or folder name (one path component) Linux and macOS file systems hold."""
+PATH_MAX_BYTES = 4095
+"""Longest whole path Linux takes (PATH_MAX, less the terminating NUL)."""
+
+
+def _path_text(path: str) -> str:
+    """A path (or hub id) a file system can take: no NUL byte, no name longer than 255 bytes."""
+    if "\0" in path:
+        raise ValueError("a path cannot contain a NUL character")
+    if len(path.encode()) > PATH_MAX_BYTES:
+        raise ValueError(f"a path is at most {PATH_MAX_BYTES} bytes long; this one is {len(path.encode()):,}")
+    longest = max(path.replace("\\", "/").split("/"), key=lambda part: len(part.encode()))
+    if len(longest.encode()) > NAME_MAX_BYTES:
+        raise ValueError(f"the name '{longest[:40]}...' in it is {len(longest.encode()):,} bytes long; file "
+                         f"systems hold at most {NAME_MAX_BYTES} bytes per file or folder name")
+    return path
+
+
+PathText = Annotated[str, AfterValidator(_path_text)]
+"""A file or folder path (or a name that may be one, such as a hub id)."""
+
+
+def _finite_numbers(value: Any, where: str = "") -> Any:
+    """`value` (a dict or list of keyword arguments) when every float in it is finite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where or 'the value'} is {value}; it must be a finite number")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _finite_numbers(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _finite_numbers(item, f"{where}[{i}]")
+    return value
+
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    # allow_inf_nan=False: no setting takes inf or nan (a temperature or learning rate of
+    # inf validates as a float and ends in NaN weights); "no limit" is None where allowed.
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _int64(cls, value: Any) -> Any:
+        """Integers fit in 64 bits: torch and vLLM take nothing larger (a seed of 10**30 fails there)."""
+        items = value if isinstance(value, list) else (value,)
+        if any(isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63 for v in items):
+            raise ValueError("out of the 64-bit integer range")
+        return value
 
 
 # --------------------------------------------------------------------- cluster
@@ -76,7 +128,8 @@ class GenerationConfig(Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    """Token ids that end a completion; each below the tokenizer's vocabulary size (checked by preflight)."""
     stop_strings: list[str] | None = None
     generation_batch_size: int | None = Field(None, ge=1)
     """Sequences per Hugging Face generate call; None: all at once."""
@@ -208,7 +261,8 @@ class DynamicBatchingConfig(Section):
 class OptimizerConfig(Section):
     name: str = "torch.optim.AdamW"
     """A class in torch.optim, by its import path."""
-    kwargs: dict[str, Any] = {"lr": 5e-6, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}
+    kwargs: Annotated[dict[str, Any], AfterValidator(_finite_numbers)] = {
+        "lr": 5e-6, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}
 
     @field_validator("name")
     @classmethod
@@ -224,7 +278,7 @@ class OptimizerConfig(Section):
 class SchedulerStep(Section):
     name: str
     """A class in torch.optim.lr_scheduler, by its import path."""
-    kwargs: dict[str, Any] = {}
+    kwargs: Annotated[dict[str, Any], AfterValidator(_finite_numbers)] = {}
 
     @field_validator("name")
     @classmethod
@@ -243,8 +297,11 @@ class SchedulerMilestones(Section):
 
 
 def _scheduler_kind(item: Any) -> str:
-    keys = item if isinstance(item, dict) else vars(item)
-    return "SchedulerMilestones" if "milestones" in keys else "SchedulerStep"
+    """SchedulerMilestones for {milestones: [...]} (or one already built), else SchedulerStep,
+    whose validation then says what is wrong with an item that is not a mapping."""
+    if isinstance(item, SchedulerMilestones) or isinstance(item, dict) and "milestones" in item:
+        return "SchedulerMilestones"
+    return "SchedulerStep"
 
 
 SchedulerItem = Annotated[
@@ -264,13 +321,13 @@ def _default_scheduler() -> list[SchedulerItem]:
 
 
 class TokenizerConfig(Section):
-    name: str | None = None
+    name: PathText | None = None
     """Tokenizer folder or hub id; None: the model's own."""
     chat_template: str | None = None
 
 
 class PolicyConfig(Section):
-    model_name: str = "tiny-arith"
+    model_name: PathText = "tiny-arith"
     """Hugging Face hub id, local folder, or a bundled model name (tiny-arith)."""
     backend: Literal["auto"] | None = None
     """novarl's own key. 'auto': the planner picks the training backend, parallel sizes,
@@ -371,14 +428,15 @@ class LossConfig(Section):
 class DataConfig(Section):
     dataset_name: str | None = None
     """'arithmetic' (bundled), 'ResponseDataset' (JSONL/Parquet files); None: from the paths."""
-    train_data_path: str | None = None
-    val_data_path: str | None = None
+    train_data_path: PathText | None = None
+    val_data_path: PathText | None = None
     input_key: str = "prompt"
     output_key: str = "answer"
     train_split: str | None = None
     val_split: str | None = None
-    prompt_file: str | None = None
-    system_prompt_file: str | None = None
+    prompt_file: PathText | None = None
+    """A text file with one '{}' where the prompt goes (other braces doubled: '{{', '}}')."""
+    system_prompt_file: PathText | None = None
     shuffle: bool = True
     max_input_seq_length: int | None = Field(None, ge=1)
 
@@ -392,9 +450,13 @@ class DataConfig(Section):
 
 
 class RewardConfig(Section):
-    function: str = "exact_match"
+    function: PathText = "exact_match"
     """A registered name (exact_match), an import path 'module:function' (also a module in the
     working directory), or a file 'path/to/rewards.py:function' (relative to the working directory)."""
+    timeout_s: float | None = Field(300.0, gt=0)
+    """Seconds one call of the function (one completion) may take; past it the run stops with an
+    error naming the function and the completion. None: no limit, and the function is called
+    as it is (see novarl.rewards.registry for how the limit is enforced)."""
 
 
 class MathEnvConfig(Section):
@@ -405,7 +467,7 @@ class MathEnvConfig(Section):
 # ------------------------------------------------------------------ outputs
 class CheckpointingConfig(Section):
     enabled: bool = True
-    checkpoint_dir: str = "results/grpo"
+    checkpoint_dir: PathText = "results/grpo"
     metric_name: str = "val_reward"
     higher_is_better: bool = True
     keep_top_k: int | None = Field(3, ge=1)
@@ -431,7 +493,7 @@ class GpuMonitoringConfig(Section):
 
 
 class LoggerConfig(Section):
-    log_dir: str = "logs"
+    log_dir: PathText = "logs"
     """Each run writes to a new numbered folder under it (exp_001, ...)."""
     num_val_samples_to_print: int = Field(0, ge=0)
     progress_bar: bool = True

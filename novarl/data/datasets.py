@@ -49,8 +49,9 @@ def load_examples(cfg: DataConfig, split: str) -> list[Example]:
 
 
 def read_examples(path: Path, input_key: str, output_key: str, *, where: str = "data") -> list[Example]:
-    if not path.is_file():
-        raise UserError(f"{where}='{path}': no such file.")
+    if not _is_file(path, where):
+        what = "is a folder, not a file" if path.is_dir() else "no such file"
+        raise UserError(f"{where}='{path}': {what}.")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         rows = _jsonl_rows(path)
@@ -78,6 +79,11 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
             yield f"{path}:{number}", json.loads(line)
         except json.JSONDecodeError as err:
             raise UserError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}).") from None
+        except RecursionError:
+            raise UserError(f"{path}:{number}: the row is nested too deeply to read; a row is an object "
+                            "with a prompt and an answer.") from None
+        except ValueError as err:  # an integer of more than 4,300 digits
+            raise UserError(f"{path}:{number}: a value cannot be read ({err}).") from None
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
@@ -131,20 +137,56 @@ def to_prompts(examples: list[Example], tokenizer, *, template: str | None = Non
 
 
 def read_prompt_template(cfg: DataConfig) -> tuple[str | None, str | None]:
-    """(prompt template with '{}', system prompt) from data.prompt_file / data.system_prompt_file."""
+    """(prompt template with '{}', system prompt) from data.prompt_file / data.system_prompt_file.
+    The template is a str.format string with exactly one field, '{}': checked here, so that
+    formatting a prompt with it cannot fail."""
     template = system = None
     if cfg.prompt_file:
         template = _read_text(cfg.prompt_file, "data.prompt_file")
-        if "{}" not in template:
-            raise UserError(f"data.prompt_file='{cfg.prompt_file}' must contain '{{}}' where the prompt goes.")
+        check_template(template, f"data.prompt_file='{cfg.prompt_file}'")
     if cfg.system_prompt_file:
         system = _read_text(cfg.system_prompt_file, "data.system_prompt_file")
     return template, system
 
 
-def _read_text(path: str, key: str) -> str:
+def check_template(template: str, where: str) -> None:
+    """Raise UserError unless `template` has one '{}' and any other brace doubled."""
+    import string
+
     try:
-        return Path(path).read_text(encoding="utf-8")
+        fields = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(template)
+                  if name is not None]
+    except ValueError as err:  # a lone '{' or '}'
+        problem = f"it is not a format string ({err})"
+    else:
+        odd = ["{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+               for name, spec, conv in fields if (name, spec, conv) != ("", "", None)]
+        if not odd and len(fields) == 1:
+            return
+        problem = (f"it has the field {odd[0]!r}" if odd else
+                   f"it has {len(fields)} '{{}}' fields" if fields else "it has no '{}' where the prompt goes")
+    raise UserError(f"{where}: {problem}. A prompt file holds exactly one '{{}}', replaced by the prompt; "
+                    "write any other brace doubled ('{{' for '{', '}}' for '}').")
+
+
+def _is_file(path: Path, key: str) -> bool:
+    """path.is_file(), with what the file system refuses (a name too long, a folder that may
+    not be entered, a NUL byte) said as a UserError naming `key`."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError) as err:
+        reason = getattr(err, "strerror", None) or str(err)
+        raise UserError(f"{key}='{path}': cannot open it ({reason}).") from None
+
+
+def _read_text(path: str, key: str) -> str:
+    if not _is_file(Path(path), key):
+        what = "is a folder, not a text file" if Path(path).is_dir() else "no such file"
+        raise UserError(f"{key}='{path}': {what}.")
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{key}='{path}': not UTF-8 text (byte {err.start}).") from None
     except OSError as err:
         raise UserError(f"{key}='{path}': cannot read it ({err.strerror}).") from None
 

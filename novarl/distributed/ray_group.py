@@ -8,11 +8,27 @@ CPUs on a host without GPUs. Ray is imported here only, never by `import novarl`
 
 A rank that dies stops the call with `WorkerDied` naming it; the group then
 kills its other actors and frees the placement group so nothing hangs.
+
+What listens on the network. Without RAY_ADDRESS novarl starts its own Ray instance
+with the node address 127.0.0.1, from which Ray binds its GCS, raylet (node manager and
+object manager), the workers' gRPC servers, its agents and the autoscaler's metrics port
+to loopback; it also requires a token that lives only in the environment of the driver
+and the processes Ray starts (see `start_local_ray`). The ranks' rendezvous store and the
+weight bridge's store listen on the node address alone (see weight_sync.tcp_store), and
+on a loopback node gloo and NCCL listen on the loopback interface. Nothing else of a run
+listens (tests/test_network_safety.py lists them during a run).
+
+On a cluster (RAY_ADDRESS) Ray's binding and authentication are the cluster's: novarl
+changes neither, and its stores listen on each node's Ray address. Start that cluster on a
+private network (`ray start --node-ip-address=<private address>`), with
+`RAY_AUTH_MODE=token` and the same `RAY_AUTH_TOKEN` on every node and on the driver, or
+anyone who reaches a node's ports can run code on it.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -36,33 +52,49 @@ class RankActor:
         self.role: Any = None
         self.others: dict[str, Any] = {}
         self.bridge: Any = None
+        self.listener: socket.socket | None = None
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0"})
+        import ray
         import torch
 
+        self.host = ray.util.get_node_ip_address()
+        if _is_loopback(self.host):
+            pin_collectives_to_loopback()
         torch.set_num_threads(max(cpus, 1))
 
     def address(self) -> tuple[str, int]:
-        """(host, free port) for the rendezvous; asked of rank 0 only."""
-        import socket
+        """(host, port) of a store this rank will serve in the next join or join_weight_bridge
+        it takes part in as rank 0: a socket listening on this node's address alone, open from
+        now on so that nothing else takes the port meanwhile."""
+        from novarl.distributed.weight_sync import listen_on
 
-        import ray
-
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return ray.util.get_node_ip_address(), sock.getsockname()[1]
+        if self.listener is not None:
+            self.listener.close()
+        self.listener = listen_on(self.host)
+        return self.host, self.listener.getsockname()[1]
 
     def join(self, host: str, port: int) -> int:
+        """Join the training group, whose store rank 0 serves at host:port (from its address())."""
         import datetime
 
         import torch
         import torch.distributed as dist
 
+        from novarl.distributed.weight_sync import tcp_store
+
+        timeout = datetime.timedelta(minutes=10)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray shows each actor only its own GPU
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=datetime.timedelta(minutes=10))
+        store = tcp_store(host, port, self.world_size, self._take_listener() if self.rank == 0 else None, timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         return self.rank
+
+    def _take_listener(self) -> socket.socket:
+        listener, self.listener = self.listener, None
+        if listener is None:
+            raise RuntimeError("rank 0 serves a store only on the socket its address() opened")
+        return listener
 
     def pid(self) -> int:
         return os.getpid()
@@ -107,7 +139,7 @@ class RankActor:
         """Join the weight-transfer group (policy rank 0 + the generator ranks)."""
         from novarl.distributed.weight_sync import WeightBridge
 
-        self.bridge = WeightBridge(host, port, rank, world_size)
+        self.bridge = WeightBridge(host, port, rank, world_size, self._take_listener() if rank == 0 else None)
 
     def send_weights(self) -> int:
         """Collective over the policy ranks: gather the full weights; rank 0 sends them over
@@ -127,17 +159,73 @@ class RankActor:
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
-    """Connect to the Ray cluster in RAY_ADDRESS, or start a local one bound to 127.0.0.1."""
+    """Connect to the Ray cluster in RAY_ADDRESS as it is, or start novarl's own local instance."""
     import ray
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=True)
+        start_local_ray(num_cpus)
+
+
+def start_local_ray(num_cpus: int | None = None) -> None:
+    """A Ray instance for this run alone: every server it starts listens on 127.0.0.1, and
+    every request must carry a token.
+
+    The token is RAY_AUTH_TOKEN (a random one unless set) in the environment of this process,
+    which the processes Ray starts inherit; nothing is written to ~/.ray, so RAY_AUTH_MODE=disabled,
+    set to keep Ray from writing a token file there, is overridden. A Ray without token
+    authentication gets loopback alone. No dashboard: novarl does not use it.
+    """
+    import secrets
+
+    import ray
+    import ray._private.ray_constants as ray_constants
+
+    try:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    except ImportError:
+        _enable_token_auth = None
+    if _enable_token_auth is not None:
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+        _enable_token_auth()  # RAY_AUTH_MODE=token, and refreshes the config an earlier instance cached
+    # On Linux ray.init swaps a loopback node address for the host's external one
+    # (services.resolve_ip_for_localhost) unless it takes multi-node clusters to be off.
+    cluster_default, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_default
+
+
+def pin_collectives_to_loopback() -> None:
+    """Make gloo and NCCL listen on the loopback interface (unless GLOO_SOCKET_IFNAME /
+    NCCL_SOCKET_IFNAME say otherwise): by default gloo listens on the address the host name
+    resolves to and NCCL on the first non-loopback interface, though every rank of a local run
+    is on this machine. Before the process's first process group."""
+    interface = _loopback_interface()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+
+
+def _loopback_interface() -> str:
+    import psutil  # Ray ships it
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family in (socket.AF_INET, socket.AF_INET6) and _is_loopback(a.address) for a in addresses):
+            return name
+    return "lo"
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:  # a host name
+        return host == "localhost"
 
 
 class RayWorkerGroup:

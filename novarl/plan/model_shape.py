@@ -122,6 +122,8 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], source: str = "config.json") -> ModelShape:
         """From the dict of a Hugging Face `config.json` (multimodal: its `text_config`)."""
+        if not isinstance(config, dict):
+            raise UserError(f"{source}: a config.json holds a JSON object, not {type(config).__name__}.")
         if isinstance(config.get("text_config"), dict):
             config = {"model_type": config.get("model_type"), **config["text_config"]}
         needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -129,6 +131,12 @@ class ModelShape:
         if absent:
             raise UserError(f"{source}: no {', '.join(absent)}; novarl reads Llama/Qwen/Mistral-style "
                             "configs. Give a parameter count such as '7B' instead.")
+        wrong = [f"{key}={config[key]!r}" for key in (*needed, "num_key_value_heads", "head_dim", "num_experts",
+                                                       "num_local_experts", "num_experts_per_tok",
+                                                       "moe_intermediate_size", "shared_expert_intermediate_size")
+                 if config.get(key) is not None and not _is_count(config[key])]
+        if wrong:
+            raise UserError(f"{source}: {', '.join(wrong)}: each must be a whole number.")
         heads = config["num_attention_heads"]
         model_type = str(config.get("model_type") or "")
         experts = config.get("num_local_experts") or config.get("num_experts") or 1
@@ -161,8 +169,8 @@ class ModelShape:
             raise UserError(f"{path}: no config.json there. Give a model folder with its config.json, "
                             "a Hugging Face id, or a parameter count such as '7B'.")
         try:
-            config = json.loads(file.read_text())
-        except (OSError, json.JSONDecodeError) as err:
+            config = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError) as err:  # ValueError: not JSON, or not UTF-8 text
             raise UserError(f"{file}: cannot be read as JSON ({err}).") from None
         return cls.from_hf_config(config, source=str(file))
 
@@ -246,3 +254,7 @@ def parse_parameter_count(count: str | int | float) -> int:
     if not value >= 1:
         raise UserError(f"parameter count {count!r} must be positive.")
     return int(round(value))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -16,7 +16,20 @@ A reward function is called once per completion as
 ``fn(completion: str, answer: str | None) -> float`` (plus ``prompt=`` when it
 has a parameter of that name). Only the names the config gives are imported.
 Every import failure, and a function that raises, or returns something that is
-not a finite number, stops the run with an error naming it (and the sample).
+not a number within +-REWARD_LIMIT (nan, inf, 1e308, a string, None), stops the
+run with an error naming it (and the sample).
+
+``reward.timeout_s`` bounds each call (one completion). In the main thread (the
+command line) the call runs there under a SIGALRM timer: the handler raises
+inside the function, which interrupts sleeping, waiting on I/O, Python loops and
+regular expressions alike, and nothing is left running. Elsewhere (train()
+called from another thread) the call runs in a daemon thread that is abandoned
+on expiry; the run stops, and the thread cannot keep the process alive. Either
+way the run stops with an error naming the function and the completion. Not
+bounded: C code that neither returns to Python nor checks signals; and a
+function that sets its own SIGALRM timer (math-verify does) replaces ours for
+that call, its own timeout then bounding it. ``timeout_s: null`` calls the
+function directly, with no timer.
 """
 
 from __future__ import annotations
@@ -28,8 +41,12 @@ import inspect
 import math
 import numbers
 import os
+import queue
 import re
+import signal
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +59,16 @@ from novarl.types import Completion
 
 REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {"exact_match": exact_match}
 
+DEFAULT_TIMEOUT_S = 300.0
+"""reward.timeout_s's default: seconds one call may take."""
+
+REWARD_LIMIT = 1e15
+"""The largest reward magnitude taken. Rewards become float32 tensors: past 3.4e38 a value is
+inf outright, and well before that the group mean and the summed loss overflow (measured on
+the bundled task: +-3e38 gives NaN weights with normalised rewards, +-1e37 without), so the
+limit sits far below both and far above any real reward (past 2**53 ~ 9e15 even float64
+integers are not all distinct)."""
+
 
 def import_reward_fn(spec: str) -> Callable[..., float]:
     """'exact_match', 'package.module:function' or 'path/to/file.py:function' -> the function."""
@@ -52,6 +79,8 @@ def import_reward_fn(spec: str) -> Callable[..., float]:
         raise UserError(f"reward.function='{spec}' is neither a registered reward "
                         f"({', '.join(REWARD_FUNCTIONS)}) nor an import path 'module:function' "
                         "or 'path/to/file.py:function'.")
+    if "\0" in spec:
+        raise UserError(f"reward.function={spec!r} contains a NUL character.")
     if source.endswith(".py") or "/" in source or os.sep in source:
         module = _load_file(spec, source)
         where = f"file '{module.__file__}'"
@@ -100,7 +129,11 @@ def _load_file(spec: str, source: str) -> ModuleType:
     path = Path(source).expanduser()
     if not path.is_absolute():
         path = Path.cwd() / path
-    if not path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError as err:  # a name too long, a folder that may not be entered
+        raise UserError(f"reward.function='{spec}': cannot open '{path}' ({err.strerror}).") from None
+    if not is_file:
         what = "is a folder, not a Python file" if path.is_dir() else "does not exist"
         relative = "" if Path(source).expanduser().is_absolute() else \
             f" (a relative path is taken from the working directory, {Path.cwd()})"
@@ -144,12 +177,15 @@ class RewardScorer:
 
     fn: Callable[..., float]
     name: str
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
+    """Seconds one call may take (see the module docstring); None: no limit."""
 
     @classmethod
-    def from_spec(cls, spec: str | Callable[..., float]) -> "RewardScorer":
+    def from_spec(cls, spec: str | Callable[..., float], *,
+                  timeout_s: float | None = DEFAULT_TIMEOUT_S) -> "RewardScorer":
         if callable(spec):
-            return cls(spec, getattr(spec, "__qualname__", repr(spec)))
-        return cls(import_reward_fn(spec), spec)
+            return cls(spec, getattr(spec, "__qualname__", repr(spec)), timeout_s)
+        return cls(import_reward_fn(spec), spec, timeout_s)
 
     def __post_init__(self) -> None:
         try:
@@ -162,13 +198,133 @@ class RewardScorer:
 
     def _one(self, completion: Completion) -> float:
         kwargs = {"prompt": completion.prompt.text} if self._wants_prompt else {}
-        sample = f"prompt {completion.prompt.text!r}, completion {completion.text!r}"
+
+        def sample() -> str:
+            return f"prompt {_clip(repr(completion.prompt.text))}, completion {_clip(repr(completion.text))}"
+
+        def expired() -> str:
+            return (f"Reward function '{self.name}' did not return within reward.timeout_s={self.timeout_s:g} s "
+                    f"(on {sample()}); the run stopped. Make it faster, or raise reward.timeout_s (null: no limit).")
+
         try:
-            value = self.fn(completion.text, completion.prompt.answer, **kwargs)
-        except Exception as err:  # a user's function may raise anything
-            raise UserError(f"Reward function '{self.name}' raised {type(err).__name__}: {err} "
-                            f"(on {sample}).") from None
-        if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-            raise UserError(f"Reward function '{self.name}' returned {value!r} "
-                            f"({type(value).__name__}), not a finite number (on {sample}).")
-        return float(value)
+            value = call_with_timeout(lambda: self.fn(completion.text, completion.prompt.answer, **kwargs),
+                                      self.timeout_s, error=expired)
+        except RewardTimeout:
+            raise UserError(expired()) from None
+        except (Exception, SystemExit) as err:  # a user's function may raise anything
+            raise UserError(f"Reward function '{self.name}' raised {type(err).__name__}: {_clip(str(err), 300)}"
+                            f"{_signal_hint(err)} (on {sample()}).") from None
+        return self._checked(value, sample)
+
+    def _checked(self, value: object, sample: Callable[[], str]) -> float:
+        """`value` as a float, if it is a real number within +-REWARD_LIMIT."""
+        problem = None
+        if not isinstance(value, numbers.Real):
+            problem = "not a finite number"
+        else:
+            try:
+                number = float(value)
+            except (OverflowError, ValueError, TypeError):
+                number = math.inf
+            if not math.isfinite(number):
+                problem = "not a finite number"
+            elif abs(number) > REWARD_LIMIT:
+                problem = (f"beyond +-{REWARD_LIMIT:.0e}, the largest reward taken: rewards are trained in float32, "
+                           "where such values overflow (inf, then NaN weights). Scale the reward down")
+        if problem:
+            raise UserError(f"Reward function '{self.name}' returned {_clip(repr(value))} "
+                            f"({type(value).__name__}), {problem} (on {sample()}).")
+        return number
+
+
+class RewardTimeout(BaseException):
+    """A reward call ran past its time limit. A BaseException, like KeyboardInterrupt, so that
+    the function's own `except Exception:` does not swallow it when it is raised inside it."""
+
+
+GIVE_UP_AFTER_S = 10.0
+"""Past the limit, how long (at most; as long again as the limit when that is shorter) a function
+that swallows RewardTimeout (a bare `except:` in a retry loop) is interrupted again, once a
+second, before the process exits with the error instead."""
+
+
+def call_with_timeout(call: Callable[[], object], timeout_s: float | None, *,
+                      error: Callable[[], str] = lambda: "A reward function did not return in time.") -> object:
+    """call(), or RewardTimeout once it has run `timeout_s` seconds (see the module docstring).
+    `error()`: the message to exit with if the function will not stop (main thread only)."""
+    if timeout_s is None:
+        return call()
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+        return _call_under_alarm(call, timeout_s, error)
+    return _call_in_daemon_thread(call, timeout_s)
+
+
+def _call_under_alarm(call: Callable[[], object], timeout_s: float, error: Callable[[], str]) -> object:
+    """call() in this (the main) thread under a SIGALRM timer whose handler raises RewardTimeout
+    inside it, and again every second should the function swallow it; after GIVE_UP_AFTER_S
+    more seconds (or the limit again, if shorter) the process exits with `error` (exit code 2):
+    nothing else can stop a function that catches every exception. An earlier SIGALRM handler
+    and timer are put back afterwards."""
+    armed, start = True, time.monotonic()
+
+    def on_alarm(signum, frame):
+        if not armed:  # a signal handled after the call returned
+            return
+        if time.monotonic() - start > timeout_s + min(timeout_s, GIVE_UP_AFTER_S):
+            sys.stderr.write(f"novarl: error: {error()} It went on after being interrupted (it catches every "
+                             "exception), so the process exits now.\n")
+            sys.stderr.flush()
+            os._exit(2)
+        raise RewardTimeout
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, timeout_s, min(timeout_s, 1.0))
+    try:
+        try:
+            value = call()
+        finally:
+            armed = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except BaseException as err:
+        if not isinstance(err, KeyboardInterrupt) and time.monotonic() - start >= timeout_s:
+            raise RewardTimeout from None  # RewardTimeout, or what the function made of it
+        raise
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        if outer_delay > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(outer_delay - (time.monotonic() - start), 1e-3), outer_interval)
+    if time.monotonic() - start >= timeout_s:  # it caught RewardTimeout and returned late
+        raise RewardTimeout
+    return value
+
+
+def _call_in_daemon_thread(call: Callable[[], object], timeout_s: float) -> object:
+    """call() in a daemon thread; RewardTimeout when it has not returned after `timeout_s`
+    (the thread is abandoned: it cannot keep the process from exiting)."""
+    outcome: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run() -> None:
+        try:
+            outcome.put((True, call()))
+        except BaseException as err:  # handed to the caller, SystemExit included
+            outcome.put((False, err))
+
+    threading.Thread(target=run, name="novarl-reward-call", daemon=True).start()
+    try:
+        ok, value = outcome.get(timeout=timeout_s)
+    except queue.Empty:
+        raise RewardTimeout from None
+    if not ok:
+        raise value
+    return value
+
+
+def _signal_hint(err: BaseException) -> str:
+    if isinstance(err, ValueError) and "signal only works in main thread" in str(err):
+        return (" -- it sets a signal handler (math-verify does), which Python allows in the main thread "
+                "only: call train() from the main thread, where novarl calls the reward function itself")
+    return ""
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"

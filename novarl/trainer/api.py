@@ -12,10 +12,10 @@ from typing import Any
 from novarl.config import BUNDLED_RECIPE, NovaRLConfig, dump_config, load_config
 from novarl.data.arithmetic import Example
 from novarl.data.datasets import BUNDLED_DATASETS
-from novarl.errors import RunFailed, UserError
+from novarl.errors import CheckpointLoadFailed, RunFailed, UserError
 from novarl.logging.metrics import JsonlSink, read_jsonl
 from novarl.plan.resolve import world_size
-from novarl.trainer.checkpoint import POLICY_DIR, Checkpoint, Checkpointer
+from novarl.trainer.checkpoint import POLICY_DIR, STATE_FILE, Checkpoint, Checkpointer, mark_finished
 
 RewardFn = Callable[..., float]
 
@@ -87,6 +87,7 @@ class GRPOTrainer:
         for line in why:
             info(line)
         inputs = prepare_inputs(cfg, self.reward_fn, self.train_examples)
+        sweep_run_folders(Path(cfg.logger.log_dir))
         run_dir = new_run_dir(Path(cfg.logger.log_dir))
         if self.checkpoints_in_run_folder and "checkpoint_dir" not in cfg.checkpointing.model_fields_set:
             cfg = cfg.model_copy(update={"checkpointing": cfg.checkpointing.model_copy(
@@ -103,34 +104,28 @@ class GRPOTrainer:
             sink.close()
 
     def _run(self, cfg: NovaRLConfig, inputs, run_dir: Path, sink: JsonlSink, resume: bool | None) -> TrainResult:
-        import torch
-
-        from novarl.distributed.local import default_device
         from novarl.logging.console import info
         from novarl.logging.plots import plot_reward_curve
-        from novarl.trainer.grpo import run_grpo
-        from novarl.trainer.setup import build_roles
 
         checkpointer = Checkpointer(cfg.checkpointing, dump_config(cfg)) if cfg.checkpointing.enabled else None
+        if checkpointer is not None:
+            checkpointer.sweep()
         start = pick_checkpoint(checkpointer, resume, cfg)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
-        torch.manual_seed(cfg.grpo.seed)
-        roles = self.roles = build_roles(cfg, inputs, default_device())
         info(f"output folder: {run_dir}")
         model_dir = run_dir / "policy"
         try:
-            summary = run_grpo(cfg, inputs, roles, sink, checkpointer, start)
-            save_atomically(model_dir, lambda tmp: roles.policy.save_hf(tmp, inputs.tokenizer))
+            summary = self._train_and_export(cfg, inputs, sink, checkpointer, start, model_dir)
         except RunFailed as err:
             newest = checkpointer.latest() if checkpointer else None
             where = (f"the newest good checkpoint is {newest.path}; `novarl train` with the same config "
                      "resumes from it" if newest else "no checkpoint was written (checkpointing.enabled)")
             raise RunFailed(f"{err} Metrics so far are in {run_dir}; {where}.") from None
-        finally:
-            roles.shutdown()
         sink.close()
         plot = plot_reward_curve(read_jsonl(sink.path), run_dir / "reward_curve.png",
                                  title=f"GRPO on {cfg.policy.model_name}")
+        if checkpointer is not None:
+            finish_checkpoints(checkpointer, int(summary.get("steps", 0)), run_dir=run_dir, model_dir=model_dir)
         info(f"saved the policy to {model_dir} and the reward curve to {plot}")
         return TrainResult(metrics=summary, output_dir=run_dir, model_dir=model_dir,
                            initial_accuracy=summary.get("initial_accuracy"),
@@ -138,27 +133,101 @@ class GRPOTrainer:
                            accuracy_source="held-out" if inputs.val_source == "held-out" else "training-set",
                            stopped_early=bool(summary.get("stopped_on_time_budget")))
 
+    def _train_and_export(self, cfg: NovaRLConfig, inputs, sink: JsonlSink, checkpointer: Checkpointer | None,
+                          start: Checkpoint | None, model_dir: Path) -> dict[str, float]:
+        """Build the roles, run GRPO from `start` (none left to train: the final evaluation only) and
+        write the policy as a Hugging Face folder at model_dir; the roles are shut down after.
+
+        A checkpoint that fails to load (it passed `check_checkpoint`, but torch, the backend or the
+        data position refused it) is reported in one line and the next older good one used, on roles
+        built anew: a failed load may have left them half-loaded, or stopped their Ray ranks.
+        A second failure in a row, or none older to use, raises UserError."""
+        import torch
+
+        from novarl.distributed.local import default_device
+        from novarl.logging.console import info
+        from novarl.trainer.grpo import run_grpo
+        from novarl.trainer.setup import build_roles
+
+        before_resume = sink.path.stat().st_size
+        failed: Checkpoint | None = None
+        while True:
+            torch.manual_seed(cfg.grpo.seed)
+            roles = self.roles = build_roles(cfg, inputs, default_device())
+            try:
+                summary = run_grpo(without_done_evaluation(cfg, start), inputs, roles, sink, checkpointer, start)
+                save_atomically(model_dir, lambda tmp: roles.policy.save_hf(tmp, inputs.tokenizer))
+                return summary
+            except CheckpointLoadFailed as err:
+                if checkpointer is None:
+                    raise
+                reason = err.reason
+                if failed is not None:
+                    raise UserError(f"Checkpoints {failed.path} and {start.path} both failed to load (the last: "
+                                    f"{reason}); two in a row point at this environment rather than at the files. "
+                                    "Fix the cause, or delete them to resume from an older one.") from err
+                info(f"checkpoint {start.path} could not be loaded ({reason}); trying an older one")
+                failed, start = start, newest_resumable(checkpointer, before=start.step)
+                if start is None:
+                    raise UserError(f"Checkpoint {failed.path} could not be loaded ({reason}), and "
+                                    f"'{checkpointer.root}' holds no older usable one. Delete that checkpoint "
+                                    "to start over, or fix the cause and run again.") from err
+                check_resumable(start, cfg)
+                os.truncate(sink.path, before_resume)  # the failed attempt's history and "resume" record
+            finally:
+                roles.shutdown()
+
 
 def pick_checkpoint(checkpointer: Checkpointer | None, resume: bool | None,
                     config: NovaRLConfig) -> Checkpoint | None:
+    """The checkpoint to go on from: the newest one that passes every check (checksums
+    included); None for a fresh run. Raises UserError when `resume` cannot be honoured or the
+    checkpoint is of another run, or of one that already finished (see `check_resumable`)."""
+    from novarl.logging.console import info
+
     if checkpointer is None:
         if resume:
             raise UserError("Resuming needs checkpointing.enabled=true and its checkpoint_dir.")
         return None
-    latest = checkpointer.latest()
+    if resume is False:
+        latest = checkpointer.latest()
+        if latest is not None:
+            raise UserError(f"checkpointing.checkpoint_dir='{checkpointer.root}' already holds checkpoints "
+                            f"(newest: {latest.path.name}); resume, or give another checkpoint_dir.")
+        return None
+    latest = newest_resumable(checkpointer)
     if resume and latest is None:
         raise UserError(f"Nothing to resume: no complete checkpoint in "
                         f"checkpointing.checkpoint_dir='{checkpointer.root}'.")
-    if resume is False and latest is not None:
-        raise UserError(f"checkpointing.checkpoint_dir='{checkpointer.root}' already holds checkpoints "
-                        f"(newest: {latest.path.name}); resume, or give another checkpoint_dir.")
     if latest is not None:
         check_resumable(latest, config)
+        if latest.step == config.grpo.max_num_steps:
+            info(f"checkpoint {latest.path} is the run's last step, but the run did not end (killed during its "
+                 "final evaluation, export or clean-up): finishing it")
+    return latest
+
+
+def newest_resumable(checkpointer: Checkpointer, *, before: int | None = None) -> Checkpoint | None:
+    """The newest checkpoint (older than step `before` if given) that passes `check_checkpoint`
+    with its checksums and whose trainer state resuming can read; each one skipped is
+    reported in one line."""
+    from novarl.logging.console import info
+    from novarl.trainer.checkpoint import resume_problem
+
+    latest = checkpointer.latest(verify=True, before=before)
+    while latest is not None and (problem := resume_problem(latest.state)) is not None:
+        info(f"checkpoint {latest.path} is not usable ({problem}); trying an older one")
+        latest = checkpointer.latest(verify=True, before=latest.step)
     return latest
 
 
 def check_resumable(latest: Checkpoint, config: NovaRLConfig) -> None:
-    """Refuse to continue a checkpoint of another experiment, or one already finished."""
+    """Refuse to continue a checkpoint of another experiment, or one already finished: past
+    grpo.max_num_steps, or at it with the run that wrote it ended (`mark_finished`). At
+    max_num_steps without that mark, the run was killed after its last save: it is finished
+    (final evaluation, export, prune) rather than refused."""
+    from novarl.trainer.checkpoint import finished_record
+
     saved = load_config(latest.path / "config.yaml")
     keys = ("policy.model_name", "policy.tokenizer.name", "policy.dtensor_cfg.tensor_parallel_size",
             "policy.optimizer.name")
@@ -173,10 +242,31 @@ def check_resumable(latest: Checkpoint, config: NovaRLConfig) -> None:
         shown = ", ".join(f"{k}: {_get(saved, k)!r} there, {_get(config, k)!r} here" for k in differ)
         raise UserError(f"{where} holds a checkpoint of another run ({shown}). Give another checkpoint_dir, "
                         "or delete that folder to start over.")
-    if latest.step >= config.grpo.max_num_steps:
+    finished = finished_record(latest.path)
+    if latest.step > config.grpo.max_num_steps or (latest.step == config.grpo.max_num_steps and finished):
+        ended = (f" (the run that reached it ended: its policy is in {finished.get('model_dir')})"
+                 if finished and latest.step == config.grpo.max_num_steps else "")
         raise UserError(f"{where} is already at step {latest.step}, and grpo.max_num_steps="
-                        f"{config.grpo.max_num_steps}: nothing left to train. Raise grpo.max_num_steps to go on, "
-                        "or give another checkpoint_dir.")
+                        f"{config.grpo.max_num_steps}: nothing left to train{ended}. Raise grpo.max_num_steps "
+                        "to go on, or give another checkpoint_dir.")
+
+
+def finish_checkpoints(checkpointer: Checkpointer, step: int, *, run_dir: Path, model_dir: Path) -> None:
+    """After a run's ending (evaluation, export, curve): prune (again: a run killed while pruning,
+    then finished, did not) and mark its last checkpoint, so that the same command refuses to redo it."""
+    checkpointer.prune()
+    last = checkpointer.root / f"step_{step}"
+    if (last / STATE_FILE).is_file():
+        mark_finished(last, {"run_dir": str(run_dir), "model_dir": str(model_dir)})
+
+
+def without_done_evaluation(cfg: NovaRLConfig, start: Checkpoint | None) -> NovaRLConfig:
+    """`cfg`, without the final evaluation when `start` is the last step and already holds it (the run
+    was killed after it, during the export): its result and record come with the checkpoint."""
+    summary = start.state.get("summary", {}) if start is not None else {}
+    if start is None or start.step != cfg.grpo.max_num_steps or summary.get("val_step") != start.step:
+        return cfg
+    return cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"val_at_end": False})})
 
 
 def _get(config: NovaRLConfig, path: str):
@@ -237,12 +327,31 @@ def new_run_dir(log_dir: Path) -> Path:
 
 
 def save_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """Write into a temporary sibling, then rename: a crash never leaves a half folder at `path`."""
-    import shutil
+    """Write into a temporary sibling (`.<name>.tmp-<host>-<pid>`), fsync it, then rename: a crash never
+    leaves a half folder at `path`, and the next save to `path` (or the next run's sweep) removes the
+    temporary a killed writer left. A write the OS refuses (a full disk, ...) removes the temporary
+    and raises UserError."""
+    from novarl.trainer.checkpoint_files import discard_partial, fsync_tree, owner_tag, replace_dir, sweep_temp_folders
 
-    from novarl.trainer.checkpoint import replace_dir
-
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    sweep_temp_folders(path.parent, only=path.name)
+    tmp = path.with_name(f".{path.name}.tmp-{owner_tag()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    replace_dir(tmp, path)
+    try:
+        write(tmp)
+        fsync_tree(tmp)
+        replace_dir(tmp, path)
+    except BaseException as err:
+        failure = discard_partial(tmp, err, f"Writing '{path}'")
+        if failure is None:
+            raise
+        raise UserError(f"{failure} Free some space or fix the cause, then run again.") from err
+
+
+def sweep_run_folders(log_dir: Path) -> None:
+    """Remove the temporary copies killed runs left in log_dir's run folders (a `.policy.tmp-*`
+    from an export cut short) and in their checkpoints/ (`novarl.train`'s checkpoint_dir)."""
+    from novarl.trainer.checkpoint_files import sweep_temp_folders
+
+    for run in sorted(log_dir.glob("exp_*")):
+        sweep_temp_folders(run)
+        sweep_temp_folders(run / "checkpoints")

@@ -2,10 +2,34 @@
 (torch.distributed.checkpoint: model, optimizer; scheduler), the driver's state
 (step, data position, RNG) and the resolved config.
 
-A checkpoint is written under a temporary name and renamed when complete, so a
-run killed mid-save never leaves a folder that looks valid. On resume, folders
-that fail the completeness check are reported and skipped in favour of the
-newest good one.
+    step_N/policy/             the training backend's state (DCP: *.distcp, .metadata, scheduler.pt;
+                               DeepSpeed: policy/deepspeed/...; Megatron: policy/megatron/...)
+    step_N/config.yaml         the resolved config
+    step_N/metrics.jsonl       the run's metrics up to step N
+    step_N/manifest.json       every file above with its size and sha256, and trainer_state.json's sha256
+    step_N/trainer_state.json  step, data position, RNG, summary; written last, it marks the folder complete
+    step_N/run_finished.json   added once the run that wrote step_N has ended (evaluation, export, prune)
+
+Writing: into `.tmp_step_N-<host>-<pid>`; every file is hashed and fsynced (the backends'
+ranks only write; the driver syncs their files after they return), then the manifest,
+the state and the folder are fsynced, the folder renamed to step_N and the parent fsynced.
+A save that fails (a full disk, ...) removes its partial folder; one killed leaves it to the
+sweep at the next start, which removes temporary folders whose process is gone.
+
+Checking (`check_checkpoint`): the state, the config and the backend's files must be there
+and every file must have the size the manifest gives; when the checkpoint is about to be
+loaded (resume, convert) the checksums are compared too. sha256 (hashlib, one thread per
+file): 65 ms per 100 MiB where measured (a 2-core AMD EPYC with SHA-NI, 1.5 GiB/s), against
+94 ms for blake2b. Checkpoints written before manifests existed load unverified, said once.
+
+Untrusted files: nothing is unpickled before its checksum matched. DCP's `.metadata` is
+a pickle that torch unpickles unrestricted, so it is also read first with an unpickler that
+admits only DCP's metadata classes and torch's dtypes and sizes (`check_dcp_metadata`):
+a DTensor or Megatron checkpoint from someone else cannot run code (their .pt files load
+with weights_only=True). DeepSpeed's loader (and its zero_to_fp32 export) unpickles with
+weights_only=False, so its files are scanned first (`check_deepspeed_pickles`, which unpickles
+nothing): any global beyond weights_only's and DeepSpeed's dataclasses, enums and loss
+scalers makes the checkpoint unusable. Both checks run before every load for resume or convert.
 """
 
 from __future__ import annotations
@@ -20,11 +44,16 @@ from typing import Any
 import torch
 
 from novarl.config.schema import CheckpointingConfig
+from novarl.errors import UserError
 from novarl.logging.console import info
+from novarl.trainer.checkpoint_files import (CHECKSUM, MANIFEST_FILE, STATE_FILE, check_dcp_metadata, check_deepspeed_pickles,
+                                             digest_all, discard_partial, fsync_path, megabytes, owner_tag,
+                                             remove_dir, replace_dir, sweep_temp_folders, tree_size,
+                                             write_manifest, write_synced)
 
-STATE_FILE = "trainer_state.json"
 METRICS_FILE = "metrics.jsonl"
 POLICY_DIR = "policy"
+FINISHED_FILE = "run_finished.json"
 
 
 @dataclass(frozen=True)
@@ -52,41 +81,70 @@ class Checkpointer:
         self.cfg = cfg
         self.root = Path(cfg.checkpoint_dir)
         self.config_yaml = config_yaml
+        self._said_unverified = False
 
     def due(self, step: int, *, last: bool) -> bool:
         return self.cfg.enabled and (step % self.cfg.save_period == 0 or last)
 
     def save(self, step: int, policy, state: dict[str, Any], *, metrics: Path | None = None) -> Path:
-        """Write step_N atomically; then prune to keep_top_k (the newest always stays).
-        metrics: the run's metrics.jsonl, kept with the checkpoint so that a resumed run
-        carries the whole history (its curve starts at step 1, not at the resume)."""
+        """Write step_N atomically (see the module's docstring); then prune to keep_top_k (the
+        newest always stays). metrics: the run's metrics.jsonl, kept with the checkpoint so that
+        a resumed run carries the whole history (its curve starts at step 1, not at the resume).
+        A write the OS refuses (a full disk, ...) raises UserError; the partial folder is removed."""
         final = self.root / f"step_{step}"
-        tmp = self.root / f".tmp_step_{step}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        policy.save(tmp / POLICY_DIR)
-        state = {**state, "step": step, "rng": _rng_state()}
-        (tmp / "config.yaml").write_text(self.config_yaml)
-        if metrics is not None and metrics.is_file():
-            shutil.copyfile(metrics, tmp / METRICS_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))  # written last: marks completeness
-        replace_dir(tmp, final)
+        tmp = self.root / f".tmp_step_{step}-{owner_tag()}"
+        newest = max(self.root.glob("step_*"), key=_step_of, default=None)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            policy.save(tmp / POLICY_DIR)
+            (tmp / "config.yaml").write_text(self.config_yaml)
+            if metrics is not None and metrics.is_file():
+                shutil.copyfile(metrics, tmp / METRICS_FILE)
+            state_text = json.dumps({**state, "step": step, "rng": _rng_state()}, indent=1)
+            write_manifest(tmp, state_text)
+            write_synced(tmp / STATE_FILE, state_text)  # written last: marks completeness
+            fsync_path(tmp)
+            replace_dir(tmp, final)
+        except BaseException as err:
+            needed = f"a checkpoint takes about {megabytes(tree_size(newest))} ({newest.name})" if newest else None
+            failure = discard_partial(tmp, err, f"Saving checkpoint step_{step} to '{self.root}'", needed=needed)
+            if failure is None:
+                raise
+            then = (f"The checkpoints before it are intact (newest: {newest.name}): make room or fix the cause (or "
+                    "set checkpointing.checkpoint_dir to another disk), and `novarl train` with the same config "
+                    f"goes on from {newest.name}." if newest else "Make room or fix the cause (or set "
+                    "checkpointing.checkpoint_dir to another disk), and run again.")
+            raise UserError(f"{failure} {then}") from err
         info(f"checkpoint step_{step} -> {final}")
-        self._prune()
+        self.prune()
         return final
 
-    def latest(self) -> Checkpoint | None:
-        """The newest complete checkpoint; incomplete or corrupt ones are reported and skipped."""
+    def latest(self, *, verify: bool = False, before: int | None = None) -> Checkpoint | None:
+        """The newest good checkpoint (older than step `before` if given); ones that fail
+        `check_checkpoint` are reported in one line each and skipped. verify: compare the
+        checksums too, for a checkpoint about to be loaded (sizes are always compared)."""
         if not self.root.is_dir():
             return None
         for path in sorted(self.root.glob("step_*"), key=_step_of, reverse=True):
-            problem = check_checkpoint(path)
+            if before is not None and _step_of(path) >= before:
+                continue
+            problem = check_checkpoint(path, verify_checksums=verify)
             if problem is None:
+                if not (path / MANIFEST_FILE).is_file() and not self._said_unverified:
+                    self._said_unverified = True  # once: all of a run's checkpoints are alike
+                    info(f"checkpoint {path} has no {MANIFEST_FILE} (written by an older novarl): "
+                         "its files are used unverified")
                 return Checkpoint(path, _step_of(path), json.loads((path / STATE_FILE).read_text()))
             info(f"checkpoint {path} is not usable ({problem}); trying an older one")
         return None
 
-    def _prune(self) -> None:
+    def sweep(self) -> None:
+        """Remove temporary folders that killed runs left in checkpoint_dir (see `sweep_temp_folders`)."""
+        sweep_temp_folders(self.root)
+
+    def prune(self) -> None:
+        """Delete checkpoints beyond keep_top_k (ranked by metric_name); the newest always stays."""
         keep = self.cfg.keep_top_k
         if keep is None:
             return
@@ -98,7 +156,7 @@ class Checkpointer:
             at their own step rank first, by the metric; the rest, and ties, by recency."""
             summary = json.loads((path / STATE_FILE).read_text()).get("summary", {})
             value, step = summary.get(self.cfg.metric_name), _step_of(path)
-            if value is None or summary.get("val_step") != step:
+            if not isinstance(value, (int, float)) or summary.get("val_step") != step:
                 return (0, 0.0, step)
             return (1, value if self.cfg.higher_is_better else -value, step)
 
@@ -109,37 +167,47 @@ class Checkpointer:
                 remove_dir(path)
 
 
-def replace_dir(new: Path, final: Path) -> None:
-    """Put `new` at `final`; an older `final` is moved aside first, so a crash leaves
-    either the old or the new folder at `final`, never a half-deleted one."""
-    old = final.with_name(f".trash_{final.name}")
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    new.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def remove_dir(path: Path) -> None:
-    """Rename, then delete: a crash mid-delete never leaves a folder that passes as a checkpoint."""
-    trash = path.with_name(f".trash_{path.name}")
-    shutil.rmtree(trash, ignore_errors=True)
-    path.rename(trash)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def check_checkpoint(path: Path) -> str | None:
-    """None if `path` is a complete checkpoint, else what is wrong with it."""
+# ------------------------------------------------------------------ checking
+def check_checkpoint(path: Path, *, verify_checksums: bool = False) -> str | None:
+    """None if `path` is a complete checkpoint, else what is wrong with it. Files are compared
+    with the manifest by size; with verify_checksums, also by sha256, and DCP's `.metadata` is
+    read with a restricted unpickler: do this before loading anything from it."""
     state = path / STATE_FILE
     if not state.is_file():
         return f"no {STATE_FILE}"
     try:
         data = json.loads(state.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         return f"{STATE_FILE} unreadable: {err}"
     if not isinstance(data, dict) or data.get("step") != _step_of(path):
         return f"{STATE_FILE} does not describe step {_step_of(path)}"
-    policy = path / POLICY_DIR
+    if not (path / "config.yaml").is_file():
+        return "config.yaml missing"
+    problem = _check_policy_files(path / POLICY_DIR) or _check_manifest(path, verify_checksums)
+    if problem is None and verify_checksums:
+        if (path / POLICY_DIR / ".metadata").is_file():
+            problem = check_dcp_metadata(path / POLICY_DIR / ".metadata")
+        elif (path / POLICY_DIR / "deepspeed").is_dir():
+            problem = check_deepspeed_pickles(path / POLICY_DIR / "deepspeed")
+    return problem
+
+
+def resume_problem(state: dict[str, Any]) -> str | None:
+    """None if a trainer_state.json's content is what resuming reads (the data position, the
+    RNG state, the summary), else what is wrong with it."""
+    sampler = state.get("sampler")
+    if not isinstance(sampler, dict) or not all(_is_count(sampler.get(k)) for k in ("epoch", "position")):
+        return f"{STATE_FILE} has no data position (sampler epoch and position)"
+    rng = state.get("rng")
+    if rng is not None and not _is_rng_state(rng):
+        return f"{STATE_FILE} has a malformed RNG state"
+    summary = state.get("summary", {})
+    if not isinstance(summary, dict) or not all(isinstance(v, (int, float)) for v in summary.values()):
+        return f"{STATE_FILE} has a malformed summary"
+    return None
+
+
+def _check_policy_files(policy: Path) -> str | None:
     if (policy / "deepspeed").is_dir():  # written by the DeepSpeed backend
         engine = policy / "deepspeed"
         if not any(engine.glob("*model_states.pt")) or not any(engine.glob("*optim_states.pt")):
@@ -176,6 +244,66 @@ def _check_megatron(folder: Path) -> str | None:
     return None
 
 
+def _check_manifest(path: Path, verify_checksums: bool) -> str | None:
+    """None when every file the manifest lists has its size (and, verifying, its checksum);
+    also None without a manifest (an older checkpoint: `Checkpointer.latest` says so)."""
+    if not (path / MANIFEST_FILE).is_file():
+        return None
+    try:
+        files = json.loads((path / MANIFEST_FILE).read_text())["files"]
+        entries = sorted((str(name), int(e["size"]), str(e[CHECKSUM])) for name, e in files.items())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
+            AttributeError) as err:
+        return f"{MANIFEST_FILE} unreadable: {type(err).__name__}: {err}"
+    for name, size, _ in entries:
+        file = path / name
+        if ".." in Path(name).parts or Path(name).is_absolute():
+            return f"{MANIFEST_FILE} names a file outside the checkpoint: {name}"
+        if not file.is_file():
+            return f"{name} missing"
+        if file.stat().st_size != size:
+            return f"{name} is {file.stat().st_size} bytes, {size} when saved"
+    if verify_checksums:
+        digests = digest_all([path / name for name, _, _ in entries])
+        for (name, _, expected), (_, got) in zip(entries, digests):
+            if got != expected:
+                return f"{name} does not match its checksum: changed since it was saved"
+    return None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_rng_state(rng: Any) -> bool:
+    if not isinstance(rng, dict):
+        return False
+    python, cpu = rng.get("python"), rng.get("torch")
+    return (isinstance(python, list) and len(python) == 3 and isinstance(python[0], int)
+            and isinstance(python[1], list) and all(isinstance(v, int) for v in python[1])
+            and isinstance(cpu, list) and all(isinstance(v, int) and 0 <= v < 256 for v in cpu))
+
+
+# ------------------------------------------------------------------ writing
+def mark_finished(checkpoint: Path, record: dict[str, Any]) -> None:
+    """Note in `checkpoint` that the run which wrote it has ended (`record`: where its results are).
+    Not covered by the manifest: it is written after, and only read by `finished_record`."""
+    tmp = checkpoint / f".{FINISHED_FILE}.tmp-{owner_tag()}"
+    write_synced(tmp, json.dumps(record, indent=1))
+    tmp.rename(checkpoint / FINISHED_FILE)
+    fsync_path(checkpoint)
+
+
+def finished_record(checkpoint: Path) -> dict[str, Any] | None:
+    """What `mark_finished` wrote in `checkpoint`, or None if the run that wrote it did not end."""
+    try:
+        record = json.loads((checkpoint / FINISHED_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+# ------------------------------------------------------------------ failures and leftovers
 def restore_rng(state: dict[str, Any]) -> None:
     rng = state.get("rng")
     if rng:

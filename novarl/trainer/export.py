@@ -2,27 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from novarl.config import load_config
 from novarl.config.schema import CheckpointingConfig
-from novarl.errors import UserError
+from novarl.errors import CheckpointLoadFailed, UserError
 from novarl.trainer.checkpoint import POLICY_DIR, STATE_FILE, Checkpointer, check_checkpoint
 
 
 def find_checkpoint(path: Path) -> Path:
-    """`path` itself when it is a checkpoint (a step_N folder), else the newest complete
-    step_N in it (a checkpointing.checkpoint_dir; incomplete ones are reported and skipped)."""
+    """`path` itself when it is a checkpoint (a step_N folder), else the newest good step_N in
+    it (a checkpointing.checkpoint_dir; the others are reported and skipped). Either way its
+    files have been checked against the manifest, checksums included: nothing of it has been
+    unpickled yet, and what is loaded from it after is what was saved."""
     if not path.is_dir():
         raise UserError(f"'{path}' does not exist or is not a folder; give a checkpoint "
                         "(checkpoint_dir/step_N) or the checkpoint_dir holding them.")
     if path.name.startswith("step_") or (path / STATE_FILE).exists():
-        return path  # a step folder: export_checkpoint says what is wrong if it is incomplete
+        problem = check_checkpoint(path, verify_checksums=True)
+        if problem is not None:
+            raise UserError(f"'{path}' is not a complete checkpoint ({problem}).")
+        return path
     steps = sorted(path.glob("step_*"))
     if not steps:
         raise UserError(f"'{path}' holds no checkpoint (no step_N folder): give a step_N folder written by "
                         "checkpointing, or the checkpointing.checkpoint_dir holding them.")
-    latest = Checkpointer(CheckpointingConfig(checkpoint_dir=str(path)), config_yaml="").latest()
+    latest = Checkpointer(CheckpointingConfig(checkpoint_dir=str(path)), config_yaml="").latest(verify=True)
     if latest is None:
         found = "; ".join(f"{step.name}: {check_checkpoint(step)}" for step in steps)
         raise UserError(f"'{path}' holds no complete checkpoint ({found}).")
@@ -31,16 +38,17 @@ def find_checkpoint(path: Path) -> Path:
 
 def export_checkpoint(checkpoint: Path, output: Path) -> Path:
     """Load `checkpoint` (any number of ranks wrote it) on one rank and write `output`.
-    `checkpoint` may be the checkpoint_dir: its newest complete step is exported."""
+    `checkpoint` may be the checkpoint_dir: its newest complete step is exported.
+
+    DTensor and Megatron checkpoints load with weights_only=True (DCP's `.metadata` pickle
+    through a restricted unpickler first); DeepSpeed's zero_to_fp32 unpickles with
+    weights_only=False, guarded only by the checksums (files changed since the save)."""
     from novarl.backends.training.dtensor import DTensorPolicy
     from novarl.distributed.local import default_device, ensure_single_process_group
     from novarl.models.loading import load_tokenizer, resolve_model_path
     from novarl.trainer.api import save_atomically
 
     checkpoint = find_checkpoint(checkpoint)
-    problem = check_checkpoint(checkpoint)
-    if problem is not None:
-        raise UserError(f"'{checkpoint}' is not a complete checkpoint ({problem}).")
     if output.exists() and any(output.iterdir()):
         raise UserError(f"'{output}' exists and is not empty; give a new folder.")
     cfg = load_config(checkpoint / "config.yaml")
@@ -54,9 +62,25 @@ def export_checkpoint(checkpoint: Path, output: Path) -> Path:
     ensure_single_process_group()
     policy = DTensorPolicy(cfg.policy, model_path, default_device(), total_steps=1,
                            temperature=cfg.policy.generation.temperature)
-    policy.load(checkpoint / POLICY_DIR)
+    with loading(checkpoint):
+        policy.load(checkpoint / POLICY_DIR)
     save_atomically(output, lambda tmp: policy.save_hf(tmp, tokenizer))
     return output
+
+
+@contextmanager
+def loading(checkpoint: Path) -> Iterator[None]:
+    """Turn a failure to read `checkpoint` (it passed the checks, yet torch or the backend refused it)
+    into a UserError naming it."""
+    try:
+        yield
+    except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit, UserError)):
+            raise
+        reason = CheckpointLoadFailed(checkpoint, err).reason
+        raise UserError(f"'{checkpoint}' could not be loaded ({reason}); it passed the manifest's "
+                        "checks, so it was written so or this environment cannot read it (another torch "
+                        "or backend version?).") from err
 
 
 def _export_deepspeed(policy_dir: Path, model_path: str, tokenizer, output: Path) -> Path:
@@ -71,7 +95,8 @@ def _export_deepspeed(policy_dir: Path, model_path: str, tokenizer, output: Path
     deepspeed_environment()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    state = get_fp32_state_dict_from_zero_checkpoint(str(policy_dir), tag="deepspeed")
+    with loading(policy_dir.parent):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(policy_dir), tag="deepspeed")
     model_config = AutoConfig.from_pretrained(model_path)
     save_atomically(output, lambda tmp: save_hf_folder(tmp, model_config, state, tokenizer))
     return output
@@ -90,14 +115,15 @@ def _export_megatron(folder: Path, model_path: str, tokenizer, output: Path) -> 
     from novarl.models.loading import save_hf_folder
     from novarl.trainer.api import save_atomically
 
-    layout = json.loads((folder / "layout.json").read_text())
-    tp, pp, ep = (layout["parallel"].get(k, 1) for k in ("tp", "pp", "ep"))
-    parts = [(t, p, torch.load(folder / f"model_tp{t}_pp{p}.pt", weights_only=True))
-             for t in range(tp) for p in range(pp)]
-    experts = {}
-    for e in range(ep if layout.get("experts") else 0):
-        for p in range(pp):
-            experts.update(torch.load(folder / f"experts_ep{e}_pp{p}.pt", weights_only=True))
+    with loading(folder.parent.parent):
+        layout = json.loads((folder / "layout.json").read_text())
+        tp, pp, ep = (layout["parallel"].get(k, 1) for k in ("tp", "pp", "ep"))
+        parts = [(t, p, torch.load(folder / f"model_tp{t}_pp{p}.pt", weights_only=True))
+                 for t in range(tp) for p in range(pp)]
+        experts = {}
+        for e in range(ep if layout.get("experts") else 0):
+            for p in range(pp):
+                experts.update(torch.load(folder / f"experts_ep{e}_pp{p}.pt", weights_only=True))
     model_config = AutoConfig.from_pretrained(model_path)
     state = shards_to_hf(parts, LayerShape.from_hf_config(model_config), tensor_parallel_size=tp,
                          fused_norms=layout["fused_norms"], experts=experts)

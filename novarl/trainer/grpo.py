@@ -18,6 +18,7 @@ import torch
 from novarl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from novarl.algorithms.losses import LossFn, make_loss
 from novarl.config.schema import NovaRLConfig
+from novarl.errors import CheckpointLoadFailed, UserError
 from novarl.logging.console import Progress, info
 from novarl.logging.metrics import JsonlSink
 from novarl.trainer.checkpoint import POLICY_DIR, Checkpoint, Checkpointer, restore_rng
@@ -148,10 +149,15 @@ def resume_from(resume: Checkpoint, inputs: RunInputs, roles: Roles, sink: Jsonl
     The run's metrics so far go first into this run's metrics.jsonl, then a "resume" record."""
     sink.write_history(resume.history())
     sink.write({"kind": "resume", "step": resume.step, "checkpoint": str(resume.path)})
-    roles.policy.load(resume.path / POLICY_DIR)
-    inputs.sampler.load_state_dict(resume.state["sampler"])
-    restore_rng(resume.state)
-    roles.sync_weights(resume.step)
+    try:
+        roles.policy.load(resume.path / POLICY_DIR)
+        inputs.sampler.load_state_dict(resume.state["sampler"])
+        restore_rng(resume.state)
+        roles.sync_weights(resume.step)
+    except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit, UserError)):
+            raise  # an interrupt, or a checkpoint of another layout: not a damaged file
+        raise CheckpointLoadFailed(resume.path, err) from err
     info(f"resumed from {resume.path} (step {resume.step})")
     return resume.step
 

@@ -17,7 +17,7 @@ from novarl.data.arithmetic import Example
 from novarl.data.datasets import PromptSampler, dataset_kind, load_examples, read_prompt_template, to_prompts
 from novarl.errors import UserError
 from novarl.logging.console import info
-from novarl.models.loading import load_tokenizer, resolve_model_path
+from novarl.models.loading import check_model_folder, load_tokenizer, resolve_model_path
 from novarl.plan.resolve import (BackendChoice, BatchPlan, plan_batches, require_available, resolve_backends,
                                  world_size)
 from novarl.rewards.registry import RewardScorer
@@ -62,18 +62,22 @@ def preflight(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = 
     grpo.max_val_samples) for evaluation, instead of the configured data.
     Raises UserError (or a subclass) naming the key at fault.
     """
+    # The model folder first: the batch arithmetic and the backend checks read its config.json.
+    model_path = resolve_model_path(cfg.policy.model_name)
+    check_model_folder(model_path, trust_remote_code=cfg.policy.trust_remote_code)
     choice = resolve_backends(cfg)
     availability = require_available(cfg, choice)
     batches = plan_batches(cfg)
     notes, warnings = list(choice.notes), list(availability.warnings)
 
-    model_path = resolve_model_path(cfg.policy.model_name)
     check_sequence_length(cfg, model_path, choice, warnings)
     if choice.training == "megatron":
         check_megatron_model(cfg, model_path)
     tokenizer = load_tokenizer(cfg.policy.tokenizer.name or model_path,
                                trust_remote_code=cfg.policy.trust_remote_code)
-    scorer = RewardScorer.from_spec(reward_fn or cfg.reward.function)
+    check_stop_token_ids(cfg, tokenizer)
+    check_output_dirs(cfg)
+    scorer = RewardScorer.from_spec(reward_fn or cfg.reward.function, timeout_s=cfg.reward.timeout_s)
     train = split_prompts(cfg, tokenizer, "train", train_examples, notes=notes)
     sampler = PromptSampler(train, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
     check_reward(scorer, train[0], where=f"reward.function='{cfg.reward.function}'" if reward_fn is None
@@ -124,6 +128,41 @@ def check_reward(scorer: RewardScorer, prompt: Prompt, *, where: str) -> None:
         raise UserError(f"{where}: a trial call on a training example (completed with its own answer) "
                         f"failed before the run started. {err} A reward function must return a finite "
                         "number for any completion.") from None
+
+
+def check_stop_token_ids(cfg: NovaRLConfig, tokenizer) -> None:
+    """policy.generation.stop_token_ids are ids of the tokenizer (0 <= id < its size): a larger
+    id is a typo or another model's id, and the stop it asks for would never happen."""
+    ids = cfg.policy.generation.stop_token_ids or []
+    size = len(tokenizer)
+    outside = [i for i in ids if not 0 <= i < size]
+    if outside:
+        raise UserError(f"policy.generation.stop_token_ids={ids[:10]}{'...' if len(ids) > 10 else ''}: {outside[0]} "
+                        f"is not a token id of the tokenizer, which has {size} tokens (ids 0 to {size - 1}).")
+
+
+def check_output_dirs(cfg: NovaRLConfig) -> None:
+    """logger.log_dir, and checkpointing.checkpoint_dir when checkpointing, can be made: no file
+    where a folder must go, the nearest existing folder writable, no name the file system
+    refuses. Creates nothing (validate writes nothing)."""
+    import os
+    from pathlib import Path
+
+    folders = [("logger.log_dir", cfg.logger.log_dir)]
+    if cfg.checkpointing.enabled:
+        folders.append(("checkpointing.checkpoint_dir", cfg.checkpointing.checkpoint_dir))
+    for key, folder in folders:
+        try:
+            existing = Path(folder).expanduser().absolute()
+            while not existing.exists():
+                existing = existing.parent
+            if not existing.is_dir():
+                raise UserError(f"{key}='{folder}': {existing} is a file, so the folder cannot be made there.")
+            if not os.access(existing, os.W_OK | os.X_OK):
+                raise UserError(f"{key}='{folder}': {existing} is not writable by this user.")
+        except (OSError, ValueError) as err:
+            raise UserError(f"{key}='{folder}': the folder cannot be made "
+                            f"({getattr(err, 'strerror', None) or err}).") from None
 
 
 def check_sequence_length(cfg: NovaRLConfig, model_path: str, choice: BackendChoice, warnings: list[str]) -> None:
@@ -205,7 +244,7 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
 
     model_path = resolve_model_path(model)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.policy.trust_remote_code)
-    scorer = RewardScorer.from_spec(cfg.reward.function)
+    scorer = RewardScorer.from_spec(cfg.reward.function, timeout_s=cfg.reward.timeout_s)
     gap = held_out_gap(cfg)
     prompts = split_prompts(cfg, tokenizer, "train" if gap else "validation")[:cfg.grpo.max_val_samples]
     check_reward(scorer, prompts[0], where=f"reward.function='{cfg.reward.function}'")

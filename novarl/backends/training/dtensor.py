@@ -8,6 +8,7 @@ each batch into contiguous shares.
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -110,10 +112,12 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
         dist.barrier()
 
     def load(self, path: Path) -> None:
-        """Load a checkpoint written by `save` with any number of ranks (DCP reshards)."""
+        """Load a checkpoint written by `save` with any number of ranks (DCP reshards). Nothing is
+        unpickled with weights_only=False (DCP's `.metadata` pickle is checked before: see
+        novarl/trainer/checkpoint.py)."""
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), planner=WeightsOnlyLoadPlanner())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(torch.load(Path(path) / "scheduler.pt", weights_only=True))
@@ -123,6 +127,17 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
         state = self.full_state_dict()
         if dist.get_rank() == 0:
             save_hf_folder(path, self.model.config, state, tokenizer)
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, but the non-tensor items (the optimizer's hyper-parameters: numbers,
+    bools, tuples) are unpickled with weights_only=True; DCP's own `load_bytes` uses False."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        checked = io.BytesIO()
+        torch.save(torch.load(value, weights_only=True), checked)  # refuses anything but plain data
+        checked.seek(0)
+        super().load_bytes(read_item, checked)
 
 
 class DTensorReference(ShardedModel):

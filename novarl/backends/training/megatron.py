@@ -405,10 +405,11 @@ class MegatronPolicy(MegatronModel):
         if missing or unexpected:
             raise UserError(f"{path}: the Megatron shard tp{self.tp_rank}_pp{self.pp_rank} does not fit this model "
                             f"(missing {missing[:3]}, unexpected {unexpected[:3]}).")
-        states = torch.load(folder / f"optim_rank{dist.get_rank()}.pt", weights_only=False)
+        # weights_only: the optimizer and schedule states are tensors, numbers, strings, lists and dicts
+        states = torch.load(folder / f"optim_rank{dist.get_rank()}.pt", weights_only=True)
         for optimizer, state in zip(self._optimizers(), states, strict=True):
             _load_optimizer_state(optimizer, state)
-        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
 
     def _optimizers(self) -> list:
         """megatron-core's optimizers behind the chained one (one per parameter group kind)."""
