@@ -41,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_demo_steps import cpu_name  # noqa: E402
 from tests.test_fuzz import (TRAIN, Case, all_cases, base_args, data_cases, model_cases, model_folder,  # noqa: E402
                              refused_at_load, reward, reward_cases, train_cases)
 
@@ -247,16 +248,6 @@ def listing(s: dict) -> str:
         return "none\n"
     return "".join(f"- `{r['id'][:120]}`: {', '.join(r['problems'])} -- {r['last_line'][:240]}\n"
                    for r in s["off_contract"])
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def report(args: argparse.Namespace, part1: dict, part2: dict, seconds: float) -> str:

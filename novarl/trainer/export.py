@@ -40,9 +40,10 @@ def export_checkpoint(checkpoint: Path, output: Path) -> Path:
     """Load `checkpoint` (any number of ranks wrote it) on one rank and write `output`.
     `checkpoint` may be the checkpoint_dir: its newest complete step is exported.
 
-    DTensor and Megatron checkpoints load with weights_only=True (DCP's `.metadata` pickle
-    through a restricted unpickler first); DeepSpeed's zero_to_fp32 unpickles with
-    weights_only=False, guarded only by the checksums (files changed since the save)."""
+    The checkpoint is verified first (sizes and checksums against its manifest). DTensor and
+    Megatron checkpoints load with weights_only=True (DCP's `.metadata` pickle read through a
+    restricted unpickler first); DeepSpeed's zero_to_fp32 unpickles without restriction, so its
+    files are scanned for foreign globals first (checkpoint_files.check_deepspeed_pickles)."""
     from novarl.backends.training.dtensor import DTensorPolicy
     from novarl.distributed.local import default_device, ensure_single_process_group
     from novarl.models.loading import load_tokenizer, resolve_model_path
