@@ -49,7 +49,7 @@ def test_bundled_task_evaluates_on_its_held_out_split(capsys):
 
 def test_file_without_val_data_path_evaluates_on_training_prompts_with_a_warning(tmp_path, capsys):
     inputs = prepare_inputs(file_config(tmp_path, "grpo.max_val_samples=5"))
-    assert inputs.val_source == "train"
+    assert inputs.val_source == "training-set"
     assert inputs.val_prompts == inputs.sampler.prompts[:5]
     err = capsys.readouterr().err
     assert ("12 train prompts, 5 evaluation prompts taken from the training set (data.val_data_path is not set)"
@@ -71,7 +71,7 @@ def test_in_memory_examples_evaluate_on_training_prompts():
     examples = [Example(prompt=f"{a}+1=", answer=str(a + 1)) for a in range(10, 18)]
     cfg = load_config(BUNDLED_RECIPE, overrides=[HF, "grpo.num_prompts_per_step=8", "policy.train_micro_batch_size=32"])
     inputs = preflight(cfg, train_examples=examples)
-    assert inputs.val_source == "train" and len(inputs.val_prompts) == 8
+    assert inputs.val_source == "training-set" and len(inputs.val_prompts) == 8
     assert "(train_examples were given in memory, with no held-out split)" in inputs.summary
     assert any("measured on training prompts" in w for w in inputs.warnings)
 

@@ -130,7 +130,7 @@ class GRPOTrainer:
         return TrainResult(metrics=summary, output_dir=run_dir, model_dir=model_dir,
                            initial_accuracy=summary.get("initial_accuracy"),
                            final_accuracy=summary.get("val_accuracy"), steps=int(summary.get("steps", 0)),
-                           accuracy_source="held-out" if inputs.val_source == "held-out" else "training-set",
+                           accuracy_source=inputs.val_source,
                            stopped_early=bool(summary.get("stopped_on_time_budget")))
 
     def _train_and_export(self, cfg: NovaRLConfig, inputs, sink: JsonlSink, checkpointer: Checkpointer | None,

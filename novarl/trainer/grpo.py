@@ -61,7 +61,6 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
                         print_every=cfg.logger.print_every_n_steps, initial=step)
     summary: dict[str, float] = dict(resume.state.get("summary", {})) if resume else {}
     summary.pop("stopped_on_time_budget", None)  # this run's own ending decides
-    accuracy_source = "held-out" if inputs.val_source == "held-out" else "training-set"
     saved = step
 
     def checkpoint(step: int, *, last: bool) -> None:
@@ -75,7 +74,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         result = evaluate(roles.generator, inputs.val_prompts, inputs.scorer, gen.max_new_tokens,
                           batch_size=grpo.val_batch_size, samples_to_print=cfg.logger.num_val_samples_to_print)
         sink.write({"kind": "eval", "step": step, **result})
-        progress.evaluated(step, result["accuracy"], source=accuracy_source)
+        progress.evaluated(step, result["accuracy"], source=inputs.val_source)
         summary.update({f"val_{k}": v for k, v in result.items()}, val_step=step)
         summary.setdefault("initial_accuracy", result["accuracy"])
 

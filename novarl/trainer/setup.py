@@ -36,7 +36,7 @@ class RunInputs:
     sampler: PromptSampler
     val_prompts: list[Prompt]
     val_source: str = "held-out"
-    """Where val_prompts come from: "held-out" (a split that is not trained on) or "train"
+    """Where val_prompts come from: "held-out" (a split that is not trained on) or "training-set"
     (the first grpo.max_val_samples training prompts, when no held-out split was given)."""
     summary: str = ""
     """One line: the model, how many train and evaluation prompts, the reward."""
@@ -94,7 +94,7 @@ def preflight(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = 
                            "evaluate held-out examples separately (`novarl eval` with data.val_data_path)"))
     summary = f"model: {cfg.policy.model_name} ({model_path}); {prompts}; reward: {scorer.name}"
     return RunInputs(choice, batches, model_path, tokenizer, scorer, sampler, val,
-                     val_source="held-out" if gap is None else "train", summary=summary,
+                     val_source="held-out" if gap is None else "training-set", summary=summary,
                      notes=tuple(notes), warnings=tuple(warnings))
 
 
@@ -234,7 +234,7 @@ class EvalInputs:
     prompts: list[Prompt]
     scorer: RewardScorer
     val_source: str
-    """"held-out", or "train" when the data has no held-out split (see RunInputs.val_source)."""
+    """"held-out", or "training-set" when the data has no held-out split (see RunInputs.val_source)."""
 
 
 def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInputs:
@@ -252,7 +252,7 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
         info(f"warning: evaluating on {len(prompts)} training prompts, not held-out ones ({gap})")
     generator = HFGeneration(model_path, tokenizer, device, precision=generation_precision(cfg, device),
                              max_seq_length=cfg.policy.max_seq_length, trust_remote_code=cfg.policy.trust_remote_code)
-    return EvalInputs(generator, prompts, scorer, "held-out" if gap is None else "train")
+    return EvalInputs(generator, prompts, scorer, "held-out" if gap is None else "training-set")
 
 
 @dataclass
