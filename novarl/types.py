@@ -50,6 +50,11 @@ class SamplingConfig:
     top_k: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    """The step's seed; None: unseeded."""
+    seed_offset: int = 0
+    """Position in the step of the first prompt given to an engine: each sample's random
+    stream is seeded by (seed, its position), so a step samples the same whatever the
+    number of engines and how the prompts are shared among them."""
 
 
 @dataclass

@@ -83,7 +83,7 @@ def test_zero_stage_trains_like_dtensor_and_exports_the_trained_weights(tmp_path
     assert_same_training(got, dtensor_run[1])
     # The exported folder holds the final weights, gathered from the partitions: exactly the
     # full_state_dict the last weight sync put into the (in-process) generator ...
-    exported, synced = hf_weights(result.model_dir), trainer.roles.generator.model.state_dict()
+    exported, synced = hf_weights(result.model_dir), trainer.roles.generator.engine.model.state_dict()
     assert exported.keys() == synced.keys()
     assert all(torch.equal(exported[name], synced[name]) for name in synced)
     # ... which are trained (not the bundled start) and agree with FSDP2's after the same 4 steps.

@@ -68,11 +68,11 @@ def test_saved_policy_reloads_with_identical_greedy_output(short_run):
 
     from novarl.types import Prompt, SamplingConfig
 
-    ours = generator.generate([Prompt(text=p, token_ids=tokenizer(p).input_ids) for p in prompts],
-                              SamplingConfig(max_new_tokens=4, temperature=0.0))
+    ours = generator.submit([Prompt(text=p, token_ids=tokenizer(p).input_ids) for p in prompts],
+                            SamplingConfig(max_new_tokens=4, temperature=0.0)).result()
     assert [c.text for c in ours] == reloaded
     # And the weights are the trained ones, not the bundled start.
-    trained = dict(trainer.roles.policy.named_weights())
+    trained = trainer.roles.policy.full_state_dict()
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, trained[name]), name
 
@@ -123,7 +123,7 @@ def test_bfloat16_mixed_precision(tmp_path):
     result = trainer.train()
     steps = [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in steps)
-    assert trainer.roles.generator.model.dtype == torch.bfloat16
+    assert trainer.roles.generator.engine.model.dtype == torch.bfloat16
     # FSDP2 keeps fp32 master weights and computes in bf16.
     assert {p.dtype for p in trainer.roles.policy.model.parameters()} == {torch.float32}
     assert steps[-1]["logprob_mismatch"] < 0.1  # bf16 generator vs bf16-compute trainer

@@ -20,13 +20,12 @@ def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def peer(rank: int, world: int, port: int, results) -> None:
-    weight_sync.BUCKET_BYTES = 2000  # forces several buckets per dtype
     bridge = weight_sync.WeightBridge("127.0.0.1", port, rank, world)
     for seed in (1, 2):  # two updates over the same group
         if rank == 0:
-            results.put((rank, seed, bridge.send(weights(seed))))
+            results.put((rank, seed, bridge.send(weight_sync.bucketed(weights(seed), 2000))))
         else:
-            got = bridge.receive()
+            got = list(bridge.receive())  # several buckets per dtype (2000 bytes at most)
             same = [name for (name, t), (n, want) in zip(got, weights(seed), strict=True)
                     if name == n and t.dtype == want.dtype and torch.equal(t, want)]
             results.put((rank, seed, len(same)))
@@ -52,10 +51,9 @@ def test_one_sender_two_receivers_get_every_tensor_exactly():
     assert got == [(0, 1, nbytes), (0, 2, nbytes), (1, 1, 5), (1, 2, 5), (2, 1, 5), (2, 2, 5)]
 
 
-def test_buckets_keep_order_split_by_dtype_and_size(monkeypatch):
+def test_buckets_keep_order_split_by_dtype_and_size():
     named = weights(0)
-    assert [[n for n, _ in b] for b in weight_sync._buckets(named)] == [
+    assert [[n for n, _ in b] for b in weight_sync.bucketed(named)] == [
         ["embed.weight", "layers.0.proj", "lm_head.weight"], ["layers.0.scale"], ["step"]]
-    monkeypatch.setattr(weight_sync, "BUCKET_BYTES", 2000)
-    assert [[n for n, _ in b] for b in weight_sync._buckets(named)] == [
+    assert [[n for n, _ in b] for b in weight_sync.bucketed(iter(named), 2000)] == [
         ["embed.weight", "layers.0.proj"], ["lm_head.weight"], ["layers.0.scale"], ["step"]]

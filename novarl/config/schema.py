@@ -137,6 +137,9 @@ class GenerationConfig(Section):
     vllm_kwargs: dict[str, Any] = {}
     mcore_generation_config: McoreGenerationConfig = Field(default_factory=McoreGenerationConfig)
     colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
+    weight_sync_bucket_mb: float = Field(512, gt=0)
+    """The weight sync's bound on one bucket (MB): the extra memory a rank holds beyond its own
+    shards while the engines take new weights."""
 
 
 # -------------------------------------------------------------------- training

@@ -136,19 +136,49 @@ class RankActor:
         return getattr(self.others[name], method)(*args, **kwargs)
 
     def join_weight_bridge(self, host: str, port: int, rank: int, world_size: int) -> None:
-        """Join the weight-transfer group (policy rank 0 + the generator ranks)."""
+        """Join the weight-transfer group (policy rank 0 + the dedicated engines)."""
         from novarl.distributed.weight_sync import WeightBridge
 
         self.bridge = WeightBridge(host, port, rank, world_size, self._take_listener() if rank == 0 else None)
 
-    def send_weights(self) -> int:
-        """Collective over the policy ranks: gather the full weights; rank 0 sends them over
-        the bridge. Bytes sent (0 on other ranks)."""
-        weights = self.role.full_state_dict()
-        return self.bridge.send(weights.items()) if self.bridge else 0
+    def generate_share(self, role: str | None, prompts: list, sampling) -> list:
+        """This process's engine (the role, or the added role `role`) on its share of a step."""
+        engine = self.others[role] if role else self.role
+        return engine.generate(prompts, sampling)
+
+    def sync_generator(self, version: int, bucket_bytes: int, dtype) -> int:
+        """Collective over the policy ranks: gather the full weights bucket by bucket from the
+        shards and load each into this rank's own engine as it comes. Bytes loaded."""
+        from novarl.distributed.weight_sync import drain, flatten
+
+        loaded = [0]
+        stream = flatten(self.role.weight_buckets(bucket_bytes, everywhere=True, dtype=dtype), loaded)
+        self.others["generator"].update_weights(stream, version)
+        drain(stream)  # an engine that skipped a tensor still takes part in every gather
+        return loaded[0]
+
+    def offload_role(self, role: str) -> None:
+        offload = getattr(self.others[role], "offload", None)
+        if offload is not None:
+            offload()
+
+    def send_weights(self, bucket_bytes: int, dtype) -> int:
+        """Collective over the policy ranks: gather the full weights bucket by bucket; rank 0
+        broadcasts each over the bridge as it comes. Bytes sent (0 on other ranks)."""
+        from novarl.distributed.weight_sync import drain
+
+        buckets = self.role.weight_buckets(bucket_bytes, everywhere=False, dtype=dtype)
+        if self.bridge is None:
+            drain(buckets)
+            return 0
+        return self.bridge.send(buckets)
 
     def receive_weights(self, version: int) -> None:
-        self.role.update_weights(self.bridge.receive(), version)
+        from novarl.distributed.weight_sync import drain
+
+        stream = self.bridge.receive()
+        self.role.update_weights(stream, version)
+        drain(stream)
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -230,7 +260,10 @@ def _is_loopback(host: str) -> bool:
 
 class RayWorkerGroup:
     def __init__(self, factory: Callable[..., Any], kwargs: dict[str, Any], *, world_size: int,
-                 gpus_per_rank: int = 0, cpus_per_rank: int = 1, name: str = "policy") -> None:
+                 gpus_per_rank: int = 0, cpus_per_rank: int = 1, name: str = "policy",
+                 process_group: bool = True) -> None:
+        """`world_size` actors, each building `factory(**kwargs)`; joined in a torch.distributed
+        process group unless process_group=False (engines that share no collective)."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -251,10 +284,11 @@ class RayWorkerGroup:
         self.actors = [
             remote.options(num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i)
-                           ).remote(i, world_size, cpus_per_rank)
+                           ).remote(*((i, world_size) if process_group else (0, 1)), cpus_per_rank)
             for i in range(world_size)]
-        host, port = self._get([self.actors[0].address.remote()])[0]
-        self._get([a.join.remote(host, port) for a in self.actors])
+        if process_group:
+            host, port = self._get([self.actors[0].address.remote()])[0]
+            self._get([a.join.remote(host, port) for a in self.actors])
         self._get([a.setup.remote(factory, kwargs) for a in self.actors])
 
     def _check_resources(self, bundle: dict[str, float], world_size: int) -> None:
@@ -303,6 +337,15 @@ class RayWorkerGroup:
     def call_all_actors(self, method: str, *args: Any) -> list[Any]:
         """Run a RankActor method (memory, reset_memory_peak) on every rank; rank order."""
         return self._get([getattr(a, method).remote(*args) for a in self.actors])
+
+    def submit_each(self, method: str, per_rank: list[tuple]) -> list:
+        """Start RankActor `method` on rank i with the arguments per_rank[i] (one tuple per
+        rank); the refs, to pass to `collect` (nothing waits here)."""
+        return [getattr(actor, method).remote(*args) for actor, args in zip(self.actors, per_rank, strict=True)]
+
+    def collect(self, refs: list) -> list[Any]:
+        """Results of refs started on this group, in order; a rank that died stops it (WorkerDied)."""
+        return self._get(refs)
 
     def _get(self, refs: list) -> list[Any]:
         return wait_groups([(self, refs)])[0]

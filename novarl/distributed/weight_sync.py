@@ -1,13 +1,21 @@
-"""Weights from the trainer to a dedicated generator over a process group.
+"""Weights from the training ranks to the generation engines, in buckets.
 
-When generation runs on its own Ray actors, the policy's rank 0 and the
-generator ranks form a process group of their own (NCCL on GPU, gloo on CPU),
-apart from the training group, so the weights go process to process without a
-copy through the driver or Ray's object store. Each update rank 0 broadcasts a
-header (names, shapes, dtypes, bucket layout) as JSON, then the tensors packed
-into flat buckets of one dtype each (at most `BUCKET_BYTES`, so a large model
-never needs a second full copy in one buffer); receivers unpack views of the
-buckets. A receiver checks the header before it allocates anything: a dtype
+The training side yields full tensors (Hugging Face names) bucket by bucket
+(`bucketed`): each bucket is gathered from the shards when it is due and
+dropped once it is loaded, so a rank holds at most one bucket beyond its own
+shards (`policy.generation.weight_sync_bucket_mb`, see `bucket_bytes`).
+
+- Colocated, the engine lives in the rank's own process: each rank gathers the
+  buckets and its engine loads them as they come (RankActor.sync_generator).
+- Dedicated, the engines are actors of their own: the policy's rank 0 and the
+  engines form a process group of their own (NCCL on GPU, gloo on CPU) apart
+  from the training group, and rank 0 broadcasts each bucket as the training
+  ranks gather it (`WeightBridge`). Nothing passes through the driver or Ray's
+  object store.
+
+Each bucket goes over a group as a header (JSON: its dtype, and the names and
+shapes of its tensors), then one flat tensor of that dtype; an empty header ends
+the update. A receiver checks the header before it allocates anything: a dtype
 outside `DTYPES`, a shape that is not a list of non-negative ints, or bytes that
 are not such JSON raise `MalformedHeader` -- what arrives is data, never code.
 
@@ -21,10 +29,11 @@ TCPStore started by host and port would.
 
 from __future__ import annotations
 
+import abc
 import datetime
 import json
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -32,6 +41,7 @@ import torch.distributed as dist
 from novarl.errors import NotAvailableYet, RunFailed
 
 BUCKET_BYTES = 512 * 2**20
+"""The default bound on one bucket (policy.generation.weight_sync_bucket_mb = 512)."""
 TIMEOUT = datetime.timedelta(minutes=10)
 MAX_HEADER_BYTES = 256 * 2**20
 """A header longer than this is refused before a buffer for it is made (a real one is about
@@ -66,8 +76,65 @@ def tcp_store(host: str, port: int, world_size: int, listener: socket.socket | N
                          master_listen_fd=listener.detach())
 
 
-class WeightBridge:
-    """One end of the weight-transfer group; rank 0 sends, the other ranks receive.
+class Channel(abc.ABC):
+    """Buckets of named tensors broadcast from rank 0 of a group to its other ranks."""
+
+    rank: int
+    device: torch.device
+
+    @abc.abstractmethod
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0's `tensor` into every rank's `tensor` (in place)."""
+
+    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
+        """Broadcast each bucket (one dtype each, see `bucketed`) as it comes; bytes sent."""
+        sent = 0
+        for bucket in buckets:
+            if not bucket:
+                continue
+            header: Header = [(_dtype_name(bucket), [(n, tuple(t.shape)) for n, t in bucket])]
+            self._broadcast_bytes(json.dumps(header).encode())
+            flat = torch.cat([t.detach().reshape(-1).to(self.device) for _, t in bucket])
+            self._broadcast(flat)
+            sent += flat.numel() * flat.element_size()
+        self._broadcast_bytes(b"[]")
+        return sent
+
+    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors rank 0 sends in this update, under their names (on this rank's device),
+        one bucket at a time: consume it to the end (see `drain`), or the sender waits."""
+        while True:
+            header = decode_header(self._broadcast_bytes(None))
+            if not header:
+                return
+            for dtype, entries in header:
+                flat = torch.empty(sum(_numel(shape) for _, shape in entries), dtype=getattr(torch, dtype),
+                                   device=self.device)
+                self._broadcast(flat)
+                offset = 0
+                for name, shape in entries:
+                    yield name, flat[offset:offset + _numel(shape)].view(shape)
+                    offset += _numel(shape)
+
+    def _broadcast_bytes(self, payload: bytes | None) -> bytes:
+        """Rank 0's `payload` on every rank: its length, then the bytes."""
+        size = torch.tensor([len(payload) if self.rank == 0 else 0], dtype=torch.int64, device=self.device)
+        self._broadcast(size)
+        length = int(size.item())
+        if self.rank == 0:
+            buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        elif 0 < length <= MAX_HEADER_BYTES:
+            buffer = torch.empty(length, dtype=torch.uint8, device=self.device)
+        else:
+            raise MalformedHeader(f"The weight bridge's rank 0 announced a header of {length} bytes "
+                                  f"(at most {MAX_HEADER_BYTES} are accepted).")
+        self._broadcast(buffer)
+        return payload if self.rank == 0 else buffer.cpu().numpy().tobytes()
+
+
+class WeightBridge(Channel):
+    """The weight-transfer group of dedicated generation: the policy's rank 0 sends, the
+    engines (ranks 1..n) receive.
 
     Rank 0 serves the group's store at host:port, on `listener` if given (a socket from
     `listen_on(host)`), else on a socket it opens there itself."""
@@ -87,51 +154,78 @@ class WeightBridge:
         else:
             self.group = dist.ProcessGroupGloo(store, rank, world_size, TIMEOUT)
 
-    def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Broadcast the named tensors to the receivers; the number of bytes sent."""
-        buckets = _buckets(list(weights))
-        header: Header = [(_dtype_name(b), [(n, tuple(t.shape)) for n, t in b]) for b in buckets]
-        self._broadcast_bytes(json.dumps(header).encode())
-        sent = 0
-        for bucket in buckets:
-            flat = torch.cat([t.detach().reshape(-1) for _, t in bucket]).to(self.device)
-            self._broadcast(flat)
-            sent += flat.numel() * flat.element_size()
-        return sent
-
-    def receive(self) -> list[tuple[str, torch.Tensor]]:
-        """The tensors rank 0 sent in this update, under their names (on this rank's device)."""
-        header = decode_header(self._broadcast_bytes(None))
-        received = []
-        for dtype, entries in header:
-            flat = torch.empty(sum(_numel(shape) for _, shape in entries), dtype=getattr(torch, dtype),
-                               device=self.device)
-            self._broadcast(flat)
-            offset = 0
-            for name, shape in entries:
-                received.append((name, flat[offset:offset + _numel(shape)].view(shape)))
-                offset += _numel(shape)
-        return received
-
     def _broadcast(self, tensor: torch.Tensor) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = 0
         self.group.broadcast([tensor], options).wait()
 
-    def _broadcast_bytes(self, payload: bytes | None) -> bytes:
-        """Rank 0's `payload` on every rank: its length, then the bytes."""
-        size = torch.tensor([len(payload) if self.rank == 0 else 0], dtype=torch.int64, device=self.device)
-        self._broadcast(size)
-        length = int(size.item())
-        if self.rank == 0:
-            buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
-        elif 0 < length <= MAX_HEADER_BYTES:
-            buffer = torch.empty(length, dtype=torch.uint8, device=self.device)
-        else:
-            raise MalformedHeader(f"The weight bridge's rank 0 announced a header of {length} bytes "
-                                  f"(at most {MAX_HEADER_BYTES} are accepted).")
-        self._broadcast(buffer)
-        return payload if self.rank == 0 else buffer.cpu().numpy().tobytes()
+
+class GroupChannel(Channel):
+    """Rank 0 of this process's default (training) group to its other ranks: for a training
+    backend that gathers full weights on rank 0 alone (Megatron), when every rank's engine
+    needs them."""
+
+    def __init__(self) -> None:
+        self.rank = dist.get_rank()
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        dist.broadcast(tensor, src=0)
+
+
+def bucketed(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = BUCKET_BYTES
+             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors of one dtype, up to bucket_bytes each (a larger tensor goes alone),
+    yielded as soon as each bucket is full: a lazy `weights` is never held whole."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and (bucket[0][1].dtype != tensor.dtype or size + nbytes > bucket_bytes):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def flatten(buckets: Iterable[list[tuple[str, torch.Tensor]]], counter: list[int] | None = None
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of `buckets` one by one; their bytes added to counter[0] if given."""
+    for bucket in buckets:
+        for name, tensor in bucket:
+            if counter is not None:
+                counter[0] += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
+def drain(stream: Iterator) -> None:
+    """Run a weight stream to its end (its collectives must all happen on every rank)."""
+    for _ in stream:
+        pass
+
+
+def full_weights(state: Iterable[tuple[str, torch.Tensor]], keep: bool, dtype: torch.dtype | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors from a (possibly sharded) state dict: DTensors are gathered one at a time
+    (a collective: every rank of the training group iterates), plain tensors pass as they
+    are. keep=False: gathered and dropped (a rank that only takes part in the gathers).
+    Floating tensors are cast to dtype when it is given (the engines' precision)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in state:
+        if isinstance(tensor, DTensor):
+            if tensor.device.type != tensor.device_mesh.device_type:  # shards offloaded to the CPU
+                tensor = tensor.to(tensor.device_mesh.device_type)
+            tensor = tensor.full_tensor()
+        if keep:
+            yield name, in_dtype(tensor.detach(), dtype)
+
+
+def in_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
 def decode_header(data: bytes) -> Header:
@@ -170,20 +264,6 @@ def _dtype_name(bucket: list[tuple[str, torch.Tensor]]) -> str:
         raise NotAvailableYet(f"The weight bridge does not carry {tensor.dtype} tensors ('{name}'); "
                               f"it carries {sorted(DTYPES)}.")
     return dtype
-
-
-def _buckets(weights: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive tensors of one dtype, up to BUCKET_BYTES each (a larger tensor goes alone)."""
-    buckets: list[list[tuple[str, torch.Tensor]]] = []
-    size = 0
-    for name, tensor in weights:
-        nbytes = tensor.numel() * tensor.element_size()
-        if not buckets or buckets[-1][0][1].dtype != tensor.dtype or size + nbytes > BUCKET_BYTES:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, tensor))
-        size += nbytes
-    return buckets
 
 
 def _numel(shape: tuple[int, ...]) -> int:

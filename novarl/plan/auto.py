@@ -82,10 +82,9 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
                                   zero_stage=int(pick.strategy[-1]) if pick.training_backend == "deepspeed" else None)
     if pick.training_backend == "megatron":
         overrides += _megatron_overrides(pick)
-    if pick.placement == "dedicated":  # generation on the last node, training on the others
+    if pick.placement == "dedicated":  # generation on the last node, training on the others (NeMo RL's count)
         overrides += [f"policy.generation.colocated.resources.gpus_per_node={cfg.cluster.gpus_per_node}",
-                      "policy.generation.colocated.resources.num_nodes=1",
-                      f"cluster.num_nodes={cfg.cluster.num_nodes - 1}"]
+                      "policy.generation.colocated.resources.num_nodes=1"]
     return overrides, why
 
 

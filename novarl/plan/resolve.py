@@ -11,13 +11,15 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from novarl.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import ConfigError, NotAvailableYet, UserError
 from novarl.models.bundled import resolve_bundled
+from novarl.plan.generation import generation_layout, training_devices
 from novarl.plan.model_shape import ModelShape
 
-BUILT_TRAINING_BACKENDS = ("dtensor", "deepspeed", "megatron")
-BUILT_GENERATION_BACKENDS = ("hf", "vllm", "megatron")
+BUILT_TRAINING_BACKENDS = TRAINING_BACKENDS
+BUILT_GENERATION_BACKENDS = GENERATION_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,9 @@ def require_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
 
 
 def world_size(cfg: NovaRLConfig) -> int:
-    return max(cfg.cluster.gpus_per_node, 1) * cfg.cluster.num_nodes
+    """The policy's ranks: the cluster's devices, less those of dedicated generation
+    (see plan/generation.py)."""
+    return training_devices(cfg)[0]
 
 
 @dataclass(frozen=True)
@@ -210,18 +214,18 @@ def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> 
     if grpo.num_generations_per_prompt < 2 and grpo.advantage_estimator == "grpo":
         problems.append(f"grpo.num_generations_per_prompt={grpo.num_generations_per_prompt}: GRPO compares "
                         "samples within a prompt's group, so every advantage would be 0; use 2 or more.")
-    if resolve_backends(cfg).generation != "vllm":
+    backend = resolve_backends(cfg).generation
+    try:
+        generation_layout(cfg, backend, on_gpu=_has_cuda())
+    except ConfigError as err:
+        problems.append(str(err))
+    if backend != "vllm":
         return problems
     max_model_len = gen.vllm_cfg.max_model_len
     if max_model_len is not None and max_model_len < policy.max_seq_length:
         problems.append(f"policy.generation.vllm_cfg.max_model_len={max_model_len} is shorter than "
                         f"policy.max_seq_length={policy.max_seq_length}: the generator could not hold "
                         "the sequences the trainer is sized for.")
-    gpus = max(cfg.cluster.gpus_per_node, 1)
-    engine_gpus = gen.vllm_cfg.tensor_parallel_size * gen.vllm_cfg.pipeline_parallel_size
-    if gen.colocated.enabled and gpus % engine_gpus:
-        problems.append(f"policy.generation.vllm_cfg tensor_parallel_size x pipeline_parallel_size = {engine_gpus} "
-                        f"does not divide cluster.gpus_per_node={gpus}, so colocated engines cannot tile the node.")
     problems.extend(_head_problems(shape, "policy.generation.vllm_cfg.tensor_parallel_size",
                                    gen.vllm_cfg.tensor_parallel_size, kv_replicated=True))
     return problems

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from novarl.backends.protocols import GenerationBackend
 from novarl.logging.console import info
 from novarl.rewards.registry import RewardScorer
 from novarl.types import Prompt, SamplingConfig
 
 
-def evaluate(generator, prompts: Sequence[Prompt], scorer: RewardScorer, max_new_tokens: int, *,
+def evaluate(generator: GenerationBackend, prompts: Sequence[Prompt], scorer: RewardScorer, max_new_tokens: int, *,
              batch_size: int = 256, samples_to_print: int = 0) -> dict[str, float]:
-    """Greedy completions of every prompt; accuracy = fraction whose reward is >= 1 (exact)."""
+    """Greedy completions of every prompt; accuracy = fraction whose reward is >= 1 (exact).
+    Every batch is submitted before any is collected, each shared among the engines."""
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
-    completions = []
-    for start in range(0, len(prompts), batch_size):
-        completions.extend(generator.generate(prompts[start:start + batch_size], greedy))
+    rollouts = [generator.submit(prompts[start:start + batch_size], greedy)
+                for start in range(0, len(prompts), batch_size)]
+    completions = [c for rollout in rollouts for c in rollout.result()]
     rewards = scorer.score(completions)
     for c, r in list(zip(completions, rewards))[:samples_to_print]:
         info(f"  {c.prompt.text!r} -> {c.text!r} (answer {c.prompt.answer!r}, reward {r:g})")

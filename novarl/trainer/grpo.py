@@ -117,7 +117,7 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
                               top_k=gen.top_k, stop_token_ids=tuple(gen.stop_token_ids or ()),
                               seed=grpo.seed + step)
     with timer("generation"):
-        completions = roles.generator.generate(prompts, sampling)
+        completions = roles.generator.submit(prompts, sampling).result()
         roles.release_generator()
     rewards = torch.tensor(inputs.scorer.score(completions))
     advantages = estimate_advantages(rewards, grpo.num_generations_per_prompt,

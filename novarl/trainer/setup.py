@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from novarl.backends.protocols import GenerationBackend, Offloadable, ReferenceBackend, TrainingBackend
 from novarl.config.schema import NovaRLConfig
 from novarl.data.arithmetic import Example
 from novarl.data.datasets import PromptSampler, dataset_kind, load_examples, read_prompt_template, to_prompts
 from novarl.errors import UserError
 from novarl.logging.console import info
 from novarl.models.loading import check_model_folder, load_tokenizer, resolve_model_path
+from novarl.plan.generation import generation_layout
 from novarl.plan.resolve import (BackendChoice, BatchPlan, plan_batches, require_available, resolve_backends,
                                  world_size)
 from novarl.rewards.registry import RewardScorer
@@ -229,8 +231,8 @@ def generation_precision(cfg: NovaRLConfig, device: torch.device) -> str:
 
 @dataclass
 class EvalInputs:
-    generator: object
-    """GenerationBackend (Hugging Face generate) holding the model under evaluation."""
+    generator: GenerationBackend
+    """One Hugging Face engine in this process, holding the model under evaluation."""
     prompts: list[Prompt]
     scorer: RewardScorer
     val_source: str
@@ -241,6 +243,7 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
     """The generator, evaluation prompts and scorer to evaluate the model `model`; the
     reward and data are checked before the weights load."""
     from novarl.backends.generation.hf import HFGeneration
+    from novarl.distributed.generation import LocalGeneration
 
     model_path = resolve_model_path(model)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.policy.trust_remote_code)
@@ -250,118 +253,105 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
     check_reward(scorer, prompts[0], where=f"reward.function='{cfg.reward.function}'")
     if gap:
         info(f"warning: evaluating on {len(prompts)} training prompts, not held-out ones ({gap})")
-    generator = HFGeneration(model_path, tokenizer, device, precision=generation_precision(cfg, device),
-                             max_seq_length=cfg.policy.max_seq_length, trust_remote_code=cfg.policy.trust_remote_code)
-    return EvalInputs(generator, prompts, scorer, "held-out" if gap is None else "training-set")
+    engine = HFGeneration(model_path, tokenizer, device, precision=generation_precision(cfg, device),
+                          max_seq_length=cfg.policy.max_seq_length, trust_remote_code=cfg.policy.trust_remote_code)
+    return EvalInputs(LocalGeneration(engine), prompts, scorer, "held-out" if gap is None else "training-set")
 
 
 @dataclass
 class Roles:
-    policy: object
-    """TrainingBackend."""
-    reference: object | None
-    """Frozen reference with .logprobs(batch), or None when the KL penalty is 0."""
-    generator: object
-    """GenerationBackend."""
+    policy: TrainingBackend | None
+    reference: ReferenceBackend | None
+    """None when the KL penalty is 0."""
+    generator: GenerationBackend | None
 
     def release_generator(self) -> None:
-        """Free a colocated generator's accelerator memory for training (vLLM sleep on GPU);
-        it wakes when it next takes weights or generates."""
-        offload = getattr(self.generator, "offload", None)
-        if offload is not None:
-            offload()
+        """Free colocated engines' accelerator memory for training (vLLM sleep on GPU); they
+        wake when they next take weights or generate."""
+        if isinstance(self.generator, Offloadable):
+            self.generator.offload()
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """The policy's current weights into the generator: rank to rank over the weight-transfer
-        group when the generator is dedicated (metrics: MB sent), by reference in this process
-        when colocated (no metrics); nothing moves when it samples from the policy's own model."""
-        if hasattr(self.generator, "follow_policy"):
-            self.generator.follow_policy(version)
-            return {}
-        if hasattr(self.generator, "pull_weights"):
-            return {"weight_sync_mb": self.generator.pull_weights(version) / 1e6}
-        self.generator.update_weights(self.policy.named_weights(), version=version)
-        return {}
+        """The policy's current weights into every engine (see distributed/generation.py);
+        metrics: weight_sync_mb, the MB each engine took (0 when the generator samples with
+        the policy's own model)."""
+        return self.generator.sync_weights(version)
 
     def shutdown(self) -> None:
         """Stop remote workers (in-process roles need nothing); safe to call twice."""
         for name in ("generator", "reference", "policy"):
             role = getattr(self, name)
-            if hasattr(role, "shutdown"):
+            if role is not None and hasattr(role, "shutdown"):
                 role.shutdown()
 
 
-def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device, policy=None):
-    """The generation backend the config resolved to: in this process when colocated,
-    on its own Ray actor when `policy.generation.colocated.enabled` is false, on the
-    policy's own ranks for Megatron generation."""
+def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device, policy) -> GenerationBackend:
+    """The generation engines the config resolved to (see plan/generation.py): one in this
+    process beside a one-rank policy, one in each policy rank's process when colocated, actors
+    of their own when dedicated; Megatron generation runs on the policy's own ranks."""
+    from novarl.backends.registry import ENGINES, engine_class, on_policy_class
+    from novarl.models.loading import DTYPES
+
     gen = cfg.policy.generation
+    layout = generation_layout(cfg, inputs.choice.generation, on_gpu=device.type == "cuda")
+    if inputs.choice.generation not in ENGINES:
+        return on_policy_class(inputs.choice.generation)(
+            policy, inputs.tokenizer, max_seq_length=cfg.policy.max_seq_length, config=gen.mcore_generation_config)
     precision = generation_precision(cfg, device)
-    if inputs.choice.generation == "megatron":
-        from novarl.backends.generation.megatron import MegatronGeneration
+    factory = engine_class(inputs.choice.generation)
+    kwargs = factory.engine_kwargs(cfg, model_path=inputs.model_path, tokenizer=inputs.tokenizer, precision=precision)
+    sync = dict(bucket_bytes=int(gen.weight_sync_bucket_mb * 2**20), dtype=DTYPES[precision])
+    if layout.in_process:
+        from novarl.distributed.generation import LocalGeneration
 
-        return MegatronGeneration(policy, inputs.tokenizer, max_seq_length=cfg.policy.max_seq_length,
-                                  config=gen.mcore_generation_config)
-    if inputs.choice.generation == "vllm":
-        from novarl.backends.generation.vllm import VllmGeneration
-
-        factory, kwargs = VllmGeneration, dict(
-            model_path=inputs.model_path, tokenizer=inputs.tokenizer, cfg=gen, precision=precision,
-            max_seq_length=cfg.policy.max_seq_length, seed=cfg.grpo.seed,
-            trust_remote_code=cfg.policy.trust_remote_code)
-    else:
-        from novarl.backends.generation.hf import HFGeneration
-
-        factory, kwargs = HFGeneration, dict(
-            model_path=inputs.model_path, tokenizer=inputs.tokenizer, device=None, precision=precision,
-            batch_size=gen.generation_batch_size or cfg.policy.generation_batch_size,
-            max_seq_length=cfg.policy.max_seq_length, trust_remote_code=cfg.policy.trust_remote_code)
-    if gen.colocated.enabled:
-        return factory(**{**kwargs, **({"device": device} if "device" in kwargs else {})})
+        engine = factory(**{**kwargs, **({"device": device} if "device" in kwargs else {})})
+        return LocalGeneration(engine, policy, layout, **sync)
     from novarl.distributed.ray_group import RayWorkerGroup
-    from novarl.distributed.remote import RemoteGenerator
 
-    res = gen.colocated.resources
-    gpus = (res.gpus_per_node or 1) * (res.num_nodes or 1) if device.type == "cuda" else 0
-    info(f"starting the {inputs.choice.generation} generator on its own Ray actor "
-         f"({f'{gpus} GPU(s)' if gpus else '1 CPU'})")
-    return RemoteGenerator(RayWorkerGroup(factory, kwargs, world_size=1, gpus_per_rank=gpus, name="generator"))
+    if layout.colocated:
+        from novarl.distributed.generation import ColocatedEngines
+
+        return ColocatedEngines(policy.group, factory, kwargs, layout, **sync)
+    from novarl.distributed.generation import DedicatedEngines
+
+    gpus = layout.devices_per_engine if device.type == "cuda" else 0
+    group = RayWorkerGroup(factory, kwargs, world_size=layout.engines, gpus_per_rank=gpus,
+                           name="generation engine", process_group=False)
+    try:
+        return DedicatedEngines(group, policy.group, layout, **sync)
+    except BaseException:
+        group.shutdown()
+        raise
 
 
 def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> Roles:
-    """The policy (and reference) on one in-process rank or on Ray ranks, and the generator.
-    If one role fails to start, the ones already started are shut down."""
+    """The policy (and reference) on one in-process rank or on Ray ranks, and the generation
+    engines. If one role fails to start, the ones already started are shut down."""
     roles = Roles(policy=None, reference=None, generator=None)
     try:
         roles.policy, roles.reference = build_trainers(cfg, inputs, device)
         roles.generator = build_generator(cfg, inputs, device, roles.policy)
-        if not cfg.policy.generation.colocated.enabled:
-            roles.generator.connect(roles.policy)
     except BaseException:
         roles.shutdown()
         raise
+    info(roles.generator.describe())
     return roles
 
 
-def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device):
+def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
+                   ) -> tuple[TrainingBackend, ReferenceBackend | None]:
+    from novarl.backends.registry import training_classes
+
     temperature = cfg.policy.generation.temperature
     total_steps = cfg.grpo.max_num_steps * inputs.batches.optimizer_steps_per_step
     common = dict(policy=cfg.policy, model_path=inputs.model_path, temperature=temperature)
     policy_only: dict = dict(total_steps=total_steps)
+    Policy, Reference = training_classes(inputs.choice.training)
     if inputs.choice.training == "deepspeed":
-        from novarl.backends.training.deepspeed import DeepSpeedPolicy as Policy
-        from novarl.backends.training.deepspeed import DeepSpeedReference as Reference
-
         policy_only["accumulation_steps"] = inputs.batches.gradient_accumulation_steps
     elif inputs.choice.training == "megatron":
-        from novarl.backends.training.megatron import MegatronPolicy as Policy
-        from novarl.backends.training.megatron import MegatronReference as Reference
-
         common["emulate_cuda"] = _megatron_on_cpu(inputs)  # the ranks' processes may not see the variable
         policy_only["seed"] = cfg.grpo.seed
-    else:
-        from novarl.backends.training.dtensor import DTensorPolicy as Policy
-        from novarl.backends.training.dtensor import DTensorReference as Reference
     policy_args, reference_args = {**common, **policy_only}, common
     with_reference = cfg.loss_fn.reference_policy_kl_penalty > 0
     ranks = world_size(cfg)

@@ -16,7 +16,15 @@ from novarl.types import Completion, Prompt, SamplingConfig
 
 
 class HFGeneration:
-    """Implements GenerationBackend on a plain (unsharded) transformers model."""
+    """Implements Engine on a plain (unsharded) transformers model."""
+
+    @staticmethod
+    def engine_kwargs(cfg, *, model_path: str, tokenizer, precision: str) -> dict:
+        """The constructor's arguments for a run's config (built where the engine runs)."""
+        gen = cfg.policy.generation
+        return dict(model_path=model_path, tokenizer=tokenizer, device=None, precision=precision,
+                    batch_size=gen.generation_batch_size or cfg.policy.generation_batch_size,
+                    max_seq_length=cfg.policy.max_seq_length, trust_remote_code=cfg.policy.trust_remote_code)
 
     def __init__(self, model_path: str, tokenizer, device: torch.device | None = None, *, precision: str = "float32",
                  batch_size: int | None = None, max_seq_length: int | None = None,
@@ -35,17 +43,20 @@ class HFGeneration:
         self.version = 0
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[Completion]:
-        """One completion per prompt (repeat a prompt for several samples)."""
-        if sampling.seed is not None:
-            torch.manual_seed(sampling.seed)
+        """One completion per prompt (repeat a prompt for several samples). With a sampling
+        seed, sample i draws from its own random stream, seeded by the seed and its position
+        in the step (sampling.seed_offset + i): the same samples whichever engine, batch or
+        batch neighbours it gets."""
         size = self.batch_size or len(prompts) or 1
         out: list[Completion] = []
         for start in range(0, len(prompts), size):
-            out.extend(self._generate_batch(prompts[start:start + size], sampling))
+            out.extend(self._generate_batch(prompts[start:start + size], sampling, sampling.seed_offset + start))
         return out
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[Completion]:
+    def _generate_batch(self, prompts: Sequence[Prompt], sampling: SamplingConfig, position: int) -> list[Completion]:
+        from transformers import LogitsProcessorList
+
         pad = self.tokenizer.pad_token_id
         width = max(len(p.token_ids) for p in prompts)
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -58,11 +69,16 @@ class HFGeneration:
         budget = sampling.max_new_tokens
         if self.max_seq_length is not None:
             budget = max(1, min(budget, self.max_seq_length - min(len(p.token_ids) for p in prompts)))
+        seeded = not greedy and sampling.seed is not None
+        sampler = RowSampler([sample_seed(sampling.seed, position + row) for row in range(len(prompts))],
+                             sampling, self.device) if seeded else None
         result = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-            max_new_tokens=budget, do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature,
-            top_p=None if greedy else sampling.top_p, top_k=None if greedy else sampling.top_k or 0,
+            max_new_tokens=budget, do_sample=not greedy and not seeded,
+            temperature=None if greedy or seeded else sampling.temperature,
+            top_p=None if greedy or seeded else sampling.top_p,
+            top_k=None if greedy or seeded else sampling.top_k or 0,
+            logits_processor=LogitsProcessorList([sampler] if sampler else []),
             eos_token_id=stop_ids, pad_token_id=pad,
             return_dict_in_generate=True, output_logits=True)
         new_tokens = result.sequences[:, width:].cpu()
@@ -89,6 +105,38 @@ class HFGeneration:
         if missing:
             raise KeyError(f"the trainer sent no weights for {sorted(missing)[:5]}")
         self.version = version
+
+
+def sample_seed(seed: int, position: int) -> int:
+    """The random seed of the sample at `position` of a step sampled with `seed`."""
+    return (seed * 1_000_003 + position) % 2**63
+
+
+class RowSampler:
+    """A logits processor that samples every row from its own generator (temperature, top-k,
+    top-p applied) and leaves that token alone for greedy decoding to pick, so that a row's
+    draws do not depend on the other rows of its batch. `output_logits` still returns the raw
+    logits, from which the logprobs are computed."""
+
+    def __init__(self, seeds: list[int], sampling: SamplingConfig, device: torch.device) -> None:
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.sampling = sampling
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logits = scores.float() / self.sampling.temperature
+        if self.sampling.top_k:
+            kth = torch.topk(logits, min(self.sampling.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.sampling.top_p < 1:
+            ordered, order = torch.sort(logits, dim=-1, descending=True)
+            before = torch.softmax(ordered, -1).cumsum(-1) - torch.softmax(ordered, -1)  # mass ranked above
+            ordered = ordered.masked_fill(before > self.sampling.top_p, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
+        probs = torch.softmax(logits, -1)
+        tokens = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, self.generators)])
+        chosen = torch.full_like(scores, float("-inf"))
+        chosen[torch.arange(len(tokens), device=tokens.device), tokens] = 0.0
+        return chosen
 
 
 def make_completion(prompt: Prompt, tokens: list[int], logprobs: list[float], *, stop_ids: set[int], tokenizer,

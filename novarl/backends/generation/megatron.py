@@ -26,13 +26,14 @@ stages.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from novarl.backends.generation.hf import make_completion
 from novarl.config.schema import McoreGenerationConfig
+from novarl.distributed.generation import Ready
 from novarl.types import Completion, Prompt, SamplingConfig
 
 Sampled = tuple[list[int], list[float]]
@@ -58,13 +59,20 @@ class MegatronGeneration:
                                 max_seq_length=self.max_seq_length, version=self.version)
                 for p, (tokens, logprobs) in zip(prompts, sampled, strict=True)]
 
-    def follow_policy(self, version: int) -> None:
-        """The policy stepped: its weights are the ones this generator samples from."""
-        self.version = version
+    def submit(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> Ready:
+        """The policy's ranks sample the step's prompts (each data-parallel replica a share)."""
+        return Ready(self.generate(prompts, sampling))
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Nothing to load (the weights are the policy's own); only the version moves."""
-        self.follow_policy(version)
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """The policy stepped: its weights are the ones this generator samples from; nothing moves."""
+        self.version = version
+        return {}
+
+    def describe(self) -> str:
+        return "generation: megatron on the policy's own ranks and model (no second copy, no weight sync)"
+
+    def shutdown(self) -> None:
+        """The policy's ranks are the policy's to stop."""
 
 
 # ------------------------------------------------------------ on the ranks

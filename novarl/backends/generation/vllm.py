@@ -1,9 +1,14 @@
-"""vLLM generation backend (colocated, in the driver's process).
+"""vLLM generation engine, in the process that holds it (a policy rank's when
+colocated, an engine actor's when dedicated, the driver's in a one-rank run).
 
 The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that weight
-updates reach the model without a copy through another process: the trainer's
-full tensors go through vLLM's public `collective_rpc("reload_weights")`, then
-the prefix cache is dropped so no stale KV survives the update. Logprobs are
+updates reach the model without a copy through another process: the full
+tensors, streamed bucket by bucket from the training shards or the weight
+bridge, go through vLLM's public `collective_rpc("reload_weights")` (no private
+hook), then the prefix cache is dropped so no stale KV survives the update.
+vLLM's own weight-transfer engines (vllm.distributed.weight_transfer) serve a
+trainer outside the engine's process; here the receiver is the engine's own
+process, so they are not needed. Logprobs are
 vLLM's processed logprobs: at the sampling temperature, like the trainer's.
 
 vLLM is imported here only. On CUDA hosts install `vllm`; on CPU-only hosts
@@ -17,6 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from novarl.backends.generation.hf import sample_seed
 from novarl.config.schema import GenerationConfig
 from novarl.errors import UserError
 from novarl.logging.quiet import quiet_third_party
@@ -39,7 +45,14 @@ def check_vllm_version(version: str) -> None:
 
 
 class VllmGeneration:
-    """Implements GenerationBackend and Offloadable on a vllm.LLM engine."""
+    """Implements Engine and Offloadable on a vllm.LLM engine."""
+
+    @staticmethod
+    def engine_kwargs(cfg, *, model_path: str, tokenizer, precision: str) -> dict:
+        """The constructor's arguments for a run's config (built where the engine runs)."""
+        return dict(model_path=model_path, tokenizer=tokenizer, cfg=cfg.policy.generation, precision=precision,
+                    max_seq_length=cfg.policy.max_seq_length, seed=cfg.grpo.seed,
+                    trust_remote_code=cfg.policy.trust_remote_code)
 
     def __init__(self, model_path: str, tokenizer, cfg: GenerationConfig, *, precision: str,
                  max_seq_length: int, seed: int = 0, trust_remote_code: bool = False) -> None:
@@ -90,8 +103,8 @@ class VllmGeneration:
             top_k=0 if greedy or sampling.top_k is None else sampling.top_k,
             max_tokens=max(1, min(sampling.max_new_tokens, self.max_seq_length - len(prompt.token_ids))),
             stop_token_ids=stop_ids, logprobs=0, detokenize=False,
-            seed=None if sampling.seed is None else sampling.seed * 100_003 + i,
-        ) for i, (prompt, count) in enumerate(groups)]
+            seed=None if sampling.seed is None else sample_seed(sampling.seed, sampling.seed_offset + position),
+        ) for (prompt, count), position in zip(groups, _starts(groups))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p.token_ids)) for p, _ in groups],
                                     params, use_tqdm=False)
         return [self._completion(prompt, sample)
@@ -108,7 +121,8 @@ class VllmGeneration:
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load the trainer's full tensors (Hugging Face names) into the engine."""
         self.onload()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+        # a stream: vLLM loads each tensor as it comes, so a bucket at a time is held here
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
         self.version = version
 
@@ -144,6 +158,15 @@ def _quiet_rotary_reload_warning() -> None:
 class _RotaryReloadFilter:
     def filter(self, record) -> bool:
         return not (record.getMessage() == "RotaryEmbedding: Failed to load weights")
+
+
+def _starts(groups: list[tuple[Prompt, int]]) -> list[int]:
+    """The position of each group's first sample among the prompts."""
+    starts, position = [], 0
+    for _, count in groups:
+        starts.append(position)
+        position += count
+    return starts
 
 
 def _runs(prompts: Sequence[Prompt]) -> list[tuple[Prompt, int]]:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.rows import AccumulatingRows, DataParallelRows
 from novarl.config.schema import PolicyConfig
+from novarl.distributed.weight_sync import bucketed, in_dtype
 from novarl.errors import ConfigError
 from novarl.models.loading import load_causal_lm, save_hf_folder
 
@@ -186,8 +187,35 @@ class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows):
         grad_norm = float(grad_norm) if grad_norm is not None else math.nan
         return {"grad_norm": grad_norm, "lr": lr}
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.full_state_dict().items()
+    def weight_buckets(self, bucket_bytes: int, *, everywhere: bool, dtype: torch.dtype | None = None
+                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Implements WeightSender. Collective over the ranks: full tensors (Hugging Face names)
+        in buckets of at most bucket_bytes, on every rank (everywhere) or on rank 0 alone.
+        Stage 3 gathers one bucket's partitioned parameters at a time; below stage 3 every
+        rank holds them whole already. Floating tensors cast to dtype if given."""
+        module = self.engine.module if self.engine is not None else self.model
+        keep = everywhere or self.dp_rank == 0
+        state = module.state_dict(keep_vars=True)  # tied weights: one parameter under two names
+        if not (self.zero_stage == 3 and self.engine is not None):
+            if keep:
+                yield from bucketed(((n, in_dtype(t.detach(), dtype)) for n, t in state.items()), bucket_bytes)
+            return
+        import deepspeed
+
+        def nbytes(tensor: torch.Tensor) -> int:
+            return getattr(tensor, "ds_numel", tensor.numel()) * tensor.element_size()
+
+        names = list(state)
+        while names:
+            chunk, size = [], 0
+            while names and (not chunk or size + nbytes(state[names[0]]) <= bucket_bytes):
+                chunk.append(names.pop(0))
+                size += nbytes(state[chunk[-1]])
+            params = list({id(state[n]): state[n] for n in chunk if hasattr(state[n], "ds_id")}.values())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                if keep:
+                    yield from bucketed([(n, in_dtype(state[n].detach(), dtype).clone()) for n in chunk],
+                                        bucket_bytes)
 
     def save(self, path: Path) -> None:
         """The engine's partitioned state (weights, optimizer, schedule) under path/deepspeed/.

@@ -37,6 +37,7 @@ from novarl.backends.training.parallelize import (
     dp_group,
 )
 from novarl.config.schema import PolicyConfig
+from novarl.distributed.weight_sync import bucketed, full_weights
 from novarl.models.loading import DTYPES, load_causal_lm, save_hf_folder
 
 
@@ -96,9 +97,15 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": lr}
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) tensors under their Hugging Face names, on the CPU (rank 0 only)."""
-        yield from self.full_state_dict().items()
+    def weight_buckets(self, bucket_bytes: int, *, everywhere: bool, dtype: torch.dtype | None = None
+                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Implements WeightSender. Collective over the training ranks: full tensors under their
+        Hugging Face names, on this rank's device, in buckets of at most bucket_bytes, each
+        gathered from the shards when its turn comes; on every rank (everywhere) or on rank 0
+        alone (the others take part in the gathers). Floating tensors cast to dtype if given."""
+        state = get_model_state_dict(self.model)  # this rank's shards, under the model's own names
+        keep = everywhere or dist.get_rank() == 0
+        yield from bucketed(full_weights(state.items(), keep, dtype), bucket_bytes)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the full CPU tensors, the others {}."""

@@ -361,8 +361,31 @@ class MegatronPolicy(MegatronModel):
         self._empty_cache(level=2)
         return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr}
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.full_state_dict().items()
+    def weight_buckets(self, bucket_bytes: int, *, everywhere: bool, dtype: torch.dtype | None = None
+                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Implements WeightSender. Collective over the ranks: full tensors (Hugging Face names) in
+        buckets of at most bucket_bytes. Rank 0 assembles them from the tensor-, pipeline- and
+        expert-parallel owners (full_state_dict: the whole model once, on its CPU); with
+        `everywhere` it then broadcasts them bucket by bucket to the other ranks."""
+        from novarl.distributed.weight_sync import GroupChannel, bucketed, in_dtype
+
+        full = self.full_state_dict()
+        buckets = bucketed(((n, in_dtype(t, dtype)) for n, t in full.items()), bucket_bytes)
+        if not everywhere:
+            yield from buckets
+            return
+        channel = GroupChannel()
+        if dist.get_rank() == 0:
+            for bucket in buckets:
+                channel.send([bucket])  # one bucket per message: each is yielded as soon as it is out
+                yield bucket
+            channel.send([])  # the end
+            return
+        while True:
+            bucket = list(channel.receive())
+            if not bucket:
+                return
+            yield bucket
 
     # ---------------------------------------------------------- checkpoints
     def save(self, path: Path) -> None:

@@ -1,0 +1,123 @@
+"""The interfaces between the driver and the roles, declared.
+
+The driver (trainer/) uses these types, never `object` and `hasattr`; each
+backend module implements them, and `backends/registry.py` maps a backend name
+to its implementation. Optional abilities are protocols of their own
+(`Offloadable`), checked with isinstance.
+
+Two levels on the generation side:
+- an `Engine` lives in one process (a policy rank's, an actor's of its own, or
+  the driver's in a one-rank run) and generates a share of the prompts;
+- a `GenerationBackend` is what the driver holds: all the engines of a run,
+  wherever they are, behind `submit` (a step's prompts in, a future of their
+  completions out) and `sync_weights`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from novarl.algorithms.losses import LossFn
+from novarl.types import Completion, Prompt, SamplingConfig, TrainBatch
+
+Bucket = list[tuple[str, torch.Tensor]]
+"""Full tensors under their Hugging Face names, of one dtype, at most a bucket's bytes."""
+
+
+class ReferenceBackend(Protocol):
+    """The frozen reference policy: logprobs only."""
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, L] float32 per-token logprobs at the sampling temperature (0 off the loss mask)."""
+        ...
+
+
+class TrainingBackend(ReferenceBackend, Protocol):
+    """The trainable policy (dtensor | deepspeed | megatron), in this process or on Ray ranks."""
+
+    def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]: ...
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip, step the optimizer and the schedule, zero the gradients."""
+        ...
+
+    def save(self, path: Path) -> None: ...
+
+    def load(self, path: Path) -> None: ...
+
+    def save_hf(self, path: Path, tokenizer) -> None: ...
+
+
+class WeightSender(Protocol):
+    """The training side of the weight sync, on every training rank."""
+
+    def weight_buckets(self, bucket_bytes: int, *, everywhere: bool, dtype: torch.dtype | None = None
+                       ) -> Iterator[Bucket]:
+        """Collective over the training ranks: the full weights bucket by bucket, gathered from
+        the shards as each bucket's turn comes; on every rank (everywhere: each feeds its own
+        engine) or on rank 0 alone (which sends them to dedicated engines)."""
+        ...
+
+
+class WeightReceiver(Protocol):
+    """The engine side of the weight sync."""
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load full tensors (Hugging Face names) as they come -- `weights` may be a stream that
+        receives them bucket by bucket -- then serve `version`."""
+        ...
+
+
+class Engine(WeightReceiver, Protocol):
+    """One generation engine (hf | vllm), in the process it runs in."""
+
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[Completion]:
+        """One completion per prompt, in order (a GRPO group is the same prompt repeated)."""
+        ...
+
+
+class Rollout(Protocol):
+    """A step's completions on their way: the future `GenerationBackend.submit` returns."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> list[Completion]:
+        """The completions in the order of the submitted prompts; waits for the engines."""
+        ...
+
+
+class GenerationBackend(Protocol):
+    """All the engines of a run, as the driver holds them."""
+
+    def submit(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> Rollout:
+        """Start generating (shared among the engines, a group whole on one engine); returns at once
+        where the engines run in other processes."""
+        ...
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """The policy's current weights into every engine; metrics (weight_sync_mb)."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the start-up log: how many engines, where, how big."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class Offloadable(Protocol):
+    """What colocation needs: free the accelerator memory while the other role runs."""
+
+    def offload(self) -> None: ...
+
+    def onload(self) -> None: ...
+
+
+def generate(backend: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[Completion]:
+    """Submit and wait: the synchronous loop's (and evaluation's) use of a GenerationBackend."""
+    return backend.submit(prompts, sampling).result()

@@ -1,0 +1,192 @@
+"""Generation as a worker group: the engines of a run behind one GenerationBackend.
+
+- `LocalGeneration`: one engine in the driver's process beside a one-rank policy
+  (a laptop run). Weights go by reference, bucket by bucket.
+- `ColocatedEngines`: one engine in each policy rank's process (Ray), so every
+  training device generates. Each rank gathers the full weights bucket by bucket
+  from the training shards and loads them into its own engine: nothing leaves the
+  rank.
+- `DedicatedEngines`: engine actors on devices of their own
+  (`colocated.resources`). The policy's rank 0 broadcasts each bucket, as the
+  training ranks gather it, to every engine over a process group of their own
+  (weight_sync.WeightBridge).
+
+The driver sends prompts and receives completions; it never holds a weight.
+A step's prompts are shared among the engines with each GRPO group whole on one
+engine (so vLLM's prefix cache and its n-samples request serve it) and the shares
+balanced by prompt count; each engine is told where its share starts in the step,
+so that seeded sampling gives the same samples whatever the number of engines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from novarl.backends.protocols import Engine, Offloadable, WeightSender
+from novarl.distributed.weight_sync import BUCKET_BYTES, flatten
+from novarl.plan.generation import GenerationLayout
+from novarl.types import Completion, Prompt, SamplingConfig
+
+
+def share_groups(prompts: Sequence[Prompt], engines: int) -> list[tuple[int, int]]:
+    """[start, stop) of each engine's share: consecutive runs of one prompt (a GRPO group) are
+    never split, and each share ends at the group boundary nearest an even split of the
+    prompts (an engine may get none when there are fewer groups than engines)."""
+    total = len(prompts)
+    cuts = [i for i in range(1, total) if prompts[i] is not prompts[i - 1]] + [total]
+    bounds, taken = [], 0
+    for engine in range(engines):
+        target = total * (engine + 1) / engines
+        stop = total if engine == engines - 1 else min((c for c in cuts if c >= taken), key=lambda c: abs(c - target))
+        bounds.append((taken, stop))
+        taken = stop
+    return bounds
+
+
+class Ready:
+    """A Rollout already complete (an engine in this process generates at submit)."""
+
+    def __init__(self, completions: list[Completion]) -> None:
+        self.completions = completions
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> list[Completion]:
+        return self.completions
+
+
+class RayRollout:
+    """Completions of engines on Ray actors: shares in flight, joined in prompt order."""
+
+    def __init__(self, group, refs: list) -> None:
+        self.group, self.refs = group, refs
+        self.completions: list[Completion] | None = None
+
+    def done(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def result(self) -> list[Completion]:
+        if self.completions is None:
+            self.completions = [c for share in self.group.collect(self.refs) for c in share]
+        return self.completions
+
+
+def shares(prompts: Sequence[Prompt], sampling: SamplingConfig, engines: int
+           ) -> list[tuple[list[Prompt], SamplingConfig]]:
+    """Each engine's prompts and sampling (seed_offset: where its share starts in the step)."""
+    return [(list(prompts[start:stop]), dataclasses.replace(sampling, seed_offset=sampling.seed_offset + start))
+            for start, stop in share_groups(prompts, engines)]
+
+
+class LocalGeneration:
+    """Implements GenerationBackend: one engine in this process, beside an in-process policy."""
+
+    def __init__(self, engine: Engine, policy: WeightSender | None = None, layout: GenerationLayout | None = None, *,
+                 bucket_bytes: int = BUCKET_BYTES, dtype: torch.dtype | None = None) -> None:
+        """policy None: an engine that evaluates fixed weights (`novarl eval`)."""
+        self.engine, self.policy, self.layout = engine, policy, layout
+        self.bucket_bytes, self.dtype = bucket_bytes, dtype
+
+    def submit(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> Ready:
+        return Ready(self.engine.generate(prompts, sampling))
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        loaded = [0]
+        buckets = self.policy.weight_buckets(self.bucket_bytes, everywhere=True, dtype=self.dtype)
+        self.engine.update_weights(flatten(buckets, loaded), version)
+        return {"weight_sync_mb": loaded[0] / 1e6}
+
+    def offload(self) -> None:
+        if isinstance(self.engine, Offloadable):
+            self.engine.offload()
+
+    def onload(self) -> None:
+        if isinstance(self.engine, Offloadable):
+            self.engine.onload()
+
+    def describe(self) -> str:
+        return self.layout.describe() if self.layout else "generation: 1 engine in this process"
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+class ColocatedEngines:
+    """Implements GenerationBackend: an engine in every policy rank's process (role "generator"
+    of the policy's RayWorkerGroup)."""
+
+    ROLE = "generator"
+
+    def __init__(self, policy_group, factory: type, kwargs: dict[str, Any], layout: GenerationLayout, *,
+                 bucket_bytes: int, dtype: torch.dtype | None) -> None:
+        self.group, self.layout = policy_group, layout
+        self.bucket_bytes, self.dtype = bucket_bytes, dtype
+        policy_group.add_role(self.ROLE, factory, kwargs)
+
+    def submit(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> RayRollout:
+        work = shares(prompts, sampling, self.layout.engines)
+        return RayRollout(self.group, self.group.submit_each("generate_share", [(self.ROLE, *w) for w in work]))
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        loaded = self.group.call_all_actors("sync_generator", version, self.bucket_bytes, self.dtype)
+        return {"weight_sync_mb": loaded[0] / 1e6}
+
+    def offload(self) -> None:
+        self.group.call_all_actors("offload_role", self.ROLE)
+
+    def onload(self) -> None:
+        """Nothing to do: an engine wakes when it next generates or takes weights."""
+
+    def describe(self) -> str:
+        return self.layout.describe()
+
+    def shutdown(self) -> None:
+        """The policy's group stops the processes."""
+
+
+class DedicatedEngines:
+    """Implements GenerationBackend: engine actors of their own, fed by the policy's rank 0 over
+    a weight-transfer group (see weight_sync.WeightBridge)."""
+
+    def __init__(self, engine_group, policy_group, layout: GenerationLayout, *, bucket_bytes: int,
+                 dtype: torch.dtype | None) -> None:
+        from novarl.distributed.ray_group import wait_groups
+
+        self.group, self.policy_group, self.layout = engine_group, policy_group, layout
+        self.bucket_bytes, self.dtype = bucket_bytes, dtype
+        sender = policy_group.actors[0]  # it hosts the group's rendezvous
+        host, port = policy_group.collect([sender.address.remote()])[0]
+        world = 1 + engine_group.world_size
+        wait_groups([(policy_group, [sender.join_weight_bridge.remote(host, port, 0, world)]),
+                     (engine_group, [a.join_weight_bridge.remote(host, port, 1 + i, world)
+                                     for i, a in enumerate(engine_group.actors)])])
+
+    def submit(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> RayRollout:
+        work = shares(prompts, sampling, self.layout.engines)
+        return RayRollout(self.group, self.group.submit_each("generate_share", [(None, *w) for w in work]))
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        from novarl.distributed.ray_group import wait_groups
+
+        sent, _ = wait_groups([
+            (self.policy_group, [a.send_weights.remote(self.bucket_bytes, self.dtype)
+                                 for a in self.policy_group.actors]),
+            (self.group, [a.receive_weights.remote(version) for a in self.group.actors])])
+        return {"weight_sync_mb": sent[0] / 1e6}
+
+    def describe(self) -> str:
+        device = "GPU" if self.layout.devices_per_node and torch.cuda.is_available() else "CPU rank"
+        return self.layout.describe(device)
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

@@ -1,0 +1,146 @@
+"""Where generation runs: how many engines, how big, on which devices.
+
+Pure arithmetic on the config, checked by `novarl validate` before anything starts.
+
+Devices are counted the way NeMo RL counts them (its grpo.py setup): the cluster
+section holds every device of the run, and dedicated generation takes its
+devices out of it.
+- colocated: the engines share the training devices; there are
+  devices / (tp x pp) of them, one per tp x pp slice of the policy's ranks.
+- dedicated on one node (cluster.num_nodes = 1): generation takes
+  `colocated.resources.gpus_per_node` of the node's GPUs (num_nodes null or 1),
+  training the rest.
+- dedicated on several nodes: generation takes `colocated.resources.num_nodes`
+  whole nodes (resources.gpus_per_node null or equal to cluster.gpus_per_node),
+  training the other nodes.
+On a host without GPUs `gpus_per_node` counts CPU ranks, and an engine is one
+CPU process (tp x pp must then be 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from novarl.config.schema import NovaRLConfig
+from novarl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GenerationLayout:
+    backend: str
+    """vllm | hf | megatron."""
+    colocated: bool
+    engines: int
+    """Engines serving the step's prompts (Megatron: the policy's own ranks, counted as one)."""
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    training_ranks: int
+    generation_nodes: int = 0
+    """Dedicated: nodes generation runs on (0 when colocated)."""
+    devices_per_node: int = 0
+    """Dedicated: generation devices per node."""
+
+    @property
+    def devices_per_engine(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def in_process(self) -> bool:
+        """One engine in the driver's process: a one-rank colocated run on this machine."""
+        return self.colocated and self.training_ranks == 1
+
+    def describe(self, device: str = "GPU") -> str:
+        """The start-up line, e.g. `generation: 2 hf engine(s) x tp=1, colocated with policy ranks 0-1`."""
+        if self.backend == "megatron":
+            return (f"generation: megatron on the policy's {self.training_ranks} rank(s) "
+                    "(the policy's own model, no weight sync)")
+        size = f"tp={self.tensor_parallel_size}" + (f" pp={self.pipeline_parallel_size}"
+                                                    if self.pipeline_parallel_size > 1 else "")
+        head = f"generation: {self.engines} {self.backend} engine(s) x {size}"
+        if self.in_process:
+            return f"{head}, in this process beside the policy"
+        if self.colocated:
+            ranks = "0" if self.training_ranks == 1 else f"0-{self.training_ranks - 1}"
+            return f"{head}, colocated with policy ranks {ranks}"
+        return (f"{head}, dedicated: {self.generation_nodes} node(s) x {self.devices_per_node} {device}(s) "
+                f"apart from the policy's {self.training_ranks} rank(s)")
+
+
+def generation_layout(cfg: NovaRLConfig, backend: str, *, on_gpu: bool) -> GenerationLayout:
+    """The layout for the resolved generation `backend`; ConfigError with the arithmetic when
+    the devices cannot hold whole engines or leave training none."""
+    gen = cfg.policy.generation
+    tp, pp = (gen.vllm_cfg.tensor_parallel_size, gen.vllm_cfg.pipeline_parallel_size) if backend == "vllm" else (1, 1)
+    size = tp * pp
+    if size > 1 and not on_gpu:
+        raise ConfigError(f"policy.generation.vllm_cfg tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} "
+                          f"= {size}: an engine larger than one device needs GPUs, and this host has none. "
+                          "Set both to 1.")
+    training, nodes, per_node = training_devices(cfg)
+    if backend == "megatron":
+        return GenerationLayout(backend, True, 1, 1, 1, training)
+    if gen.colocated.enabled:
+        if training % size:
+            raise ConfigError(f"policy.generation.vllm_cfg tensor_parallel_size x pipeline_parallel_size = "
+                              f"{tp} x {pp} = {size} does not divide the {training} training device(s) "
+                              f"(cluster.gpus_per_node x cluster.num_nodes), so colocated engines cannot "
+                              "tile them.")
+        if size > 1 and training > 1:
+            from novarl.errors import NotAvailableYet
+
+            raise NotAvailableYet(
+                f"colocated vLLM engines larger than one device (tensor_parallel_size x pipeline_parallel_size = "
+                f"{size}) on {training} Ray ranks are not available yet: each engine lives in one policy rank's "
+                "process, which sees one GPU. Use vllm_cfg.tensor_parallel_size=1 (one engine per GPU, the "
+                "fastest for models that fit one GPU), or dedicated generation "
+                "(policy.generation.colocated.enabled=false) for larger engines.")
+        return GenerationLayout(backend, True, training // size, tp, pp, training)
+    devices = nodes * per_node
+    if devices < size:
+        raise ConfigError(f"Dedicated generation has {nodes} node(s) x {per_node} device(s) = {devices}, fewer than "
+                          f"one engine of tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} = {size}.")
+    if devices % size:
+        raise ConfigError(f"Dedicated generation has {nodes} node(s) x {per_node} device(s) = {devices}, not a "
+                          f"multiple of one engine's tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} = "
+                          f"{size}: {devices % size} device(s) would stay idle. Use {devices - devices % size} or "
+                          f"{devices - devices % size + size} devices (policy.generation.colocated.resources).")
+    if size > per_node:
+        raise ConfigError(f"An engine of {size} devices (tensor_parallel_size x pipeline_parallel_size = {tp} x {pp}) "
+                          f"does not fit on one node's {per_node} generation device(s); engines do not span nodes.")
+    return GenerationLayout(backend, False, devices // size, tp, pp, training, nodes, per_node)
+
+
+def training_devices(cfg: NovaRLConfig) -> tuple[int, int, int]:
+    """(training ranks, generation nodes, generation devices per node): the cluster's
+    devices less those of dedicated generation (NeMo RL's accounting, see the module)."""
+    cluster, gen = cfg.cluster, cfg.policy.generation
+    per_node = max(cluster.gpus_per_node, 1)
+    if gen.colocated.enabled or gen.backend == "megatron":
+        return per_node * cluster.num_nodes, 0, 0
+    res = gen.colocated.resources
+    where = "policy.generation.colocated.resources"
+    if cluster.num_nodes == 1:
+        if res.gpus_per_node is None:
+            raise ConfigError(f"{where}.gpus_per_node must be set when generation is dedicated "
+                              "(policy.generation.colocated.enabled=false) on one node: it is how many of the "
+                              f"node's {per_node} device(s) generate; training keeps the rest.")
+        if res.num_nodes not in (None, 1):
+            raise ConfigError(f"{where}.num_nodes={res.num_nodes}: with cluster.num_nodes=1, dedicated generation "
+                              "shares the one node; set it to 1 or null (as NeMo RL does).")
+        training = per_node - res.gpus_per_node
+        if training < 1:
+            raise ConfigError(f"Dedicated generation takes {where}.gpus_per_node={res.gpus_per_node} of the node's "
+                              f"cluster.gpus_per_node={per_node} device(s), leaving {training} for training; "
+                              "raise cluster.gpus_per_node or lower the generation devices.")
+        return training, 1, res.gpus_per_node
+    if res.num_nodes is None:
+        raise ConfigError(f"{where}.num_nodes must be set when generation is dedicated on a cluster of "
+                          f"{cluster.num_nodes} nodes: it is how many of them generate; training keeps the rest.")
+    if res.gpus_per_node not in (None, per_node):
+        raise ConfigError(f"{where}.gpus_per_node={res.gpus_per_node}: on a cluster of {cluster.num_nodes} nodes "
+                          f"dedicated generation takes whole nodes, so it must equal cluster.gpus_per_node="
+                          f"{per_node} or be null (as NeMo RL does).")
+    if res.num_nodes >= cluster.num_nodes:
+        raise ConfigError(f"Dedicated generation takes {where}.num_nodes={res.num_nodes} of the cluster's "
+                          f"cluster.num_nodes={cluster.num_nodes} node(s), leaving none for training.")
+    return per_node * (cluster.num_nodes - res.num_nodes), res.num_nodes, per_node
