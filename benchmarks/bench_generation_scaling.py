@@ -60,6 +60,11 @@ first, a warm-up, when `--steps` >= 2):
   step s               median time_step over the steps.
   train() s            wall time of the whole `train()` call: start-up of the roles, the
                        steps, the export of the final policy, shut-down.
+  other work (cores)   CPU time the rest of the machine used during `train()` (busy CPU
+                       time from the kernel less that of the driver and its descendants),
+                       in cores: near 0 on a quiet machine; well above 0 means other work
+                       shared the cores and the times are not comparable (--json also holds
+                       the 1-minute load average before / after each layout).
 """
 
 from __future__ import annotations
@@ -192,28 +197,54 @@ def high_water_kib() -> int | None:
 
 
 class TreeSampler:
-    """Largest sum of resident sets of this process and its descendants, sampled in a thread."""
+    """In a thread, every `interval` seconds: the largest sum of resident sets of this process and
+    its descendants (peak_kib), and their CPU time, to tell how many cores' worth of CPU other
+    work on the machine took meanwhile (other_cores: the machine's busy CPU time less this
+    tree's, over the wall time; approximate, a descendant that lived less than `interval`
+    counts as other work)."""
 
     def __init__(self, interval: float = 1.0) -> None:
-        self.interval, self.peak_kib, self.samples = interval, 0, 0
+        self.interval, self.peak_kib, self.other_cores = interval, 0, None
+        self._cpu: dict[tuple[int, float], list[float]] = {}  # (pid, start) -> [first seen, last seen]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self, psutil, me) -> None:
+        total = 0
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                with proc.oneshot():
+                    rss, times, key = proc.memory_info().rss, proc.cpu_times(), (proc.pid, proc.create_time())
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            total += rss
+            used = times.user + times.system
+            self._cpu.setdefault(key, [used if self._first else 0.0, used])[1] = used
+        self._first = False
+        self.peak_kib = max(self.peak_kib, total // 1024)
 
     def _run(self) -> None:
         try:
             import psutil
         except ImportError:
             return
-        me = psutil.Process()
-        while not self._stop.is_set():
-            total = 0
-            for proc in [me, *me.children(recursive=True)]:
-                try:
-                    total += proc.memory_info().rss
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    pass
-            self.peak_kib, self.samples = max(self.peak_kib, total // 1024), self.samples + 1
-            self._stop.wait(self.interval)
+        me, self._first = psutil.Process(), True
+
+        def busy() -> float:
+            t = psutil.cpu_times()
+            idle = t.idle + getattr(t, "iowait", 0.0)
+            return sum(t) - idle - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+        busy_start, wall_start = busy(), time.monotonic()
+        while True:
+            self._sample(psutil, me)
+            if self._stop.wait(self.interval):
+                break
+        self._sample(psutil, me)
+        tree = sum(last - first for first, last in self._cpu.values())
+        wall = time.monotonic() - wall_start
+        if wall > 0:
+            self.other_cores = max(0.0, busy() - busy_start - tree) / wall
 
     def __enter__(self) -> "TreeSampler":
         self._thread.start()
@@ -221,7 +252,7 @@ class TreeSampler:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=30)
 
 
 def wrap_driver_weights() -> tuple[dict[str, int], str]:
@@ -303,6 +334,7 @@ def run_layout(spec: dict) -> dict:
             output_dir = GRPOTrainer(cfg).train().output_dir
         result["train_wall_s"] = time.perf_counter() - start
         result["tree_peak_rss_kib"] = tree.peak_kib or None
+        result["other_work_cores"] = tree.other_cores
         result.update(summarize(read_jsonl(output_dir / "metrics.jsonl"), spec["warmup"]))
         steps = int(result["steps_run"]) or 1
         if not uses_ray and counter["calls"] == 0:
@@ -350,6 +382,7 @@ def run_in_subprocess(spec: dict, folder: Path, timeout: float) -> dict:
     spec_path, log_path = folder / "spec.json", folder / "output.log"
     spec["result_path"] = str(folder / "result.json")
     spec_path.write_text(json.dumps(spec))
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)],
@@ -369,7 +402,21 @@ def run_in_subprocess(spec: dict, folder: Path, timeout: float) -> dict:
         why = f"timed out after {timeout:.0f} s" if code is None else f"exit code {code}"
         result = {"layout": spec["layout"], "overrides": spec["overrides"], "error": f"{why}: {' | '.join(tail)}"}
     result["subprocess_wall_s"] = wall
+    result["load_1min_before_after"] = [load_before, os.getloadavg()[0] if load_before is not None else None]
     return result
+
+
+def least_disturbed(runs: list[dict]) -> dict:
+    """Of a layout's repeats, the one during which other work took the least CPU (the first
+    when all failed); every repeat's headline numbers go with it under "repeats"."""
+    done = [r for r in runs if "error" not in r] or runs[:1]
+    best = dict(min(done, key=lambda r: r.get("other_work_cores") if r.get("other_work_cores") is not None
+                    else float("inf")))
+    if len(runs) > 1:
+        best["repeats"] = [{k: r.get(k) for k in ("gen_tokens_per_s", "time_weight_sync_s_per_step",
+                                                  "time_step_median_s", "driver_peak_rss_kib", "other_work_cores",
+                                                  "error") if k in r} for r in runs]
+    return best
 
 
 def mib(kib) -> str:
@@ -380,13 +427,17 @@ def num(value, fmt: str) -> str:
     return format(value, fmt) if isinstance(value, (int, float)) else "-"
 
 
+def load(result: dict) -> str:
+    return num(result.get("other_work_cores"), ".2f")
+
+
 def markdown(meta: dict, results: list[dict]) -> str:
     rows = []
     for r in results:
         ranks, engines = parse_layout(r["layout"])
         head = f"| {r['layout']} | {ranks} | {engines} |"
         if "error" in r:
-            rows.append(f"{head} refused / failed: {r['error'].replace('|', '/')} |||||||||")
+            rows.append(f"{head} refused / failed: {r['error'].replace('|', '/')} ||||||||| {load(r)} |")
             continue
         driver = r.get("driver_weights")
         driver_mb = (f"{r['driver_weight_mb_per_step']:,.1f}" if driver == "RemotePolicy.named_weights" else driver)
@@ -394,10 +445,11 @@ def markdown(meta: dict, results: list[dict]) -> str:
             f"{head} {num(r.get('gen_tokens_per_s'), ',.1f')} | {num(r.get('time_weight_sync_s_per_step'), '.3f')} | "
             f"{num(r.get('weight_sync_mb_per_step'), ',.1f')} | {driver_mb} | {mib(r.get('driver_rss_before_kib'))} | "
             f"{mib(r.get('driver_peak_rss_kib'))} | {mib(r.get('tree_peak_rss_kib'))} | "
-            f"{num(r.get('time_step_median_s'), '.2f')} | {num(r.get('train_wall_s'), '.0f')} |")
-    overrides = "\n".join(f"- {r['layout']}: `{' '.join(r['overrides']) if isinstance(r['overrides'], list) else r['overrides']}`"
+            f"{num(r.get('time_step_median_s'), '.2f')} | {num(r.get('train_wall_s'), '.0f')} | {load(r)} |")
+    overrides = "\n".join(f"- {r['layout']}: `{' '.join(o) if isinstance(o := r['overrides'], list) else o}`"
                           for r in results)
     gpu = f"{meta['gpus']} x {meta['gpu']}" if meta["cuda"] else "no CUDA"
+    repeats = f"; {meta['repeats']} runs per layout, the least disturbed shown" if meta["repeats"] > 1 else ""
     return f"""# Generation layouts: GRPO throughput, weight sync and driver memory
 
 - date: {meta['date']}
@@ -407,11 +459,11 @@ def markdown(meta: dict, results: list[dict]) -> str:
 - model: {meta['model_label']}; {meta['steps']} GRPO steps of {meta['prompts']} prompts x {meta['generations']} \
 samples, up to {meta['max_new_tokens']} new tokens, {meta['backend']} generation; measured steps: \
 {'2..' + str(meta['steps']) if meta['warmup'] else 'all'}; Ray num_cpus >= {meta['num_cpus']}
-- command: `{meta['command']}`
+- command: `{meta['command']}`{repeats}
 
 | layout | ranks | engines | gen tok/s | sync s/step | sync MB/step | driver MB/step | driver RSS before (MiB) | \
-driver peak RSS (MiB) | tree peak RSS (MiB) | step s | train() s |
-|---|---|---|---|---|---|---|---|---|---|---|---|
+driver peak RSS (MiB) | tree peak RSS (MiB) | step s | train() s | other work (cores) |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
 Overrides per layout (on top of the workload's):
@@ -434,6 +486,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8, help="policy.train_micro_batch_size")
     parser.add_argument("--backend", default="hf", choices=("hf", "vllm"))
     parser.add_argument("--num-cpus", type=int, default=4, help="CPUs Ray is told it has (at least T+E)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per layout; the table shows the one least disturbed by other work")
     parser.add_argument("--layout-timeout", type=float, default=3600, help="seconds per layout")
     parser.add_argument("--out", type=Path, help="also write the markdown report here")
     parser.add_argument("--json", type=Path, help="write the raw numbers here")
@@ -451,7 +505,7 @@ def main() -> None:
         parse_layout(name)
     meta = {"accounting": accounting, "steps": args.steps, "prompts": args.prompts,
             "generations": args.generations, "max_new_tokens": args.max_new_tokens, "backend": args.backend,
-            "num_cpus": args.num_cpus, "warmup": 1 if args.steps >= 2 else 0,
+            "num_cpus": args.num_cpus, "warmup": 1 if args.steps >= 2 else 0, "repeats": args.repeats,
             "command": " ".join([Path(sys.executable).name, *sys.argv])}
     results = []
     with tempfile.TemporaryDirectory(prefix="genscale_") as tmp:
@@ -472,16 +526,19 @@ def main() -> None:
                 results.append({"layout": name, "overrides": overrides, "error": overrides})
                 print(name, overrides, flush=True)
                 continue
-            folder = Path(tmp) / f"layout_{i}"
-            folder.mkdir()
-            spec = {"layout": name, "overrides": overrides, "model": model, "steps": args.steps,
-                    "prompts": args.prompts, "generations": args.generations, "max_new_tokens": args.max_new_tokens,
-                    "max_total_sequence_length": 48 + args.max_new_tokens, "micro_batch": args.micro_batch,
-                    "backend": args.backend, "num_cpus": args.num_cpus, "warmup": meta["warmup"],
-                    "log_dir": str(folder / "runs")}
-            print(f"{name}: {' '.join(overrides)}", flush=True)
-            results.append(run_in_subprocess(spec, folder, args.layout_timeout))
-            print(json.dumps(results[-1]), flush=True)
+            runs = []
+            for repeat in range(args.repeats):
+                folder = Path(tmp) / f"layout_{i}_{repeat}"
+                folder.mkdir()
+                spec = {"layout": name, "overrides": overrides, "model": model, "steps": args.steps,
+                        "prompts": args.prompts, "generations": args.generations,
+                        "max_new_tokens": args.max_new_tokens, "max_total_sequence_length": 48 + args.max_new_tokens,
+                        "micro_batch": args.micro_batch, "backend": args.backend, "num_cpus": args.num_cpus,
+                        "warmup": meta["warmup"], "log_dir": str(folder / "runs")}
+                print(f"{name} (run {repeat + 1} of {args.repeats}): {' '.join(overrides)}", flush=True)
+                runs.append(run_in_subprocess(spec, folder, args.layout_timeout))
+                print(json.dumps(runs[-1]), flush=True)
+            results.append(least_disturbed(runs))
     report = markdown(meta, results)
     print(report)
     if args.out:

@@ -81,11 +81,11 @@ def test_zero_stage_trains_like_dtensor_and_exports_the_trained_weights(tmp_path
 
     trainer, result, got = run_trainer(tmp_path, 4, ZERO, f"policy.deepspeed_cfg.zero_stage={stage}")
     assert_same_training(got, dtensor_run[1])
-    # The exported folder holds the final weights, gathered from the partitions: exactly the
-    # full_state_dict the last weight sync put into the (in-process) generator ...
-    exported, synced = hf_weights(result.model_dir), trainer.roles.generator.engine.model.state_dict()
-    assert exported.keys() == synced.keys()
-    assert all(torch.equal(exported[name], synced[name]) for name in synced)
+    # The exported folder holds the final weights, gathered from the partitions; each step's
+    # sync gathered them the same way into each rank's own engine (logprob_mismatch above) ...
+    exported = hf_weights(result.model_dir)
+    model_mb = sum(t.numel() * t.element_size() for t in exported.values()) / 1e6
+    assert all(record["weight_sync_mb"] == pytest.approx(model_mb) for record in got.values())
     # ... which are trained (not the bundled start) and agree with FSDP2's after the same 4 steps.
     start, fsdp2 = hf_weights(resolve_model_path("tiny-arith")), hf_weights(dtensor_run[0].model_dir)
     assert all(not torch.equal(exported[name], start[name]) for name in start if "norm" not in name)

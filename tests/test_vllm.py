@@ -160,13 +160,15 @@ def test_dedicated_generation_on_its_own_ray_actor_matches_colocated(tmp_path):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     colocated = grpo_steps(tmp_path / "colocated")
     try:
-        dedicated = grpo_steps(tmp_path / "dedicated", "policy.generation.colocated.enabled=false")
+        # NeMo RL's count: 2 devices, 1 of them generating -> 1 policy rank + 1 engine actor
+        dedicated = grpo_steps(tmp_path / "dedicated", "policy.generation.colocated.enabled=false",
+                               "cluster.gpus_per_node=2", "policy.generation.colocated.resources.gpus_per_node=1")
         assert ray.is_initialized()
     finally:
         ray.shutdown()
     for one, two in zip(colocated, dedicated, strict=True):
-        # the full fp32 weights went rank to rank over the weight-transfer group
-        assert "weight_sync_mb" not in one and two["weight_sync_mb"] == pytest.approx(WEIGHT_BYTES / 1e6)
+        # the full fp32 weights: into the in-process engine, then rank to rank over the weight-transfer group
+        assert one["weight_sync_mb"] == two["weight_sync_mb"] == pytest.approx(WEIGHT_BYTES / 1e6)
         assert two["reward_mean"] == one["reward_mean"]
         assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
         assert two["logprob_mismatch"] < 1e-3

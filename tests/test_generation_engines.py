@@ -1,0 +1,244 @@
+"""Generation as a worker group: engines per policy rank (colocated) or engine actors
+(dedicated), each with its share of a step's prompts and its weights from the training
+ranks, never through the driver. Real Ray, gloo, 2 CPU ranks, the bundled tiny model."""
+
+import gc
+import os
+import signal
+
+import pytest
+import torch
+
+from novarl.cli import BUNDLED_RECIPE
+from novarl.config import load_config
+from novarl.errors import ConfigError, NotAvailableYet
+from novarl.plan.generation import generation_layout
+from novarl.types import Prompt, SamplingConfig
+from tests.helpers import HF, train_steps
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+# ----------------------------------------------------------------- arithmetic
+def layout(*overrides, backend="vllm", on_gpu=True):
+    return generation_layout(load_config(BUNDLED_RECIPE, overrides=list(overrides)), backend, on_gpu=on_gpu)
+
+
+def test_colocated_engines_tile_the_training_devices():
+    assert layout("cluster.gpus_per_node=8").engines == 8
+    two_nodes = layout("cluster.gpus_per_node=8", "cluster.num_nodes=2")
+    assert (two_nodes.engines, two_nodes.training_ranks, two_nodes.colocated) == (16, 16, True)
+    assert layout("cluster.gpus_per_node=1", backend="hf", on_gpu=False).in_process
+    assert layout("cluster.gpus_per_node=2", backend="hf", on_gpu=False).describe() == \
+        "generation: 2 hf engine(s) x tp=1, colocated with policy ranks 0-1"
+
+
+def test_dedicated_devices_come_out_of_the_cluster_as_in_nemo_rl():
+    dedicated = ("policy.generation.colocated.enabled=false",)
+    one_node = layout("cluster.gpus_per_node=8", "policy.generation.colocated.resources.gpus_per_node=4",
+                      "policy.generation.vllm_cfg.tensor_parallel_size=2", *dedicated)
+    assert (one_node.training_ranks, one_node.engines, one_node.generation_nodes) == (4, 2, 1)
+    nodes = layout("cluster.gpus_per_node=8", "cluster.num_nodes=4", "policy.generation.colocated.resources.num_nodes=1",
+                   *dedicated)
+    assert (nodes.training_ranks, nodes.engines, nodes.devices_per_node) == (24, 8, 8)
+    assert "dedicated: 1 node(s) x 8 GPU(s) apart from the policy's 24 rank(s)" in nodes.describe()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("cluster.gpus_per_node=8", "policy.generation.colocated.resources.gpus_per_node=4",
+      "policy.generation.vllm_cfg.tensor_parallel_size=8"),
+     r"1 node\(s\) x 4 device\(s\) = 4, fewer than one engine of .* = 8 x 1 = 8"),
+    (("cluster.gpus_per_node=8", "policy.generation.colocated.resources.gpus_per_node=4",
+      "policy.generation.vllm_cfg.tensor_parallel_size=3"),
+     r"= 4, not a multiple of .* = 3 x 1 = 3: 1 device\(s\) would stay idle"),
+    (("cluster.gpus_per_node=4", "policy.generation.colocated.resources.gpus_per_node=4"),
+     r"leaving 0 for training"),
+    (("cluster.gpus_per_node=4",), r"resources.gpus_per_node must be set"),
+    (("cluster.num_nodes=2", "cluster.gpus_per_node=8", "policy.generation.colocated.resources.num_nodes=1",
+      "policy.generation.colocated.resources.gpus_per_node=4"), r"must equal cluster.gpus_per_node=8"),
+    (("cluster.num_nodes=2", "cluster.gpus_per_node=8", "policy.generation.colocated.resources.num_nodes=2"),
+     r"leaving none for training"),
+])
+def test_placement_that_cannot_be_satisfied_is_refused_with_the_arithmetic(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        layout("policy.generation.colocated.enabled=false", *overrides)
+
+
+def test_engines_larger_than_a_device_need_gpus_and_colocated_ones_are_not_there_yet():
+    with pytest.raises(ConfigError, match="needs GPUs, and this host has none"):
+        layout("policy.generation.vllm_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=2", on_gpu=False)
+    with pytest.raises(NotAvailableYet, match="colocated vLLM engines larger than one device"):
+        layout("policy.generation.vllm_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=8")
+
+
+def test_validate_refuses_dedicated_resources_that_leave_devices_idle(capsys):
+    from novarl.cli import main
+
+    assert main(["validate", "cluster.gpus_per_node=4", "policy.generation.colocated.enabled=false",
+                 "policy.generation.colocated.resources.gpus_per_node=4"]) == 2
+    assert "leaving 0 for training" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- sharing
+def test_groups_stay_whole_and_shares_are_balanced():
+    from novarl.distributed.generation import share_groups, shares
+
+    groups = [Prompt(str(i), [i]) for i in range(5)]
+    prompts = [p for p in groups for _ in range(4)]
+    assert share_groups(prompts, 2) == [(0, 8), (8, 20)]  # 5 groups: 2 and 3
+    assert share_groups(prompts, 1) == [(0, 20)]
+    assert share_groups(prompts[:4], 2) == [(0, 4), (4, 4)]  # one group: one engine idles
+    sampling = SamplingConfig(max_new_tokens=4, seed=7)
+    assert [(len(p), s.seed_offset) for p, s in shares(prompts, sampling, 3)] == [(8, 0), (4, 8), (8, 12)]
+
+
+def test_seeded_hf_samples_do_not_depend_on_the_batch_they_are_in():
+    """Each sample draws from its own stream (seed, position in the step): one engine with
+    the whole step, or two with half each, or small batches, sample the same."""
+    from novarl.backends.generation.hf import HFGeneration
+    from novarl.models.loading import load_tokenizer, resolve_model_path
+
+    path = resolve_model_path("tiny-arith")
+    tokenizer = load_tokenizer(path)
+    texts = ["12+30=", "7+8=", "45+67=", "99+1="]
+    prompts = [p for t in texts for p in [Prompt(t, tokenizer(t).input_ids)] * 4]
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=3)
+    whole = HFGeneration(path, tokenizer).generate(prompts, sampling)
+    batched = HFGeneration(path, tokenizer, batch_size=3)
+    halves = [c for start in (0, 8) for c in batched.generate(
+        prompts[start:start + 8], SamplingConfig(**{**sampling.__dict__, "seed_offset": start}))]
+    assert [c.token_ids for c in halves] == [c.token_ids for c in whole]
+    assert len({tuple(c.token_ids) for c in whole}) > 4  # it samples: the samples of a group differ
+    other = HFGeneration(path, tokenizer).generate(prompts, SamplingConfig(**{**sampling.__dict__, "seed": 4}))
+    assert [c.token_ids for c in other] != [c.token_ids for c in whole]
+
+
+# ------------------------------------------------------------ engine groups
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Ray with 4 logical CPUs on this 2-core machine (1-2 policy ranks + 2 engine actors)."""
+    ray = pytest.importorskip("ray")
+    from novarl.distributed.ray_group import start_local_ray
+
+    ray.shutdown()
+    start_local_ray(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
+def build(*overrides):
+    from novarl.trainer.setup import build_roles, preflight
+
+    cfg = load_config(BUNDLED_RECIPE, overrides=[HF, "grpo.num_prompts_per_step=6", "grpo.num_generations_per_prompt=4",
+                                                 "policy.train_micro_batch_size=12", *overrides])
+    inputs = preflight(cfg)
+    return cfg, inputs, build_roles(cfg, inputs, torch.device("cpu"))
+
+
+def step_prompts(inputs, cfg):
+    return [p for p in inputs.sampler.next_batch() for _ in range(cfg.grpo.num_generations_per_prompt)]
+
+
+def in_process_engine(inputs):
+    """Today's single-engine path: one HF engine in this process, at the starting weights."""
+    from novarl.backends.generation.hf import HFGeneration
+    from novarl.distributed.generation import LocalGeneration
+
+    return LocalGeneration(HFGeneration(inputs.model_path, inputs.tokenizer, max_seq_length=256))
+
+
+def weight_shapes(model_path) -> set[tuple[int, ...]]:
+    from novarl.models.loading import load_causal_lm
+
+    return {tuple(t.shape) for t in load_causal_lm(model_path, dtype=torch.float32).state_dict().values()
+            if t.numel() >= 1024}
+
+
+def driver_weight_tensors(shapes) -> int:
+    """Tensors in this process with the shape of one of the policy's weights."""
+    import warnings
+
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on torch's deprecated module objects warns
+        warnings.simplefilter("ignore")
+        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and tuple(obj.shape) in shapes)
+
+
+def one_step(cfg, inputs, roles, step):
+    from novarl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from novarl.algorithms.losses import make_loss
+    from novarl.trainer.grpo import grpo_step
+
+    return grpo_step(cfg, inputs, roles, make_loss(cfg.loss_fn), ADVANTAGE_ESTIMATORS.get("grpo"), step)
+
+
+@pytest.mark.parametrize("overrides, engines", [
+    (("cluster.gpus_per_node=2",), 2),  # colocated: an engine in each policy rank
+    (("cluster.gpus_per_node=3", "policy.generation.colocated.enabled=false",  # 1 policy rank + 2 engine actors
+      "policy.generation.colocated.resources.gpus_per_node=2"), 2),
+], ids=["colocated", "dedicated"])
+def test_engines_share_the_step_and_take_weights_rank_to_rank(ray_cluster, overrides, engines):
+    import ray
+
+    from novarl.distributed.generation import RayRollout
+
+    cfg, inputs, roles = build(*overrides)
+    shapes = weight_shapes(inputs.model_path)
+    try:
+        assert roles.generator.layout.engines == engines
+        assert not hasattr(roles.policy, "named_weights")  # no driver path for weights exists
+        prompts = step_prompts(inputs, cfg)
+        sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, seed=11)
+        rollout = roles.generator.submit(prompts, sampling)
+        assert isinstance(rollout, RayRollout)
+        per_engine = ray.get(rollout.refs)
+        assert [len(share) for share in per_engine] == [12, 12]  # 3 whole groups of 4 each
+        # the same samples as one engine in this process would give at these weights
+        local = in_process_engine(inputs)
+        expected = local.submit(prompts, sampling).result()
+        assert [c.token_ids for c in rollout.result()] == [c.token_ids for c in expected]
+        assert driver_weight_tensors(shapes) > 0  # the check sees an engine's weights in this process ...
+        del local
+
+        first = one_step(cfg, inputs, roles, 1)
+        second = one_step(cfg, inputs, roles, 2)  # generated by the engines with step 1's weights
+        assert first["weight_sync_mb"] == pytest.approx(4 * (297_984 + 19 * 128) / 1e6)
+        assert second["logprob_mismatch"] < 1e-3  # the engines sample from the trained weights
+        assert driver_weight_tensors(shapes) == 0  # ... and after a step and a sync there are none
+    finally:
+        roles.shutdown()
+
+
+def test_a_killed_engine_is_reported_by_name(ray_cluster):
+    import ray
+
+    from novarl.distributed.ray_group import WorkerDied
+
+    cfg, inputs, roles = build("cluster.gpus_per_node=3", "policy.generation.colocated.enabled=false",
+                               "policy.generation.colocated.resources.gpus_per_node=2")
+    try:
+        os.kill(ray.get(roles.generator.group.actors[1].pid.remote()), signal.SIGKILL)
+        with pytest.raises(WorkerDied, match="generation engine rank 1 died"):
+            roles.generator.submit(step_prompts(inputs, cfg), SamplingConfig(max_new_tokens=4, seed=1)).result()
+    finally:
+        roles.shutdown()
+
+
+def test_dedicated_engines_train_like_the_in_process_engine(ray_cluster, tmp_path):
+    """The whole loop: 1 policy rank with 2 engine actors gives the rewards and losses of the
+    one-process run (1 rank, its engine beside it) step for step."""
+    from novarl.trainer.api import GRPOTrainer
+
+    common = [HF, "logger.progress_bar=false", "grpo.max_num_steps=3", "grpo.val_at_start=false",
+              "grpo.val_at_end=false", "grpo.max_train_seconds=null"]
+    runs = {}
+    for name, extra in {"local": [], "dedicated": [
+            "cluster.gpus_per_node=3", "policy.generation.colocated.enabled=false",
+            "policy.generation.colocated.resources.gpus_per_node=2"]}.items():
+        cfg = load_config(BUNDLED_RECIPE, overrides=[f"logger.log_dir={tmp_path / name}", *common, *extra])
+        runs[name] = train_steps(GRPOTrainer(cfg).train().output_dir)
+    for step, local in runs["local"].items():
+        dedicated = runs["dedicated"][step]
+        assert dedicated["reward_mean"] == local["reward_mean"]
+        assert dedicated["loss"] == pytest.approx(local["loss"], abs=1e-6)
+        assert dedicated["weight_sync_mb"] == pytest.approx(local["weight_sync_mb"])
