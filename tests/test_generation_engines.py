@@ -38,8 +38,8 @@ def test_dedicated_devices_come_out_of_the_cluster_as_in_nemo_rl():
     one_node = layout("cluster.gpus_per_node=8", "policy.generation.colocated.resources.gpus_per_node=4",
                       "policy.generation.vllm_cfg.tensor_parallel_size=2", *dedicated)
     assert (one_node.training_ranks, one_node.engines, one_node.generation_nodes) == (4, 2, 1)
-    nodes = layout("cluster.gpus_per_node=8", "cluster.num_nodes=4", "policy.generation.colocated.resources.num_nodes=1",
-                   *dedicated)
+    nodes = layout("cluster.gpus_per_node=8", "cluster.num_nodes=4",
+                   "policy.generation.colocated.resources.num_nodes=1", *dedicated)
     assert (nodes.training_ranks, nodes.engines, nodes.devices_per_node) == (24, 8, 8)
     assert "dedicated: 1 node(s) x 8 GPU(s) apart from the policy's 24 rank(s)" in nodes.describe()
 
@@ -242,3 +242,27 @@ def test_dedicated_engines_train_like_the_in_process_engine(ray_cluster, tmp_pat
         assert dedicated["reward_mean"] == local["reward_mean"]
         assert dedicated["loss"] == pytest.approx(local["loss"], abs=1e-6)
         assert dedicated["weight_sync_mb"] == pytest.approx(local["weight_sync_mb"])
+
+
+# ----------------------------------------------------------------------- GPU
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs (NCCL weight bridge, vLLM engines on GPUs)")
+@pytest.mark.parametrize("extra", [
+    ("cluster.gpus_per_node=2",),  # a vLLM engine in each policy rank, asleep while training
+    ("cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",  # 1 policy rank + 1 engine, NCCL
+     "policy.generation.colocated.resources.gpus_per_node=1"),
+], ids=["colocated", "dedicated"])
+def test_vllm_engines_on_gpus_take_bf16_weights(ray_cluster, tmp_path, extra):
+    """On GPUs: bf16 weights (half the fp32 bytes: cast on the sending side), vLLM's sleep
+    mode around training when colocated, the NCCL bridge when dedicated."""
+    pytest.importorskip("vllm")
+    from novarl.trainer.api import GRPOTrainer
+
+    cfg = load_config(BUNDLED_RECIPE, overrides=[
+        f"logger.log_dir={tmp_path}", "logger.progress_bar=false", "grpo.max_num_steps=3", "grpo.val_at_start=false",
+        "grpo.val_at_end=false", "policy.generation.backend=vllm", "policy.precision=bfloat16", *extra])
+    steps = train_steps(GRPOTrainer(cfg).train().output_dir)
+    assert all(r["weight_sync_mb"] == pytest.approx(2 * (297_984 + 19 * 128) / 1e6) for r in steps.values())
+    assert max(r["logprob_mismatch"] for r in steps.values()) < 0.05  # bf16 on both sides

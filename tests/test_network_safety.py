@@ -128,8 +128,9 @@ def gcs_answers(token: str | None) -> bool:
 def test_a_dedicated_generation_run_listens_on_loopback_only(tmp_path, ray_session):
     """1 policy rank + the generator's actor, joined by the weight bridge (its store on policy
     rank 0, which then listens on 5 ports: the bridge's store and gloo besides its own 3)."""
-    seen = run_sampling_sockets(tmp_path, BUNDLED_RECIPE, "cluster.gpus_per_node=1",
-                                "policy.generation.colocated.enabled=false")
+    seen = run_sampling_sockets(tmp_path, BUNDLED_RECIPE, "cluster.gpus_per_node=2",
+                                "policy.generation.colocated.enabled=false",
+                                "policy.generation.colocated.resources.gpus_per_node=1")
     assert_all_on_loopback(seen, rank0_sockets=5)
 
 

@@ -151,14 +151,20 @@ def grpo_steps(tmp_path, *extra):
     return [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
 
 
-def test_dedicated_generation_on_its_own_ray_actor_matches_colocated(tmp_path):
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """One policy rank with its vLLM engine beside it in this process."""
+    return grpo_steps(tmp_path_factory.mktemp("one_process"))
+
+
+def test_dedicated_generation_on_its_own_ray_actor_matches_colocated(tmp_path, one_process_run):
     """Flip one key: trainer and vLLM generator become two Ray actors; same samples, same updates."""
     import os
 
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    colocated = grpo_steps(tmp_path / "colocated")
+    colocated = one_process_run
     try:
         # NeMo RL's count: 2 devices, 1 of them generating -> 1 policy rank + 1 engine actor
         dedicated = grpo_steps(tmp_path / "dedicated", "policy.generation.colocated.enabled=false",
@@ -172,3 +178,22 @@ def test_dedicated_generation_on_its_own_ray_actor_matches_colocated(tmp_path):
         assert two["reward_mean"] == one["reward_mean"]
         assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
         assert two["logprob_mismatch"] < 1e-3
+
+
+def test_two_colocated_vllm_engines_one_in_each_policy_rank(tmp_path, one_process_run):
+    """2 policy ranks, each with a vLLM engine in its own process taking half of each step's
+    groups and its weights from its own rank: the first step samples exactly what the
+    one-engine run samples (per-request seeds follow the sample's place in the step)."""
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    try:
+        two = grpo_steps(tmp_path, "cluster.gpus_per_node=2")
+    finally:
+        ray.shutdown()
+    assert two[0]["reward_mean"] == one_process_run[0]["reward_mean"]
+    assert two[0]["completion_length_mean"] == one_process_run[0]["completion_length_mean"]
+    assert all(r["weight_sync_mb"] == pytest.approx(WEIGHT_BYTES / 1e6) for r in two)  # each rank into its engine
+    assert max(r["logprob_mismatch"] for r in two) < 1e-3

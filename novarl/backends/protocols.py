@@ -118,6 +118,8 @@ class Offloadable(Protocol):
     def onload(self) -> None: ...
 
 
-def generate(backend: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[Completion]:
-    """Submit and wait: the synchronous loop's (and evaluation's) use of a GenerationBackend."""
-    return backend.submit(prompts, sampling).result()
+@runtime_checkable
+class Stoppable(Protocol):
+    """A role with processes or engines of its own to stop (Ray ranks, engine actors)."""
+
+    def shutdown(self) -> None: ...

@@ -39,6 +39,9 @@ class GenerationLayout:
     """Dedicated: nodes generation runs on (0 when colocated)."""
     devices_per_node: int = 0
     """Dedicated: generation devices per node."""
+    local_policy: bool = True
+    """The policy of a one-rank run is in the driver's process (False: on a Ray rank, as
+    Megatron emulated on the CPU runs)."""
 
     @property
     def devices_per_engine(self) -> int:
@@ -47,7 +50,7 @@ class GenerationLayout:
     @property
     def in_process(self) -> bool:
         """One engine in the driver's process: a one-rank colocated run on this machine."""
-        return self.colocated and self.training_ranks == 1
+        return self.colocated and self.training_ranks == 1 and self.local_policy
 
     def describe(self, device: str = "GPU") -> str:
         """The start-up line, e.g. `generation: 2 hf engine(s) x tp=1, colocated with policy ranks 0-1`."""

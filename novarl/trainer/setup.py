@@ -8,11 +8,13 @@ written; `novarl validate` runs the same function.
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from novarl.backends.protocols import GenerationBackend, Offloadable, ReferenceBackend, TrainingBackend
+from novarl.backends.protocols import (GenerationBackend, Offloadable, ReferenceBackend, Stoppable,
+                                       TrainingBackend)
 from novarl.config.schema import NovaRLConfig
 from novarl.data.arithmetic import Example
 from novarl.data.datasets import PromptSampler, dataset_kind, load_examples, read_prompt_template, to_prompts
@@ -281,7 +283,7 @@ class Roles:
         """Stop remote workers (in-process roles need nothing); safe to call twice."""
         for name in ("generator", "reference", "policy"):
             role = getattr(self, name)
-            if role is not None and hasattr(role, "shutdown"):
+            if isinstance(role, Stoppable):
                 role.shutdown()
 
 
@@ -301,6 +303,10 @@ def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device, 
     factory = engine_class(inputs.choice.generation)
     kwargs = factory.engine_kwargs(cfg, model_path=inputs.model_path, tokenizer=inputs.tokenizer, precision=precision)
     sync = dict(bucket_bytes=int(gen.weight_sync_bucket_mb * 2**20), dtype=DTYPES[precision])
+    from novarl.distributed.remote import RemotePolicy
+
+    if isinstance(policy, RemotePolicy):
+        layout = dataclasses.replace(layout, local_policy=False)
     if layout.in_process:
         from novarl.distributed.generation import LocalGeneration
 

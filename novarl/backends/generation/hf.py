@@ -133,7 +133,7 @@ class RowSampler:
             ordered = ordered.masked_fill(before > self.sampling.top_p, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
         probs = torch.softmax(logits, -1)
-        tokens = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, self.generators)])
+        tokens = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, self.generators, strict=True)])
         chosen = torch.full_like(scores, float("-inf"))
         chosen[torch.arange(len(tokens), device=tokens.device), tokens] = 0.0
         return chosen

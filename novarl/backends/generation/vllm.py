@@ -104,7 +104,7 @@ class VllmGeneration:
             max_tokens=max(1, min(sampling.max_new_tokens, self.max_seq_length - len(prompt.token_ids))),
             stop_token_ids=stop_ids, logprobs=0, detokenize=False,
             seed=None if sampling.seed is None else sample_seed(sampling.seed, sampling.seed_offset + position),
-        ) for (prompt, count), position in zip(groups, _starts(groups))]
+        ) for (prompt, count), position in zip(groups, _starts(groups), strict=True)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p.token_ids)) for p, _ in groups],
                                     params, use_tqdm=False)
         return [self._completion(prompt, sample)
