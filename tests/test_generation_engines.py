@@ -11,7 +11,7 @@ import torch
 
 from novarl.cli import BUNDLED_RECIPE
 from novarl.config import load_config
-from novarl.errors import ConfigError, NotAvailableYet
+from novarl.errors import ConfigError
 from novarl.plan.generation import generation_layout
 from novarl.types import Prompt, SamplingConfig
 from tests.helpers import HF, train_steps
@@ -20,16 +20,16 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 # ----------------------------------------------------------------- arithmetic
-def layout(*overrides, backend="vllm", on_gpu=True):
-    return generation_layout(load_config(BUNDLED_RECIPE, overrides=list(overrides)), backend, on_gpu=on_gpu)
+def layout(*overrides, backend="vllm"):
+    return generation_layout(load_config(BUNDLED_RECIPE, overrides=list(overrides)), backend)
 
 
 def test_colocated_engines_tile_the_training_devices():
     assert layout("cluster.gpus_per_node=8").engines == 8
     two_nodes = layout("cluster.gpus_per_node=8", "cluster.num_nodes=2")
     assert (two_nodes.engines, two_nodes.training_ranks, two_nodes.colocated) == (16, 16, True)
-    assert layout("cluster.gpus_per_node=1", backend="hf", on_gpu=False).in_process
-    assert layout("cluster.gpus_per_node=2", backend="hf", on_gpu=False).describe() == \
+    assert layout("cluster.gpus_per_node=1", backend="hf").in_process
+    assert layout("cluster.gpus_per_node=2", backend="hf").describe() == \
         "generation: 2 hf engine(s) x tp=1, colocated with policy ranks 0-1"
 
 
@@ -65,10 +65,22 @@ def test_placement_that_cannot_be_satisfied_is_refused_with_the_arithmetic(overr
 
 
 def test_engines_larger_than_a_device_need_gpus_and_colocated_ones_are_not_there_yet():
-    with pytest.raises(ConfigError, match="needs GPUs, and this host has none"):
-        layout("policy.generation.vllm_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=2", on_gpu=False)
-    with pytest.raises(NotAvailableYet, match="colocated vLLM engines larger than one device"):
-        layout("policy.generation.vllm_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=8")
+    from novarl.plan.generation import layout_missing
+
+    tp2 = layout("policy.generation.vllm_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=2")
+    assert "this host has none" in layout_missing(tp2, on_gpu=False)[0]
+    assert "colocated vLLM engines larger than one device" in layout_missing(tp2, on_gpu=True)[0]
+    dedicated = layout("policy.generation.vllm_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=4",
+                       "policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.gpus_per_node=2")
+    assert layout_missing(dedicated, on_gpu=True) == []
+
+
+def test_validate_lists_what_the_generation_layout_needs(capsys):
+    from novarl.cli import main
+
+    assert main(["validate", "policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=2",
+                 "cluster.gpus_per_node=2"]) == 2
+    assert "engines of tensor_parallel_size x pipeline_parallel_size = 2 devices" in capsys.readouterr().err
 
 
 def test_validate_refuses_dedicated_resources_that_leave_devices_idle(capsys):

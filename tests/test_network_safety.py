@@ -193,6 +193,6 @@ def test_a_receiver_refuses_a_pickled_header_sent_over_the_bridge(tmp_path):
     thread.start()
     receiver = WeightBridge("127.0.0.1", port, 1, 2)
     with pytest.raises(MalformedHeader, match="not JSON"):
-        receiver.receive()
+        next(receiver.receive())
     thread.join(timeout=60)
     assert not marker.exists()

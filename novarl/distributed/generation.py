@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from novarl.backends.protocols import Engine, Offloadable, WeightSender
+from novarl.backends.protocols import Engine, Offloadable, Stoppable, WeightSender
 from novarl.distributed.weight_sync import BUCKET_BYTES, flatten
 from novarl.plan.generation import GenerationLayout
 from novarl.types import Completion, Prompt, SamplingConfig
@@ -116,9 +116,8 @@ class LocalGeneration:
         return self.layout.describe() if self.layout else "generation: 1 engine in this process"
 
     def shutdown(self) -> None:
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        if isinstance(self.engine, Stoppable):
+            self.engine.shutdown()
 
 
 class ColocatedEngines:

@@ -158,9 +158,10 @@ class RankActor:
         return loaded[0]
 
     def offload_role(self, role: str) -> None:
-        offload = getattr(self.others[role], "offload", None)
-        if offload is not None:
-            offload()
+        from novarl.backends.protocols import Offloadable
+
+        if isinstance(self.others[role], Offloadable):
+            self.others[role].offload()
 
     def send_weights(self, bucket_bytes: int, dtype) -> int:
         """Collective over the policy ranks: gather the full weights bucket by bucket; rank 0

@@ -69,16 +69,13 @@ class GenerationLayout:
                 f"apart from the policy's {self.training_ranks} rank(s)")
 
 
-def generation_layout(cfg: NovaRLConfig, backend: str, *, on_gpu: bool) -> GenerationLayout:
+def generation_layout(cfg: NovaRLConfig, backend: str) -> GenerationLayout:
     """The layout for the resolved generation `backend`; ConfigError with the arithmetic when
-    the devices cannot hold whole engines or leave training none."""
+    the devices cannot hold whole engines or leave training none. What this host or novarl
+    cannot run yet is `layout_missing`'s."""
     gen = cfg.policy.generation
     tp, pp = (gen.vllm_cfg.tensor_parallel_size, gen.vllm_cfg.pipeline_parallel_size) if backend == "vllm" else (1, 1)
     size = tp * pp
-    if size > 1 and not on_gpu:
-        raise ConfigError(f"policy.generation.vllm_cfg tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} "
-                          f"= {size}: an engine larger than one device needs GPUs, and this host has none. "
-                          "Set both to 1.")
     training, nodes, per_node = training_devices(cfg)
     if backend == "megatron":
         return GenerationLayout(backend, True, 1, 1, 1, training)
@@ -88,15 +85,6 @@ def generation_layout(cfg: NovaRLConfig, backend: str, *, on_gpu: bool) -> Gener
                               f"{tp} x {pp} = {size} does not divide the {training} training device(s) "
                               f"(cluster.gpus_per_node x cluster.num_nodes), so colocated engines cannot "
                               "tile them.")
-        if size > 1 and training > 1:
-            from novarl.errors import NotAvailableYet
-
-            raise NotAvailableYet(
-                f"colocated vLLM engines larger than one device (tensor_parallel_size x pipeline_parallel_size = "
-                f"{size}) on {training} Ray ranks are not available yet: each engine lives in one policy rank's "
-                "process, which sees one GPU. Use vllm_cfg.tensor_parallel_size=1 (one engine per GPU, the "
-                "fastest for models that fit one GPU), or dedicated generation "
-                "(policy.generation.colocated.enabled=false) for larger engines.")
         return GenerationLayout(backend, True, training // size, tp, pp, training)
     devices = nodes * per_node
     if devices < size:
@@ -147,3 +135,20 @@ def training_devices(cfg: NovaRLConfig) -> tuple[int, int, int]:
         raise ConfigError(f"Dedicated generation takes {where}.num_nodes={res.num_nodes} of the cluster's "
                           f"cluster.num_nodes={cluster.num_nodes} node(s), leaving none for training.")
     return per_node * (cluster.num_nodes - res.num_nodes), res.num_nodes, per_node
+
+
+def layout_missing(layout: GenerationLayout, *, on_gpu: bool) -> list[str]:
+    """What a layout needs that this host or novarl does not have (refused before the start)."""
+    size = layout.devices_per_engine
+    if size == 1:
+        return []
+    if not on_gpu:
+        return [f"GPUs, for engines of tensor_parallel_size x pipeline_parallel_size = {size} devices "
+                "(policy.generation.vllm_cfg); this host has none: set both to 1"]
+    if layout.colocated and layout.training_ranks > 1:
+        return [f"colocated vLLM engines larger than one device (tensor_parallel_size x pipeline_parallel_size = "
+                f"{size}) on {layout.training_ranks} Ray ranks: each engine lives in one policy rank's process, "
+                "which sees one GPU. Use vllm_cfg.tensor_parallel_size=1 (one engine per GPU, the fastest for "
+                "models that fit one GPU), or dedicated generation (policy.generation.colocated.enabled=false) "
+                "for larger engines"]
+    return []

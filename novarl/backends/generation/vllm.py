@@ -67,7 +67,8 @@ class VllmGeneration:
         v = cfg.vllm_cfg
         # Colocated on GPUs: sleep (weights to CPU, KV cache freed) while the trainer runs.
         self.sleep_mode = cfg.colocated.enabled and torch.cuda.is_available()
-        self.asleep = False
+        self.sleeping: set[str] = set()
+        """What sleeps now: "weights" (on the CPU) and "kv_cache" (freed)."""
         engine_args = dict(
             model=model_path, tokenizer=model_path, dtype=precision, seed=seed,
             tensor_parallel_size=v.tensor_parallel_size, pipeline_parallel_size=v.pipeline_parallel_size,
@@ -119,8 +120,10 @@ class VllmGeneration:
                           finish_reason=finish, policy_version=self.version)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load the trainer's full tensors (Hugging Face names) into the engine."""
-        self.onload()
+        """Load the trainer's full tensors (Hugging Face names) into the engine. Asleep, only its
+        weights wake for this: the KV cache is allocated when it next generates, so the
+        optimizer's memory and the KV cache are never on the device at once."""
+        self._wake("weights")
         # a stream: vLLM loads each tensor as it comes, so a bucket at a time is held here
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
@@ -129,15 +132,19 @@ class VllmGeneration:
     def offload(self) -> None:
         """Release the engine's GPU memory while training runs: weights to CPU, KV cache
         dropped (vLLM sleep level 1). A no-op on CPU hosts and when dedicated."""
-        if self.sleep_mode and not self.asleep:
+        if self.sleep_mode and not self.sleeping:
             self.llm.sleep(level=1)
-            self.asleep = True
+            self.sleeping = {"weights", "kv_cache"}
 
     def onload(self) -> None:
-        """Wake the engine before it generates or takes new weights (called by both)."""
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+        """Wake the whole engine before it generates."""
+        self._wake("weights", "kv_cache")
+
+    def _wake(self, *tags: str) -> None:
+        asleep = [tag for tag in tags if tag in self.sleeping]
+        if asleep:
+            self.llm.wake_up(tags=asleep)
+            self.sleeping -= set(asleep)
 
     def shutdown(self) -> None:
         """Drop the engine (and its KV cache); safe to call twice."""
