@@ -70,8 +70,14 @@ def test_fsdp2_on_two_ranks_matches_one_rank(tmp_path):
 
 
 def test_more_ranks_than_the_cluster_has_is_refused(tmp_path):
-    with pytest.raises(UserError, match=r"needs 4 ranks x 1 CPU = 4 CPU, but the Ray cluster has 2"):
+    with pytest.raises(UserError, match=r"needs 4 CPU \(4 policy rank\(s\) x 1 CPU\), but the Ray cluster has 2 in all"):
         run(tmp_path, "cluster.gpus_per_node=4", "grpo.num_prompts_per_step=64")
+    # dedicated engines count too, and nothing starts: 1 policy rank + 2 engines on 2 CPUs
+    with pytest.raises(UserError, match=r"needs 3 CPU \(1 policy rank\(s\) x 1 CPU \+ 2 generation engine\(s\) "
+                                        r"x 1 CPU\), but the Ray cluster has 2"):
+        run(tmp_path / "dedicated", "cluster.gpus_per_node=3", "policy.generation.colocated.enabled=false",
+            "policy.generation.colocated.resources.gpus_per_node=2")
+    assert not list(tmp_path.glob("**/metrics.jsonl"))  # the run folders were removed
 
 
 def test_a_killed_rank_stops_the_call_and_names_it(tmp_path):

@@ -189,6 +189,19 @@ class RankActor:
             dist.destroy_process_group()
 
 
+def require_capacity(needs: dict[str, float], what: str) -> None:
+    """Refuse, before any worker starts, a run whose roles together need more than the Ray
+    cluster has in all (`needs`: resource -> amount; `what` says how it adds up)."""
+    import ray
+
+    ensure_ray()
+    have = ray.cluster_resources()
+    for resource, amount in needs.items():
+        if have.get(resource, 0) < amount:
+            raise UserError(f"This run needs {amount:g} {resource} ({what}), but the Ray cluster has "
+                            f"{have.get(resource, 0):g} in all.")
+
+
 def ensure_ray(num_cpus: int | None = None) -> None:
     """Connect to the Ray cluster in RAY_ADDRESS as it is, or start novarl's own local instance."""
     import ray
@@ -310,8 +323,8 @@ class RayWorkerGroup:
                 raise UserError(
                     f"The {self.name} worker group needs {world_size} ranks x {amount:g} {resource} = "
                     f"{amount * world_size:g} {resource}, but the Ray cluster has {have.get(resource, 0):g} free "
-                    "(cluster.gpus_per_node x cluster.num_nodes sets the policy's ranks; a dedicated "
-                    "generator takes its own).")
+                    "(cluster.gpus_per_node x cluster.num_nodes sets the run's devices; dedicated generation "
+                    "takes colocated.resources of them).")
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run `method` on every rank; rank 0's result."""

@@ -334,6 +334,7 @@ def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> R
     """The policy (and reference) on one in-process rank or on Ray ranks, and the generation
     engines. If one role fails to start, the ones already started are shut down."""
     roles = Roles(policy=None, reference=None, generator=None)
+    check_capacity(cfg, inputs, device)
     try:
         roles.policy, roles.reference = build_trainers(cfg, inputs, device)
         roles.generator = build_generator(cfg, inputs, device, roles.policy)
@@ -342,6 +343,21 @@ def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> R
         raise
     info(roles.generator.describe())
     return roles
+
+
+def check_capacity(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> None:
+    """A run on Ray ranks whose policy ranks and dedicated engines together need more devices
+    than the Ray cluster has is refused before anything starts."""
+    layout = generation_layout(cfg, inputs.choice.generation)
+    if layout.in_process and not _megatron_on_cpu(inputs):
+        return
+    from novarl.distributed.ray_group import require_capacity
+
+    resource, per_engine = ("GPU", layout.devices_per_engine) if device.type == "cuda" else ("CPU", 1)
+    engines = 0 if layout.colocated else layout.engines
+    require_capacity({resource: layout.training_ranks + engines * per_engine},
+                     f"{layout.training_ranks} policy rank(s) x 1 {resource}"
+                     + (f" + {engines} generation engine(s) x {per_engine} {resource}" if engines else ""))
 
 
 def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
