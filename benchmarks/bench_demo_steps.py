@@ -20,22 +20,13 @@ from pathlib import Path
 
 import torch
 
+from models import cpu_name
 from novarl.cli import BUNDLED_RECIPE
 from novarl.config import load_config
 from novarl.logging.metrics import read_jsonl
 from novarl.trainer.api import GRPOTrainer
 
 PHASES = ("generation", "logprobs", "training", "weight_sync", "step")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:

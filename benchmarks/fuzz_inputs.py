@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_demo_steps import cpu_name  # noqa: E402
+from models import cpu_name  # noqa: E402
 from tests.test_fuzz import (TRAIN, Case, all_cases, base_args, data_cases, model_cases, model_folder,  # noqa: E402
                              refused_at_load, reward, reward_cases, train_cases)
 

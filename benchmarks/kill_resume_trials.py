@@ -25,7 +25,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from bench_demo_steps import cpu_name  # noqa: E402 -- run from this folder or as a script
+from models import cpu_name  # noqa: E402 -- run from this folder or as a script
 
 SECTION = "## Kill -9 resume trials"
 

@@ -1,9 +1,21 @@
-"""Models the benchmarks share: a random-initialised ~100M-parameter Llama with the
-bundled character tokenizer (no download needed)."""
+"""What the benchmarks share: a random-initialised ~100M-parameter Llama with the
+bundled character tokenizer (no download needed), and the machine's CPU name.
+Imports nothing of novarl at module level (a benchmark may run another checkout's)."""
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def random_llama_100m(folder: Path) -> tuple[str, int]:
