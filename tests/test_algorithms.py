@@ -137,3 +137,81 @@ def test_logprob_mismatch_mean_and_max_by_hand():
     assert got["logprob_mismatch_max"] == pytest.approx(0.2)
     assert got["logprob_mismatch"] > MISMATCH_WARNING
     assert "vllm_cfg.precision" in mismatch_advice(got["logprob_mismatch"])
+
+
+def _random_batch(rows: int = 6, length: int = 10, seed: int = 0) -> TrainBatch:
+    gen = torch.Generator().manual_seed(seed)
+    loss_mask = torch.zeros(rows, length, dtype=torch.bool)
+    for row in range(rows):  # completions of different lengths after a 3-token prompt
+        loss_mask[row, 3:3 + 1 + row % (length - 3)] = True
+    return with_global_counts(TrainBatch(
+        input_ids=torch.randint(4, 18, (rows, length), generator=gen),
+        attention_mask=torch.ones(rows, length, dtype=torch.bool), loss_mask=loss_mask,
+        advantages=torch.randn(rows, generator=gen),
+        generator_logprobs=-torch.rand(rows, length, generator=gen) * loss_mask,
+        reference_logprobs=-torch.rand(rows, length, generator=gen)))
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_old_logprobs_from_the_training_forward_give_the_same_loss_and_gradient(token_level):
+    """One forward fewer: with no old logprobs the loss takes this forward's own, detached; the
+    loss, its gradient and the metrics equal those of the same numbers given beforehand, and
+    the logprob mismatch is measured from them."""
+    from novarl.trainer.rollout import logprob_mismatch
+
+    settings = ClippedPGSettings(reference_policy_kl_penalty=0.05, token_level_loss=token_level,
+                                 use_importance_sampling_correction=True, use_on_policy_kl_approximation=True)
+    batch = _random_batch()
+    logits = torch.randn(*batch.input_ids.shape, generator=torch.Generator().manual_seed(1)) - 2
+    given, fewer = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    batch.old_logprobs = logits.clone()
+    loss_given, metrics_given = clipped_pg_loss(given, batch, settings)
+    loss_given.backward()
+    expected_mismatch = logprob_mismatch(batch)
+    batch.old_logprobs = None
+    loss_fewer, metrics_fewer = clipped_pg_loss(fewer, batch, settings)
+    loss_fewer.backward()
+    assert loss_fewer.item() == pytest.approx(loss_given.item(), rel=1e-6)
+    torch.testing.assert_close(fewer.grad, given.grad, rtol=1e-6, atol=0)
+    assert {k: v.item() for k, v in metrics_given.items()} == \
+        pytest.approx({k: v.item() for k, v in metrics_fewer.items() if not k.startswith("logprob_mismatch")})
+    assert metrics_fewer["logprob_mismatch"].item() == pytest.approx(expected_mismatch["logprob_mismatch"])
+    assert metrics_fewer["logprob_mismatch_max"].item() == pytest.approx(expected_mismatch["logprob_mismatch_max"])
+
+
+def test_metrics_ending_in_max_are_reduced_by_max():
+    from novarl.backends.training.rows import accumulate
+
+    totals: dict = {}
+    for value in (0.2, 0.5, 0.1):
+        accumulate(totals, {"loss": torch.tensor(value), "logprob_mismatch_max": torch.tensor(value)})
+    assert totals["loss"].item() == pytest.approx(0.8) and totals["logprob_mismatch_max"].item() == pytest.approx(0.5)
+
+
+def test_one_forward_fewer_trains_the_policy_like_two_forwards():
+    """A real DTensor policy (one rank): old logprobs from a forward before training, or from the
+    training forward itself, give the same loss, gradient norm and updated weights."""
+    from novarl.backends.training.dtensor import DTensorPolicy
+    from novarl.config import load_config
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.loading import resolve_model_path
+
+    ensure_single_process_group()
+    cfg = load_config(None, overrides=["policy.train_micro_batch_size=3"])
+    loss = make_loss(LossConfig(reference_policy_kl_penalty=0.01))
+    results = []
+    for one_forward_fewer in (False, True):
+        torch.manual_seed(0)
+        policy = DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=4,
+                               temperature=1.0)
+        batch = _random_batch()
+        batch.old_logprobs = None if one_forward_fewer else policy.logprobs(batch)
+        metrics = {**policy.forward_backward(batch, loss), **policy.optim_step()}
+        weights = {n: t.detach().clone() for n, t in policy.full_state_dict().items()}
+        results.append((metrics, weights))
+    (two, before), (one, after) = results
+    assert one["loss"] == pytest.approx(two["loss"], rel=1e-5)
+    assert one["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-5)
+    assert "logprob_mismatch" in one and "logprob_mismatch" not in two
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=1e-5, atol=1e-7)
