@@ -51,11 +51,12 @@ def clipped_pg_loss(
     all loss tokens of the step (token_level_loss) or per sequence, then over
     the step's sequences.
     """
-    if batch.old_logprobs is None:
-        raise ValueError("clipped_pg needs batch.old_logprobs")
     mask = batch.loss_mask.float()
+    # None: the policy has not changed since generation and this is the batch's only optimizer
+    # step, so the old logprobs are this forward's own, detached (one policy forward fewer)
+    old_logprobs = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
     advantages = batch.advantages.float().unsqueeze(1)
-    log_ratio = (logprobs - batch.old_logprobs) * mask
+    log_ratio = (logprobs - old_logprobs) * mask
     if settings.sequence_level_importance_ratios:
         per_seq = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
         log_ratio = per_seq.expand_as(log_ratio)
@@ -67,13 +68,13 @@ def clipped_pg_loss(
         token_loss = torch.where(advantages < 0, dual, token_loss)
     if settings.use_importance_sampling_correction:
         # Correct for samples from a generator whose weights lag the policy's.
-        token_loss = token_loss * torch.exp(batch.old_logprobs - batch.generator_logprobs).detach()
+        token_loss = token_loss * torch.exp(old_logprobs - batch.generator_logprobs).detach()
 
     kl = torch.zeros_like(token_loss)
     if settings.reference_policy_kl_penalty > 0 and batch.reference_logprobs is not None:
         kl = KL_ESTIMATORS.get(settings.kl_estimator)(logprobs, batch.reference_logprobs)
         if settings.use_on_policy_kl_approximation:
-            kl = kl * torch.exp(logprobs - batch.old_logprobs).detach()
+            kl = kl * torch.exp(logprobs - old_logprobs).detach()
         token_loss = token_loss + settings.reference_policy_kl_penalty * kl
 
     reduce = partial(_reduce, mask=mask, batch=batch, token_level=settings.token_level_loss)
@@ -85,9 +86,20 @@ def clipped_pg_loss(
             "kl_to_old": reduce(-log_ratio),
             "kl_to_reference": reduce(kl),
         }
+        if batch.old_logprobs is None:  # the generator-vs-trainer check, from this forward
+            metrics.update(mismatch_metrics(old_logprobs, batch))
     loss = reduce(token_loss)
     metrics["loss"] = loss.detach()
     return loss, metrics
+
+
+def mismatch_metrics(trainer_logprobs: torch.Tensor, batch: TrainBatch) -> dict[str, torch.Tensor]:
+    """|p_generator / p_trainer - 1| over the loss tokens: this micro-batch's share of the step's
+    mean ("logprob_mismatch", summed over micro-batches and ranks) and its max
+    ("logprob_mismatch_max": a name ending in _max is reduced by max, see training/rows.py)."""
+    error = (torch.exp(batch.generator_logprobs - trainer_logprobs) - 1).abs() * batch.loss_mask
+    return {"logprob_mismatch": error.sum() / max(batch.global_valid_tokens, 1),
+            "logprob_mismatch_max": error.max() if error.numel() else error.sum()}
 
 
 def _reduce(values: torch.Tensor, *, mask: torch.Tensor, batch: TrainBatch, token_level: bool) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """The GRPO loop: generate -> reward -> advantage -> update -> weight sync.
 
 Simplifications, on purpose: one rollout turn; the whole step's samples are
-generated before any update (synchronous, on-policy); `old_logprobs` are
-recomputed by the trainer (not taken from the generator) so the ratio compares
-like with like, and the gap to the generator's logprobs is logged as
-`logprob_mismatch`, a check on the weight sync.
+generated before any update (synchronous, on-policy); `old_logprobs` are the
+trainer's (not the generator's) so the ratio compares like with like -- from the
+training forward itself when the batch gets one optimizer step, from a forward
+before training otherwise -- and the gap to the generator's logprobs is logged
+as `logprob_mismatch`, a check on the weight sync.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         summary.update({f"val_{k}": v for k, v in result.items()}, val_step=step)
         summary.setdefault("initial_accuracy", result["accuracy"])
 
+    info(old_logprobs_source(inputs))
     try:
         if grpo.val_at_start and step == 0:
             validate(0)
@@ -126,15 +128,32 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
     batch = build_train_batch(completions, advantages, pad_token_id=inputs.tokenizer.pad_token_id,
                               overlong_filtering=grpo.overlong_filtering)
     with timer("logprobs"):
-        batch.old_logprobs = roles.policy.logprobs(batch)
+        if not one_forward_fewer(inputs):
+            batch.old_logprobs = roles.policy.logprobs(batch)
         if roles.reference is not None:
             batch.reference_logprobs = roles.reference.logprobs(batch)
     with timer("training"):
         train_metrics = train_on_batch(roles.policy, batch, loss_fn, inputs.batches.global_batch_size)
     with timer("weight_sync"):
         sync_metrics = roles.sync_weights(step)
+    mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None else {}  # else the loss measured it
     return {**rollout_metrics(completions, rewards, grpo.num_generations_per_prompt), **train_metrics,
-            **sync_metrics, **logprob_mismatch(batch), **timer.seconds, "time_step": time.perf_counter() - tic}
+            **sync_metrics, **mismatch, **timer.seconds, "time_step": time.perf_counter() - tic}
+
+
+def one_forward_fewer(inputs: RunInputs) -> bool:
+    """The old logprobs come from the training forward (detached) when the generated batch gets
+    exactly one optimizer step: the policy has not changed since it generated (synchronous
+    GRPO), so a separate forward before training would compute the same numbers."""
+    return inputs.batches.optimizer_steps_per_step == 1
+
+
+def old_logprobs_source(inputs: RunInputs) -> str:
+    if one_forward_fewer(inputs):
+        return ("old logprobs: from the training forward, detached (1 optimizer step per generated batch: "
+                "one policy forward fewer per step)")
+    return (f"old logprobs: a policy forward before training ({inputs.batches.optimizer_steps_per_step} "
+            "optimizer steps per generated batch, the policy changes between them)")
 
 
 def time_budget_message(step: int, max_num_steps: int, seconds: float) -> str:

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from novarl.algorithms.losses import LossFn
 from novarl.backends.megatron.convert import EXPERTS, experts_of_rank, experts_to_global, shards_to_hf
-from novarl.backends.training.rows import data_parallel_share
+from novarl.backends.training.rows import accumulate, all_reduce_metrics, data_parallel_share
 from novarl.config.schema import PolicyConfig
 from novarl.errors import ConfigError, UserError
 from novarl.logging.console import info
@@ -337,17 +337,18 @@ class MegatronPolicy(MegatronModel):
         local = self.shard(batch)
         kept = self._run_pipeline(local, self.micro_batch_size, lambda lp, mb: _detached_metrics(loss(lp, mb)),
                                   forward_only=False)
-        names = sorted(kept[0]) if kept else []
+        totals: dict[str, torch.Tensor] = {}
+        for metrics in kept:
+            accumulate(totals, metrics)
+        names = sorted(totals)
         if self.pp_size > 1:  # only the last stage computed the loss: it tells the others
             box = [names]
             dist.broadcast_object_list(box, src=self._last_stage_rank(), group=self.pp_group)
             names = box[0]
-        summed = torch.stack([sum(k[n] for k in kept) for n in names]) if kept else \
-            torch.zeros(len(names), device=self.device)
+        summed = torch.stack([totals[n] for n in names]) if kept else torch.zeros(len(names), device=self.device)
         if self.pp_size > 1:
             dist.broadcast(summed, src=self._last_stage_rank(), group=self.pp_group)
-        dist.all_reduce(summed, group=self.dp_group)
-        return dict(zip(names, summed.tolist()))
+        return all_reduce_metrics(dict(zip(names, summed)), self.dp_group)
 
     def optim_step(self) -> dict[str, float]:
         """Clip (optimizer.clip_grad), step the optimizer and the schedule, zero the gradients."""

@@ -70,18 +70,38 @@ class AccumulatingRows(DataParallelRows):
             # so gradients must be summed over ranks; FSDP2 and DeepSpeed average them, hence
             # the factor.
             self.backward(value * self.dp_size)
-            for name, metric in metrics.items():
-                totals[name] = totals.get(name, 0.0) + metric.detach().float()
-        names = sorted(totals)
-        summed = torch.stack([totals[n] for n in names])
-        dist.all_reduce(summed, group=self.dp_group)
-        return dict(zip(names, summed.tolist()))
+            accumulate(totals, metrics)
+        return all_reduce_metrics(totals, self.dp_group)
 
     def accumulation_boundary(self, last: bool) -> None:
         raise NotImplementedError
 
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
+
+
+def accumulate(totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
+    """Add a micro-batch's metrics to the totals: summed, or the largest for a name ending in
+    "_max"."""
+    for name, metric in metrics.items():
+        metric = metric.detach().float()
+        if name not in totals:
+            totals[name] = metric
+        else:
+            totals[name] = torch.maximum(totals[name], metric) if name.endswith("_max") else totals[name] + metric
+
+
+def all_reduce_metrics(totals: dict[str, torch.Tensor], group) -> dict[str, float]:
+    """The totals over the group's ranks (every rank gets them): summed, or the largest for a
+    name ending in "_max". Every rank must hold the same names."""
+    out: dict[str, float] = {}
+    for op, wanted in ((dist.ReduceOp.SUM, False), (dist.ReduceOp.MAX, True)):
+        names = sorted(n for n in totals if n.endswith("_max") == wanted)
+        if names:
+            values = torch.stack([totals[n] for n in names])
+            dist.all_reduce(values, op=op, group=group)
+            out.update(zip(names, values.tolist()))
+    return out
 
 
 def data_parallel_share(batch: TrainBatch, rank: int, size: int, device: torch.device) -> TrainBatch:
