@@ -126,6 +126,18 @@ def test_seeded_hf_samples_do_not_depend_on_the_batch_they_are_in():
     assert [c.token_ids for c in other] != [c.token_ids for c in whole]
 
 
+def test_counter_based_draws_are_uniform_and_independent():
+    from novarl.backends.generation.hf import uniform_draws
+
+    seeds = torch.arange(50_000, dtype=torch.int64) * 1_000_003 + 7  # sample_seed's spacing
+    first, second = uniform_draws(seeds, 0), uniform_draws(seeds, 1)
+    assert 0 <= float(first.min()) and float(first.max()) < 1
+    assert abs(float(first.mean()) - 0.5) < 0.01 and abs(float(first.std()) - 12 ** -0.5) < 0.01
+    assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 0.02  # step to step
+    assert abs(float(torch.corrcoef(torch.stack([first[:-1], first[1:]]))[0, 1])) < 0.02  # seed to seed
+    assert torch.equal(uniform_draws(seeds[3:4], 0), first[3:4])  # a row's draw is its own
+
+
 # ------------------------------------------------------------ engine groups
 @pytest.fixture(scope="module")
 def ray_cluster():

@@ -113,14 +113,16 @@ def sample_seed(seed: int, position: int) -> int:
 
 
 class RowSampler:
-    """A logits processor that samples every row from its own generator (temperature, top-k,
+    """A logits processor that samples every row from its own random stream (temperature, top-k,
     top-p applied) and leaves that token alone for greedy decoding to pick, so that a row's
-    draws do not depend on the other rows of its batch. `output_logits` still returns the raw
-    logits, from which the logprobs are computed."""
+    draws do not depend on the other rows of its batch. The stream is counter-based (splitmix64
+    of the row's seed and the decoding step), so all rows draw in one vectorised call.
+    `output_logits` still returns the raw logits, from which the logprobs are computed."""
 
     def __init__(self, seeds: list[int], sampling: SamplingConfig, device: torch.device) -> None:
-        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.seeds = torch.tensor([s - 2**64 if s >= 2**63 else s for s in seeds], dtype=torch.int64, device=device)
         self.sampling = sampling
+        self.step = 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logits = scores.float() / self.sampling.temperature
@@ -132,11 +134,29 @@ class RowSampler:
             before = torch.softmax(ordered, -1).cumsum(-1) - torch.softmax(ordered, -1)  # mass ranked above
             ordered = ordered.masked_fill(before > self.sampling.top_p, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
-        probs = torch.softmax(logits, -1)
-        tokens = torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, self.generators, strict=True)])
+        cumulative = torch.softmax(logits.double(), -1).cumsum(-1)
+        uniform = uniform_draws(self.seeds, self.step) * cumulative[:, -1]
+        tokens = torch.searchsorted(cumulative, uniform[:, None]).squeeze(1).clamp(max=scores.shape[-1] - 1)
+        self.step += 1
         chosen = torch.full_like(scores, float("-inf"))
         chosen[torch.arange(len(tokens), device=tokens.device), tokens] = 0.0
         return chosen
+
+
+def uniform_draws(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """One draw in [0, 1) per seed for decoding step `step`: splitmix64 of (seed, step), in
+    wrapping int64 arithmetic (float64 result, 53 random bits)."""
+    def signed(value: int) -> int:
+        return value - 2**64 if value >= 2**63 else value
+
+    def shifted(x: torch.Tensor, bits: int) -> torch.Tensor:  # a logical right shift
+        return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+    z = seeds * signed(0xD1B54A32D192ED03) + signed(0x9E3779B97F4A7C15 * (step + 1) % 2**64)
+    z = (z ^ shifted(z, 30)) * signed(0xBF58476D1CE4E5B9)
+    z = (z ^ shifted(z, 27)) * signed(0x94D049BB133111EB)
+    z = z ^ shifted(z, 31)
+    return shifted(z, 11).double() / 2.0**53
 
 
 def make_completion(prompt: Prompt, tokens: list[int], logprobs: list[float], *, stop_ids: set[int], tokenizer,
