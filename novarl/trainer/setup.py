@@ -275,8 +275,8 @@ class Roles:
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """The policy's current weights into every engine (see distributed/generation.py);
-        metrics: weight_sync_mb, the MB each engine took (0 when the generator samples with
-        the policy's own model)."""
+        metrics: weight_sync_mb, the MB each engine took (none when the generator samples
+        with the policy's own model)."""
         return self.generator.sync_weights(version)
 
     def shutdown(self) -> None:
@@ -292,6 +292,7 @@ def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device, 
     process beside a one-rank policy, one in each policy rank's process when colocated, actors
     of their own when dedicated; Megatron generation runs on the policy's own ranks."""
     from novarl.backends.registry import ENGINES, engine_class, on_policy_class
+    from novarl.distributed.remote import RemotePolicy
     from novarl.models.loading import DTYPES
 
     gen = cfg.policy.generation
@@ -303,8 +304,6 @@ def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device, 
     factory = engine_class(inputs.choice.generation)
     kwargs = factory.engine_kwargs(cfg, model_path=inputs.model_path, tokenizer=inputs.tokenizer, precision=precision)
     sync = dict(bucket_bytes=int(gen.weight_sync_bucket_mb * 2**20), dtype=DTYPES[precision])
-    from novarl.distributed.remote import RemotePolicy
-
     if isinstance(policy, RemotePolicy):
         layout = dataclasses.replace(layout, local_policy=False)
     if layout.in_process:
