@@ -203,14 +203,19 @@ def memory_gib() -> float | None:
 
 # ----------------------------------------------------------------------------- one layout (subprocess)
 
-def rss_now_kib() -> int:
+def status_kib(field: str) -> int | None:
+    """A KiB field of /proc/self/status (Linux): VmRSS now, VmHWM the peak; None elsewhere."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
     except OSError:
         pass
-    return 0
+    return None
+
+
+def rss_now_kib() -> int:
+    return status_kib("VmRSS") or 0
 
 
 def max_rss_kib() -> int:
@@ -222,13 +227,7 @@ def max_rss_kib() -> int:
 
 def high_water_kib() -> int | None:
     """VmHWM: this program's own peak resident set (Linux; a cross-check of ru_maxrss)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+    return status_kib("VmHWM")
 
 
 class TreeSampler:
