@@ -57,9 +57,8 @@ def batch(rows: int, length: int, vocab: int):
     gen = torch.Generator().manual_seed(0)
     loss_mask = torch.ones(rows, length, dtype=torch.bool)
     loss_mask[:, : length // 2] = False  # the prompt half
-    return TrainBatch(input_ids=torch.randint(3, vocab, (rows, length), generator=gen),
-                      attention_mask=torch.ones(rows, length, dtype=torch.bool), loss_mask=loss_mask,
-                      advantages=torch.randn(rows, generator=gen), generator_logprobs=torch.zeros(rows, length))
+    return TrainBatch.from_rows(torch.randint(3, vocab, (rows, length), generator=gen),
+                                torch.ones(rows, length, dtype=torch.bool), loss_mask, torch.randn(rows, generator=gen))
 
 
 def measure(model_path: str, layout: tuple, workload: tuple[int, int, int]) -> dict[str, float]:

@@ -41,7 +41,6 @@ def synthetic_batch(batch_size: int, seq_len: int):
     row trained on, random advantages (seeded)."""
     import torch
 
-    from novarl.trainer.rollout import with_global_counts
     from novarl.types import TrainBatch
 
     gen = torch.Generator().manual_seed(0)
@@ -49,6 +48,4 @@ def synthetic_batch(batch_size: int, seq_len: int):
     mask = torch.ones_like(ids, dtype=torch.bool)
     loss_mask = mask.clone()
     loss_mask[:, :seq_len // 2] = False
-    return with_global_counts(TrainBatch(
-        input_ids=ids, attention_mask=mask, loss_mask=loss_mask,
-        advantages=torch.randn(batch_size, generator=gen), generator_logprobs=torch.zeros(batch_size, seq_len)))
+    return TrainBatch.from_rows(ids, mask, loss_mask, torch.randn(batch_size, generator=gen))

@@ -1,13 +1,18 @@
 """Data passed between roles (driver, generator, trainer, reward).
 
-Shapes use B = sequences in the batch and L = padded sequence length.
-Token-aligned tensors are indexed by position: entry t belongs to token t of
-the sequence, so `logprobs[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`
-and position 0 (which has no prediction) holds 0.
+A training batch is token-level: its S sequences are laid end to end, N tokens
+in all, and every per-token tensor has shape [N]. Sequence s is tokens
+`cu_seqlens[s]:cu_seqlens[s+1]`. Token-aligned tensors are indexed by token:
+`logprobs[i] = log p(input_ids[i] | the tokens before i in its sequence)`, and
+the first token of each sequence (which has no prediction) holds 0. How the
+sequences are laid out for a forward (packed by token budget, padded in rows of
+similar length, or padded in fixed rows) is the training backend's business
+(backends/training/batching.py); losses see per-token tensors only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -59,46 +64,125 @@ class SamplingConfig:
 
 @dataclass
 class TrainBatch:
-    """One GRPO step's samples, padded on the right to a common length."""
+    """One step's samples, token-level: S sequences of N tokens in all, end to end."""
 
     input_ids: torch.Tensor
-    """[B, L] int64 prompt + completion tokens, right-padded with pad_token_id."""
-    attention_mask: torch.Tensor
-    """[B, L] bool, True on real (prompt or completion) tokens."""
+    """[N] int64 prompt + completion tokens of every sequence, one after the other."""
+    cu_seqlens: torch.Tensor
+    """[S + 1] int64 sequence boundaries: sequence s is tokens cu_seqlens[s]:cu_seqlens[s + 1]."""
+    position_ids: torch.Tensor
+    """[N] int64 each token's position in its own sequence (0 at every sequence's first token)."""
     loss_mask: torch.Tensor
-    """[B, L] bool, True on generated tokens that are trained on."""
+    """[N] bool, True on generated tokens that are trained on."""
     advantages: torch.Tensor
-    """[B] float32, one advantage per sequence, broadcast over its tokens."""
+    """[N] float32 per-token advantages (a per-sequence advantage is repeated over its tokens)."""
     generator_logprobs: torch.Tensor
-    """[B, L] float32, the generator's logprobs on generated tokens, 0 elsewhere."""
+    """[N] float32, the generator's logprobs on generated tokens, 0 elsewhere."""
     old_logprobs: torch.Tensor | None = None
-    """[B, L] float32, the policy's logprobs before this step's update."""
+    """[N] float32, the policy's logprobs before this step's update; None: take them from the
+    training forward itself, detached (the policy has not changed since generation)."""
     reference_logprobs: torch.Tensor | None = None
-    """[B, L] float32, the frozen reference policy's logprobs (KL penalty), or None."""
+    """[N] float32, the frozen reference policy's logprobs (KL penalty), or None."""
     global_valid_tokens: int = 0
     """Loss-mask tokens in the whole step (all micro-batches, all ranks): the loss divides by it."""
     global_valid_sequences: int = 0
     """Sequences with at least one loss token in the whole step."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Further per-token tensors, [N, ...]."""
 
     def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
+        """S, the number of sequences."""
+        return int(self.cu_seqlens.numel()) - 1
 
-    def slice(self, start: int, stop: int) -> "TrainBatch":
-        """Rows [start, stop) with the global counts kept, for micro-batching."""
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[S] int64 tokens of each sequence."""
+        return self.cu_seqlens.diff()
+
+    @property
+    def sequence_index(self) -> torch.Tensor:
+        """[N] int64 the sequence each token belongs to."""
+        return torch.repeat_interleave(torch.arange(len(self), device=self.cu_seqlens.device), self.lengths)
+
+    def sequence_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """[S] the sum of per-token `values` [N] over each sequence's tokens."""
+        out = torch.zeros(len(self), dtype=values.dtype, device=values.device)
+        return out.index_add(0, self.sequence_index.to(values.device), values)
+
+    def token_index(self, sequences: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """[n] int64 positions in this batch of the tokens of `sequences`, in that order."""
+        sequences = torch.as_tensor(sequences, dtype=torch.long)
+        if sequences.numel() == 0:
+            return torch.zeros(0, dtype=torch.long)
+        cu = self.cu_seqlens.cpu()
+        starts, lengths = cu[sequences], cu[sequences + 1] - cu[sequences]
+        offsets = torch.repeat_interleave(starts - torch.cumsum(lengths, 0) + lengths, lengths)
+        return offsets + torch.arange(int(lengths.sum()))
+
+    def select(self, sequences: Sequence[int] | torch.Tensor) -> "TrainBatch":
+        """The batch of `sequences` (indices, in that order), the global counts kept: a
+        micro-batch, or a data-parallel rank's share."""
+        sequences = torch.as_tensor(sequences, dtype=torch.long)
+        index = self.token_index(sequences).to(self.input_ids.device)
+        lengths = self.lengths.cpu()[sequences]
+        cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(self.cu_seqlens.device)
 
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[start:stop]
+            return None if t is None else t[index]
 
         return TrainBatch(
-            input_ids=self.input_ids[start:stop],
-            attention_mask=self.attention_mask[start:stop],
-            loss_mask=self.loss_mask[start:stop],
-            advantages=self.advantages[start:stop],
-            generator_logprobs=self.generator_logprobs[start:stop],
-            old_logprobs=cut(self.old_logprobs),
-            reference_logprobs=cut(self.reference_logprobs),
-            global_valid_tokens=self.global_valid_tokens,
+            input_ids=self.input_ids[index], cu_seqlens=cu, position_ids=self.position_ids[index],
+            loss_mask=self.loss_mask[index], advantages=self.advantages[index],
+            generator_logprobs=self.generator_logprobs[index], old_logprobs=cut(self.old_logprobs),
+            reference_logprobs=cut(self.reference_logprobs), global_valid_tokens=self.global_valid_tokens,
             global_valid_sequences=self.global_valid_sequences,
-            extras={k: v[start:stop] for k, v in self.extras.items()},
+            extras={k: v[index] for k, v in self.extras.items()},
         )
+
+    def slice(self, start: int, stop: int) -> "TrainBatch":
+        """Sequences [start, stop), the global counts kept."""
+        return self.select(range(start, min(stop, len(self))))
+
+    def to(self, device: torch.device) -> "TrainBatch":
+        if self.input_ids.device == device:
+            return self
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
+        moved["extras"] = {k: v.to(device) for k, v in self.extras.items()}
+        return TrainBatch(**moved)
+
+    @classmethod
+    def from_rows(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                  advantages: torch.Tensor, generator_logprobs: torch.Tensor | None = None) -> "TrainBatch":
+        """From right-padded rows: input_ids, attention_mask, loss_mask [S, L]; advantages [S]
+        (per sequence) or [S, L]; generator_logprobs [S, L] or None (zeros). Global counts are
+        this batch's own."""
+        keep = attention_mask.bool()
+        lengths = keep.sum(1)
+        if not bool((keep == (torch.arange(keep.shape[1]) < lengths[:, None])).all()):
+            raise ValueError("rows must be right-padded: attention_mask True on a prefix of each row")
+        if advantages.dim() == 1:
+            advantages = advantages[:, None].expand_as(input_ids)
+        if generator_logprobs is None:
+            generator_logprobs = torch.zeros(input_ids.shape, dtype=torch.float32)
+        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        batch = cls(input_ids=input_ids[keep].long(),
+                    cu_seqlens=torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)),
+                    position_ids=positions[keep], loss_mask=loss_mask.bool()[keep],
+                    advantages=advantages[keep].float(), generator_logprobs=generator_logprobs[keep].float())
+        return batch.with_own_counts()
+
+    def to_rows(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """[S, max length] right-padded rows of per-token `values` [N] (for reading and tests)."""
+        rows = torch.full((len(self), int(self.lengths.max()) if len(self) else 0), fill, dtype=values.dtype)
+        rows[self.sequence_index.cpu(), self.position_ids.cpu()] = values.cpu()
+        return rows
+
+    def with_own_counts(self) -> "TrainBatch":
+        """Set the token/sequence counts the loss divides by to this batch's own totals."""
+        self.global_valid_tokens = int(self.loss_mask.sum())
+        self.global_valid_sequences = int((self.sequence_sum(self.loss_mask.long()) > 0).sum())
+        return self

@@ -10,7 +10,6 @@ from novarl.algorithms.kl import KL_ESTIMATORS
 from novarl.algorithms.losses import ClippedPGSettings, clipped_pg_loss, make_loss
 from novarl.config.schema import LossConfig
 from novarl.errors import ConfigError
-from novarl.trainer.rollout import with_global_counts
 from novarl.types import TrainBatch
 
 
@@ -43,19 +42,13 @@ def _batch(logprobs_new, old, advantage, ref=None, tokens=None):
     """One sequence: position 0 is the prompt, positions 1.. are trained."""
     length = len(old)
     mask = torch.tensor([False] + [True] * (length - 1))
-    batch = TrainBatch(
-        input_ids=torch.zeros((1, length), dtype=torch.long),
-        attention_mask=torch.ones((1, length), dtype=torch.bool),
-        loss_mask=mask[None],
-        advantages=torch.tensor([advantage]),
-        generator_logprobs=torch.tensor([old]),
-        old_logprobs=torch.tensor([old]),
-        reference_logprobs=None if ref is None else torch.tensor([ref]),
-    )
-    with_global_counts(batch)
+    batch = TrainBatch.from_rows(torch.zeros((1, length), dtype=torch.long), torch.ones((1, length), dtype=torch.bool),
+                                 mask[None], torch.tensor([advantage]), torch.tensor([old]))
+    batch.old_logprobs = torch.tensor(old)
+    batch.reference_logprobs = None if ref is None else torch.tensor(ref)
     if tokens is not None:
         batch.global_valid_tokens = tokens
-    return torch.tensor([logprobs_new], requires_grad=True), batch
+    return torch.tensor(logprobs_new, requires_grad=True), batch
 
 
 def test_clipped_loss_positive_advantage():
@@ -67,7 +60,7 @@ def test_clipped_loss_positive_advantage():
     assert float(metrics["ratio_mean"]) == pytest.approx(1.0)
     loss.backward()
     # Token 1 is clipped (no gradient); token 2 is not: d(-r A / 2)/dlogp = -r A / 2 = -0.25.
-    assert logprobs.grad[0].tolist() == pytest.approx([0.0, 0.0, -0.25])
+    assert logprobs.grad.tolist() == pytest.approx([0.0, 0.0, -0.25])
 
 
 def test_clipped_loss_negative_advantage_and_dual_clip():
@@ -89,16 +82,15 @@ def test_micro_batch_losses_sum_to_the_full_batch_loss():
     size, length = 6, 5
     mask = torch.rand(size, length) > 0.3
     mask[:, 0] = False
-    batch = with_global_counts(TrainBatch(
-        input_ids=torch.zeros((size, length), dtype=torch.long),
-        attention_mask=torch.ones((size, length), dtype=torch.bool),
-        loss_mask=mask, advantages=torch.randn(size),
-        generator_logprobs=torch.zeros(size, length), old_logprobs=-torch.rand(size, length)))
-    logprobs = -torch.rand(size, length)
+    batch = TrainBatch.from_rows(torch.zeros((size, length), dtype=torch.long),
+                                 torch.ones((size, length), dtype=torch.bool), mask, torch.randn(size))
+    batch.old_logprobs = -torch.rand(batch.num_tokens)
+    logprobs = -torch.rand(batch.num_tokens)
     for token_level in (True, False):
         settings = ClippedPGSettings(token_level_loss=token_level)
         full, _ = clipped_pg_loss(logprobs, batch, settings)
-        parts = sum(float(clipped_pg_loss(logprobs[i:i + 2], batch.slice(i, i + 2), settings)[0])
+        parts = sum(float(clipped_pg_loss(logprobs[batch.token_index(range(i, i + 2))], batch.slice(i, i + 2),
+                                          settings)[0])
                     for i in range(0, size, 2))
         assert parts == pytest.approx(float(full), abs=1e-6)
 
@@ -130,7 +122,7 @@ def test_logprob_mismatch_mean_and_max_by_hand():
     from novarl.trainer.rollout import MISMATCH_WARNING, logprob_mismatch, mismatch_advice
 
     _, batch = _batch([0.0, 0.0, 0.0], [0.0, math.log(0.5), math.log(0.5)], 1.0)
-    batch.generator_logprobs = torch.tensor([[0.0, math.log(0.5), math.log(0.6)]])
+    batch.generator_logprobs = torch.tensor([0.0, math.log(0.5), math.log(0.6)])
     got = logprob_mismatch(batch)
     # ratios 1.0 and 1.2 on the two loss tokens -> |r - 1| = 0 and 0.2
     assert got["logprob_mismatch"] == pytest.approx(0.1)
@@ -140,16 +132,17 @@ def test_logprob_mismatch_mean_and_max_by_hand():
 
 
 def _random_batch(rows: int = 6, length: int = 10, seed: int = 0) -> TrainBatch:
+    """Sequences of 4 to `length` tokens: a 3-token prompt, then a completion."""
     gen = torch.Generator().manual_seed(seed)
-    loss_mask = torch.zeros(rows, length, dtype=torch.bool)
-    for row in range(rows):  # completions of different lengths after a 3-token prompt
-        loss_mask[row, 3:3 + 1 + row % (length - 3)] = True
-    return with_global_counts(TrainBatch(
-        input_ids=torch.randint(4, 18, (rows, length), generator=gen),
-        attention_mask=torch.ones(rows, length, dtype=torch.bool), loss_mask=loss_mask,
-        advantages=torch.randn(rows, generator=gen),
-        generator_logprobs=-torch.rand(rows, length, generator=gen) * loss_mask,
-        reference_logprobs=-torch.rand(rows, length, generator=gen)))
+    lengths = torch.tensor([4 + row % (length - 3) for row in range(rows)])
+    attention_mask = torch.arange(length) < lengths[:, None]
+    loss_mask = attention_mask.clone()
+    loss_mask[:, :3] = False
+    batch = TrainBatch.from_rows(torch.randint(4, 18, (rows, length), generator=gen), attention_mask, loss_mask,
+                                 torch.randn(rows, generator=gen),
+                                 -torch.rand(rows, length, generator=gen) * loss_mask)
+    batch.reference_logprobs = -torch.rand(batch.num_tokens, generator=gen)
+    return batch
 
 
 @pytest.mark.parametrize("token_level", [True, False])
@@ -162,7 +155,7 @@ def test_old_logprobs_from_the_training_forward_give_the_same_loss_and_gradient(
     settings = ClippedPGSettings(reference_policy_kl_penalty=0.05, token_level_loss=token_level,
                                  use_importance_sampling_correction=True, use_on_policy_kl_approximation=True)
     batch = _random_batch()
-    logits = torch.randn(*batch.input_ids.shape, generator=torch.Generator().manual_seed(1)) - 2
+    logits = torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(1)) - 2
     given, fewer = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     batch.old_logprobs = logits.clone()
     loss_given, metrics_given = clipped_pg_loss(given, batch, settings)

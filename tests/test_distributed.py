@@ -94,10 +94,8 @@ def test_a_killed_rank_stops_the_call_and_names_it(tmp_path):
                                                total_steps=10, temperature=1.0), world_size=2)
     pid = ray.get(group.actors[1].pid.remote())
     os.kill(pid, signal.SIGKILL)
-    batch = TrainBatch(input_ids=torch.ones((4, 6), dtype=torch.long),
-                       attention_mask=torch.ones((4, 6), dtype=torch.bool),
-                       loss_mask=torch.ones((4, 6), dtype=torch.bool), advantages=torch.zeros(4),
-                       generator_logprobs=torch.zeros(4, 6))
+    ones = torch.ones((4, 6), dtype=torch.bool)
+    batch = TrainBatch.from_rows(torch.ones((4, 6), dtype=torch.long), ones, ones, torch.zeros(4))
     with pytest.raises(WorkerDied, match="policy rank 1 died"):
         group.call("logprobs", batch)
     assert group.actors == []

@@ -40,9 +40,8 @@ def test_logprobs_match_hugging_face_in_bf16(tmp_path, monkeypatch):
     torch.manual_seed(1)
     ids = torch.randint(0, 1024, (8, 96))
     mask = torch.ones_like(ids, dtype=torch.bool)
-    batch = TrainBatch(input_ids=ids, attention_mask=mask, loss_mask=mask, advantages=torch.zeros(8),
-                       generator_logprobs=torch.zeros(8, 96))
-    ours = megatron.logprobs(batch)[:, 1:]
+    batch = TrainBatch.from_rows(ids, mask, mask, torch.zeros(8))
+    ours = batch.to_rows(megatron.logprobs(batch))[:, 1:]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda()
     with torch.no_grad():
         theirs = token_logprobs(hf(input_ids=ids.cuda()).logits, ids.cuda()).cpu()[:, 1:]

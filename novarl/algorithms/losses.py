@@ -6,6 +6,11 @@ ranks gives the loss of the whole step. Token-level averaging therefore divides
 by `batch.global_valid_tokens` (the step's loss-mask tokens), never by the
 micro-batch's own count; the same holds for every metric returned, so metrics
 are summed, not averaged, across micro-batches and ranks.
+
+Losses are token-level: logprobs and every batch field are [n], the micro-batch's
+tokens end to end (see novarl/types.py), whatever layout the backend computed them
+in (packed, dynamically batched or padded). Per-sequence quantities are sums over
+`batch.sequence_sum`.
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ def clipped_pg_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO clipped surrogate with an optional KL penalty to a reference.
 
-    logprobs: [B, L] current policy logprobs (with grad). Per token t with
-    ratio r = exp(logprobs - old_logprobs) and advantage A of its sequence:
+    logprobs: [n] current policy logprobs (with grad). Per token t with
+    ratio r = exp(logprobs - old_logprobs) and its advantage A (per token):
         loss_t = -min(r A, clip(r, 1 - ratio_clip_min, 1 + ratio_clip_max) A)
     with dual clipping (A < 0): loss_t = min(loss_t, -ratio_clip_c A); plus
     reference_policy_kl_penalty * KL_t when a reference is given. Averaged over
@@ -55,11 +60,11 @@ def clipped_pg_loss(
     # None: the policy has not changed since generation and this is the batch's only optimizer
     # step, so the old logprobs are this forward's own, detached (one policy forward fewer)
     old_logprobs = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
-    advantages = batch.advantages.float().unsqueeze(1)
+    advantages = batch.advantages.float()
     log_ratio = (logprobs - old_logprobs) * mask
-    if settings.sequence_level_importance_ratios:
-        per_seq = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
-        log_ratio = per_seq.expand_as(log_ratio)
+    if settings.sequence_level_importance_ratios:  # GSPO: the sequence's mean log-ratio on each token
+        per_seq = batch.sequence_sum(log_ratio) / batch.sequence_sum(mask).clamp(min=1)
+        log_ratio = per_seq[batch.sequence_index.to(per_seq.device)]
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1 - settings.ratio_clip_min, 1 + settings.ratio_clip_max)
     token_loss = -torch.minimum(ratio * advantages, clipped * advantages)
@@ -106,7 +111,7 @@ def _reduce(values: torch.Tensor, *, mask: torch.Tensor, batch: TrainBatch, toke
     """This micro-batch's share of the step mean (see the module docstring)."""
     if token_level:
         return (values * mask).sum() / max(batch.global_valid_tokens, 1)
-    per_sequence = (values * mask).sum(1) / mask.sum(1).clamp(min=1)
+    per_sequence = batch.sequence_sum(values * mask) / batch.sequence_sum(mask).clamp(min=1)
     return per_sequence.sum() / max(batch.global_valid_sequences, 1)
 
 

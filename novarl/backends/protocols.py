@@ -32,7 +32,7 @@ class ReferenceBackend(Protocol):
     """The frozen reference policy: logprobs only."""
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """[B, L] float32 per-token logprobs at the sampling temperature (0 off the loss mask)."""
+        """[N] float32 per-token logprobs at the sampling temperature (0 at each sequence's first token)."""
         ...
 
 

@@ -30,7 +30,6 @@ from novarl.trainer.rollout import (
     logprob_mismatch,
     mismatch_advice,
     rollout_metrics,
-    with_global_counts,
 )
 from novarl.trainer.setup import Roles, RunInputs
 from novarl.types import SamplingConfig, TrainBatch
@@ -125,8 +124,7 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
     advantages = estimate_advantages(rewards, grpo.num_generations_per_prompt,
                                      normalize_rewards=grpo.normalize_rewards,
                                      use_leave_one_out_baseline=grpo.use_leave_one_out_baseline)
-    batch = build_train_batch(completions, advantages, pad_token_id=inputs.tokenizer.pad_token_id,
-                              overlong_filtering=grpo.overlong_filtering)
+    batch = build_train_batch(completions, advantages, overlong_filtering=grpo.overlong_filtering)
     with timer("logprobs"):
         if not one_forward_fewer(inputs):
             batch.old_logprobs = roles.policy.logprobs(batch)
@@ -185,8 +183,8 @@ def train_on_batch(policy, batch: TrainBatch, loss_fn: LossFn, global_batch_size
     totals: dict[str, float] = {}
     chunks = range(0, len(batch), global_batch_size)
     for start in chunks:
-        chunk = with_global_counts(batch.slice(start, start + global_batch_size))
+        chunk = batch.slice(start, start + global_batch_size).with_own_counts()
         metrics = {**policy.forward_backward(chunk, loss_fn), **policy.optim_step()}
-        for name, value in metrics.items():
-            totals[name] = totals.get(name, 0.0) + value / len(chunks)
+        for name, value in metrics.items():  # counts add up, the rest is averaged
+            totals[name] = totals.get(name, 0.0) + (value if name.startswith("tokens_") else value / len(chunks))
     return totals

@@ -9,36 +9,35 @@ import torch
 from novarl.types import Completion, TrainBatch
 
 
-def build_train_batch(completions: Sequence[Completion], advantages: torch.Tensor, *, pad_token_id: int,
+def build_train_batch(completions: Sequence[Completion], advantages: torch.Tensor, *,
                       overlong_filtering: bool = False) -> TrainBatch:
-    """Right-padded prompt + completion rows; loss on completion tokens only.
+    """Prompt + completion sequences end to end; loss on completion tokens only. `advantages`:
+    [S] one per sequence (repeated over its tokens) or [N] one per token.
 
     With `overlong_filtering`, completions cut by max_new_tokens get no loss.
     """
-    rows = [list(c.prompt.token_ids) + list(c.token_ids) for c in completions]
-    width = max(len(r) for r in rows)
-    size = len(rows)
-    input_ids = torch.full((size, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((size, width), dtype=torch.bool)
-    loss_mask = torch.zeros((size, width), dtype=torch.bool)
-    generator_logprobs = torch.zeros((size, width), dtype=torch.float32)
-    for i, (row, c) in enumerate(zip(rows, completions)):
-        start, end = len(c.prompt.token_ids), len(row)
-        input_ids[i, :end] = torch.tensor(row)
-        attention_mask[i, :end] = True
-        trained = not (overlong_filtering and c.finish_reason == "length")
-        loss_mask[i, start:end] = trained
-        generator_logprobs[i, start:end] = torch.tensor(c.logprobs, dtype=torch.float32)
-    batch = TrainBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
-                       advantages=advantages.float(), generator_logprobs=generator_logprobs)
-    return with_global_counts(batch)
-
-
-def with_global_counts(batch: TrainBatch) -> TrainBatch:
-    """Set the token/sequence counts the loss divides by to this batch's own totals."""
-    batch.global_valid_tokens = int(batch.loss_mask.sum())
-    batch.global_valid_sequences = int(batch.loss_mask.any(dim=1).sum())
-    return batch
+    prompt_lengths = torch.tensor([len(c.prompt.token_ids) for c in completions])
+    completion_lengths = torch.tensor([len(c.token_ids) for c in completions])
+    lengths = prompt_lengths + completion_lengths
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
+    sequence = torch.repeat_interleave(torch.arange(len(completions)), lengths)
+    positions = torch.arange(int(cu_seqlens[-1])) - cu_seqlens[sequence]
+    generated = positions >= prompt_lengths[sequence]
+    trained = torch.tensor([not (overlong_filtering and c.finish_reason == "length") for c in completions])
+    input_ids = torch.tensor([t for c in completions for t in (*c.prompt.token_ids, *c.token_ids)],
+                             dtype=torch.long)
+    generator_logprobs = torch.zeros(len(input_ids), dtype=torch.float32)
+    generator_logprobs[generated] = torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32)
+    advantages = advantages.float()
+    if advantages.numel() == len(completions):
+        advantages = advantages[sequence]
+    elif advantages.numel() != len(input_ids):
+        raise ValueError(f"advantages: {advantages.numel()} values for {len(completions)} sequences of "
+                         f"{len(input_ids)} tokens (one per sequence or one per token)")
+    batch = TrainBatch(input_ids=input_ids, cu_seqlens=cu_seqlens, position_ids=positions,
+                       loss_mask=generated & trained[sequence], advantages=advantages,
+                       generator_logprobs=generator_logprobs)
+    return batch.with_own_counts()
 
 
 def rollout_metrics(completions: Sequence[Completion], rewards: torch.Tensor, group_size: int) -> dict[str, float]:
@@ -63,7 +62,7 @@ def logprob_mismatch(batch: TrainBatch) -> dict[str, float]:
     """|p_generator / p_trainer - 1| over loss tokens, mean and max: near 0 when the
     weight sync worked and both engines compute the same distribution."""
     mask = batch.loss_mask
-    if batch.old_logprobs is None or not mask.any():
+    if batch.old_logprobs is None or not bool(mask.any()):
         return {"logprob_mismatch": 0.0, "logprob_mismatch_max": 0.0}
     error = (torch.exp(batch.generator_logprobs[mask] - batch.old_logprobs[mask]) - 1).abs()
     return {"logprob_mismatch": float(error.mean()), "logprob_mismatch_max": float(error.max())}

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from novarl.backends.training.optim import build_optimizer, build_scheduler
+from novarl.backends.training.batching import MicroBatching
 from novarl.backends.training.rows import AccumulatingRows, DataParallelRows
 from novarl.config.schema import PolicyConfig
 from novarl.distributed.weight_sync import bucketed, in_dtype
@@ -109,8 +110,9 @@ class DeepSpeedModel(DataParallelRows):
         self.temperature = temperature
         self.dp_group = dist.group.WORLD
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
-        self.logprob_batch_size = policy.logprob_batch_size or policy.train_micro_batch_size
-        self.sequence_multiple = policy.make_sequence_length_divisible_by
+        multiple = policy.make_sequence_length_divisible_by
+        self.train_batching = MicroBatching.from_policy(policy, training=True, sequence_multiple=multiple)
+        self.logprob_batching = MicroBatching.from_policy(policy, training=False, sequence_multiple=multiple)
         self.zero_stage = policy.deepspeed_cfg.zero_stage
         model = load_causal_lm(model_path, dtype=torch.float32, trust_remote_code=policy.trust_remote_code)
         config = deepspeed_config(policy, world_size=self.dp_size, accumulation_steps=accumulation_steps,
@@ -127,6 +129,7 @@ class DeepSpeedModel(DataParallelRows):
         if config is None:
             self.engine = None
             self.model = model.to(self.device, dtype=_dtype(policy, self.device))
+            self.check_packing(self.logprob_batching, model.config.vocab_size)
             return
         try:
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,
@@ -135,6 +138,7 @@ class DeepSpeedModel(DataParallelRows):
             raise ConfigError(f"DeepSpeed refused its config (policy.deepspeed_cfg, with deepspeed_cfg.config "
                               f"merged over it): {err}") from None
         self.model = self.engine  # called like the module; ZeRO-3 gathers parameters on the way
+        self.check_packing(self.logprob_batching, model.config.vocab_size)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the full CPU tensors (Hugging Face
@@ -170,7 +174,6 @@ class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows):
                  total_steps: int, temperature: float, accumulation_steps: int = 1) -> None:
         super().__init__(policy, model_path, device, trainable=True, temperature=temperature,
                          accumulation_steps=accumulation_steps, total_steps=total_steps)
-        self.micro_batch_size = policy.train_micro_batch_size
 
     def accumulation_boundary(self, last: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last)

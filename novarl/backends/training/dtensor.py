@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
+from novarl.backends.training.batching import MicroBatching
 from novarl.backends.training.rows import AccumulatingRows, DataParallelRows
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.parallelize import (
@@ -67,9 +68,12 @@ class ShardedModel(DataParallelRows):
         model.train(trainable)
         model.requires_grad_(trainable)
         self.model = model
-        self.logprob_batch_size = policy.logprob_batch_size or policy.train_micro_batch_size
-        self.sequence_multiple = math.lcm(policy.make_sequence_length_divisible_by,
-                                          dims.tensor_parallel if dt.sequence_parallel else 1)
+        # sequence parallelism splits every row's tokens evenly over the tensor-parallel ranks
+        multiple = math.lcm(policy.make_sequence_length_divisible_by,
+                            dims.tensor_parallel if dt.sequence_parallel else 1)
+        self.train_batching = MicroBatching.from_policy(policy, training=True, sequence_multiple=multiple)
+        self.logprob_batching = MicroBatching.from_policy(policy, training=False, sequence_multiple=multiple)
+        self.check_packing(self.logprob_batching, model.config.vocab_size)
 
 class DTensorPolicy(ShardedModel, AccumulatingRows):
     """The trainable policy on the DTensor backend (implements TrainingBackend)."""
@@ -80,7 +84,6 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
         self.policy = policy
         self.optimizer = build_optimizer(policy.optimizer, self.model.parameters())
         self.scheduler = build_scheduler(policy.scheduler, self.optimizer, total_steps)
-        self.micro_batch_size = policy.train_micro_batch_size
 
     def accumulation_boundary(self, last: bool) -> None:
         self.model.set_requires_gradient_sync(last)

@@ -4,8 +4,10 @@ megatron-core's GPTModel, DistributedDataParallel and (distributed) optimizer.
 Same contract as the other backends (TrainingBackend) and the same Ray worker
 groups. Every rank runs each method. Ranks are laid out by megatron-core
 (tp-cp-ep-dp-pp order): tensor-parallel ranks split each layer, pipeline stages
-hold consecutive layers, data-parallel ranks split each batch into contiguous
-shares.
+hold consecutive layers, data-parallel ranks compute their shares of each batch's
+sequences in the micro-batches of backends/training/batching.py (packed sequences
+run varlen through `PackedSeqParams` with Transformer Engine, with a block-diagonal
+mask on megatron-core's local layers).
 
 - Weights: the Hugging Face checkpoint is converted once (backends/megatron/
   cache.py, by global rank 0 while the others wait) and each rank loads its
@@ -43,7 +45,16 @@ import torch.distributed as dist
 
 from novarl.algorithms.losses import LossFn
 from novarl.backends.megatron.convert import EXPERTS, experts_of_rank, experts_to_global, shards_to_hf
-from novarl.backends.training.rows import accumulate, all_reduce_metrics, data_parallel_share
+from novarl.backends.training.batching import (
+    MicroBatching,
+    ModelInputs,
+    Plan,
+    gather_sequences,
+    lay_out,
+    micro_batch,
+    plan_micro_batches,
+)
+from novarl.backends.training.rows import accumulate, all_reduce_metrics
 from novarl.config.schema import PolicyConfig
 from novarl.errors import ConfigError, UserError
 from novarl.logging.console import info
@@ -120,10 +131,11 @@ class MegatronModel:
                 if ".mlp.router." in name:
                     param.requires_grad_(False)
         self.model = self.module
-        self.micro_batch_size = policy.train_micro_batch_size
-        self.logprob_batch_size = policy.logprob_batch_size or policy.train_micro_batch_size
-        self.sequence_multiple = policy.make_sequence_length_divisible_by * (
-            self.tp_size if self.config.sequence_parallel else 1)
+        # sequence parallelism splits every row's tokens evenly over the tensor-parallel ranks
+        multiple = policy.make_sequence_length_divisible_by * (self.tp_size if self.config.sequence_parallel else 1)
+        self.train_batching = MicroBatching.from_policy(policy, training=True, sequence_multiple=multiple)
+        self.logprob_batching = MicroBatching.from_policy(policy, training=False, sequence_multiple=multiple)
+        self.packed_sequence_multiple = 1
         self.empty_unused_memory_level = policy.megatron_cfg.empty_unused_memory_level
 
     # ------------------------------------------------------------ weights in
@@ -178,82 +190,95 @@ class MegatronModel:
         return folder
 
     # -------------------------------------------------------------- compute
-    def shard(self, batch: TrainBatch) -> TrainBatch:
-        """This data-parallel rank's contiguous share of the rows, on this rank's device."""
-        return data_parallel_share(batch, self.dp_rank, self.dp_size, self.device)
-
-    def _padded_length(self, batch: TrainBatch) -> int:
-        length = batch.input_ids.shape[1]
-        return length + (-length % self.sequence_multiple)
-
-    def _forward(self, model, mb: TrainBatch, length: int) -> torch.Tensor:
-        """The stage's output for a micro-batch: vocab-parallel logits [B, S, V/tp] on the
+    def _forward(self, model, inputs: ModelInputs) -> torch.Tensor:
+        """The stage's output for a micro-batch: vocab-parallel logits [R, W, V/tp] on the
         last stage, hidden states for the next stage otherwise."""
-        ids = torch.nn.functional.pad(mb.input_ids, (0, length - mb.input_ids.shape[1]), value=0)
-        positions = torch.arange(length, device=ids.device).unsqueeze(0).expand_as(ids)
-        # right-padded rows need only the causal mask (True = masked out)
-        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).triu(1)[None, None]
-        return model(ids, positions, causal)
+        if inputs.attention_mask is not None:  # right-padded rows need only the causal mask (True = masked out)
+            width = inputs.input_ids.shape[1]
+            causal = torch.ones(width, width, dtype=torch.bool, device=inputs.input_ids.device).triu(1)[None, None]
+            return model(inputs.input_ids, inputs.position_ids, causal)
+        if self.fused_norms and self.on_gpu:  # Transformer Engine: packed sequences run varlen ("thd")
+            from megatron.core.packed_seq_params import PackedSeqParams
 
-    def _token_logprobs(self, logits: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
-        """[B, L] logprobs of mb.input_ids at the sampling temperature from vocab-parallel logits."""
+            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=inputs.cu_seqlens,
+                                     cu_seqlens_kv=inputs.cu_seqlens, max_seqlen_q=inputs.max_seqlen,
+                                     max_seqlen_kv=inputs.max_seqlen)
+            return model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=packed)
+        return model(inputs.input_ids, inputs.position_ids, block_diagonal_mask(inputs.cu_seqlens))
+
+    def _token_logprobs(self, logits: torch.Tensor, inputs: ModelInputs, mb: TrainBatch) -> torch.Tensor:
+        """[n] logprobs of the micro-batch's tokens at the sampling temperature from
+        vocab-parallel logits [R, W, V/tp]; 0 at each sequence's first token."""
         from megatron.core import tensor_parallel
 
-        length = mb.input_ids.shape[1]
-        logits = logits[:, :length - 1].float() / self.temperature
+        logits = logits[:, :-1].float() / self.temperature
         part = logits.shape[-1]
         columns = torch.arange(self.tp_rank * part, (self.tp_rank + 1) * part, device=logits.device)
         if columns[-1] >= self.shape.vocab_size:  # Megatron's vocabulary padding: never a token
             logits = logits.masked_fill(columns >= self.shape.vocab_size, float("-inf"))
-        nll = tensor_parallel.vocab_parallel_cross_entropy(logits, mb.input_ids[:, 1:].contiguous())
-        return torch.nn.functional.pad(-nll, (1, 0))
+        nll = tensor_parallel.vocab_parallel_cross_entropy(logits, inputs.input_ids[:, 1:].contiguous())
+        rows = torch.nn.functional.pad(-nll, (1, 0))
+        return rows.reshape(-1)[inputs.index] * (mb.position_ids != 0)
 
-    def _run_pipeline(self, local: TrainBatch, micro: int, loss_of, forward_only: bool) -> list[Any]:
-        """megatron-core's schedule over this rank's rows in micro-batches of `micro`:
-        loss_of(logprobs, mb) -> (loss, what to keep) runs on the last stage; what it keeps
-        per micro-batch is returned there ([] elsewhere)."""
+    def _run_pipeline(self, batch: TrainBatch, batching: MicroBatching, loss_of, forward_only: bool
+                      ) -> tuple[Plan, list[Any]]:
+        """megatron-core's schedule over this rank's micro-batches of the plan:
+        loss_of(logprobs, mb, computed tokens) -> (loss, what to keep) runs on the last
+        stage; what it keeps per micro-batch is returned there ([] elsewhere), in plan order
+        (empty micro-batches included)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        length = self._padded_length(local)
-        batches = [local.slice(s, s + micro) for s in range(0, len(local), micro)]
+        plan = plan_micro_batches(batch.lengths.tolist(), self.dp_size, batching)
+        batch = batch.to(self.device)
+        micro = [micro_batch(batch, sequences) for sequences in plan.ranks[self.dp_rank]]
+        shape: dict[str, int] = {}
+        if self.pp_size > 1:  # stages exchange buffers of one shape: [rows, width] for every micro-batch
+            layouts = [lay_out(mb, batching.layout, batching.length_multiple,
+                               sequence_multiple=self.packed_sequence_multiple) for mb in micro]
+            shape = {"width": max(i.input_ids.shape[1] for i in layouts),
+                     "rows": max(i.input_ids.shape[0] for i in layouts)}
+        inputs = [lay_out(mb, batching.layout, batching.length_multiple,
+                          sequence_multiple=self.packed_sequence_multiple, **shape) for mb in micro]
         kept: list[Any] = []
+        work = iter(zip(micro, inputs))
 
         def step(data_iterator, model):
-            mb = next(data_iterator)
-            output = self._forward(model, mb, length)
+            mb, laid = next(data_iterator)
+            output = self._forward(model, laid)
 
             def loss_func(output_tensor):
-                value, keep = loss_of(self._token_logprobs(output_tensor, mb), mb)
+                value, keep = loss_of(self._token_logprobs(output_tensor, laid, mb), mb, laid.tokens_computed)
                 kept.append(keep)
                 return value, torch.ones((), dtype=torch.int, device=value.device), {}
 
             return output, loss_func
 
         get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(batches), model=[self.model],
-            num_microbatches=len(batches), seq_length=length, micro_batch_size=micro, forward_only=forward_only)
-        return kept
+            forward_step_func=step, data_iterator=work, model=[self.model], num_microbatches=len(micro),
+            seq_length=max(i.input_ids.shape[1] for i in inputs),
+            micro_batch_size=max(i.input_ids.shape[0] for i in inputs), forward_only=forward_only)
+        return plan, kept
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """[B, L] logprobs of batch.input_ids (0 on padding), on every rank: computed on each
-        data-parallel share's last stage, sent to the other stages, all-gathered over dp."""
-        local = self.shard(batch)
-        rows, micro = len(local), min(self.logprob_batch_size, len(local))
-        # pipeline buffers have the micro-batch's size: a short last one is filled with copies of a row
-        padded = _pad_rows(local, -rows % micro)
+        """[N] logprobs of batch.input_ids (0 at each sequence's first token), on every rank:
+        computed on each data-parallel share's last stage, sent to the other stages, gathered
+        over data-parallel ranks."""
         zero = torch.zeros((), device=self.device)
-        parts = self._run_pipeline(padded, micro, lambda lp, mb: (zero, (lp * mb.attention_mask).detach()),
-                                   forward_only=True)
-        mine = torch.cat(parts)[:rows] if self.last_stage else torch.empty(local.input_ids.shape, device=self.device)
+        plan, parts = self._run_pipeline(batch, self.logprob_batching,
+                                         lambda lp, mb, _: (zero, lp.detach()), forward_only=True)
+        mine_sequences = plan.sequences(self.dp_rank)
+        count = int(batch.lengths[mine_sequences].sum()) if mine_sequences else 0
+        if self.last_stage:
+            real = [lp for lp, sequences in zip(parts, plan.ranks[self.dp_rank]) if sequences is not None]
+            mine = torch.cat(real) if real else torch.zeros(0, device=self.device)
+        else:
+            mine = torch.empty(count, device=self.device)
         if self.pp_size > 1:
             dist.broadcast(mine, src=self._last_stage_rank(), group=self.pp_group)
-        if self.dp_size > 1:
-            gathered = [torch.empty_like(mine) for _ in range(self.dp_size)]
-            dist.all_gather(gathered, mine, group=self.dp_group)
-            mine = torch.cat(gathered)
+        out = gather_sequences(batch, plan, mine.float(), self.dp_rank, self.dp_group if self.dp_size > 1 else None)
         self._empty_cache(level=1)
-        return mine.float().cpu()
+        return out
 
     def sample_tokens(self, prompts: list[list[int]], sampling, stop_ids: list[int], max_seq_length: int,
                       config) -> list[tuple[list[int], list[float]]]:
@@ -334,9 +359,11 @@ class MegatronPolicy(MegatronModel):
         """Accumulate gradients of `loss` over this rank's rows in micro-batches (through the
         pipeline), reduced over data-parallel ranks after the last. Metrics summed over
         micro-batches and ranks, on every rank."""
-        local = self.shard(batch)
-        kept = self._run_pipeline(local, self.micro_batch_size, lambda lp, mb: _detached_metrics(loss(lp, mb)),
-                                  forward_only=False)
+        def loss_of(logprobs, mb, computed):
+            value, metrics = loss(logprobs, mb)
+            return value, {**_detached_metrics(metrics), "tokens_computed": torch.tensor(float(computed))}
+
+        _, kept = self._run_pipeline(batch, self.train_batching, loss_of, forward_only=False)
         totals: dict[str, torch.Tensor] = {}
         for metrics in kept:
             accumulate(totals, metrics)
@@ -535,20 +562,19 @@ def _load_optimizer_state(optimizer, state: dict[str, Any]) -> None:
         optimizer.grad_scaler.load_state_dict(state["grad_scaler"])
 
 
-def _pad_rows(batch: TrainBatch, extra: int) -> TrainBatch:
-    """`batch` with its last row repeated `extra` more times."""
-    if not extra:
-        return batch
-    index = torch.cat([torch.arange(len(batch)), torch.full((extra,), len(batch) - 1)])
-    fields = {k: v[index.to(v.device)] if isinstance(v, torch.Tensor) else v for k, v in vars(batch).items()
-              if k != "extras"}
-    return TrainBatch(**fields, extras={k: v[index.to(v.device)] for k, v in batch.extras.items()})
+def block_diagonal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[1, 1, T, T] bool, True where a token may NOT attend (megatron-core's convention): the
+    causal mask confined to each sequence of a packed row."""
+    lengths = cu_seqlens.diff().long()
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    total = int(cu_seqlens[-1])
+    causal = torch.ones(total, total, dtype=torch.bool, device=lengths.device).tril()
+    return ~(causal & (sequence[:, None] == sequence[None, :]))[None, None]
 
 
 def _finalize_without_token_scaling(finalize, model, num_tokens=None, **kwargs) -> None:
     finalize(model, None, **kwargs)
 
 
-def _detached_metrics(result):
-    value, metrics = result
-    return value, {name: metric.detach().float() for name, metric in metrics.items()}
+def _detached_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: metric.detach().float() for name, metric in metrics.items()}

@@ -1,8 +1,10 @@
-"""What every training backend does the same way with a batch's rows.
+"""What every training backend on Hugging Face models does the same way with a batch.
 
-Data-parallel ranks split each batch into contiguous shares; ranks that split
-one model (tensor parallel) see the same rows. Logprobs are computed on each
-rank's share and all-gathered, so every rank returns the whole batch's.
+Each data-parallel rank computes its share of the sequences, in the micro-batches
+of the plan every rank computes alike (batching.py: packed, dynamically batched or
+fixed); ranks that split one model (tensor parallel) see the same micro-batches.
+Logprobs are gathered from all data-parallel ranks, so every rank returns the whole
+batch's.
 """
 
 from __future__ import annotations
@@ -11,66 +13,95 @@ import torch
 import torch.distributed as dist
 
 from novarl.algorithms.losses import LossFn
-from novarl.models.loading import token_logprobs
+from novarl.backends.training.batching import (
+    MicroBatching,
+    gather_sequences,
+    lay_out,
+    micro_batch,
+    picked_logprobs,
+    plan_micro_batches,
+)
+from novarl.errors import UserError
 from novarl.types import TrainBatch
 
 
 class DataParallelRows:
     """Mixin: needs self.model (callable like a Hugging Face causal LM), self.device,
-    self.temperature, self.dp_group, self.dp_rank, self.dp_size, self.logprob_batch_size
-    and self.sequence_multiple (pad the length to a multiple of it; 1: no padding)."""
+    self.temperature, self.dp_group, self.dp_rank, self.dp_size, and self.logprob_batching
+    (a MicroBatching)."""
 
-    def shard(self, batch: TrainBatch) -> TrainBatch:
-        """This data-parallel rank's contiguous share of the rows."""
-        return data_parallel_share(batch, self.dp_rank, self.dp_size, self.device)
-
-    def forward_logprobs(self, mb: TrainBatch) -> torch.Tensor:
-        ids, mask = mb.input_ids, mb.attention_mask
-        length = ids.shape[1]
-        pad = -length % self.sequence_multiple  # sequence parallelism splits the sequence evenly
-        if pad:
-            ids = torch.nn.functional.pad(ids, (0, pad), value=0)
-            mask = torch.nn.functional.pad(mask, (0, pad), value=False)
-        logits = self.model(input_ids=ids, attention_mask=mask).logits
-        return token_logprobs(logits, ids, self.temperature)[:, :length]
+    def forward_logprobs(self, mb: TrainBatch, batching: MicroBatching) -> tuple[torch.Tensor, int]:
+        """[n] logprobs of the micro-batch's tokens (with grad when enabled), and the tokens the
+        model computed for them (padding included)."""
+        inputs = lay_out(mb, batching.layout, batching.length_multiple)
+        # no KV cache: with one, transformers would not read packed rows' position ids as
+        # sequence boundaries (and a training forward has no use for it)
+        logits = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
+                            attention_mask=inputs.attention_mask, use_cache=False).logits
+        return picked_logprobs(logits, inputs, mb, self.temperature), inputs.tokens_computed
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """[B, L] logprobs of batch.input_ids (0 on padding): each data-parallel rank
-        computes its share, then they are all-gathered."""
-        local = self.shard(batch)
-        parts = [self.forward_logprobs(local.slice(s, s + self.logprob_batch_size))
-                 * local.attention_mask[s:s + self.logprob_batch_size]
-                 for s in range(0, len(local), self.logprob_batch_size)]
-        mine = torch.cat(parts)
-        if self.dp_size == 1:
-            return mine.cpu()
-        gathered = [torch.empty_like(mine) for _ in range(self.dp_size)]
-        dist.all_gather(gathered, mine, group=self.dp_group)
-        return torch.cat(gathered).cpu()
+        """[N] logprobs of batch.input_ids (0 at each sequence's first token): each data-parallel
+        rank computes its sequences, then they are gathered."""
+        batching = self.logprob_batching
+        plan = plan_micro_batches(batch.lengths.tolist(), self.dp_size, batching)
+        batch = batch.to(self.device)
+        parts = []
+        for sequences in plan.ranks[self.dp_rank]:
+            logprobs, _ = self.forward_logprobs(micro_batch(batch, sequences), batching)
+            if sequences is not None:
+                parts.append(logprobs)
+        mine = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
+        return gather_sequences(batch, plan, mine, self.dp_rank, self.dp_group if self.dp_size > 1 else None)
 
+    @torch.no_grad()
+    def check_packing(self, batching: MicroBatching, vocab_size: int) -> None:
+        """Refuse packing for a model whose attention crosses sequence boundaries in a packed row:
+        two short sequences, packed and padded, must get the same logprobs (one tiny forward
+        each, on every rank: it is collective)."""
+        if batching.layout != "packed":
+            return
+        ids = (torch.arange(14) * 7 + 3) % max(vocab_size - 1, 1) + 1
+        two = TrainBatch.from_rows(ids.view(2, 7), torch.arange(7) < torch.tensor([[7], [5]]),
+                                   torch.ones(2, 7, dtype=torch.bool), torch.zeros(2)).to(self.device)
+        training = self.model.training
+        self.model.eval()  # no dropout: the two forwards must be comparable
+        packed, _ = self.forward_logprobs(two, batching)
+        padded, _ = self.forward_logprobs(two, MicroBatching("fixed", 2, 14, batching.length_multiple))
+        self.model.train(training)
+        if not torch.allclose(packed.float(), padded.float(), rtol=1e-3, atol=1e-3):
+            architecture = type(getattr(self.model, "module", self.model)).__name__
+            raise UserError(
+                f"policy.sequence_packing: {architecture} attends across sequences in a packed row (its logprobs "
+                "differ from the same sequences padded), so packing would train on wrong numbers. Its attention "
+                "does not read sequence boundaries from position ids; set policy.sequence_packing.enabled=false "
+                "and use policy.dynamic_batching instead.")
 
 
 class AccumulatingRows(DataParallelRows):
-    """Mixin for a trainable policy: micro-batched forward/backward over this rank's rows.
-    Needs self.micro_batch_size, `accumulation_boundary(last)` (reduce gradients only at
-    the last micro-batch) and `backward(loss)` from the backend."""
+    """Mixin for a trainable policy: micro-batched forward/backward over this rank's sequences.
+    Needs self.train_batching (a MicroBatching), `accumulation_boundary(last)` (reduce
+    gradients only at the last micro-batch) and `backward(loss)` from the backend."""
 
     def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]:
-        """Accumulate gradients of `loss` over this rank's rows in micro-batches, reduced over
-        the data-parallel ranks at the last one. Metrics summed over micro-batches and ranks."""
-        local = self.shard(batch)
+        """Accumulate gradients of `loss` over this rank's sequences in micro-batches, reduced over
+        the data-parallel ranks at the last one. Metrics summed over micro-batches and ranks,
+        with `tokens_computed` (padding included) beside the loss's."""
+        plan = plan_micro_batches(batch.lengths.tolist(), self.dp_size, self.train_batching)
+        batch = batch.to(self.device)
         totals: dict[str, torch.Tensor] = {}
-        starts = range(0, len(local), self.micro_batch_size)
-        for i, start in enumerate(starts):
-            mb = local.slice(start, start + self.micro_batch_size)
-            self.accumulation_boundary(i == len(starts) - 1)
-            value, metrics = loss(self.forward_logprobs(mb), mb)
+        mine = plan.ranks[self.dp_rank]
+        for i, sequences in enumerate(mine):
+            mb = micro_batch(batch, sequences)
+            self.accumulation_boundary(i == len(mine) - 1)
+            logprobs, computed = self.forward_logprobs(mb, self.train_batching)
+            value, metrics = loss(logprobs, mb)
             # Each rank's loss is already its share of the step's mean (algorithms/losses.py),
             # so gradients must be summed over ranks; FSDP2 and DeepSpeed average them, hence
             # the factor.
             self.backward(value * self.dp_size)
-            accumulate(totals, metrics)
+            accumulate(totals, {**metrics, "tokens_computed": torch.tensor(float(computed))})
         return all_reduce_metrics(totals, self.dp_group)
 
     def accumulation_boundary(self, last: bool) -> None:
@@ -102,19 +133,3 @@ def all_reduce_metrics(totals: dict[str, torch.Tensor], group) -> dict[str, floa
             dist.all_reduce(values, op=op, group=group)
             out.update(zip(names, values.tolist()))
     return out
-
-
-def data_parallel_share(batch: TrainBatch, rank: int, size: int, device: torch.device) -> TrainBatch:
-    """Data-parallel rank `rank`'s contiguous share of the rows (of `size` equal shares), on `device`."""
-    if len(batch) % size:
-        raise ValueError(f"{len(batch)} rows do not split over {size} data-parallel ranks")
-    share = len(batch) // size
-    return _to(batch.slice(rank * share, (rank + 1) * share), device)
-
-
-def _to(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    if device.type == "cpu":
-        return batch
-    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(batch).items()}
-    moved["extras"] = {k: v.to(device) for k, v in batch.extras.items()}
-    return TrainBatch(**moved)

@@ -1,0 +1,333 @@
+"""How a token-level batch meets the model: which sequences each data-parallel rank
+computes, in which micro-batches, laid out how.
+
+Three layouts, chosen by `policy.*` (NeMo RL's keys; packing and dynamic batching
+exclude each other):
+
+- packed (`sequence_packing.enabled`): the sequences of a micro-batch end to end in
+  one row of at most `train_mb_tokens` (`logprob_mb_tokens`) tokens, bins filled by
+  `sequence_packing.algorithm`, the row rounded up to `sequence_length_round`.
+  Position ids restart at 0 at each sequence, and each sequence attends only to
+  itself: transformers builds the block-diagonal causal mask from the position ids
+  for SDPA and eager attention, and runs flash-attention's varlen kernel on them;
+  Megatron gets `PackedSeqParams` (Transformer Engine) or the block-diagonal mask.
+- dynamic (`dynamic_batching.enabled`): sequences sorted by length, grouped while
+  rows x padded length stays within the token budget; each micro-batch is padded to
+  its own longest sequence, rounded up to `sequence_length_round`.
+- fixed (neither): `train_micro_batch_size` (`logprob_batch_size`) sequences per
+  micro-batch, in order, padded to the micro-batch's longest.
+
+Every rank computes the same plan from the sequence lengths alone (each holds the
+whole batch), so the ranks agree without a message. A rank with fewer micro-batches
+than another runs empty ones (one token, no loss): FSDP, ZeRO-3 and Megatron need
+every rank in every forward. The loss divides by the step's global token count, so
+how sequences are cut and laid out changes nothing but the floating-point order.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from novarl.models.loading import token_logprobs
+from novarl.types import TrainBatch
+
+Layout = Literal["packed", "dynamic", "fixed"]
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How one kind of pass (training, or logprobs) cuts a batch into micro-batches."""
+
+    layout: Layout
+    rows: int
+    """fixed: sequences per micro-batch."""
+    tokens: int
+    """packed, dynamic: token budget of a micro-batch (a longer sequence goes alone)."""
+    length_multiple: int = 1
+    """Padded lengths (fixed, dynamic: each row; packed: the packed row) are multiples of it."""
+    algorithm: str = "modified_first_fit_decreasing"
+    """packed: the bin-packing algorithm (PACKERS)."""
+
+    @classmethod
+    def from_policy(cls, policy, *, training: bool, sequence_multiple: int = 1) -> "MicroBatching":
+        """From a `PolicyConfig`: the training pass (training=True) or the logprob pass.
+        sequence_multiple: what the backend needs every padded length to be a multiple of
+        (make_sequence_length_divisible_by, the tensor-parallel size with sequence parallelism)."""
+        rows = policy.train_micro_batch_size if training else (policy.logprob_batch_size
+                                                                 or policy.train_micro_batch_size)
+        for layout, section in (("packed", policy.sequence_packing), ("dynamic", policy.dynamic_batching)):
+            if section.enabled:
+                budget = section.train_mb_tokens if training else section.logprob_mb_tokens
+                return cls(layout, rows, budget or policy.max_seq_length * rows,
+                           math.lcm(section.sequence_length_round, sequence_multiple),
+                           getattr(section, "algorithm", "modified_first_fit_decreasing"))
+        return cls("fixed", rows, policy.max_seq_length * rows, sequence_multiple)
+
+
+# ---------------------------------------------------------------- bin packing
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Longest first, each into the first bin with room (a new bin when none has)."""
+    return _first_fit(sorted(range(len(lengths)), key=lambda i: -lengths[i]), lengths, capacity)
+
+
+def first_fit_shuffle(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """First fit in a shuffled order (seeded: every rank must shuffle alike)."""
+    order = list(range(len(lengths)))
+    random.Random(len(lengths)).shuffle(order)
+    return _first_fit(order, lengths, capacity)
+
+
+def concatenative(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """In order, a new bin whenever the next sequence does not fit: for debugging."""
+    bins: list[list[int]] = []
+    used = capacity
+    for i, n in enumerate(lengths):
+        if used + n > capacity:
+            bins.append([])
+            used = 0
+        bins[-1].append(i)
+        used += n
+    return bins
+
+
+def modified_first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Johnson and Garey's MFFD (1985): large items (> capacity/2) open a bin each; the bins
+    with most room take the largest medium item (> capacity/3) that fits; then each bin,
+    tightest first, takes the two smallest small items (> capacity/6) that fit together; the
+    rest go first-fit-decreasing."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    large = [i for i in order if lengths[i] > capacity / 2]
+    medium = [i for i in order if capacity / 3 < lengths[i] <= capacity / 2]
+    small = [i for i in order if capacity / 6 < lengths[i] <= capacity / 3]
+    bins = [[i] for i in large]
+    room = [capacity - lengths[i] for i in large]
+    for b in sorted(range(len(bins)), key=lambda b: -room[b]):
+        fit = next((i for i in medium if lengths[i] <= room[b]), None)  # medium is longest first
+        if fit is not None:
+            medium.remove(fit)
+            bins[b].append(fit)
+            room[b] -= lengths[fit]
+    for b in sorted(range(len(bins)), key=lambda b: room[b]):
+        if len(small) >= 2 and lengths[small[-1]] + lengths[small[-2]] <= room[b]:
+            pair = [small.pop(), small.pop()]
+            bins[b].extend(pair)
+            room[b] -= sum(lengths[i] for i in pair)
+    placed = {i for b in bins for i in b}
+    rest = [i for i in order if i not in placed]
+    return _first_fit(rest, lengths, capacity, bins, room)
+
+
+def _first_fit(order: Sequence[int], lengths: Sequence[int], capacity: int,
+               bins: list[list[int]] | None = None, room: list[int] | None = None) -> list[list[int]]:
+    bins, room = bins if bins is not None else [], room if room is not None else []
+    for i in order:
+        b = next((b for b, r in enumerate(room) if lengths[i] <= r), None)
+        if b is None:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+        else:
+            bins[b].append(i)
+            room[b] -= lengths[i]
+    return bins
+
+
+PACKERS: dict[str, Callable[[Sequence[int], int], list[list[int]]]] = {
+    "modified_first_fit_decreasing": modified_first_fit_decreasing,
+    "first_fit_decreasing": first_fit_decreasing,
+    "first_fit_shuffle": first_fit_shuffle,
+    "concatenative": concatenative,
+}
+"""policy.sequence_packing.algorithm -> packer(lengths, capacity) -> bins of indices."""
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def dynamic_groups(lengths: Sequence[int], tokens: int, multiple: int) -> list[list[int]]:
+    """Longest first; a group grows while its rows x its padded length stay within `tokens`."""
+    groups: list[list[int]] = []
+    width = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * width <= tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            width = round_up(lengths[i], multiple)
+    return groups
+
+
+# ---------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Plan:
+    """Each data-parallel rank's micro-batches: ranks[r][k] is the sequences of rank r's k-th
+    micro-batch (None: an empty one, run so that every rank takes part in every forward)."""
+
+    ranks: list[list[list[int] | None]]
+    layout: Layout
+
+    def sequences(self, rank: int) -> list[int]:
+        """Rank `rank`'s sequences, in the order its micro-batches compute them."""
+        return [i for mb in self.ranks[rank] if mb is not None for i in mb]
+
+
+def plan_micro_batches(lengths: Sequence[int], dp_size: int, batching: MicroBatching) -> Plan:
+    """The same plan on every rank, from the sequence lengths alone."""
+    lengths = [int(n) for n in lengths]
+    if batching.layout == "fixed":
+        if len(lengths) % dp_size:
+            raise ValueError(f"{len(lengths)} sequences do not split over {dp_size} data-parallel ranks")
+        share = len(lengths) // dp_size
+        ranks = [[list(range(s, min(s + batching.rows, (r + 1) * share)))
+                  for s in range(r * share, (r + 1) * share, batching.rows)] for r in range(dp_size)]
+        return Plan(_equalise(ranks), "fixed")
+    if batching.layout == "packed":
+        if batching.algorithm not in PACKERS:
+            raise ValueError(f"unknown policy.sequence_packing.algorithm {batching.algorithm!r}; "
+                             f"one of {sorted(PACKERS)}")
+        bins = PACKERS[batching.algorithm](lengths, batching.tokens)
+    else:
+        bins = dynamic_groups(lengths, batching.tokens, batching.length_multiple)
+    return Plan(_equalise(_deal(_split_to(bins, dp_size, lengths), dp_size, lengths)), batching.layout)
+
+
+def _split_to(bins: list[list[int]], count: int, lengths: Sequence[int]) -> list[list[int]]:
+    """At least `count` bins where the sequences allow: the fullest bins are halved."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        splittable = [b for b in bins if len(b) > 1]
+        if not splittable:
+            break
+        fullest = max(splittable, key=lambda b: sum(lengths[i] for i in b))
+        bins.remove(fullest)
+        bins += [fullest[::2], fullest[1::2]]
+    return bins
+
+
+def _deal(bins: list[list[int]], dp_size: int, lengths: Sequence[int]) -> list[list[list[int]]]:
+    """Bins by tokens, fullest first, dealt to the ranks back and forth (0..n-1, n-1..0, ...):
+    the ranks' micro-batch counts differ by one at most, and their tokens little."""
+    bins = sorted(bins, key=lambda b: -sum(lengths[i] for i in b))
+    ranks: list[list[list[int]]] = [[] for _ in range(dp_size)]
+    for k, b in enumerate(bins):
+        turn, r = divmod(k, dp_size)
+        ranks[r if turn % 2 == 0 else dp_size - 1 - r].append(b)
+    return ranks
+
+
+def _equalise(ranks: list[list[list[int]]]) -> list[list[list[int] | None]]:
+    most = max(len(r) for r in ranks)
+    return [list(r) + [None] * (most - len(r)) for r in ranks]
+
+
+def micro_batch(batch: TrainBatch, sequences: list[int] | None) -> TrainBatch:
+    """The micro-batch of `sequences`; for None, an empty one: one token of the batch's first,
+    no loss, no sequence (its output is dropped)."""
+    if sequences is not None:
+        return batch.select(sequences)
+    one = batch.select([0]) if len(batch) else batch
+    index = torch.zeros(1, dtype=torch.long, device=one.input_ids.device)
+    empty = TrainBatch(
+        input_ids=one.input_ids[index], cu_seqlens=torch.tensor([0, 1], device=one.cu_seqlens.device),
+        position_ids=torch.zeros_like(one.position_ids[index]), loss_mask=torch.zeros_like(one.loss_mask[index]),
+        advantages=torch.zeros_like(one.advantages[index]),
+        generator_logprobs=torch.zeros_like(one.generator_logprobs[index]),
+        old_logprobs=None if one.old_logprobs is None else torch.zeros_like(one.old_logprobs[index]),
+        reference_logprobs=None if one.reference_logprobs is None else torch.zeros_like(one.reference_logprobs[index]),
+        global_valid_tokens=batch.global_valid_tokens, global_valid_sequences=batch.global_valid_sequences,
+        extras={k: torch.zeros_like(v[index]) for k, v in one.extras.items()})
+    return empty
+
+
+# ---------------------------------------------------------------- model inputs
+@dataclass(frozen=True)
+class ModelInputs:
+    """A micro-batch as the model takes it: R rows of W tokens."""
+
+    input_ids: torch.Tensor
+    """[R, W] int64, pad id 0 in padding."""
+    position_ids: torch.Tensor
+    """[R, W] int64, restarting at 0 at each sequence (packed rows hold several)."""
+    attention_mask: torch.Tensor | None
+    """[R, W] bool for padded rows (True on tokens); None for a packed row (the position ids
+    tell the sequences apart)."""
+    index: torch.Tensor
+    """[n] int64 where the micro-batch's tokens are in the flattened [R * W] rows, in order."""
+    cu_seqlens: torch.Tensor
+    """packed: [k + 1] int32 boundaries of the sequences in the row (each padded to
+    sequence_multiple, the row's tail padding a sequence of its own), for varlen kernels."""
+    max_seqlen: int
+
+    @property
+    def tokens_computed(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple: int = 1,
+            width: int | None = None, rows: int | None = None) -> ModelInputs:
+    """The micro-batch as model inputs. packed: one row, each sequence padded to a multiple of
+    `sequence_multiple` (context parallelism splits each), the row to a multiple of `multiple`.
+    Padded (fixed, dynamic): one row per sequence, padded to the longest, rounded up to
+    `multiple`. `width` and `rows` fix R and W instead (pipeline buffers have one shape)."""
+    device = mb.input_ids.device
+    lengths = mb.lengths.cpu()
+    if layout == "packed":
+        slots = torch.tensor([round_up(int(n), sequence_multiple) for n in lengths.tolist()], dtype=torch.long)
+        starts = torch.nn.functional.pad(torch.cumsum(slots, 0), (1, 0))
+        used = int(starts[-1])
+        total = width if width is not None else round_up(max(used, 1), multiple)
+        cu = starts if total == used else torch.cat([starts, torch.tensor([total])])
+        # every slot counts from 0, its sequence's padding included, so that a sequence and its
+        # padding are one sequence to the attention; the row's tail is one more
+        slot_of = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff())
+        positions = torch.arange(total) - cu[slot_of]
+        index = torch.repeat_interleave(starts[:-1], lengths) + mb.position_ids.cpu()
+        ids = torch.zeros(total, dtype=torch.long)
+        ids[index] = mb.input_ids.cpu()
+        return ModelInputs(ids[None].to(device), positions[None].to(device), None, index.to(device),
+                           cu.to(torch.int32).to(device), int(cu.diff().max()))
+    count = rows if rows is not None else len(mb)
+    longest = int(lengths.max()) if len(mb) else 1
+    W = width if width is not None else round_up(longest, multiple)
+    index = mb.sequence_index.cpu() * W + mb.position_ids.cpu()
+    ids = torch.zeros(count * W, dtype=torch.long)
+    ids[index] = mb.input_ids.cpu()
+    mask = torch.zeros(count * W, dtype=torch.bool)
+    mask[index] = True
+    positions = torch.arange(W).expand(count, W)
+    cu = torch.arange(count + 1, dtype=torch.int32) * W
+    return ModelInputs(ids.view(count, W).to(device), positions.to(device), mask.view(count, W).to(device),
+                       index.to(device), cu.to(device), W)
+
+
+def picked_logprobs(logits: torch.Tensor, inputs: ModelInputs, mb: TrainBatch, temperature: float) -> torch.Tensor:
+    """[n] logprobs of the micro-batch's tokens from the model's logits [R, W, V]; 0 at each
+    sequence's first token (in a packed row, the logit before it belongs to another sequence)."""
+    rows = token_logprobs(logits, inputs.input_ids, temperature)
+    return rows.reshape(-1)[inputs.index] * (mb.position_ids != 0)
+
+
+def gather_sequences(batch: TrainBatch, plan: Plan, mine: torch.Tensor, rank: int, group) -> torch.Tensor:
+    """[N] per-token values of the whole batch, on every rank, from each data-parallel rank's
+    `mine` (its sequences' tokens, in plan order); on the CPU."""
+    size = len(plan.ranks)
+    if size == 1:
+        out = torch.empty(batch.num_tokens, dtype=mine.dtype)
+        out[batch.token_index(plan.sequences(0))] = mine.cpu()
+        return out
+    indices = [batch.token_index(plan.sequences(r)) for r in range(size)]
+    longest = max(len(i) for i in indices)
+    padded = torch.nn.functional.pad(mine, (0, longest - mine.numel()))
+    gathered = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(gathered, padded, group=group)
+    out = torch.empty(batch.num_tokens, dtype=mine.dtype)
+    for index, values in zip(indices, gathered, strict=True):
+        out[index] = values[:len(index)].cpu()
+    return out

@@ -1,0 +1,281 @@
+"""Token-level batches: packed, dynamically batched and padded micro-batches give the same
+logprobs, loss and gradient norm, on one rank and on several (FSDP2 data and tensor/sequence
+parallel, DeepSpeed ZeRO-3); the bin packers, the plan and the layouts by hand."""
+
+import os
+import random
+
+import pytest
+import torch
+
+from novarl.algorithms.losses import make_loss
+from novarl.backends.training.batching import (
+    PACKERS,
+    MicroBatching,
+    dynamic_groups,
+    lay_out,
+    micro_batch,
+    plan_micro_batches,
+)
+from novarl.config import load_config
+from novarl.config.schema import LossConfig
+from novarl.errors import UserError
+from novarl.models.loading import resolve_model_path
+from novarl.trainer.rollout import build_train_batch
+from novarl.types import Completion, Prompt, TrainBatch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+LAYOUTS = {
+    "fixed": [],
+    "dynamic": ["policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=72",
+                "policy.dynamic_batching.logprob_mb_tokens=96", "policy.dynamic_batching.sequence_length_round=8"],
+    "packed": ["policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=64",
+               "policy.sequence_packing.logprob_mb_tokens=80", "policy.sequence_packing.sequence_length_round=8"],
+}
+"""Budgets small enough that every layout cuts the test batch into several micro-batches."""
+FROZEN = ["policy.train_micro_batch_size=3", "policy.logprob_batch_size=4", "policy.scheduler=[]",
+          "policy.optimizer.kwargs={lr: 0.0, weight_decay: 0.0}"]
+"""lr 0: an optimizer step reports the gradient norm and changes nothing, so one policy can be
+measured under every layout in turn."""
+
+
+def mixed_batch(rows: int = 12, longest: int = 40, seed: int = 0) -> TrainBatch:
+    """Sequences of 5 to `longest` tokens (a 4-token prompt, then a completion), random tokens of
+    the bundled vocabulary, advantages, generator and reference logprobs."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, longest + 1, (rows,), generator=gen)
+    lengths[0] = longest
+    attention_mask = torch.arange(longest) < lengths[:, None]
+    loss_mask = attention_mask.clone()
+    loss_mask[:, :4] = False
+    ids = torch.randint(3, 18, (rows, longest), generator=gen)
+    batch = TrainBatch.from_rows(ids, attention_mask, loss_mask, torch.randn(rows, generator=gen),
+                                 -torch.rand(rows, longest, generator=gen) * loss_mask)
+    batch.reference_logprobs = -torch.rand(batch.num_tokens, generator=gen)
+    return batch
+
+
+def batchings(layout: str) -> tuple[MicroBatching, MicroBatching]:
+    policy = load_config(None, overrides=[*FROZEN, *LAYOUTS[layout]]).policy
+    return (MicroBatching.from_policy(policy, training=True), MicroBatching.from_policy(policy, training=False))
+
+
+LOSS = LossConfig(reference_policy_kl_penalty=0.05, use_importance_sampling_correction=True)
+
+
+def measure(call, batch: TrainBatch, loss_cfg: LossConfig = LOSS) -> dict:
+    """logprobs, then one step with the old logprobs taken from the training forward: `call(method,
+    *args)` runs a policy method (in this process or on every rank of a group)."""
+    logprobs = call("logprobs", batch)
+    batch.old_logprobs = None
+    metrics = {**call("forward_backward", batch, make_loss(loss_cfg)), **call("optim_step")}
+    return {"logprobs": logprobs, **metrics}
+
+
+def assert_same(got: dict, expected: dict) -> None:
+    torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=0, atol=1e-5)
+    for name in ("loss", "grad_norm", "kl_to_reference", "logprob_mismatch"):
+        assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+
+
+# ---------------------------------------------------------------- by hand
+@pytest.mark.parametrize("algorithm", sorted(PACKERS))
+def test_packers_place_every_sequence_once_within_the_budget(algorithm):
+    rng = random.Random(algorithm)
+    lengths = [rng.randint(1, 70) for _ in range(200)] + [90]  # one longer than the budget: alone
+    bins = PACKERS[algorithm](lengths, 64)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 64 or len(b) == 1 for b in bins)
+    assert [200] in bins
+    if algorithm != "concatenative":  # the decreasing first-fit ones waste little on many items
+        assert len(bins) <= 1.15 * sum(lengths) / 64 + 2
+
+
+def test_modified_first_fit_decreasing_by_hand():
+    # large 60 takes the largest medium that fits (40); the rest fill one bin exactly
+    assert sorted(map(sorted, PACKERS["modified_first_fit_decreasing"]([60, 40, 35, 30, 30, 5], 100))) == \
+        [[0, 1], [2, 3, 4, 5]]
+
+
+def test_dynamic_groups_pad_within_the_budget():
+    lengths = [33, 7, 12, 40, 9, 18, 25, 3]
+    groups = dynamic_groups(lengths, 64, 8)
+    assert sorted(i for g in groups for i in g) == list(range(8))
+    for group in groups:
+        width = -(-max(lengths[i] for i in group) // 8) * 8
+        assert len(group) * width <= 64 or len(group) == 1
+    assert groups[0] == [3]  # longest first: 40 -> 40 padded, alone in 64 tokens
+
+
+@pytest.mark.parametrize("layout", ["dynamic", "packed"])
+@pytest.mark.parametrize("dp_size", [2, 3])
+def test_plan_gives_every_rank_as_many_micro_batches_and_balanced_tokens(layout, dp_size):
+    lengths = [random.Random(i).randint(5, 40) for i in range(25)]
+    train, _ = batchings(layout)
+    plan = plan_micro_batches(lengths, dp_size, train)
+    assert len({len(r) for r in plan.ranks}) == 1
+    assert sorted(i for r in range(dp_size) for i in plan.sequences(r)) == list(range(25))
+    tokens = [sum(lengths[i] for i in plan.sequences(r)) for r in range(dp_size)]
+    assert max(tokens) - min(tokens) <= train.tokens  # within one micro-batch's worth
+    assert plan_micro_batches(lengths, dp_size, train) == plan  # every rank computes the same
+
+
+def test_a_rank_without_work_runs_empty_micro_batches():
+    train, _ = batchings("packed")
+    plan = plan_micro_batches([30], 2, train)  # one sequence, two ranks
+    assert plan.ranks == [[[0]], [None]]
+    batch = mixed_batch(rows=1, longest=30)
+    empty = micro_batch(batch, None)
+    assert (len(empty), empty.num_tokens, int(empty.loss_mask.sum())) == (1, 1, 0)
+    assert empty.global_valid_tokens == batch.global_valid_tokens
+
+
+def test_packed_row_restarts_positions_and_maps_tokens_back():
+    batch = mixed_batch(rows=3, longest=9, seed=3)
+    inputs = lay_out(batch, "packed", 8, sequence_multiple=4)
+    lengths = batch.lengths.tolist()
+    slots = [-(-n // 4) * 4 for n in lengths]
+    assert inputs.input_ids.shape == (1, -(-sum(slots) // 8) * 8) and inputs.attention_mask is None
+    assert inputs.cu_seqlens.tolist()[:4] == [0, slots[0], slots[0] + slots[1], sum(slots)]
+    assert torch.equal(inputs.input_ids.view(-1)[inputs.index], batch.input_ids)
+    assert torch.equal(inputs.position_ids.view(-1)[inputs.index], batch.position_ids)
+    padded = lay_out(batch, "fixed", 4)
+    assert padded.input_ids.shape == (3, 12) and torch.equal(padded.input_ids.view(-1)[padded.index], batch.input_ids)
+    assert torch.equal(padded.attention_mask.view(-1).nonzero().view(-1), padded.index)
+
+
+def test_rollout_batch_is_token_level_with_per_sequence_or_per_token_advantages():
+    prompt = Prompt(text="1+1=", token_ids=[1, 5, 6], answer="2")
+    completions = [Completion(prompt, [7, 2], [-0.5, -0.25], "2", "stop", 0),
+                   Completion(prompt, [8, 9, 9], [-1.0, -2.0, -3.0], "3", "length", 0)]
+    batch = build_train_batch(completions, torch.tensor([1.0, -1.0]), overlong_filtering=True)
+    assert batch.cu_seqlens.tolist() == [0, 5, 11]
+    assert batch.position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5]
+    assert batch.loss_mask.tolist() == [False] * 3 + [True, True] + [False] * 6  # the cut one filtered
+    assert batch.advantages.tolist() == [1.0] * 5 + [-1.0] * 6
+    assert batch.to_rows(batch.generator_logprobs)[1, 3:].tolist() == [-1.0, -2.0, -3.0]
+    assert (batch.global_valid_tokens, batch.global_valid_sequences) == (2, 1)
+    per_token = torch.arange(11, dtype=torch.float32)
+    assert torch.equal(build_train_batch(completions, per_token).advantages, per_token)
+    with pytest.raises(ValueError, match="one per sequence or one per token"):
+        build_train_batch(completions, torch.zeros(3))
+
+
+# ---------------------------------------------------------------- one rank
+@pytest.fixture(scope="module")
+def one_rank_policy():
+    from novarl.backends.training.dtensor import DTensorPolicy
+    from novarl.distributed.local import ensure_single_process_group
+
+    ensure_single_process_group()
+    cfg = load_config(None, overrides=FROZEN)
+    return DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=1,
+                         temperature=0.7)
+
+
+def local_call(policy):
+    return lambda method, *args: getattr(policy, method)(*args)
+
+
+@pytest.mark.parametrize("loss_cfg", [LOSS, LossConfig(token_level_loss=False, sequence_level_importance_ratios=True)],
+                         ids=["token-level", "sequence-level"])
+def test_one_rank_packed_and_dynamic_match_padded(one_rank_policy, loss_cfg):
+    batch = mixed_batch()
+    results = {}
+    for layout in LAYOUTS:
+        one_rank_policy.train_batching, one_rank_policy.logprob_batching = batchings(layout)
+        results[layout] = measure(local_call(one_rank_policy), batch, loss_cfg)
+    assert_same(results["packed"], results["fixed"])
+    assert_same(results["dynamic"], results["fixed"])
+    assert results["packed"]["tokens_computed"] < results["dynamic"]["tokens_computed"] \
+        < results["fixed"]["tokens_computed"]
+    # the step's logprobs are the model's: position 0 of each sequence holds 0
+    assert not results["packed"]["logprobs"][batch.cu_seqlens[:-1]].any()
+
+
+def test_a_model_that_attends_across_packed_sequences_is_refused(one_rank_policy):
+    """A model whose attention ignores position ids (as some remote-code models' do) would mix
+    packed sequences: the start-up check refuses packing for it, naming the way out."""
+    model = one_rank_policy.model
+
+    class IgnoresPositions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, input_ids, position_ids, attention_mask, use_cache):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
+
+    train, logprob = batchings("packed")
+    one_rank_policy.model = IgnoresPositions()
+    try:
+        with pytest.raises(UserError, match="attends across sequences.*dynamic_batching"):
+            one_rank_policy.check_packing(logprob, 19)
+    finally:
+        one_rank_policy.model = model
+    one_rank_policy.check_packing(logprob, 19)  # the real model passes
+
+
+# ---------------------------------------------------------------- several ranks
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    yield
+    ray.shutdown()
+
+
+def group_results(factory, model_path, overrides, batch) -> dict:
+    """One policy on 2 Ray ranks, measured under every layout in turn."""
+    from novarl.distributed.ray_group import RayWorkerGroup
+
+    cfg = load_config(None, overrides=[*FROZEN, "cluster.gpus_per_node=2", *overrides])
+    group = RayWorkerGroup(factory, dict(policy=cfg.policy, model_path=str(model_path), total_steps=1,
+                                         temperature=0.7), world_size=2)
+    try:
+        results = {}
+        for layout in LAYOUTS:
+            train, logprob = batchings(layout)
+            train = MicroBatching(train.layout, train.rows, train.tokens, group_multiple(cfg, train), train.algorithm)
+            logprob = MicroBatching(logprob.layout, logprob.rows, logprob.tokens, group_multiple(cfg, logprob),
+                                    logprob.algorithm)
+            group.call_all("__setattr__", "train_batching", train)
+            group.call_all("__setattr__", "logprob_batching", logprob)
+            results[layout] = measure(group.call, batch)
+        return results
+    finally:
+        group.shutdown()
+
+
+def group_multiple(cfg, batching: MicroBatching) -> int:
+    """The length multiple the backend would use: sequence parallelism splits rows over TP ranks."""
+    import math
+
+    dt = cfg.policy.dtensor_cfg
+    return math.lcm(batching.length_multiple, dt.tensor_parallel_size if dt.sequence_parallel else 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp2-dp2", "tp2-sp", "zero3-dp2"])
+def test_two_ranks_packed_and_dynamic_match_padded(ray_session, tmp_path, layout):
+    from tests.helpers.models import two_kv_head_copy
+
+    batch = mixed_batch(rows=14)
+    if layout == "zero3-dp2":
+        pytest.importorskip("deepspeed")
+        from novarl.backends.training.deepspeed import DeepSpeedPolicy
+
+        results = group_results(DeepSpeedPolicy, resolve_model_path("tiny-arith"),
+                                ["policy.deepspeed_cfg.enabled=true", "policy.deepspeed_cfg.zero_stage=3",
+                                 "policy.dtensor_cfg.enabled=false"], batch)
+    else:
+        from novarl.backends.training.dtensor import DTensorPolicy
+
+        overrides, model = [], resolve_model_path("tiny-arith")
+        if layout == "tp2-sp":
+            model = two_kv_head_copy(tmp_path / "kv2")
+            overrides = ["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"]
+        results = group_results(DTensorPolicy, model, overrides, batch)
+    assert_same(results["packed"], results["fixed"])
+    assert_same(results["dynamic"], results["fixed"])
+    assert results["packed"]["tokens_computed"] < results["fixed"]["tokens_computed"]
