@@ -272,3 +272,22 @@ def test_frozen_router_and_expert_checkpoints(tmp_path, tiny_mixtral):
     assert main(["convert", str(tmp_path / "c" / "step_2"), str(tmp_path / "hf")]) == 0
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     assert converted.keys() == after.keys() and all(torch.equal(converted[k], after[k]) for k in after)
+
+
+@pytest.mark.parametrize("layout", ["pp2", "dp2"])
+def test_packed_and_dynamic_micro_batches_match_padded(layout):
+    """The same policy (lr 0) under the three micro-batch layouts: packed rows (a block-diagonal
+    mask on megatron-core's local layers) and dynamic batches give the padded logprobs, loss
+    and gradient norm, through a pipeline (one buffer shape for every micro-batch) and over
+    data-parallel ranks (shares gathered back in order)."""
+    from novarl.backends.training.megatron import MegatronPolicy
+    from novarl.models.loading import resolve_model_path
+    from tests.helpers.packing import assert_same, group_results, mixed_batch
+
+    overrides = [MEGATRON, "policy.megatron_cfg.optimizer.lr=0.0", "policy.megatron_cfg.optimizer.weight_decay=0.0"]
+    if layout == "pp2":
+        overrides.append("policy.megatron_cfg.pipeline_model_parallel_size=2")
+    results = group_results(MegatronPolicy, resolve_model_path("tiny-arith"), overrides, mixed_batch(rows=14))
+    assert_same(results["packed"], results["fixed"])
+    assert_same(results["dynamic"], results["fixed"])
+    assert results["packed"]["tokens_computed"] < results["fixed"]["tokens_computed"]
