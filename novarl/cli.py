@@ -170,7 +170,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from novarl.plan.advisor import advise, format_advice
     from novarl.plan.auto import apply_auto
     from novarl.plan.model_shape import ModelShape, parse_parameter_count
-    from novarl.plan.resolve import check_available, plan_batches, resolve_backends
+    from novarl.plan.resolve import check_available, micro_batch_shape, plan_batches, resolve_backends
 
     model_only = args.model is not None and args.config is None
     # With only --model, the workload comes from the schema defaults (and the overrides,
@@ -207,8 +207,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         skipped = "cluster.gpus_per_node=0 (CPU ranks): the advisor plans GPU memory"
     if skipped is None:
         advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
-                        gpu_memory_gb=args.gpu_memory_gb, sequence_length=cfg.policy.max_seq_length,
-                        micro_batch_size=cfg.policy.train_micro_batch_size,
+                        gpu_memory_gb=args.gpu_memory_gb, **micro_batch_shape(cfg.policy),
                         precision=cfg.policy.precision or "bfloat16",
                         with_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
     if args.json:

@@ -196,3 +196,52 @@ def test_two_ranks_packed_and_dynamic_match_padded(ray_session, tmp_path, layout
     assert_same(results["packed"], results["fixed"])
     assert_same(results["dynamic"], results["fixed"])
     assert results["packed"]["tokens_computed"] < results["fixed"]["tokens_computed"]
+
+
+# ---------------------------------------------------------------- config and planner
+def test_packing_and_dynamic_batching_exclude_each_other_and_budgets_hold_a_sequence():
+    from novarl.errors import ConfigError
+    from novarl.plan.resolve import plan_batches
+
+    with pytest.raises(ConfigError, match="exclude each other"):
+        plan_batches(load_config(None, overrides=["policy.sequence_packing.enabled=true",
+                                                  "policy.dynamic_batching.enabled=true"]))
+    with pytest.raises(ConfigError, match=r"policy.dynamic_batching.logprob_mb_tokens=100 is smaller than "
+                                          r"policy.max_seq_length=512"):
+        plan_batches(load_config(None, overrides=["policy.dynamic_batching.enabled=true",
+                                                  "policy.dynamic_batching.logprob_mb_tokens=100"]))
+    with pytest.raises(ConfigError, match="algorithm"):
+        load_config(None, overrides=["policy.sequence_packing.algorithm=best_fit"])
+
+
+def test_validate_and_plan_describe_packing_as_running(capsys):
+    from novarl.cli import main
+
+    assert main(["validate", "policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=512",
+                 "policy.generation.backend=hf"]) == 0
+    out = capsys.readouterr().out
+    assert "packed micro-batches: sequences end to end, at most 512 tokens per row" in out
+    assert "not available" not in out
+    assert main(["plan", "policy.dynamic_batching.enabled=true", "policy.generation.backend=hf"]) == 0
+    out = capsys.readouterr().out
+    assert "dynamic micro-batches: rows of similar length" in out and "not available" not in out
+
+
+def test_the_advisor_sizes_activations_by_the_packed_row():
+    from novarl.plan.advisor import advise
+    from novarl.plan.model_shape import ModelShape
+    from novarl.plan.resolve import micro_batch_shape
+
+    policy = load_config(None, overrides=["policy.max_seq_length=1024", "policy.train_micro_batch_size=2",
+                                          "policy.sequence_packing.enabled=true",
+                                          "policy.sequence_packing.train_mb_tokens=8192"]).policy
+    assert micro_batch_shape(policy) == {"sequence_length": 1024, "micro_batch_size": 1, "packed_row_tokens": 8192}
+    shape = ModelShape.from_parameter_count(1.5e9)
+
+    def activations(**workload) -> float:
+        advice = advise(shape, gpus_per_node=1, num_nodes=1, **workload)
+        return next(c for c in advice.candidates if c.strategy == "dtensor fsdp2").memory_gb["activations"]
+
+    # a row of 8192 packed tokens holds the activations of 8 sequences of 1024, not of 2
+    assert activations(**micro_batch_shape(policy)) == pytest.approx(activations(sequence_length=8192))
+    assert activations(**micro_batch_shape(policy)) > 3 * activations(sequence_length=1024, micro_batch_size=2)

@@ -247,18 +247,33 @@ class DeepSpeedConfig(Section):
 
 
 class SequencePackingConfig(Section):
+    """Sequences end to end in one row per micro-batch, each attending only to itself
+    (backends/training/batching.py). Excludes dynamic_batching."""
+
     enabled: bool = False
     train_mb_tokens: int | None = Field(None, ge=1)
+    """Tokens per training micro-batch (a packed row); None: max_seq_length x train_micro_batch_size."""
     logprob_mb_tokens: int | None = Field(None, ge=1)
-    algorithm: str = "modified_first_fit_decreasing"
+    """Tokens per logprob micro-batch; None: max_seq_length x logprob_batch_size."""
+    algorithm: Literal["modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle",
+                       "concatenative"] = "modified_first_fit_decreasing"
+    """How sequences are put into micro-batches (bins of train_mb_tokens)."""
     sequence_length_round: int = Field(64, ge=1)
+    """A packed row's length is rounded up to a multiple of it."""
 
 
 class DynamicBatchingConfig(Section):
+    """Micro-batches of sequences of similar length, sized by tokens rather than rows (padded to
+    the micro-batch's longest). Excludes sequence_packing."""
+
     enabled: bool = False
     train_mb_tokens: int | None = Field(None, ge=1)
+    """Rows x padded length of a training micro-batch, at most; None: max_seq_length x
+    train_micro_batch_size."""
     logprob_mb_tokens: int | None = Field(None, ge=1)
+    """The same for logprob micro-batches; None: max_seq_length x logprob_batch_size."""
     sequence_length_round: int = Field(64, ge=1)
+    """Each micro-batch's padded length is rounded up to a multiple of it."""
 
 
 class OptimizerConfig(Section):

@@ -218,10 +218,13 @@ def placement_for(shape: ModelShape, *, num_nodes: int, generation_backend: str)
 # ------------------------------------------------------------------ advise
 def advise(shape: ModelShape, *, gpus_per_node: int, num_nodes: int, gpu_memory_gb: float = 80,
            sequence_length: int, micro_batch_size: int = 1, precision: Precision = "bfloat16",
-           generation_tp: int | None = None, with_reference: bool = False) -> Advice:
+           generation_tp: int | None = None, with_reference: bool = False,
+           packed_row_tokens: int | None = None) -> Advice:
     """Rank the training layouts for `shape` on `num_nodes` x `gpus_per_node` GPUs of
     `gpu_memory_gb` GB each, and recommend one (see the module docstring). with_reference:
-    a KL penalty keeps a frozen copy of the weights beside the policy's on each GPU."""
+    a KL penalty keeps a frozen copy of the weights beside the policy's on each GPU.
+    packed_row_tokens: sequence packing's row (train_mb_tokens), what a micro-batch's
+    activations are sized by instead of micro_batch_size x sequence_length."""
     if gpus_per_node < 1 or num_nodes < 1:
         raise UserError(f"the advisor plans for GPUs: cluster {num_nodes} node(s) x {gpus_per_node} GPU(s) has none.")
     if gpu_memory_gb <= 0 or sequence_length < 1 or micro_batch_size < 1:
@@ -232,8 +235,10 @@ def advise(shape: ModelShape, *, gpus_per_node: int, num_nodes: int, gpu_memory_
         raise UserError(f"generation TP {generation_tp} must be one of {tps}: it must divide the "
                         f"{gpus_per_node} GPUs per node and the {shape.num_attention_heads} attention heads.")
     context = _Context(shape=shape, gpus_per_node=gpus_per_node, num_nodes=num_nodes, gpu_memory_gb=gpu_memory_gb,
-                       workload=Workload(sequence_length=sequence_length, micro_batch_size=micro_batch_size,
+                       workload=Workload(sequence_length=packed_row_tokens or sequence_length,
+                                         micro_batch_size=1 if packed_row_tokens else micro_batch_size,
                                          precision=precision),
+                       sequence_length=sequence_length,
                        generation_tp=generation_tp, tps=tps, branch=branch, with_reference=with_reference)
     candidates = _candidates(context)
     ranked = sorted(candidates, key=lambda c: (not c.fits, -c.score, c.peak_gb))
@@ -256,6 +261,9 @@ class _Context:
     num_nodes: int
     gpu_memory_gb: float
     workload: Workload
+    """A training micro-batch (a packed row when packing)."""
+    sequence_length: int
+    """The longest sequence: what one sequence's KV cache is sized by."""
     generation_tp: int | None
     tps: list[int]
     branch: str
@@ -324,7 +332,7 @@ def _size(context: _Context, layout: _Layout) -> Candidate:
     notes = list(breakdown.notes)
     if not generator_fits:
         notes.append(f"{generation} generation at TP={generation_tp} does not hold the weights and one "
-                     f"{context.workload.sequence_length}-token sequence of KV cache")
+                     f"{context.sequence_length}-token sequence of KV cache")
     if placement == "dedicated":
         notes.append(f"generation on the last node: {context.gpus_per_node // generation_tp} vLLM engine(s) "
                      f"of TP={generation_tp}")
@@ -372,7 +380,7 @@ def _generator_fits(context: _Context, generation: str, placement: Placement, ge
 def _vllm_need(context: _Context, generation_tp: int) -> float:
     """Bytes one vLLM rank needs at least: bf16 weights and one full sequence of KV cache."""
     return (generator_weight_bytes(context.shape, tensor_parallel_size=generation_tp)
-            + kv_cache_bytes(context.shape, num_tokens=context.workload.sequence_length,
+            + kv_cache_bytes(context.shape, num_tokens=context.sequence_length,
                              tensor_parallel_size=generation_tp))
 
 

@@ -54,11 +54,11 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
     from novarl.models.loading import resolve_model_path
     from novarl.plan.advisor import advise
     from novarl.plan.model_shape import ModelShape
+    from novarl.plan.resolve import micro_batch_shape
 
     shape = ModelShape.from_name(resolve_model_path(cfg.policy.model_name, download=False))
     advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
-                    gpu_memory_gb=gpu_memory_gb, sequence_length=cfg.policy.max_seq_length,
-                    micro_batch_size=cfg.policy.train_micro_batch_size,
+                    gpu_memory_gb=gpu_memory_gb, **micro_batch_shape(cfg.policy),
                     precision=cfg.policy.precision or "bfloat16",
                     with_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
     runnable = [c for c in advice.candidates if c.fits and c.built]

@@ -121,10 +121,6 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     for role in ("actor_train", "actor_infer", "reference"):
         if getattr(cfg, role) is not None:
             missing.append(f"ROLL role blocks ('{role}'); use the policy section")
-    if policy.sequence_packing.enabled:
-        warnings.append("policy.sequence_packing is not available yet: micro-batches are padded instead")
-    if policy.dynamic_batching.enabled:
-        warnings.append("policy.dynamic_batching is not available yet: fixed micro-batch sizes are used")
     for sink in ("wandb", "tensorboard", "mlflow", "swanlab"):
         if getattr(cfg.logger, f"{sink}_enabled"):
             warnings.append(f"logger.{sink}_enabled: not available yet; metrics go to the JSONL file")
@@ -155,14 +151,17 @@ class BatchPlan:
     optimizer_steps_per_step: int
     micro_batch_size: int
     gradient_accumulation_steps: int
-    """Micro-batches per optimizer step on each data-parallel rank."""
+    """Micro-batches per optimizer step on each data-parallel rank (fixed micro-batches)."""
+    micro_batching: str = ""
+    """How micro-batches are cut when packed or dynamically batched ("": fixed rows)."""
 
     def describe(self) -> str:
         per_rank = self.global_batch_size // self.data_parallel_size
+        cut = self.micro_batching or (f"{self.gradient_accumulation_steps} micro-batch(es) of "
+                                      f"{self.micro_batch_size}")
         return (f"batch: {self.samples_per_step} samples per GRPO step -> {self.optimizer_steps_per_step} "
                 f"optimizer step(s) of {self.global_batch_size}; {per_rank} per data-parallel rank "
-                f"(dp={self.data_parallel_size}) = {self.gradient_accumulation_steps} micro-batch(es) "
-                f"of {self.micro_batch_size}")
+                f"(dp={self.data_parallel_size}) = {cut}")
 
 
 def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
@@ -207,12 +206,67 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
         problems.append(f"grpo.gradient_accumulation_steps={grpo.gradient_accumulation_steps} does not match "
                         f"policy.train_global_batch_size / (train_micro_batch_size x dp) = "
                         f"{global_batch} / ({micro} x {dp}) = {accumulation}. Set one of them, not both.")
+    problems.extend(_micro_batching_problems(policy))
     problems.extend(_generation_problems(cfg, shape))
     if problems:
         if len(problems) == 1:
             raise ConfigError(problems[0])
         raise ConfigError("The config's sizes do not fit together:\n" + "\n".join(f"  - {p}" for p in problems))
-    return BatchPlan(samples, dp, global_batch, samples // global_batch, micro, accumulation)
+    return BatchPlan(samples, dp, global_batch, samples // global_batch, micro, accumulation,
+                     micro_batching_text(policy))
+
+
+def micro_batch_shape(policy) -> dict[str, int | None]:
+    """The largest training micro-batch, for the advisor's memory model: sequence_length (the
+    longest sequence), micro_batch_size (rows of it: dynamic batching's token budget in rows
+    of max_seq_length) and packed_row_tokens (packing: one row of train_mb_tokens)."""
+    packing, dynamic = policy.sequence_packing, policy.dynamic_batching
+    shape = {"sequence_length": policy.max_seq_length, "micro_batch_size": policy.train_micro_batch_size,
+             "packed_row_tokens": None}
+    fixed = policy.max_seq_length * policy.train_micro_batch_size
+    if packing.enabled:
+        shape.update(micro_batch_size=1, packed_row_tokens=packing.train_mb_tokens or fixed)
+    elif dynamic.enabled:
+        shape["micro_batch_size"] = max((dynamic.train_mb_tokens or fixed) // policy.max_seq_length, 1)
+    return shape
+
+
+def micro_batching_text(policy) -> str:
+    """The micro-batch layout in words, for packing and dynamic batching ("" for fixed rows);
+    the budgets default as NeMo RL's configs do (max_seq_length x the micro-batch size)."""
+    rows = policy.logprob_batch_size or policy.train_micro_batch_size
+    packing, dynamic = policy.sequence_packing, policy.dynamic_batching
+    section = packing if packing.enabled else dynamic if dynamic.enabled else None
+    if section is None:
+        return ""
+    train = section.train_mb_tokens or policy.max_seq_length * policy.train_micro_batch_size
+    logprob = section.logprob_mb_tokens or policy.max_seq_length * rows
+    if packing.enabled:
+        return (f"packed micro-batches: sequences end to end, at most {train} tokens per row ({logprob} for "
+                f"logprobs; {packing.algorithm}, rows rounded up to {packing.sequence_length_round})")
+    return (f"dynamic micro-batches: rows of similar length, at most {train} tokens with padding ({logprob} for "
+            f"logprobs; lengths rounded up to {dynamic.sequence_length_round})")
+
+
+def _micro_batching_problems(policy) -> list[str]:
+    """Packing and dynamic batching exclude each other (as in NeMo RL), and a micro-batch's token
+    budget must hold the longest sequence the run allows."""
+    packing, dynamic = policy.sequence_packing, policy.dynamic_batching
+    if packing.enabled and dynamic.enabled:
+        return ["policy.sequence_packing.enabled and policy.dynamic_batching.enabled exclude each other: packing "
+                "puts sequences end to end, dynamic batching pads rows of similar length. Enable one."]
+    problems = []
+    for name, section in (("sequence_packing", packing), ("dynamic_batching", dynamic)):
+        if not section.enabled:
+            continue
+        for key in ("train_mb_tokens", "logprob_mb_tokens"):
+            budget = getattr(section, key)
+            if budget is not None and budget < policy.max_seq_length:
+                problems.append(f"policy.{name}.{key}={budget} is smaller than policy.max_seq_length="
+                                f"{policy.max_seq_length} (max_total_sequence_length): a sequence that long would "
+                                "not fit one micro-batch. Raise it (NeMo RL uses max_total_sequence_length x the "
+                                "micro-batch size) or lower max_seq_length.")
+    return problems
 
 
 def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> list[str]:
