@@ -21,6 +21,22 @@ def test_arithmetic_splits_are_disjoint_and_fixed():
     assert val[0].answer == str(int(a) + int(b))
 
 
+def test_repeat_task_answers_run_from_2_to_40_tokens_in_fixed_splits():
+    from novarl.config import load_config
+    from novarl.data.datasets import load_examples
+
+    cfg = load_config(None, overrides=["data.dataset_name=repeat"]).data
+    train, val = load_examples(cfg, "train"), load_examples(cfg, "validation")
+    assert (len(train), len(val)) == (1800, 200)
+    assert not {e.prompt for e in train} & {e.prompt for e in val}
+    digits, repeats = val[0].prompt[:-1].split("*")
+    assert val[0].answer == digits * int(repeats)
+    assert {len(e.answer) for e in train + val} == set(range(2, 41, 2))
+    tokenizer = load_tokenizer("tiny-arith")
+    longest = max(len(tokenizer(e.prompt + e.answer).input_ids) for e in train)
+    assert longest + 1 <= 64  # + </s>: within the bundled model's positions
+
+
 def test_exact_match():
     assert exact_match(" 95", "95") == 1.0
     assert exact_match("59", "95") == 0.0

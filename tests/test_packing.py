@@ -141,6 +141,44 @@ def test_one_rank_packed_and_dynamic_match_padded(one_rank_policy, loss_cfg):
     assert not results["packed"]["logprobs"][batch.cu_seqlens[:-1]].any()
 
 
+def test_packed_logprobs_equal_transformers_on_each_sequence_alone(one_rank_policy):
+    """The reference is transformers' own SDPA model, one sequence at a time: packing (with
+    novarl's varlen attention) and padding both give its numbers."""
+    from novarl.models.loading import load_causal_lm, token_logprobs
+
+    assert one_rank_policy.reads_boundaries  # llama: the varlen attention is in use
+    batch = mixed_batch(rows=6, seed=5)
+    reference = load_causal_lm(resolve_model_path("tiny-arith"))
+    assert reference.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        expected = torch.cat([token_logprobs(reference(input_ids=batch.input_ids[a:b][None]).logits,
+                                             batch.input_ids[a:b][None], 0.7)[0]
+                              for a, b in zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())])
+    for layout in ("packed", "fixed"):
+        one_rank_policy.train_batching, one_rank_policy.logprob_batching = batchings(layout)
+        torch.testing.assert_close(one_rank_policy.logprobs(batch), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_varlen_attention_equals_sdpa_with_a_block_diagonal_mask():
+    from novarl.models.attention import varlen_attention
+
+    gen = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32)
+    query = torch.randn(1, 4, 16, 8, generator=gen, requires_grad=True)
+    key, value = torch.randn(1, 2, 16, 8, generator=gen), torch.randn(1, 2, 16, 8, generator=gen)
+    module = torch.nn.Module().eval()
+    got, _ = varlen_attention(module, query, key, value, None, scaling=0.3, cu_seq_lens_q=cu)
+    sequence = torch.repeat_interleave(torch.arange(4), cu.diff().long())
+    allowed = (sequence[:, None] == sequence[None, :]) & torch.ones(16, 16, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(query, key.repeat_interleave(2, 1),
+                                                            value.repeat_interleave(2, 1), attn_mask=allowed,
+                                                            scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    (grad_got,) = torch.autograd.grad(got.sum(), query)
+    (grad_want,) = torch.autograd.grad(want.sum(), query)
+    torch.testing.assert_close(grad_got, grad_want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_model_that_attends_across_packed_sequences_is_refused(one_rank_policy):
     """A model whose attention ignores position ids (as some remote-code models' do) would mix
     packed sequences: the start-up check refuses packing for it, naming the way out."""
@@ -151,7 +189,7 @@ def test_a_model_that_attends_across_packed_sequences_is_refused(one_rank_policy
             super().__init__()
             self.inner = model
 
-        def forward(self, input_ids, position_ids, attention_mask, use_cache):
+        def forward(self, input_ids, position_ids, attention_mask, use_cache, **boundaries):
             return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
 
     train, logprob = batchings("packed")

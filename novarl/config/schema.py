@@ -24,7 +24,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Fiel
                       model_validator)
 
 Precision = Literal["float32", "bfloat16", "float16"]
-BUNDLED_TASKS = ("arithmetic",)
+BUNDLED_TASKS = ("arithmetic", "repeat")
 """Tasks shipped with novarl (novarl.data.datasets.BUNDLED_DATASETS implements them)."""
 
 NAME_MAX_BYTES = 255
@@ -445,7 +445,7 @@ class LossConfig(Section):
 # ------------------------------------------------------------------ data, reward
 class DataConfig(Section):
     dataset_name: str | None = None
-    """'arithmetic' (bundled), 'ResponseDataset' (JSONL/Parquet files); None: from the paths."""
+    """'arithmetic' or 'repeat' (bundled), 'ResponseDataset' (JSONL/Parquet files); None: from the paths."""
     train_data_path: PathText | None = None
     val_data_path: PathText | None = None
     input_key: str = "prompt"

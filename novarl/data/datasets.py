@@ -1,4 +1,4 @@
-"""Prompt datasets: the bundled arithmetic task, or JSONL / Parquet files.
+"""Prompt datasets: the bundled tasks (arithmetic, repeat), or JSONL / Parquet files.
 
 A file dataset has one example per row with a prompt field (`data.input_key`,
 default "prompt") and an answer field (`data.output_key`, default "answer").
@@ -15,10 +15,11 @@ from pathlib import Path
 
 from novarl.config.schema import DataConfig
 from novarl.data.arithmetic import Example, arithmetic_examples
+from novarl.data.repeat import repeat_examples
 from novarl.errors import NotAvailableYet, UserError
 from novarl.types import Prompt
 
-BUNDLED_DATASETS = {"arithmetic": arithmetic_examples}
+BUNDLED_DATASETS = {"arithmetic": arithmetic_examples, "repeat": repeat_examples}
 
 
 def dataset_kind(cfg: DataConfig) -> str:
@@ -38,7 +39,7 @@ def load_examples(cfg: DataConfig, split: str) -> list[Example]:
     if kind in BUNDLED_DATASETS:
         return BUNDLED_DATASETS[kind](split)
     if kind != "ResponseDataset":
-        raise NotAvailableYet(f"data.dataset_name='{kind}' is not available yet. Use 'arithmetic' (bundled) "
+        raise NotAvailableYet(f"data.dataset_name='{kind}' is not available yet. Use 'arithmetic' or 'repeat' (bundled) "
                               "or 'ResponseDataset' with data.train_data_path / data.val_data_path "
                               "pointing at JSONL or Parquet files.")
     key = "train_data_path" if split == "train" else "val_data_path"

@@ -39,6 +39,7 @@ from novarl.backends.training.parallelize import (
 )
 from novarl.config.schema import PolicyConfig
 from novarl.distributed.weight_sync import bucketed, full_weights
+from novarl.models.attention import use_varlen_attention
 from novarl.models.loading import DTYPES, load_causal_lm, save_hf_folder
 
 
@@ -58,6 +59,7 @@ class ShardedModel(DataParallelRows):
         self.dp_rank, self.dp_size = dist.get_rank(self.dp_group), dims.data_parallel
         precision = policy.precision or ("bfloat16" if self.device.type == "cuda" else "float32")
         model = load_causal_lm(model_path, dtype=torch.float32, trust_remote_code=policy.trust_remote_code)
+        self.reads_boundaries = use_varlen_attention(model)
         model.to(self.device)
         if dims.tensor_parallel > 1:
             apply_tp(model, self.mesh["tp"], dt)

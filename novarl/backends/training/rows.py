@@ -27,17 +27,23 @@ from novarl.types import TrainBatch
 
 class DataParallelRows:
     """Mixin: needs self.model (callable like a Hugging Face causal LM), self.device,
-    self.temperature, self.dp_group, self.dp_rank, self.dp_size, and self.logprob_batching
-    (a MicroBatching)."""
+    self.temperature, self.dp_group, self.dp_rank, self.dp_size, self.logprob_batching
+    (a MicroBatching) and self.reads_boundaries (the model's attention takes a packed row's
+    sequence boundaries: models/attention.py)."""
 
     def forward_logprobs(self, mb: TrainBatch, batching: MicroBatching) -> tuple[torch.Tensor, int]:
         """[n] logprobs of the micro-batch's tokens (with grad when enabled), and the tokens the
         model computed for them (padding included)."""
         inputs = lay_out(mb, batching.layout, batching.length_multiple)
+        boundaries = {}
+        if inputs.attention_mask is None and self.reads_boundaries:  # each sequence's attention alone
+            boundaries = dict(cu_seq_lens_q=inputs.cu_seqlens, cu_seq_lens_k=inputs.cu_seqlens,
+                              max_length_q=inputs.max_seqlen, max_length_k=inputs.max_seqlen)
         # no KV cache: with one, transformers would not read packed rows' position ids as
         # sequence boundaries (and a training forward has no use for it)
         logits = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                            attention_mask=inputs.attention_mask, use_cache=False).logits
+                            attention_mask=None if self.reads_boundaries else inputs.attention_mask,
+                            use_cache=False, **boundaries).logits
         return picked_logprobs(logits, inputs, mb, self.temperature), inputs.tokens_computed
 
     @torch.no_grad()

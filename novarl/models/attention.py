@@ -1,0 +1,88 @@
+"""Attention for the training forwards: packed rows at the cost of their sequences.
+
+transformers runs a packed row (position ids restarting at each sequence) with
+SDPA or eager attention by building a block-diagonal T x T mask: correct, but the
+row's attention costs T^2 however short its sequences, which on a CPU makes
+packing slower than padding. `VARLEN` is an attention implementation registered
+with transformers (its AttentionInterface) that takes the row's sequence
+boundaries (`cu_seq_lens_q`, the same keyword flash-attention's varlen kernel
+reads), lays the sequences out as padded rows inside the attention only, and runs
+causal SDPA on them: each sequence attends to itself at the cost of its own
+length, and everything around the attention (projections, MLP, logits) computes
+on the packed tokens alone. Without boundaries it is causal SDPA on right-padded
+rows: the padding comes after every real token, so no mask is needed (and none
+is built: transformers makes masks only for implementations it knows).
+
+It is used for architectures whose attention is plain causal softmax attention
+(no sliding window, no logit soft-capping); others keep their own attention and
+pack through the T x T mask, and flash-attention reads the same keywords.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VARLEN = "novarl_varlen"
+PLAIN_CAUSAL = ("llama", "qwen2", "qwen3", "mistral")
+"""Architectures whose attention VARLEN computes exactly (when no sliding window is active)."""
+READS_BOUNDARIES = (VARLEN, "flash_attention_2", "flash_attention_3")
+"""Implementations that take the packed row's boundaries as cu_seq_lens_* / max_length_* keywords."""
+
+_registered = False
+
+
+def use_varlen_attention(model: torch.nn.Module) -> bool:
+    """Switch a loaded Hugging Face causal LM to VARLEN when its attention is plain causal
+    attention computed by SDPA or eager; True if it now reads packed rows' boundaries (VARLEN,
+    or flash-attention already)."""
+    config = model.config
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation in READS_BOUNDARIES:
+        return True
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    if implementation not in ("sdpa", "eager") or config.model_type not in PLAIN_CAUSAL or sliding:
+        return False
+    _register()
+    model.set_attn_implementation(VARLEN)
+    return True
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(VARLEN, varlen_attention)
+        _registered = True
+
+
+def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """query [B, H, T, D], key and value [B, Hkv, T, D] -> ([B, T, H, D], None).
+
+    With cu_seq_lens_q ([k + 1] boundaries of one packed row, B = 1): each sequence attends
+    causally to itself. Without: causal attention over each right-padded row."""
+    if attention_mask is not None:
+        raise ValueError(f"{VARLEN} attention takes right-padded rows without a mask, or packed boundaries")
+    gqa = query.shape[1] != key.shape[1]
+    dropout = dropout if module.training else 0.0
+    if cu_seq_lens_q is None:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
+                                                               scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+    cu = cu_seq_lens_q.to(device=query.device, dtype=torch.long)
+    lengths = cu.diff()
+    longest = int(max_length_q) if max_length_q is not None else int(lengths.max())
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=query.device), lengths)
+    position = torch.arange(int(cu[-1]), device=query.device) - cu[sequence]
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [k, H, longest, D], zero-padded
+        out = t.new_zeros(len(lengths), t.shape[1], longest, t.shape[3])
+        out[sequence, :, position] = t[0].transpose(0, 1)
+        return out
+
+    out = torch.nn.functional.scaled_dot_product_attention(rows(query), rows(key), rows(value), dropout_p=dropout,
+                                                           is_causal=True, scale=scaling, enable_gqa=gqa)
+    return out[sequence, :, position].unsqueeze(0), None  # [1, T, H, D]
