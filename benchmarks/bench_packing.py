@@ -128,13 +128,13 @@ def report(results: list[dict], rounds: int) -> str:
                   f"{r['mean_length']:.1f}): {r['useful']} useful tokens; padded micro-batches of {r['rows']} rows, "
                   f"token budget {budget}", "",
                   "| layout | tokens computed (training) | useful / computed | logprobs (s) | forward+backward+step (s) "
-                  "| trainer step (s) | vs padded |", "|---|---|---|---|---|---|---|"]
+                  "| trainer step (s) | speed-up vs padded |", "|---|---|---|---|---|---|---|"]
         base = sum(r["median"]["fixed"].values())
         for layout in LAYOUTS:
             m = r["median"][layout]
             step = sum(m.values())
             lines.append(f"| {NAMES[layout]} | {r['computed'][layout]:.0f} | {r['useful'] / r['computed'][layout]:.0%} "
-                         f"| {m['logprobs']:.3f} | {m['training']:.3f} | {step:.3f} | x{base / step:.2f} faster |")
+                         f"| {m['logprobs']:.3f} | {m['training']:.3f} | {step:.3f} | x{base / step:.2f} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -16,12 +16,14 @@ import torch
 
 from novarl.cli import BUNDLED_RECIPE, main
 from novarl.errors import UserError
-from novarl.plan.resolve import installed
+from novarl.config import load_config
+from novarl.plan.resolve import installed, resolve_backends
 from novarl.rewards.registry import RewardScorer
 from novarl.types import Completion, Prompt
 from tests.helpers import HF
 
-DEFAULT_GENERATION = "vllm" if installed("vllm") else "hf"
+DEFAULT_GENERATION = resolve_backends(load_config(BUNDLED_RECIPE)).generation
+"""The bundled recipe's (Hugging Face on a CPU host: the faster one for the tiny model)."""
 CUDA = torch.cuda.is_available()
 
 
@@ -124,7 +126,7 @@ def test_validate_refuses_what_train_cannot_run_yet(capsys, log_dir):
 def test_validate_prints_the_warnings_plan_prints(capsys):
     code, out, err = run_cli(capsys, "validate", "logger.wandb_enabled=true", "policy.deepspeed_cfg.enabled=true")
     assert code == 0, err
-    assert f"# note: policy.generation.backend not set: using '{DEFAULT_GENERATION}'\n" in out
+    assert f"# note: policy.generation.backend not set: using '{DEFAULT_GENERATION}' (" in out
     assert "# warning: logger.wandb_enabled: not available yet; metrics go to the JSONL file\n" in out
     assert "# valid. training backend: deepspeed (also enabled, ignored by precedence" in out
 

