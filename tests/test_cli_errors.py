@@ -16,14 +16,11 @@ import torch
 
 from novarl.cli import BUNDLED_RECIPE, main
 from novarl.errors import UserError
-from novarl.config import load_config
-from novarl.plan.resolve import installed, resolve_backends
 from novarl.rewards.registry import RewardScorer
 from novarl.types import Completion, Prompt
-from tests.helpers import HF
+from tests.helpers import HF, default_generation
 
-DEFAULT_GENERATION = resolve_backends(load_config(BUNDLED_RECIPE)).generation
-"""The bundled recipe's (Hugging Face on a CPU host: the faster one for the tiny model)."""
+DEFAULT_GENERATION = default_generation()
 CUDA = torch.cuda.is_available()
 
 

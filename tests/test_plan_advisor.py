@@ -13,7 +13,7 @@ from novarl.cli import main
 from novarl.errors import UserError
 from novarl.plan.advisor import HEADROOM, advise, tree_branch
 from novarl.plan.model_shape import ModelShape
-from novarl.plan.resolve import installed
+from tests.helpers import default_generation
 
 QWEN = {"model_type": "qwen2", "tie_word_embeddings": False, "vocab_size": 152064}
 QWEN_1_5B = ModelShape.from_hf_config({**QWEN, "hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12,
@@ -24,7 +24,7 @@ QWEN_32B = ModelShape.from_hf_config({**QWEN, "hidden_size": 5120, "num_hidden_l
 QWEN_72B = ModelShape.from_hf_config({**QWEN, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
                                       "num_key_value_heads": 8, "intermediate_size": 29568})
 SEQ = 4096
-DEFAULT_GENERATION = "vllm" if installed("vllm") else "hf"
+DEFAULT_GENERATION = default_generation()
 
 
 def test_model_sizes_fall_in_the_seeds_branches():

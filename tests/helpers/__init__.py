@@ -15,3 +15,12 @@ def train_steps(output_dir, *, this_run_only: bool = True) -> dict:
     if this_run_only and resumes:
         records = records[resumes[-1] + 1:]
     return {r["step"]: r for r in records if r["kind"] == "train"}
+
+
+def default_generation() -> str:
+    """The generation backend the bundled recipe gets when it sets none (the one measured faster
+    for its tiny model on this host: Hugging Face on a CPU host)."""
+    from novarl.config import BUNDLED_RECIPE, load_config
+    from novarl.plan.resolve import resolve_backends
+
+    return resolve_backends(load_config(BUNDLED_RECIPE)).generation
