@@ -208,3 +208,45 @@ def test_one_forward_fewer_trains_the_policy_like_two_forwards():
     assert "logprob_mismatch" in one and "logprob_mismatch" not in two
     for name in before:
         torch.testing.assert_close(after[name], before[name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_samples_without_advantage_are_left_out_of_the_update_with_the_same_result(token_level):
+    """GRPO groups whose rewards are all equal have advantage 0: without a KL penalty they add
+    nothing to the loss or its gradient, so the update leaves them out. The same loss,
+    gradient norm and weights as training on every sample; the loss's other metrics become
+    means over the samples trained on."""
+    from novarl.backends.training.dtensor import DTensorPolicy
+    from novarl.config import load_config
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.loading import resolve_model_path
+    from novarl.trainer.grpo import train_on_batch, with_signal
+
+    ensure_single_process_group()
+    cfg = load_config(None, overrides=["policy.train_micro_batch_size=2"])
+    loss = make_loss(LossConfig(token_level_loss=token_level))
+    batch = _random_batch(rows=8)
+    batch.advantages[batch.token_index([1, 2, 5])] = 0.0  # three samples without signal
+    noise = torch.rand(batch.num_tokens, generator=torch.Generator().manual_seed(3)) * 0.3
+    results = []
+    for skip in (False, True):
+        torch.manual_seed(0)
+        policy = DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=4,
+                               temperature=1.0)
+        logprobs = policy.logprobs(batch)
+        batch.old_logprobs = logprobs - noise  # ratios away from 1, some clipped
+        metrics = train_on_batch(policy, batch, loss, global_batch_size=8, skip_zero_advantage=skip,
+                                 token_level=token_level)
+        results.append((metrics, {n: t.detach().clone() for n, t in policy.full_state_dict().items()}))
+    (every, before), (skipped, after) = results
+    assert skipped["loss"] == pytest.approx(every["loss"], rel=1e-5)
+    assert skipped["grad_norm"] == pytest.approx(every["grad_norm"], rel=1e-5)
+    assert (every["samples_trained_fraction"], skipped["samples_trained_fraction"]) == (1.0, 5 / 8)
+    assert skipped["tokens_computed"] < every["tokens_computed"]
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=1e-5, atol=1e-7)
+    trained, _ = with_signal(batch.with_own_counts(), token_level)
+    assert len(trained) == 5
+    ratio = torch.exp(noise[batch.token_index([0, 3, 4, 6, 7])])[trained.loss_mask]
+    if token_level:  # the mean over the tokens trained on
+        assert skipped["ratio_mean"] == pytest.approx(float(ratio.mean()), rel=1e-5)

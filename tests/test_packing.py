@@ -68,6 +68,13 @@ def test_plan_gives_every_rank_as_many_micro_batches_and_balanced_tokens(layout,
     assert plan_micro_batches(lengths, dp_size, train) == plan  # every rank computes the same
 
 
+def test_fixed_rows_split_uneven_counts_over_ranks():
+    train, _ = batchings("fixed")  # 3 rows per micro-batch
+    plan = plan_micro_batches([10] * 7, 2, train)
+    assert plan.ranks == [[[0, 1, 2], None], [[3, 4, 5], [6]]]
+    assert plan_micro_batches([], 2, train).ranks == [[], []]
+
+
 def test_a_rank_without_work_runs_empty_micro_batches():
     train, _ = batchings("packed")
     plan = plan_micro_batches([30], 2, train)  # one sequence, two ranks

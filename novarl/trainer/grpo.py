@@ -79,6 +79,9 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         summary.setdefault("initial_accuracy", result["accuracy"])
 
     info(old_logprobs_source(inputs))
+    if zero_advantage_trains_nothing(cfg):
+        info("samples with an advantage of 0 (GRPO groups whose rewards are all equal) are left out of the update: "
+             "without a KL penalty their loss and gradient are 0 (the loss still divides by every token)")
     try:
         if grpo.val_at_start and step == 0:
             validate(0)
@@ -131,7 +134,9 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
         if roles.reference is not None:
             batch.reference_logprobs = roles.reference.logprobs(batch)
     with timer("training"):
-        train_metrics = train_on_batch(roles.policy, batch, loss_fn, inputs.batches.global_batch_size)
+        train_metrics = train_on_batch(roles.policy, batch, loss_fn, inputs.batches.global_batch_size,
+                                       skip_zero_advantage=zero_advantage_trains_nothing(cfg),
+                                       token_level=cfg.loss_fn.token_level_loss)
     with timer("weight_sync"):
         sync_metrics = roles.sync_weights(step)
     mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None else {}  # else the loss measured it
@@ -178,13 +183,50 @@ def resume_from(resume: Checkpoint, inputs: RunInputs, roles: Roles, sink: Jsonl
     return resume.step
 
 
-def train_on_batch(policy, batch: TrainBatch, loss_fn: LossFn, global_batch_size: int) -> dict[str, float]:
-    """One optimizer step per `global_batch_size` samples; metrics averaged over those steps."""
-    totals: dict[str, float] = {}
+def train_on_batch(policy, batch: TrainBatch, loss_fn: LossFn, global_batch_size: int, *,
+                   skip_zero_advantage: bool = False, token_level: bool = True) -> dict[str, float]:
+    """One optimizer step per `global_batch_size` samples; metrics averaged over those steps.
+    skip_zero_advantage: leave out of each step the samples the loss gives no gradient (see
+    `with_signal`); the step's loss divides by the same token count, so nothing changes but
+    the compute, and the loss's metrics are means over the tokens trained on."""
+    totals: dict[str, float] = {"samples_trained_fraction": 0.0}
     chunks = range(0, len(batch), global_batch_size)
     for start in chunks:
         chunk = batch.slice(start, start + global_batch_size).with_own_counts()
-        metrics = {**policy.forward_backward(chunk, loss_fn), **policy.optim_step()}
+        trained, scale = with_signal(chunk, token_level) if skip_zero_advantage else (chunk, 1.0)
+        metrics = policy.forward_backward(trained, loss_fn)
+        metrics = {name: value * scale if _mean_share(name) else value for name, value in metrics.items()}
+        metrics.update(policy.optim_step(), samples_trained_fraction=len(trained) / len(chunk))
         for name, value in metrics.items():  # counts add up, the rest is averaged
             totals[name] = totals.get(name, 0.0) + (value if name.startswith("tokens_") else value / len(chunks))
     return totals
+
+
+def zero_advantage_trains_nothing(cfg: NovaRLConfig) -> bool:
+    """A sample whose every advantage is 0 (a GRPO group whose rewards are all equal) adds 0 to
+    the clipped policy loss and to its gradient, whatever its ratio, unless a KL penalty
+    (which does not depend on the advantage) is part of the loss."""
+    return cfg.loss_fn.loss == "clipped_pg" and cfg.loss_fn.reference_policy_kl_penalty == 0
+
+
+def with_signal(chunk: TrainBatch, token_level: bool = True) -> tuple[TrainBatch, float]:
+    """The samples of an optimizer step that give the loss a gradient (a non-zero advantage on
+    a loss token), the step's counts kept; and the factor that turns the loss's metrics from
+    shares of the step's mean into means over what was trained (by tokens or by sequences, as
+    the loss averages). With none, one sample stays, so that the optimizer steps on gradients
+    of 0 as it would have."""
+    signal = chunk.sequence_sum(((chunk.advantages != 0) & chunk.loss_mask).long()) > 0
+    kept = signal.nonzero().view(-1)
+    if len(kept) == len(chunk):
+        return chunk, 1.0
+    trained = chunk.select(kept if len(kept) else torch.zeros(1, dtype=torch.long))
+    tokens = int(trained.loss_mask.sum())
+    sequences = int((trained.sequence_sum(trained.loss_mask.long()) > 0).sum())
+    if token_level:
+        return trained, chunk.global_valid_tokens / max(tokens, 1)
+    return trained, chunk.global_valid_sequences / max(sequences, 1)
+
+
+def _mean_share(name: str) -> bool:
+    """A loss metric reported as a share of the step's mean (not the loss, a max or a count)."""
+    return name != "loss" and not name.endswith("_max") and not name.startswith("tokens_")

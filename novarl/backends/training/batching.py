@@ -181,12 +181,10 @@ class Plan:
 def plan_micro_batches(lengths: Sequence[int], dp_size: int, batching: MicroBatching) -> Plan:
     """The same plan on every rank, from the sequence lengths alone."""
     lengths = [int(n) for n in lengths]
-    if batching.layout == "fixed":
-        if len(lengths) % dp_size:
-            raise ValueError(f"{len(lengths)} sequences do not split over {dp_size} data-parallel ranks")
-        share = len(lengths) // dp_size
-        ranks = [[list(range(s, min(s + batching.rows, (r + 1) * share)))
-                  for s in range(r * share, (r + 1) * share, batching.rows)] for r in range(dp_size)]
+    if batching.layout == "fixed":  # contiguous shares, as even as the count allows
+        bounds = [len(lengths) * r // dp_size for r in range(dp_size + 1)]
+        ranks = [[list(range(s, min(s + batching.rows, bounds[r + 1])))
+                  for s in range(bounds[r], bounds[r + 1], batching.rows)] for r in range(dp_size)]
         return Plan(_equalise(ranks), "fixed")
     if batching.layout == "packed":
         if batching.algorithm not in PACKERS:
@@ -223,7 +221,7 @@ def _deal(bins: list[list[int]], dp_size: int, lengths: Sequence[int]) -> list[l
 
 
 def _equalise(ranks: list[list[list[int]]]) -> list[list[list[int] | None]]:
-    most = max(len(r) for r in ranks)
+    most = max(len(r) for r in ranks)  # 0 for an empty batch: no micro-batch anywhere
     return [list(r) + [None] * (most - len(r)) for r in ranks]
 
 
