@@ -83,6 +83,11 @@ class TrainBatch:
     training forward itself, detached (the policy has not changed since generation)."""
     reference_logprobs: torch.Tensor | None = None
     """[N] float32, the frozen reference policy's logprobs (KL penalty), or None."""
+    prompt_lengths: torch.Tensor | None = None
+    """[S] int64 tokens of each sequence's prompt (None: not known)."""
+    group_ids: torch.Tensor | None = None
+    """[S] int64: sequences with the same id share their first prompt_lengths tokens (a GRPO
+    group's samples), so a packed row may compute that prompt once (None: not known)."""
     global_valid_tokens: int = 0
     """Loss-mask tokens in the whole step (all micro-batches, all ranks): the loss divides by it."""
     global_valid_sequences: int = 0
@@ -134,11 +139,15 @@ class TrainBatch:
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[index]
 
+        def per_sequence(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[sequences.to(t.device)]
+
         return TrainBatch(
             input_ids=self.input_ids[index], cu_seqlens=cu, position_ids=self.position_ids[index],
             loss_mask=self.loss_mask[index], advantages=self.advantages[index],
             generator_logprobs=self.generator_logprobs[index], old_logprobs=cut(self.old_logprobs),
-            reference_logprobs=cut(self.reference_logprobs), global_valid_tokens=self.global_valid_tokens,
+            reference_logprobs=cut(self.reference_logprobs), prompt_lengths=per_sequence(self.prompt_lengths),
+            group_ids=per_sequence(self.group_ids), global_valid_tokens=self.global_valid_tokens,
             global_valid_sequences=self.global_valid_sequences,
             extras={k: v[index] for k, v in self.extras.items()},
         )

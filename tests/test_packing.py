@@ -14,13 +14,14 @@ from novarl.backends.training.batching import (
     lay_out,
     micro_batch,
     plan_micro_batches,
+    prompt_items,
 )
 from novarl.config import load_config
 from novarl.config.schema import LossConfig
 from novarl.errors import UserError
 from novarl.models.loading import resolve_model_path
 from novarl.trainer.rollout import build_train_batch
-from novarl.types import Completion, Prompt
+from novarl.types import Completion, Prompt, TrainBatch
 from tests.helpers.packing import FROZEN, LAYOUTS, LOSS, assert_same, batchings, group_results, measure, mixed_batch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -99,6 +100,24 @@ def test_packed_row_restarts_positions_and_maps_tokens_back():
     assert torch.equal(padded.attention_mask.view(-1).nonzero().view(-1), padded.index)
 
 
+def test_shared_prompt_row_by_hand():
+    """Two samples of one 3-token prompt: the prompt once, then each completion; each completion
+    attends to the prompt and itself; each token's logits come from its own predecessor."""
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 10, 0]])
+    batch = TrainBatch.from_rows(ids, ids != 0, torch.ones_like(ids, dtype=torch.bool), torch.zeros(2))
+    batch.prompt_lengths, batch.group_ids = torch.tensor([3, 3]), torch.tensor([4, 4])
+    inputs = lay_out(batch, "packed", 8, share_prompts=True)
+    assert inputs.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 0, 0]]
+    assert inputs.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 0, 1]]
+    assert inputs.index.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5]
+    assert inputs.previous.tolist() == [-1, 0, 1, 2, 3, -1, 0, 1, 2]
+    assert inputs.attention_rows.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 5, 0], [6, 7, 0, 0, 0]]
+    assert inputs.attention_take.tolist() == [0, 1, 2, 3, 4, 8, 10, 11]
+    items, sizes = prompt_items([5, 4, 6], [3, 3, 2], [4, 4, 9], capacity=64)
+    assert (items, sizes) == ([[0, 1], [2]], [6, 6])
+    assert prompt_items([5, 4], [3, 3], [4, 4], capacity=5) == ([[0], [1]], [5, 4])  # too big together: cut
+
+
 def test_rollout_batch_is_token_level_with_per_sequence_or_per_token_advantages():
     prompt = Prompt(text="1+1=", token_ids=[1, 5, 6], answer="2")
     completions = [Completion(prompt, [7, 2], [-0.5, -0.25], "2", "stop", 0),
@@ -110,6 +129,7 @@ def test_rollout_batch_is_token_level_with_per_sequence_or_per_token_advantages(
     assert batch.advantages.tolist() == [1.0] * 5 + [-1.0] * 6
     assert batch.to_rows(batch.generator_logprobs)[1, 3:].tolist() == [-1.0, -2.0, -3.0]
     assert (batch.global_valid_tokens, batch.global_valid_sequences) == (2, 1)
+    assert batch.prompt_lengths.tolist() == [3, 3] and batch.group_ids.tolist() == [0, 0]
     per_token = torch.arange(11, dtype=torch.float32)
     assert torch.equal(build_train_batch(completions, per_token).advantages, per_token)
     with pytest.raises(ValueError, match="one per sequence or one per token"):
@@ -153,7 +173,7 @@ def test_packed_logprobs_equal_transformers_on_each_sequence_alone(one_rank_poli
     novarl's varlen attention) and padding both give its numbers."""
     from novarl.models.loading import load_causal_lm, token_logprobs
 
-    assert one_rank_policy.reads_boundaries  # llama: the varlen attention is in use
+    assert one_rank_policy.attention == "novarl_varlen"  # llama: novarl's varlen attention is in use
     batch = mixed_batch(rows=6, seed=5)
     reference = load_causal_lm(resolve_model_path("tiny-arith"))
     assert reference.config._attn_implementation == "sdpa"

@@ -260,6 +260,11 @@ class SequencePackingConfig(Section):
     """How sequences are put into micro-batches (bins of train_mb_tokens)."""
     sequence_length_round: int = Field(64, ge=1)
     """A packed row's length is rounded up to a multiple of it."""
+    share_prompts: bool = True
+    """novarl's own key: a GRPO group's prompt is laid out once in a packed row and each of its
+    samples attends to it, so the prompt's tokens are computed once per group rather than once
+    per sample (DTensor and DeepSpeed with novarl's varlen attention: Llama, Qwen2/3, Mistral;
+    elsewhere each sample carries its prompt)."""
 
 
 class DynamicBatchingConfig(Section):

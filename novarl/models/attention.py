@@ -26,25 +26,26 @@ VARLEN = "novarl_varlen"
 PLAIN_CAUSAL = ("llama", "qwen2", "qwen3", "mistral")
 """Architectures whose attention VARLEN computes exactly (when no sliding window is active)."""
 READS_BOUNDARIES = (VARLEN, "flash_attention_2", "flash_attention_3")
-"""Implementations that take the packed row's boundaries as cu_seq_lens_* / max_length_* keywords."""
+"""Implementations that take the packed row's boundaries as cu_seq_lens_* / max_length_* keywords;
+VARLEN alone also takes shared-prompt attention rows."""
 
 _registered = False
 
 
-def use_varlen_attention(model: torch.nn.Module) -> bool:
+def use_varlen_attention(model: torch.nn.Module) -> str | None:
     """Switch a loaded Hugging Face causal LM to VARLEN when its attention is plain causal
-    attention computed by SDPA or eager; True if it now reads packed rows' boundaries (VARLEN,
-    or flash-attention already)."""
+    attention computed by SDPA or eager. The implementation now in use if it reads packed rows'
+    boundaries (VARLEN, or flash-attention already), else None."""
     config = model.config
     implementation = getattr(config, "_attn_implementation", None)
     if implementation in READS_BOUNDARIES:
-        return True
+        return implementation
     sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
     if implementation not in ("sdpa", "eager") or config.model_type not in PLAIN_CAUSAL or sliding:
-        return False
+        return None
     _register()
     model.set_attn_implementation(VARLEN)
-    return True
+    return VARLEN
 
 
 def _register() -> None:
@@ -59,15 +60,30 @@ def _register() -> None:
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None,
-                     **kwargs) -> tuple[torch.Tensor, None]:
+                     novarl_attention_rows: torch.Tensor | None = None,
+                     novarl_attention_take: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """query [B, H, T, D], key and value [B, Hkv, T, D] -> ([B, T, H, D], None).
 
     With cu_seq_lens_q ([k + 1] boundaries of one packed row, B = 1): each sequence attends
-    causally to itself. Without: causal attention over each right-padded row."""
+    causally to itself. With novarl_attention_rows ([A, L] row positions) and _take ([T]): each
+    attention row (a shared prompt and one completion) is causal attention over those positions,
+    and position t's output is the flattened [A * L] output at take[t] (packed rows with shared
+    prompts, backends/training/batching.py). Without: causal attention over each right-padded row."""
     if attention_mask is not None:
         raise ValueError(f"{VARLEN} attention takes right-padded rows without a mask, or packed boundaries")
     gqa = query.shape[1] != key.shape[1]
     dropout = dropout if module.training else 0.0
+    if novarl_attention_rows is not None:
+        rows = novarl_attention_rows.to(query.device)
+
+        def gather(t: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [A, H, L, D]
+            return t[0][:, rows].transpose(0, 1)
+
+        out = torch.nn.functional.scaled_dot_product_attention(gather(query), gather(key), gather(value),
+                                                               dropout_p=dropout, is_causal=True, scale=scaling,
+                                                               enable_gqa=gqa)
+        flat = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])  # [A * L, H, D]
+        return flat[novarl_attention_take.to(query.device)].unsqueeze(0), None
     if cu_seq_lens_q is None:
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
                                                                scale=scaling, enable_gqa=gqa)

@@ -36,8 +36,19 @@ def build_train_batch(completions: Sequence[Completion], advantages: torch.Tenso
                          f"{len(input_ids)} tokens (one per sequence or one per token)")
     batch = TrainBatch(input_ids=input_ids, cu_seqlens=cu_seqlens, position_ids=positions,
                        loss_mask=generated & trained[sequence], advantages=advantages,
-                       generator_logprobs=generator_logprobs)
+                       generator_logprobs=generator_logprobs, prompt_lengths=prompt_lengths,
+                       group_ids=prompt_groups(completions))
     return batch.with_own_counts()
+
+
+def prompt_groups(completions: Sequence[Completion]) -> torch.Tensor:
+    """[S] int64 group ids: consecutive completions of the same prompt tokens share one."""
+    ids, group, previous = [], -1, None
+    for c in completions:
+        if c.prompt.token_ids != previous:
+            group, previous = group + 1, c.prompt.token_ids
+        ids.append(group)
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def rollout_metrics(completions: Sequence[Completion], rewards: torch.Tensor, group_size: int) -> dict[str, float]:

@@ -28,7 +28,8 @@ measured under every layout in turn."""
 
 def mixed_batch(rows: int = 12, longest: int = 40, seed: int = 0) -> TrainBatch:
     """Sequences of 5 to `longest` tokens (a 4-token prompt, then a completion), random tokens of
-    the bundled vocabulary, advantages, generator and reference logprobs."""
+    the bundled vocabulary, advantages, generator and reference logprobs; in groups of 1 to 3
+    consecutive sequences that share their prompt (as a GRPO group's samples do)."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(5, longest + 1, (rows,), generator=gen)
     lengths[0] = longest
@@ -36,9 +37,12 @@ def mixed_batch(rows: int = 12, longest: int = 40, seed: int = 0) -> TrainBatch:
     loss_mask = attention_mask.clone()
     loss_mask[:, :4] = False
     ids = torch.randint(3, 18, (rows, longest), generator=gen)
+    group_ids = torch.tensor([row - row % 3 if row % 7 else row for row in range(rows)])  # 3s, some cut short
+    ids[:, :4] = ids[group_ids, :4]
     batch = TrainBatch.from_rows(ids, attention_mask, loss_mask, torch.randn(rows, generator=gen),
                                  -torch.rand(rows, longest, generator=gen) * loss_mask)
     batch.reference_logprobs = -torch.rand(batch.num_tokens, generator=gen)
+    batch.prompt_lengths, batch.group_ids = torch.full((rows,), 4), group_ids
     return batch
 
 

@@ -35,7 +35,6 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from novarl.models.loading import token_logprobs
 from novarl.types import TrainBatch
 
 Layout = Literal["packed", "dynamic", "fixed"]
@@ -54,6 +53,9 @@ class MicroBatching:
     """Padded lengths (fixed, dynamic: each row; packed: the packed row) are multiples of it."""
     algorithm: str = "modified_first_fit_decreasing"
     """packed: the bin-packing algorithm (PACKERS)."""
+    share_prompts: bool = False
+    """packed: a group's prompt (TrainBatch.group_ids) is laid out once in the row and its
+    samples attend to it (needs novarl's varlen attention: models/attention.py)."""
 
     @classmethod
     def from_policy(cls, policy, *, training: bool, sequence_multiple: int = 1) -> "MicroBatching":
@@ -67,7 +69,8 @@ class MicroBatching:
                 budget = section.train_mb_tokens if training else section.logprob_mb_tokens
                 return cls(layout, rows, budget or policy.max_seq_length * rows,
                            math.lcm(section.sequence_length_round, sequence_multiple),
-                           getattr(section, "algorithm", "modified_first_fit_decreasing"))
+                           getattr(section, "algorithm", "modified_first_fit_decreasing"),
+                           getattr(section, "share_prompts", False))
         return cls("fixed", rows, policy.max_seq_length * rows, sequence_multiple)
 
 
@@ -178,8 +181,10 @@ class Plan:
         return [i for mb in self.ranks[rank] if mb is not None for i in mb]
 
 
-def plan_micro_batches(lengths: Sequence[int], dp_size: int, batching: MicroBatching) -> Plan:
-    """The same plan on every rank, from the sequence lengths alone."""
+def plan_micro_batches(lengths: Sequence[int], dp_size: int, batching: MicroBatching,
+                       prompt_lengths: Sequence[int] | None = None, group_ids: Sequence[int] | None = None) -> Plan:
+    """The same plan on every rank, from the sequence lengths (and, to share prompts in packed
+    rows, each sequence's prompt length and group) alone."""
     lengths = [int(n) for n in lengths]
     if batching.layout == "fixed":  # contiguous shares, as even as the count allows
         bounds = [len(lengths) * r // dp_size for r in range(dp_size + 1)]
@@ -190,10 +195,38 @@ def plan_micro_batches(lengths: Sequence[int], dp_size: int, batching: MicroBatc
         if batching.algorithm not in PACKERS:
             raise ValueError(f"unknown policy.sequence_packing.algorithm {batching.algorithm!r}; "
                              f"one of {sorted(PACKERS)}")
-        bins = PACKERS[batching.algorithm](lengths, batching.tokens)
+        shared = batching.share_prompts and prompt_lengths is not None and group_ids is not None
+        items, sizes = (prompt_items(lengths, list(prompt_lengths), list(group_ids), batching.tokens) if shared
+                        else ([[i] for i in range(len(lengths))], lengths))
+        bins = [[i for item in b for i in items[item]] for b in PACKERS[batching.algorithm](sizes, batching.tokens)]
     else:
         bins = dynamic_groups(lengths, batching.tokens, batching.length_multiple)
     return Plan(_equalise(_deal(_split_to(bins, dp_size, lengths), dp_size, lengths)), batching.layout)
+
+
+def plan_for(batch: TrainBatch, dp_size: int, batching: MicroBatching) -> Plan:
+    """plan_micro_batches for a batch."""
+    as_list = (lambda t: None if t is None else t.tolist())
+    return plan_micro_batches(batch.lengths.tolist(), dp_size, batching, as_list(batch.prompt_lengths),
+                              as_list(batch.group_ids))
+
+
+def prompt_items(lengths: list[int], prompt_lengths: list[int], group_ids: list[int], capacity: int
+                 ) -> tuple[list[list[int]], list[int]]:
+    """What packing with shared prompts puts in bins: each group's consecutive sequences, as
+    many as fit `capacity` tokens with the prompt counted once (a larger group is cut into
+    several items, each with its prompt); and each item's tokens."""
+    items: list[list[int]] = []
+    sizes: list[int] = []
+    for i, n in enumerate(lengths):
+        same = items and group_ids[items[-1][-1]] == group_ids[i]
+        if same and sizes[-1] + n - prompt_lengths[i] <= capacity:
+            items[-1].append(i)
+            sizes[-1] += n - prompt_lengths[i]
+        else:
+            items.append([i])
+            sizes.append(n)
+    return items, sizes
 
 
 def _split_to(bins: list[list[int]], count: int, lengths: Sequence[int]) -> list[list[int]]:
@@ -258,10 +291,19 @@ class ModelInputs:
     tell the sequences apart)."""
     index: torch.Tensor
     """[n] int64 where the micro-batch's tokens are in the flattened [R * W] rows, in order."""
+    previous: torch.Tensor
+    """[n] int64 where, in the flattened rows, the token before each of the micro-batch's tokens
+    (in its sequence) is: its logits predict the token; -1 at each sequence's first token."""
     cu_seqlens: torch.Tensor
     """packed: [k + 1] int32 boundaries of the sequences in the row (each padded to
     sequence_multiple, the row's tail padding a sequence of its own), for varlen kernels."""
     max_seqlen: int
+    attention_rows: torch.Tensor | None = None
+    """Shared prompts: [A, L] int64 the row positions of each attention row (a prompt and one of
+    its completions, causal; padded at the end), for novarl's varlen attention; else None."""
+    attention_take: torch.Tensor | None = None
+    """Shared prompts: [W] int64 where in the flattened [A * L] attention outputs each row
+    position's output is (a prompt's from its group's first attention row)."""
 
     @property
     def tokens_computed(self) -> int:
@@ -269,13 +311,17 @@ class ModelInputs:
 
 
 def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple: int = 1,
-            width: int | None = None, rows: int | None = None) -> ModelInputs:
+            width: int | None = None, rows: int | None = None, share_prompts: bool = False) -> ModelInputs:
     """The micro-batch as model inputs. packed: one row, each sequence padded to a multiple of
-    `sequence_multiple` (context parallelism splits each), the row to a multiple of `multiple`.
+    `sequence_multiple` (context parallelism splits each), the row to a multiple of `multiple`;
+    with share_prompts, each group's prompt once, then its samples' completions.
     Padded (fixed, dynamic): one row per sequence, padded to the longest, rounded up to
     `multiple`. `width` and `rows` fix R and W instead (pipeline buffers have one shape)."""
     device = mb.input_ids.device
     lengths = mb.lengths.cpu()
+    first = mb.position_ids.cpu() == 0
+    if layout == "packed" and share_prompts and mb.group_ids is not None and mb.prompt_lengths is not None:
+        return _shared_prompt_row(mb, multiple, width)
     if layout == "packed":
         slots = torch.tensor([round_up(int(n), sequence_multiple) for n in lengths.tolist()], dtype=torch.long)
         starts = torch.nn.functional.pad(torch.cumsum(slots, 0), (1, 0))
@@ -290,7 +336,8 @@ def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple:
         ids = torch.zeros(total, dtype=torch.long)
         ids[index] = mb.input_ids.cpu()
         return ModelInputs(ids[None].to(device), positions[None].to(device), None, index.to(device),
-                           cu.to(torch.int32).to(device), int(cu.diff().max()))
+                           torch.where(first, -1, index - 1).to(device), cu.to(torch.int32).to(device),
+                           int(cu.diff().max()))
     count = rows if rows is not None else len(mb)
     longest = int(lengths.max()) if len(mb) else 1
     W = width if width is not None else round_up(longest, multiple)
@@ -302,14 +349,73 @@ def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple:
     positions = torch.arange(W).expand(count, W)
     cu = torch.arange(count + 1, dtype=torch.int32) * W
     return ModelInputs(ids.view(count, W).to(device), positions.to(device), mask.view(count, W).to(device),
-                       index.to(device), cu.to(device), W)
+                       index.to(device), torch.where(first, -1, index - 1).to(device), cu.to(device), W)
+
+
+def _shared_prompt_row(mb: TrainBatch, multiple: int, width: int | None) -> ModelInputs:
+    """One packed row: for each group of consecutive sequences with one group id, the prompt
+    once (positions 0..P-1), then every sequence's completion (positions P..), then padding to
+    a multiple of `multiple`. Attention rows pair the prompt with each completion."""
+    device = mb.input_ids.device
+    cu, positions = mb.cu_seqlens.cpu().tolist(), mb.position_ids.cpu()
+    prompt_lengths, group_ids = mb.prompt_lengths.cpu().tolist(), mb.group_ids.cpu().tolist()
+    ids = mb.input_ids.cpu()
+    index = torch.empty(len(ids), dtype=torch.long)
+    slots: list[int] = []  # the micro-batch token each row position holds
+    attention: list[list[int]] = []
+    output_of: dict[int, tuple[int, int]] = {}  # row position -> (attention row, offset)
+    prompt_slots: list[int] = []
+    for s in range(len(mb)):
+        start, end, prompt = cu[s], cu[s + 1], prompt_lengths[s]
+        if s == 0 or group_ids[s] != group_ids[s - 1] or prompt_lengths[s - 1] != prompt:
+            prompt_slots = list(range(len(slots), len(slots) + prompt))
+            slots.extend(range(start, start + prompt))
+            for offset, slot in enumerate(prompt_slots):
+                output_of[slot] = (len(attention), offset)
+        index[start:start + prompt] = torch.tensor(prompt_slots, dtype=torch.long)
+        own = list(range(len(slots), len(slots) + end - start - prompt))
+        slots.extend(range(start + prompt, end))
+        index[start + prompt:end] = torch.tensor(own, dtype=torch.long)
+        for offset, slot in enumerate(own, start=prompt):
+            output_of[slot] = (len(attention), offset)
+        attention.append(prompt_slots + own)
+    used = len(slots)
+    total = width if width is not None else round_up(max(used, 1), multiple)
+    if total > used:  # the tail: an attention row of its own
+        tail = list(range(used, total))
+        for offset, slot in enumerate(tail):
+            output_of[slot] = (len(attention), offset)
+        attention.append(tail)
+    longest = max(len(a) for a in attention)
+    rows = torch.zeros(len(attention), longest, dtype=torch.long)  # padding at the end: causal, never attended
+    for a, row in enumerate(attention):
+        rows[a, :len(row)] = torch.tensor(row, dtype=torch.long)
+    take = [output_of[slot][0] * longest + output_of[slot][1] for slot in range(total)]
+    row_ids = torch.zeros(total, dtype=torch.long)
+    row_ids[:used] = ids[torch.tensor(slots, dtype=torch.long)]
+    row_positions = torch.zeros(total, dtype=torch.long)
+    row_positions[index] = positions
+    row_positions[used:] = torch.arange(total - used)
+    # a token's predecessor: the slot of the token before it in its own sequence
+    previous = torch.full((len(ids),), -1, dtype=torch.long)
+    later = positions != 0
+    previous[later] = index[torch.nonzero(later).view(-1) - 1]
+    cu_rows = torch.tensor([0, total], dtype=torch.int32)
+    return ModelInputs(row_ids[None].to(device), row_positions[None].to(device), None, index.to(device),
+                       previous.to(device), cu_rows.to(device), total, rows.to(device),
+                       torch.tensor(take, dtype=torch.long).to(device))
 
 
 def picked_logprobs(logits: torch.Tensor, inputs: ModelInputs, mb: TrainBatch, temperature: float) -> torch.Tensor:
-    """[n] logprobs of the micro-batch's tokens from the model's logits [R, W, V]; 0 at each
-    sequence's first token (in a packed row, the logit before it belongs to another sequence)."""
-    rows = token_logprobs(logits, inputs.input_ids, temperature)
-    return rows.reshape(-1)[inputs.index] * (mb.position_ids != 0)
+    """[n] logprobs of the micro-batch's tokens from the model's logits [R, W, V], each read
+    from its predecessor's logits (inputs.previous) at the sampling temperature; 0 at each
+    sequence's first token. Only the n positions needed go through the softmax."""
+    previous = inputs.previous
+    rows = logits.reshape(-1, logits.shape[-1])[previous.clamp(min=0)].float()
+    if temperature != 1.0:
+        rows = rows / temperature
+    picked = rows.gather(-1, mb.input_ids[:, None]).squeeze(-1) - torch.logsumexp(rows, dim=-1)
+    return picked * (previous >= 0)
 
 
 def gather_sequences(batch: TrainBatch, plan: Plan, mine: torch.Tensor, rank: int, group) -> torch.Tensor:

@@ -116,7 +116,7 @@ class DeepSpeedModel(DataParallelRows):
         self.logprob_batching = MicroBatching.from_policy(policy, training=False, sequence_multiple=multiple)
         self.zero_stage = policy.deepspeed_cfg.zero_stage
         model = load_causal_lm(model_path, dtype=torch.float32, trust_remote_code=policy.trust_remote_code)
-        self.reads_boundaries = use_varlen_attention(model)
+        self.attention = use_varlen_attention(model)
         config = deepspeed_config(policy, world_size=self.dp_size, accumulation_steps=accumulation_steps,
                                   on_gpu=self.device.type == "cuda",
                                   hidden_size=getattr(model.config, "hidden_size", None) or 4096)

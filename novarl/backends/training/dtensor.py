@@ -59,7 +59,7 @@ class ShardedModel(DataParallelRows):
         self.dp_rank, self.dp_size = dist.get_rank(self.dp_group), dims.data_parallel
         precision = policy.precision or ("bfloat16" if self.device.type == "cuda" else "float32")
         model = load_causal_lm(model_path, dtype=torch.float32, trust_remote_code=policy.trust_remote_code)
-        self.reads_boundaries = use_varlen_attention(model)
+        self.attention = use_varlen_attention(model)
         model.to(self.device)
         if dims.tensor_parallel > 1:
             apply_tp(model, self.mesh["tp"], dt)

@@ -19,8 +19,9 @@ from novarl.backends.training.batching import (
     lay_out,
     micro_batch,
     picked_logprobs,
-    plan_micro_batches,
+    plan_for,
 )
+from novarl.models.attention import VARLEN
 from novarl.errors import UserError
 from novarl.types import TrainBatch
 
@@ -28,21 +29,24 @@ from novarl.types import TrainBatch
 class DataParallelRows:
     """Mixin: needs self.model (callable like a Hugging Face causal LM), self.device,
     self.temperature, self.dp_group, self.dp_rank, self.dp_size, self.logprob_batching
-    (a MicroBatching) and self.reads_boundaries (the model's attention takes a packed row's
-    sequence boundaries: models/attention.py)."""
+    (a MicroBatching) and self.attention (the model's attention implementation when it takes a
+    packed row's sequence boundaries, else None: models/attention.py)."""
 
     def forward_logprobs(self, mb: TrainBatch, batching: MicroBatching) -> tuple[torch.Tensor, int]:
         """[n] logprobs of the micro-batch's tokens (with grad when enabled), and the tokens the
         model computed for them (padding included)."""
-        inputs = lay_out(mb, batching.layout, batching.length_multiple)
+        inputs = lay_out(mb, batching.layout, batching.length_multiple,
+                         share_prompts=batching.share_prompts and self.attention == VARLEN)
         boundaries = {}
-        if inputs.attention_mask is None and self.reads_boundaries:  # each sequence's attention alone
+        if inputs.attention_rows is not None:  # a prompt once, attended by each of its completions
+            boundaries = dict(novarl_attention_rows=inputs.attention_rows, novarl_attention_take=inputs.attention_take)
+        elif inputs.attention_mask is None and self.attention:  # each sequence's attention alone
             boundaries = dict(cu_seq_lens_q=inputs.cu_seqlens, cu_seq_lens_k=inputs.cu_seqlens,
                               max_length_q=inputs.max_seqlen, max_length_k=inputs.max_seqlen)
         # no KV cache: with one, transformers would not read packed rows' position ids as
         # sequence boundaries (and a training forward has no use for it)
         logits = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                            attention_mask=None if self.reads_boundaries else inputs.attention_mask,
+                            attention_mask=None if self.attention else inputs.attention_mask,
                             use_cache=False, **boundaries).logits
         return picked_logprobs(logits, inputs, mb, self.temperature), inputs.tokens_computed
 
@@ -51,7 +55,7 @@ class DataParallelRows:
         """[N] logprobs of batch.input_ids (0 at each sequence's first token): each data-parallel
         rank computes its sequences, then they are gathered."""
         batching = self.logprob_batching
-        plan = plan_micro_batches(batch.lengths.tolist(), self.dp_size, batching)
+        plan = plan_for(batch, self.dp_size, batching)
         batch = batch.to(self.device)
         parts = []
         for sequences in plan.ranks[self.dp_rank]:
@@ -68,9 +72,12 @@ class DataParallelRows:
         each, on every rank: it is collective)."""
         if batching.layout != "packed":
             return
-        ids = (torch.arange(14) * 7 + 3) % max(vocab_size - 1, 1) + 1
-        two = TrainBatch.from_rows(ids.view(2, 7), torch.arange(7) < torch.tensor([[7], [5]]),
-                                   torch.ones(2, 7, dtype=torch.bool), torch.zeros(2)).to(self.device)
+        ids = ((torch.arange(14) * 7 + 3) % max(vocab_size - 1, 1) + 1).view(2, 7)
+        ids[1, :3] = ids[0, :3]  # one prompt of 3 tokens, two samples (shared when prompts are)
+        two = TrainBatch.from_rows(ids, torch.arange(7) < torch.tensor([[7], [5]]),
+                                   torch.ones(2, 7, dtype=torch.bool), torch.zeros(2))
+        two.prompt_lengths, two.group_ids = torch.tensor([3, 3]), torch.tensor([0, 0])
+        two = two.to(self.device)
         training = self.model.training
         self.model.eval()  # no dropout: the two forwards must be comparable
         packed, _ = self.forward_logprobs(two, batching)
@@ -94,7 +101,7 @@ class AccumulatingRows(DataParallelRows):
         """Accumulate gradients of `loss` over this rank's sequences in micro-batches, reduced over
         the data-parallel ranks at the last one. Metrics summed over micro-batches and ranks,
         with `tokens_computed` (padding included) beside the loss's."""
-        plan = plan_micro_batches(batch.lengths.tolist(), self.dp_size, self.train_batching)
+        plan = plan_for(batch, self.dp_size, self.train_batching)
         batch = batch.to(self.device)
         totals: dict[str, torch.Tensor] = {}
         mine = plan.ranks[self.dp_rank]
