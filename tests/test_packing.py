@@ -16,6 +16,7 @@ from novarl.backends.training.batching import (
     plan_micro_batches,
     prompt_items,
 )
+from novarl.algorithms.losses import make_loss
 from novarl.config import load_config
 from novarl.config.schema import LossConfig
 from novarl.errors import UserError
@@ -206,27 +207,40 @@ def test_varlen_attention_equals_sdpa_with_a_block_diagonal_mask():
     torch.testing.assert_close(grad_got, grad_want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_model_that_attends_across_packed_sequences_is_refused(one_rank_policy):
+def test_a_model_that_attends_across_packed_sequences_is_refused():
     """A model whose attention ignores position ids (as some remote-code models' do) would mix
     packed sequences: the start-up check refuses packing for it, naming the way out."""
-    model = one_rank_policy.model
+    from novarl.backends.training.rows import check_packing
+    from novarl.models.attention import use_varlen_attention
+    from novarl.models.loading import load_causal_lm
+
+    model = load_causal_lm(resolve_model_path("tiny-arith"))
+    attention = use_varlen_attention(model)
 
     class IgnoresPositions(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.inner = model
+            self.inner, self.config = model, model.config
 
         def forward(self, input_ids, position_ids, attention_mask, use_cache, **boundaries):
             return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
 
-    train, logprob = batchings("packed")
-    one_rank_policy.model = IgnoresPositions()
-    try:
-        with pytest.raises(UserError, match="attends across sequences.*dynamic_batching"):
-            one_rank_policy.check_packing(logprob, 19)
-    finally:
-        one_rank_policy.model = model
-    one_rank_policy.check_packing(logprob, 19)  # the real model passes
+    _, logprob = batchings("packed")
+    with pytest.raises(UserError, match="attends across sequences.*dynamic_batching"):
+        check_packing(IgnoresPositions(), attention, logprob, torch.device("cpu"))
+    check_packing(model, attention, logprob, torch.device("cpu"))  # the real model passes
+
+
+def test_every_parameter_is_trained_with_packing(one_rank_policy):
+    """The optimizer holds the parameters the model trains (FSDP2 swaps a root module's
+    parameters while it is unsharded: nothing may run a forward before the optimizer exists)."""
+    one_rank_policy.train_batching, one_rank_policy.logprob_batching = batchings("packed")
+    batch = mixed_batch(rows=4)
+    batch.old_logprobs = None
+    one_rank_policy.forward_backward(batch, make_loss(LOSS))
+    held = {id(p) for group in one_rank_policy.optimizer.param_groups for p in group["params"]}
+    assert all(id(p) in held and p.grad is not None for p in one_rank_policy.model.parameters())
+    one_rank_policy.optim_step()
 
 
 # ---------------------------------------------------------------- several ranks
@@ -287,7 +301,8 @@ def test_validate_and_plan_describe_packing_as_running(capsys):
     out = capsys.readouterr().out
     assert "packed micro-batches: sequences end to end, at most 512 tokens per row" in out
     assert "not available" not in out
-    assert main(["plan", "policy.dynamic_batching.enabled=true", "policy.generation.backend=hf"]) == 0
+    assert main(["plan", "policy.dynamic_batching.enabled=true", "policy.sequence_packing.enabled=false",
+                 "policy.generation.backend=hf"]) == 0
     out = capsys.readouterr().out
     assert "dynamic micro-batches: rows of similar length" in out and "not available" not in out
 

@@ -73,32 +73,37 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError(f"{VARLEN} attention takes right-padded rows without a mask, or packed boundaries")
     gqa = query.shape[1] != key.shape[1]
     dropout = dropout if module.training else 0.0
-    if novarl_attention_rows is not None:
-        rows = novarl_attention_rows.to(query.device)
-
-        def gather(t: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [A, H, L, D]
-            return t[0][:, rows].transpose(0, 1)
-
-        out = torch.nn.functional.scaled_dot_product_attention(gather(query), gather(key), gather(value),
-                                                               dropout_p=dropout, is_causal=True, scale=scaling,
-                                                               enable_gqa=gqa)
-        flat = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])  # [A * L, H, D]
-        return flat[novarl_attention_take.to(query.device)].unsqueeze(0), None
-    if cu_seq_lens_q is None:
+    if novarl_attention_rows is None and cu_seq_lens_q is None:
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
                                                                scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
-    cu = cu_seq_lens_q.to(device=query.device, dtype=torch.long)
+    if novarl_attention_rows is None:
+        novarl_attention_rows, novarl_attention_take = sequence_rows(cu_seq_lens_q, max_length_q)
+    rows = novarl_attention_rows.to(query.device)
+    take = novarl_attention_take.to(query.device)
+
+    def gather(t: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [A, H, L, D]
+        # index_select, whose backward adds rows with index_add: a prompt's keys feed several rows
+        tokens = t[0].transpose(0, 1).reshape(t.shape[2], -1)  # [T, H * D]
+        picked = tokens.index_select(0, rows.view(-1)).view(*rows.shape, t.shape[1], t.shape[3])
+        return picked.transpose(1, 2)
+
+    out = torch.nn.functional.scaled_dot_product_attention(gather(query), gather(key), gather(value),
+                                                           dropout_p=dropout, is_causal=True, scale=scaling,
+                                                           enable_gqa=gqa)
+    flat = out.transpose(1, 2).reshape(-1, out.shape[1] * out.shape[3])  # [A * L, H * D]
+    return flat.index_select(0, take).view(1, len(take), out.shape[1], out.shape[3]), None
+
+
+def sequence_rows(cu_seqlens: torch.Tensor, longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a packed row's boundaries [k + 1]: the attention rows [k, L] (each sequence's
+    positions, then whatever follows it: at the end of a causal row nothing real attends to it)
+    and take [T] (where each position's output is in the flattened [k * L] rows)."""
+    cu = cu_seqlens.long()
     lengths = cu.diff()
-    longest = int(max_length_q) if max_length_q is not None else int(lengths.max())
-    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=query.device), lengths)
-    position = torch.arange(int(cu[-1]), device=query.device) - cu[sequence]
-
-    def rows(t: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [k, H, longest, D], zero-padded
-        out = t.new_zeros(len(lengths), t.shape[1], longest, t.shape[3])
-        out[sequence, :, position] = t[0].transpose(0, 1)
-        return out
-
-    out = torch.nn.functional.scaled_dot_product_attention(rows(query), rows(key), rows(value), dropout_p=dropout,
-                                                           is_causal=True, scale=scaling, enable_gqa=gqa)
-    return out[sequence, :, position].unsqueeze(0), None  # [1, T, H, D]
+    longest = int(longest) if longest is not None else int(lengths.max())
+    total = int(cu[-1])
+    rows = (cu[:-1, None] + torch.arange(longest, device=cu.device)).clamp(max=total - 1)
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)
+    take = sequence * longest + torch.arange(total, device=cu.device) - cu[sequence]
+    return rows, take

@@ -206,9 +206,9 @@ def plan_micro_batches(lengths: Sequence[int], dp_size: int, batching: MicroBatc
 
 def plan_for(batch: TrainBatch, dp_size: int, batching: MicroBatching) -> Plan:
     """plan_micro_batches for a batch."""
-    as_list = (lambda t: None if t is None else t.tolist())
-    return plan_micro_batches(batch.lengths.tolist(), dp_size, batching, as_list(batch.prompt_lengths),
-                              as_list(batch.group_ids))
+    prompts, groups = batch.prompt_lengths, batch.group_ids
+    return plan_micro_batches(batch.lengths.tolist(), dp_size, batching,
+                              None if prompts is None else prompts.tolist(), None if groups is None else groups.tolist())
 
 
 def prompt_items(lengths: list[int], prompt_lengths: list[int], group_ids: list[int], capacity: int
@@ -327,7 +327,7 @@ def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple:
         starts = torch.nn.functional.pad(torch.cumsum(slots, 0), (1, 0))
         used = int(starts[-1])
         total = width if width is not None else round_up(max(used, 1), multiple)
-        cu = starts if total == used else torch.cat([starts, torch.tensor([total])])
+        cu = torch.cat([starts, tail_pieces(used, total, int(slots.max()) if len(slots) else total)])
         # every slot counts from 0, its sequence's padding included, so that a sequence and its
         # padding are one sequence to the attention; the row's tail is one more
         slot_of = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff())
@@ -381,12 +381,12 @@ def _shared_prompt_row(mb: TrainBatch, multiple: int, width: int | None) -> Mode
         attention.append(prompt_slots + own)
     used = len(slots)
     total = width if width is not None else round_up(max(used, 1), multiple)
-    if total > used:  # the tail: an attention row of its own
-        tail = list(range(used, total))
-        for offset, slot in enumerate(tail):
+    longest = max((len(a) for a in attention), default=total)
+    piece_ends = [used, *tail_pieces(used, total, longest).tolist()]
+    for begin, end in zip(piece_ends[:-1], piece_ends[1:]):  # the tail, in pieces no longer than a row
+        for offset, slot in enumerate(range(begin, end)):
             output_of[slot] = (len(attention), offset)
-        attention.append(tail)
-    longest = max(len(a) for a in attention)
+        attention.append(list(range(begin, end)))
     rows = torch.zeros(len(attention), longest, dtype=torch.long)  # padding at the end: causal, never attended
     for a, row in enumerate(attention):
         rows[a, :len(row)] = torch.tensor(row, dtype=torch.long)
@@ -406,12 +406,19 @@ def _shared_prompt_row(mb: TrainBatch, multiple: int, width: int | None) -> Mode
                        torch.tensor(take, dtype=torch.long).to(device))
 
 
+def tail_pieces(used: int, total: int, longest: int) -> torch.Tensor:
+    """Ends of the pieces the padding after `used` tokens of a `total`-token row is cut into,
+    none longer than `longest`: attention work is rows x their longest, and the tail is no row."""
+    return torch.arange(used + longest, total + longest, max(longest, 1)).clamp(max=total)[:max(0, -(-(total - used) // max(longest, 1)))]
+
+
 def picked_logprobs(logits: torch.Tensor, inputs: ModelInputs, mb: TrainBatch, temperature: float) -> torch.Tensor:
     """[n] logprobs of the micro-batch's tokens from the model's logits [R, W, V], each read
     from its predecessor's logits (inputs.previous) at the sampling temperature; 0 at each
     sequence's first token. Only the n positions needed go through the softmax."""
     previous = inputs.previous
-    rows = logits.reshape(-1, logits.shape[-1])[previous.clamp(min=0)].float()
+    # index_select: its backward adds with index_add (a prompt's last logits predict each sample's first token)
+    rows = logits.reshape(-1, logits.shape[-1]).index_select(0, previous.clamp(min=0)).float()
     if temperature != 1.0:
         rows = rows / temperature
     picked = rows.gather(-1, mb.input_ids[:, None]).squeeze(-1) - torch.logsumexp(rows, dim=-1)

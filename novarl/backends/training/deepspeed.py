@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.batching import MicroBatching
-from novarl.backends.training.rows import AccumulatingRows, DataParallelRows
+from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing
 from novarl.config.schema import PolicyConfig
 from novarl.distributed.weight_sync import bucketed, in_dtype
 from novarl.errors import ConfigError
@@ -120,6 +120,7 @@ class DeepSpeedModel(DataParallelRows):
         config = deepspeed_config(policy, world_size=self.dp_size, accumulation_steps=accumulation_steps,
                                   on_gpu=self.device.type == "cuda",
                                   hidden_size=getattr(model.config, "hidden_size", None) or 4096)
+        check_packing(model, self.attention, self.logprob_batching, torch.device("cpu"))  # before the engine
         model.train(trainable)
         model.requires_grad_(trainable)
         self.optimizer = self.scheduler = None
@@ -131,7 +132,6 @@ class DeepSpeedModel(DataParallelRows):
         if config is None:
             self.engine = None
             self.model = model.to(self.device, dtype=_dtype(policy, self.device))
-            self.check_packing(self.logprob_batching, model.config.vocab_size)
             return
         try:
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,
@@ -140,7 +140,6 @@ class DeepSpeedModel(DataParallelRows):
             raise ConfigError(f"DeepSpeed refused its config (policy.deepspeed_cfg, with deepspeed_cfg.config "
                               f"merged over it): {err}") from None
         self.model = self.engine  # called like the module; ZeRO-3 gathers parameters on the way
-        self.check_packing(self.logprob_batching, model.config.vocab_size)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the full CPU tensors (Hugging Face

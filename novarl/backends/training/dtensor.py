@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from novarl.backends.training.batching import MicroBatching
-from novarl.backends.training.rows import AccumulatingRows, DataParallelRows
+from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.parallelize import (
     ParallelDims,
@@ -61,6 +61,12 @@ class ShardedModel(DataParallelRows):
         model = load_causal_lm(model_path, dtype=torch.float32, trust_remote_code=policy.trust_remote_code)
         self.attention = use_varlen_attention(model)
         model.to(self.device)
+        # sequence parallelism splits every row's tokens evenly over the tensor-parallel ranks
+        multiple = math.lcm(policy.make_sequence_length_divisible_by,
+                            dims.tensor_parallel if dt.sequence_parallel else 1)
+        self.train_batching = MicroBatching.from_policy(policy, training=True, sequence_multiple=multiple)
+        self.logprob_batching = MicroBatching.from_policy(policy, training=False, sequence_multiple=multiple)
+        check_packing(model, self.attention, self.logprob_batching, self.device)  # before sharding
         if dims.tensor_parallel > 1:
             apply_tp(model, self.mesh["tp"], dt)
         if trainable and dt.activation_checkpointing:
@@ -70,12 +76,6 @@ class ShardedModel(DataParallelRows):
         model.train(trainable)
         model.requires_grad_(trainable)
         self.model = model
-        # sequence parallelism splits every row's tokens evenly over the tensor-parallel ranks
-        multiple = math.lcm(policy.make_sequence_length_divisible_by,
-                            dims.tensor_parallel if dt.sequence_parallel else 1)
-        self.train_batching = MicroBatching.from_policy(policy, training=True, sequence_multiple=multiple)
-        self.logprob_batching = MicroBatching.from_policy(policy, training=False, sequence_multiple=multiple)
-        self.check_packing(self.logprob_batching, model.config.vocab_size)
 
 class DTensorPolicy(ShardedModel, AccumulatingRows):
     """The trainable policy on the DTensor backend (implements TrainingBackend)."""

@@ -35,20 +35,7 @@ class DataParallelRows:
     def forward_logprobs(self, mb: TrainBatch, batching: MicroBatching) -> tuple[torch.Tensor, int]:
         """[n] logprobs of the micro-batch's tokens (with grad when enabled), and the tokens the
         model computed for them (padding included)."""
-        inputs = lay_out(mb, batching.layout, batching.length_multiple,
-                         share_prompts=batching.share_prompts and self.attention == VARLEN)
-        boundaries = {}
-        if inputs.attention_rows is not None:  # a prompt once, attended by each of its completions
-            boundaries = dict(novarl_attention_rows=inputs.attention_rows, novarl_attention_take=inputs.attention_take)
-        elif inputs.attention_mask is None and self.attention:  # each sequence's attention alone
-            boundaries = dict(cu_seq_lens_q=inputs.cu_seqlens, cu_seq_lens_k=inputs.cu_seqlens,
-                              max_length_q=inputs.max_seqlen, max_length_k=inputs.max_seqlen)
-        # no KV cache: with one, transformers would not read packed rows' position ids as
-        # sequence boundaries (and a training forward has no use for it)
-        logits = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                            attention_mask=None if self.attention else inputs.attention_mask,
-                            use_cache=False, **boundaries).logits
-        return picked_logprobs(logits, inputs, mb, self.temperature), inputs.tokens_computed
+        return model_logprobs(self.model, self.attention, mb, batching, self.temperature)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -64,33 +51,6 @@ class DataParallelRows:
                 parts.append(logprobs)
         mine = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
         return gather_sequences(batch, plan, mine, self.dp_rank, self.dp_group if self.dp_size > 1 else None)
-
-    @torch.no_grad()
-    def check_packing(self, batching: MicroBatching, vocab_size: int) -> None:
-        """Refuse packing for a model whose attention crosses sequence boundaries in a packed row:
-        two short sequences, packed and padded, must get the same logprobs (one tiny forward
-        each, on every rank: it is collective)."""
-        if batching.layout != "packed":
-            return
-        ids = ((torch.arange(14) * 7 + 3) % max(vocab_size - 1, 1) + 1).view(2, 7)
-        ids[1, :3] = ids[0, :3]  # one prompt of 3 tokens, two samples (shared when prompts are)
-        two = TrainBatch.from_rows(ids, torch.arange(7) < torch.tensor([[7], [5]]),
-                                   torch.ones(2, 7, dtype=torch.bool), torch.zeros(2))
-        two.prompt_lengths, two.group_ids = torch.tensor([3, 3]), torch.tensor([0, 0])
-        two = two.to(self.device)
-        training = self.model.training
-        self.model.eval()  # no dropout: the two forwards must be comparable
-        packed, _ = self.forward_logprobs(two, batching)
-        padded, _ = self.forward_logprobs(two, MicroBatching("fixed", 2, 14, batching.length_multiple))
-        self.model.train(training)
-        if not torch.allclose(packed.float(), padded.float(), rtol=1e-3, atol=1e-3):
-            architecture = type(getattr(self.model, "module", self.model)).__name__
-            raise UserError(
-                f"policy.sequence_packing: {architecture} attends across sequences in a packed row (its logprobs "
-                "differ from the same sequences padded), so packing would train on wrong numbers. Its attention "
-                "does not read sequence boundaries from position ids; set policy.sequence_packing.enabled=false "
-                "and use policy.dynamic_batching instead.")
-
 
 class AccumulatingRows(DataParallelRows):
     """Mixin for a trainable policy: micro-batched forward/backward over this rank's sequences.
@@ -122,6 +82,53 @@ class AccumulatingRows(DataParallelRows):
 
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
+
+
+def model_logprobs(model, attention: str | None, mb: TrainBatch, batching: MicroBatching,
+                   temperature: float) -> tuple[torch.Tensor, int]:
+    """[n] logprobs of the micro-batch's tokens from a Hugging Face causal LM laid out as
+    `batching` says, and the tokens it computed (padding included). attention: the model's
+    implementation when it reads packed boundaries (models/attention.py), else None."""
+    inputs = lay_out(mb, batching.layout, batching.length_multiple,
+                     share_prompts=batching.share_prompts and attention == VARLEN)
+    boundaries = {}
+    if inputs.attention_rows is not None:  # a prompt once, attended by each of its completions
+        boundaries = dict(novarl_attention_rows=inputs.attention_rows, novarl_attention_take=inputs.attention_take)
+    elif inputs.attention_mask is None and attention:  # each sequence's attention alone
+        boundaries = dict(cu_seq_lens_q=inputs.cu_seqlens, cu_seq_lens_k=inputs.cu_seqlens,
+                          max_length_q=inputs.max_seqlen, max_length_k=inputs.max_seqlen)
+    # no KV cache: with one, transformers would not read packed rows' position ids as
+    # sequence boundaries (and a training forward has no use for it)
+    logits = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
+                   attention_mask=None if attention else inputs.attention_mask, use_cache=False, **boundaries).logits
+    return picked_logprobs(logits, inputs, mb, temperature), inputs.tokens_computed
+
+
+@torch.no_grad()
+def check_packing(model, attention: str | None, batching: MicroBatching, device: torch.device) -> None:
+    """Refuse packing for a model whose attention crosses sequence boundaries in a packed row:
+    two short samples of one prompt, packed and padded, must get the same logprobs. Run on the
+    loaded model before it is sharded (one tiny forward each, on this rank alone)."""
+    if batching.layout != "packed":
+        return
+    vocab_size = model.config.vocab_size
+    ids = ((torch.arange(14) * 7 + 3) % max(vocab_size - 1, 1) + 1).view(2, 7)
+    ids[1, :3] = ids[0, :3]  # one prompt of 3 tokens, two samples (shared when prompts are)
+    two = TrainBatch.from_rows(ids, torch.arange(7) < torch.tensor([[7], [5]]),
+                               torch.ones(2, 7, dtype=torch.bool), torch.zeros(2))
+    two.prompt_lengths, two.group_ids = torch.tensor([3, 3]), torch.tensor([0, 0])
+    two = two.to(device)
+    training = model.training
+    model.eval()  # no dropout: the two forwards must be comparable
+    packed, _ = model_logprobs(model, attention, two, batching, 1.0)
+    padded, _ = model_logprobs(model, attention, two, MicroBatching("fixed", 2, 14, batching.length_multiple), 1.0)
+    model.train(training)
+    if not torch.allclose(packed.float(), padded.float(), rtol=1e-3, atol=1e-3):
+        raise UserError(
+            f"policy.sequence_packing: {type(model).__name__} attends across sequences in a packed row (its logprobs "
+            "differ from the same sequences padded), so packing would train on wrong numbers. Its attention "
+            "does not read sequence boundaries from position ids; set policy.sequence_packing.enabled=false "
+            "and use policy.dynamic_batching instead.")
 
 
 def accumulate(totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
