@@ -126,6 +126,29 @@ def test_seeded_hf_samples_do_not_depend_on_the_batch_they_are_in():
     assert [c.token_ids for c in other] != [c.token_ids for c in whole]
 
 
+def test_a_groups_prompt_is_computed_once_with_the_same_samples():
+    """Samples of one prompt share its KV cache (the prompt's forward once per group); they
+    draw the same tokens, with the same logprobs, as each generated alone."""
+    from novarl.backends.generation.hf import HFGeneration, shared_prompt_cache
+    from novarl.models.loading import load_tokenizer, resolve_model_path
+
+    path = resolve_model_path("tiny-arith")
+    tokenizer = load_tokenizer(path)
+    prompts = [p for t in ["12+30=", "7+8="] for p in [Prompt(t, tokenizer(t).input_ids)] * 4]
+    sampling = SamplingConfig(max_new_tokens=5, temperature=1.0, seed=11)
+    engine = HFGeneration(path, tokenizer)
+    grouped = engine.generate(prompts, sampling)
+    alone = [HFGeneration(path, tokenizer, batch_size=1).generate(
+        [p], SamplingConfig(**{**sampling.__dict__, "seed_offset": i}))[0] for i, p in enumerate(prompts)]
+    assert [c.token_ids for c in grouped] == [c.token_ids for c in alone]
+    for g, a in zip(grouped, alone):
+        assert g.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]])
+    cache = shared_prompt_cache(engine.model, ids, (ids != 0).long())
+    assert cache.get_seq_length() == 2 and cache.layers[0].keys.shape[0] == 3  # 2 prompts computed, 3 rows
+    assert shared_prompt_cache(engine.model, ids[1:], (ids[1:] != 0).long()) is None  # nothing repeats
+
+
 def test_counter_based_draws_are_uniform_and_independent():
     from novarl.backends.generation.hf import uniform_draws
 

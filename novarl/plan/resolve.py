@@ -227,7 +227,7 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
         problems.append(f"grpo.gradient_accumulation_steps={grpo.gradient_accumulation_steps} does not match "
                         f"policy.train_global_batch_size / (train_micro_batch_size x dp) = "
                         f"{global_batch} / ({micro} x {dp}) = {accumulation}. Set one of them, not both.")
-    problems.extend(_micro_batching_problems(policy))
+    problems.extend(_micro_batching_problems(policy, training))
     problems.extend(_generation_problems(cfg, shape))
     if problems:
         if len(problems) == 1:
@@ -269,14 +269,20 @@ def micro_batching_text(policy) -> str:
             f"logprobs; lengths rounded up to {dynamic.sequence_length_round})")
 
 
-def _micro_batching_problems(policy) -> list[str]:
-    """Packing and dynamic batching exclude each other (as in NeMo RL), and a micro-batch's token
-    budget must hold the longest sequence the run allows."""
+def _micro_batching_problems(policy, training: str) -> list[str]:
+    """Packing and dynamic batching exclude each other, dynamic batching and a Megatron pipeline
+    too (as in NeMo RL), and a micro-batch's token budget must hold the longest sequence the run
+    allows."""
     packing, dynamic = policy.sequence_packing, policy.dynamic_batching
     if packing.enabled and dynamic.enabled:
         return ["policy.sequence_packing.enabled and policy.dynamic_batching.enabled exclude each other: packing "
                 "puts sequences end to end, dynamic batching pads rows of similar length. Enable one."]
     problems = []
+    pipeline = policy.megatron_cfg.pipeline_model_parallel_size
+    if dynamic.enabled and training == "megatron" and pipeline > 1:
+        problems.append(f"policy.dynamic_batching with policy.megatron_cfg.pipeline_model_parallel_size={pipeline}: "
+                        "pipeline stages exchange buffers of one shape, which micro-batches of varying rows would "
+                        "pad to the largest; use policy.sequence_packing instead.")
     for name, section in (("sequence_packing", packing), ("dynamic_batching", dynamic)):
         if not section.enabled:
             continue

@@ -1,4 +1,5 @@
-"""Hugging Face generation backend: `model.generate` with KV cache, logprobs returned.
+"""Hugging Face generation backend: `model.generate` with KV cache, logprobs returned; the
+samples of one prompt (a GRPO group) share its prompt's KV cache, computed once.
 
 It holds its own copy of the weights (colocated with training in-process, or on
 a dedicated worker later); `update_weights` loads the trainer's full tensors
@@ -72,8 +73,9 @@ class HFGeneration:
         seeded = not greedy and sampling.seed is not None
         sampler = RowSampler([sample_seed(sampling.seed, position + row) for row in range(len(prompts))],
                              sampling, self.device) if seeded else None
+        ids, mask = ids.to(self.device), mask.to(self.device)
         result = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+            input_ids=ids, attention_mask=mask, past_key_values=shared_prompt_cache(self.model, ids, mask),
             max_new_tokens=budget, do_sample=not greedy and not seeded,
             temperature=None if greedy or seeded else sampling.temperature,
             top_p=None if greedy or seeded else sampling.top_p,
@@ -105,6 +107,29 @@ class HFGeneration:
         if missing:
             raise KeyError(f"the trainer sent no weights for {sorted(missing)[:5]}")
         self.version = version
+
+
+def shared_prompt_cache(model, ids: torch.Tensor, mask: torch.Tensor):
+    """For left-padded prompt rows [B, W] where consecutive rows repeat a prompt (a GRPO group's
+    samples): the KV cache of every row's first W - 1 tokens, computed once per distinct prompt
+    and copied to its rows, for `generate` to go on from (it computes the last prompt token and
+    samples); None when no prompt repeats."""
+    from transformers import DynamicCache
+
+    if ids.shape[1] < 2:
+        return None
+    repeats = (ids[1:] == ids[:-1]).all(dim=1)
+    if not bool(repeats.any()):
+        return None
+    first = torch.cat([torch.ones(1, dtype=torch.bool, device=ids.device), ~repeats])
+    prompt_of_row = torch.cumsum(first.long(), 0) - 1
+    unique_ids, unique_mask = ids[first][:, :-1], mask[first][:, :-1]
+    positions = (unique_mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
+    cache = DynamicCache(config=model.config)
+    model(input_ids=unique_ids, attention_mask=unique_mask, position_ids=positions, past_key_values=cache,
+          use_cache=True)
+    cache.batch_select_indices(prompt_of_row)
+    return cache
 
 
 def sample_seed(seed: int, position: int) -> int:

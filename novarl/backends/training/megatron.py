@@ -6,8 +6,8 @@ groups. Every rank runs each method. Ranks are laid out by megatron-core
 (tp-cp-ep-dp-pp order): tensor-parallel ranks split each layer, pipeline stages
 hold consecutive layers, data-parallel ranks compute their shares of each batch's
 sequences in the micro-batches of backends/training/batching.py (packed sequences
-run varlen through `PackedSeqParams` with Transformer Engine, with a block-diagonal
-mask on megatron-core's local layers).
+run varlen through `PackedSeqParams` with Transformer Engine; without it, packing runs
+as dynamic batching: see `packable`).
 
 - Weights: the Hugging Face checkpoint is converted once (backends/megatron/
   cache.py, by global rank 0 while the others wait) and each rank loads its
@@ -34,6 +34,7 @@ backends/megatron/cpu.py for running it on the CPU in tests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from functools import partial
@@ -197,14 +198,12 @@ class MegatronModel:
             width = inputs.input_ids.shape[1]
             causal = torch.ones(width, width, dtype=torch.bool, device=inputs.input_ids.device).triu(1)[None, None]
             return model(inputs.input_ids, inputs.position_ids, causal)
-        if self.fused_norms and self.on_gpu:  # Transformer Engine: packed sequences run varlen ("thd")
-            from megatron.core.packed_seq_params import PackedSeqParams
+        # a packed row (Transformer Engine only, see `packable`): varlen attention and per-sequence rotary
+        from megatron.core.packed_seq_params import PackedSeqParams
 
-            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=inputs.cu_seqlens,
-                                     cu_seqlens_kv=inputs.cu_seqlens, max_seqlen_q=inputs.max_seqlen,
-                                     max_seqlen_kv=inputs.max_seqlen)
-            return model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=packed)
-        return model(inputs.input_ids, inputs.position_ids, block_diagonal_mask(inputs.cu_seqlens))
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=inputs.cu_seqlens, cu_seqlens_kv=inputs.cu_seqlens,
+                                 max_seqlen_q=inputs.max_seqlen, max_seqlen_kv=inputs.max_seqlen)
+        return model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=packed)
 
     def _token_logprobs(self, logits: torch.Tensor, inputs: ModelInputs, mb: TrainBatch) -> torch.Tensor:
         """[n] logprobs of the micro-batch's tokens at the sampling temperature from
@@ -228,6 +227,7 @@ class MegatronModel:
         (empty micro-batches included)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        batching = packable(batching, transformer_engine=self.fused_norms and self.on_gpu, pipeline=self.pp_size)
         plan = plan_micro_batches(batch.lengths.tolist(), self.dp_size, batching)
         batch = batch.to(self.device)
         micro = [micro_batch(batch, sequences) for sequences in plan.ranks[self.dp_rank]]
@@ -562,14 +562,24 @@ def _load_optimizer_state(optimizer, state: dict[str, Any]) -> None:
         optimizer.grad_scaler.load_state_dict(state["grad_scaler"])
 
 
-def block_diagonal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """[1, 1, T, T] bool, True where a token may NOT attend (megatron-core's convention): the
-    causal mask confined to each sequence of a packed row."""
-    lengths = cu_seqlens.diff().long()
-    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
-    total = int(cu_seqlens[-1])
-    causal = torch.ones(total, total, dtype=torch.bool, device=lengths.device).tril()
-    return ~(causal & (sequence[:, None] == sequence[None, :]))[None, None]
+_packing_fallback_said = False
+
+
+def packable(batching: MicroBatching, *, transformer_engine: bool, pipeline: int) -> MicroBatching:
+    """Packing needs Transformer Engine: megatron-core applies rotary embeddings per sequence only
+    through PackedSeqParams ("thd"), which its local layers do not take; a packed row without it
+    would rotate each sequence by its offset in the row. Without it, micro-batches are sized by
+    tokens in padded rows (dynamic batching), or, on a pipeline (whose buffers have one shape),
+    are fixed rows; said once."""
+    global _packing_fallback_said
+    if batching.layout != "packed" or transformer_engine:
+        return batching
+    layout = "dynamic" if pipeline == 1 else "fixed"
+    if dist.get_rank() == 0 and not _packing_fallback_said:
+        info(f"Megatron without Transformer Engine: policy.sequence_packing runs as {layout} micro-batches; "
+             "packed rows need Transformer Engine's varlen attention")
+        _packing_fallback_said = True
+    return dataclasses.replace(batching, layout=layout, share_prompts=False)
 
 
 def _finalize_without_token_scaling(finalize, model, num_tokens=None, **kwargs) -> None:
