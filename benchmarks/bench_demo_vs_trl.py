@@ -5,8 +5,9 @@
 
 The workload is the demo's (`novarl train`, novarl/config/recipes/tiny_arith.yaml): the bundled
 tiny-arith Llama (298k parameters, character tokenizer), two-digit addition (7,100 train prompts,
-1,000 held out), 64 prompts x 8 samples a step (512 completions, one optimizer step of 2 accumulated
-micro-batches of 256), <= 4 new tokens at temperature 1, top_p 1, exact-match reward, group-normalised
+1,000 held out), 64 prompts x 8 samples a step (512 completions, one optimizer step: TRL in 2
+accumulated micro-batches of 256, novarl as its recipe says, in packed rows with each group's prompt
+once), <= 4 new tokens at temperature 1, top_p 1, exact-match reward, group-normalised
 advantages, clip 0.2, no KL, token-level loss over the whole step, AdamW 4e-4 with the recipe's
 warm-up + linear decay, gradient clipping at 1.0, fp32 on the CPU. TRL (its own virtual environment,
 .cache/trl-venv, made on first use with the same torch and transformers versions as .venv) runs

@@ -290,9 +290,9 @@ def test_packing_and_dynamic_batching_exclude_each_other_and_budgets_hold_a_sequ
         plan_batches(load_config(None, overrides=["policy.dynamic_batching.enabled=true",
                                                   "policy.dynamic_batching.logprob_mb_tokens=100"]))
     with pytest.raises(ConfigError, match="pipeline stages exchange buffers of one shape"):
-        plan_batches(load_config(None, overrides=["policy.dynamic_batching.enabled=true", "policy.megatron_cfg.enabled=true",
-                                                  "policy.megatron_cfg.pipeline_model_parallel_size=2",
-                                                  "cluster.gpus_per_node=2"]))
+        plan_batches(load_config(None, overrides=[
+            "policy.dynamic_batching.enabled=true", "policy.megatron_cfg.enabled=true",
+            "policy.megatron_cfg.pipeline_model_parallel_size=2", "cluster.gpus_per_node=2"]))
     with pytest.raises(ConfigError, match="algorithm"):
         load_config(None, overrides=["policy.sequence_packing.algorithm=best_fit"])
 

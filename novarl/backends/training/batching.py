@@ -207,8 +207,8 @@ def plan_micro_batches(lengths: Sequence[int], dp_size: int, batching: MicroBatc
 def plan_for(batch: TrainBatch, dp_size: int, batching: MicroBatching) -> Plan:
     """plan_micro_batches for a batch."""
     prompts, groups = batch.prompt_lengths, batch.group_ids
-    return plan_micro_batches(batch.lengths.tolist(), dp_size, batching,
-                              None if prompts is None else prompts.tolist(), None if groups is None else groups.tolist())
+    return plan_micro_batches(batch.lengths.tolist(), dp_size, batching, None if prompts is None else prompts.tolist(),
+                              None if groups is None else groups.tolist())
 
 
 def prompt_items(lengths: list[int], prompt_lengths: list[int], group_ids: list[int], capacity: int
@@ -409,7 +409,9 @@ def _shared_prompt_row(mb: TrainBatch, multiple: int, width: int | None) -> Mode
 def tail_pieces(used: int, total: int, longest: int) -> torch.Tensor:
     """Ends of the pieces the padding after `used` tokens of a `total`-token row is cut into,
     none longer than `longest`: attention work is rows x their longest, and the tail is no row."""
-    return torch.arange(used + longest, total + longest, max(longest, 1)).clamp(max=total)[:max(0, -(-(total - used) // max(longest, 1)))]
+    step = max(longest, 1)
+    pieces = max(0, -(-(total - used) // step))
+    return torch.arange(used + step, used + step * (pieces + 1), step).clamp(max=total)[:pieces]
 
 
 def picked_logprobs(logits: torch.Tensor, inputs: ModelInputs, mb: TrainBatch, temperature: float) -> torch.Tensor:
