@@ -300,7 +300,7 @@ def render(args, speed: dict, acc: dict | None, versions: dict, novarl_versions:
         f"- workload: bundled tiny-arith Llama (298k parameters, fp32), two-digit addition ({n_train:,} train "
         "prompts, the raw prompt text with the BOS the tokenizer adds, no chat template, in both; TRL's "
         "prompt ids checked equal to novarl's), 64 prompts x 8 samples = 512 completions per optimizer step "
-        "(2 accumulated micro-batches of 256), <= 4 new tokens, temperature 1.0, top_p 1.0, no top_k, "
+        "(TRL: 2 accumulated micro-batches of 256; novarl: as its recipe says, packed rows), <= 4 new tokens, temperature 1.0, top_p 1.0, no top_k, "
         "exact-match reward, group-normalised advantages (TRL scale_rewards=\"group\"), clip 0.2 both sides, "
         "no KL (beta 0), one optimizer step per generated batch (TRL num_iterations=1, "
         "steps_per_generation=gradient_accumulation_steps=2), token-level loss over the whole step (TRL "
@@ -372,8 +372,10 @@ def render(args, speed: dict, acc: dict | None, versions: dict, novarl_versions:
         "weights (synced each step: weight_sync) and computes the sampled tokens' logprobs from the generation "
         "logits (its logprob check); TRL generates with the training model itself and computes the per-token "
         "entropy in its training forward (always on in GRPOTrainer, for its metrics). Neither runs a separate "
-        "old-logprob forward (one optimizer step per generated batch). novarl's training forward uses its own "
-        "attention (novarl_varlen: causal SDPA on right-padded rows, no mask built); TRL's uses transformers' "
+        "old-logprob forward (one optimizer step per generated batch). novarl's training forward packs "
+        "each group's prompt once and its samples' completions after it, with its own attention (novarl_varlen); "
+        "its generation computes each group's prompt once (a shared KV cache); it leaves samples whose "
+        "advantage is 0 out of the update (no gradient without a KL penalty); TRL's uses transformers' "
         "default (SDPA) on left-padded prompts + right-padded completions with an attention mask",
         "- logging: novarl writes one metrics.jsonl line per step and prints every 25 steps; TRL logs its "
         "averaged metrics every 25 steps (logging_steps=25) to the console only",
