@@ -1,4 +1,4 @@
-# make demo: create .venv if needed, then GRPO on the bundled tiny model (2-core CPU: ~3.5 min once built).
+# make demo: create .venv if needed, then GRPO on the bundled tiny model (2-core CPU: ~1 min once built).
 # make test: the same environment, then the test suite.
 PYTHON ?= python3
 VENV := .venv

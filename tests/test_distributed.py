@@ -110,27 +110,17 @@ def test_a_killed_rank_stops_the_call_and_names_it(tmp_path):
 @pytest.fixture(scope="module")
 def two_kv_head_model(tmp_path_factory):
     """tiny-arith with its one KV head duplicated: the same function, but 2 KV heads to split over TP=2."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from novarl.models.loading import resolve_model_path
+    from tests.helpers.models import two_kv_head_copy
 
     source = resolve_model_path("tiny-arith")
-    model = AutoModelForCausalLM.from_pretrained(source)
-    config = model.config
-    config.num_key_value_heads = 2
-    widened = AutoModelForCausalLM.from_config(config)
-    state = model.state_dict()
-    for key in list(state):
-        if key.endswith(("k_proj.weight", "v_proj.weight")):
-            state[key] = state[key].repeat(2, 1)
-    widened.load_state_dict(state)
-    out = tmp_path_factory.mktemp("mha")
-    widened.save_pretrained(out)
-    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    out = two_kv_head_copy(tmp_path_factory.mktemp("mha"))
     ids = AutoTokenizer.from_pretrained(source)(["37+58="], return_tensors="pt").input_ids
-    import torch
-
-    assert torch.allclose(model(ids).logits, widened(ids).logits, atol=1e-5)
+    original, widened = AutoModelForCausalLM.from_pretrained(source), AutoModelForCausalLM.from_pretrained(out)
+    assert torch.allclose(original(ids).logits, widened(ids).logits, atol=1e-5)
     return out
 
 
