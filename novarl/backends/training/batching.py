@@ -355,55 +355,41 @@ def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple:
 def _shared_prompt_row(mb: TrainBatch, multiple: int, width: int | None) -> ModelInputs:
     """One packed row: for each group of consecutive sequences with one group id, the prompt
     once (positions 0..P-1), then every sequence's completion (positions P..), then padding to
-    a multiple of `multiple`. Attention rows pair the prompt with each completion."""
+    a multiple of `multiple`. Attention rows pair the prompt with each completion; the row's
+    padding is cut into pieces of its own. Vectorised: it runs for every micro-batch."""
     device = mb.input_ids.device
-    cu, positions = mb.cu_seqlens.cpu().tolist(), mb.position_ids.cpu()
-    prompt_lengths, group_ids = mb.prompt_lengths.cpu().tolist(), mb.group_ids.cpu().tolist()
-    ids = mb.input_ids.cpu()
-    index = torch.empty(len(ids), dtype=torch.long)
-    slots: list[int] = []  # the micro-batch token each row position holds
-    attention: list[list[int]] = []
-    output_of: dict[int, tuple[int, int]] = {}  # row position -> (attention row, offset)
-    prompt_slots: list[int] = []
-    for s in range(len(mb)):
-        start, end, prompt = cu[s], cu[s + 1], prompt_lengths[s]
-        if s == 0 or group_ids[s] != group_ids[s - 1] or prompt_lengths[s - 1] != prompt:
-            prompt_slots = list(range(len(slots), len(slots) + prompt))
-            slots.extend(range(start, start + prompt))
-            for offset, slot in enumerate(prompt_slots):
-                output_of[slot] = (len(attention), offset)
-        index[start:start + prompt] = torch.tensor(prompt_slots, dtype=torch.long)
-        own = list(range(len(slots), len(slots) + end - start - prompt))
-        slots.extend(range(start + prompt, end))
-        index[start + prompt:end] = torch.tensor(own, dtype=torch.long)
-        for offset, slot in enumerate(own, start=prompt):
-            output_of[slot] = (len(attention), offset)
-        attention.append(prompt_slots + own)
-    used = len(slots)
+    cu, positions, ids = mb.cu_seqlens.cpu(), mb.position_ids.cpu(), mb.input_ids.cpu()
+    prompts, groups = mb.prompt_lengths.cpu(), mb.group_ids.cpu()
+    sequence = mb.sequence_index.cpu()
+    # a sequence leads its group (lays the prompt out) unless it continues the previous one's
+    leads = torch.ones(len(mb), dtype=torch.bool)
+    leads[1:] = (groups[1:] != groups[:-1]) | (prompts[1:] != prompts[:-1])
+    leader = torch.cummax(torch.where(leads, torch.arange(len(mb)), 0), 0).values
+    laid = (positions >= prompts[sequence]) | leads[sequence]  # tokens that take a place in the row
+    slot = torch.cumsum(laid.long(), 0) - 1
+    # a follower's prompt token sits where its leader's did
+    index = torch.where(laid, slot, slot[cu[leader[sequence]] + positions])
+    used = int(laid.sum())
     total = width if width is not None else round_up(max(used, 1), multiple)
-    longest = max((len(a) for a in attention), default=total)
-    piece_ends = [used, *tail_pieces(used, total, longest).tolist()]
-    for begin, end in zip(piece_ends[:-1], piece_ends[1:]):  # the tail, in pieces no longer than a row
-        for offset, slot in enumerate(range(begin, end)):
-            output_of[slot] = (len(attention), offset)
-        attention.append(list(range(begin, end)))
-    rows = torch.zeros(len(attention), longest, dtype=torch.long)  # padding at the end: causal, never attended
-    for a, row in enumerate(attention):
-        rows[a, :len(row)] = torch.tensor(row, dtype=torch.long)
-    take = [output_of[slot][0] * longest + output_of[slot][1] for slot in range(total)]
+    longest = int(mb.lengths.max())
+    ends = tail_pieces(used, total, longest)
+    starts = torch.cat([torch.tensor([used]), ends[:-1]])[:len(ends)]
+    # attention row s: sequence s's tokens, at their row positions (its prompt at its leader's)
+    rows = torch.zeros(len(mb) + len(ends), longest, dtype=torch.long)  # padded at the end: never attended
+    rows[sequence, positions] = index
+    take = torch.empty(total, dtype=torch.long)
+    take[slot[laid]] = sequence[laid] * longest + positions[laid]
+    for piece, (begin, end) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+        rows[len(mb) + piece, :end - begin] = torch.arange(begin, end)
+        take[begin:end] = (len(mb) + piece) * longest + torch.arange(end - begin)
     row_ids = torch.zeros(total, dtype=torch.long)
-    row_ids[:used] = ids[torch.tensor(slots, dtype=torch.long)]
-    row_positions = torch.zeros(total, dtype=torch.long)
+    row_ids[slot[laid]] = ids[laid]
+    row_positions = torch.arange(total) - used  # the padding counts from 0
     row_positions[index] = positions
-    row_positions[used:] = torch.arange(total - used)
-    # a token's predecessor: the slot of the token before it in its own sequence
-    previous = torch.full((len(ids),), -1, dtype=torch.long)
-    later = positions != 0
-    previous[later] = index[torch.nonzero(later).view(-1) - 1]
+    previous = torch.where(positions == 0, -1, index[(torch.arange(len(ids)) - 1).clamp(min=0)])
     cu_rows = torch.tensor([0, total], dtype=torch.int32)
     return ModelInputs(row_ids[None].to(device), row_positions[None].to(device), None, index.to(device),
-                       previous.to(device), cu_rows.to(device), total, rows.to(device),
-                       torch.tensor(take, dtype=torch.long).to(device))
+                       previous.to(device), cu_rows.to(device), total, rows.to(device), take.to(device))
 
 
 def tail_pieces(used: int, total: int, longest: int) -> torch.Tensor:
