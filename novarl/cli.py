@@ -191,7 +191,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(plan_batches(cfg).describe())
             for item in availability.missing:
                 print(f"not available yet: {item}")
-            for item in availability.warnings:
+            for item in (*cfg.load_warnings, *availability.warnings):
                 print(f"warning: {item}")
     name, advice, skipped = args.model or cfg.policy.model_name, None, None
     try:

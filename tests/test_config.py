@@ -552,7 +552,8 @@ def test_unknown_key_names_the_path_and_the_closest_key(override, path, suggesti
 
 def test_unknown_key_without_a_close_match_lists_the_allowed_keys():
     msg = config_error({"cluster": {"zzz": 1}})
-    assert "unknown key 'cluster.zzz'" in msg and "Allowed here: gpus_per_node, num_nodes" in msg
+    assert "  - unknown key 'cluster.zzz'.\n  (allowed under 'cluster': gpus_per_node, num_nodes)" in msg
+    assert msg.startswith("Invalid config (the config): 1 problem(s):")
 
 
 def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path):
@@ -638,8 +639,9 @@ def test_empty_yaml_file_is_the_defaults(tmp_path):
     assert load_config(write(tmp_path, "")) == load_config()
 
 
-def test_hydra_defaults_are_refused(tmp_path):
-    assert "'defaults' (Hydra inheritance) is not supported" in config_error(write(tmp_path, "defaults: [base]\n"))
+def test_a_missing_base_file_is_named(tmp_path):
+    msg = config_error(write(tmp_path, "defaults: [base.yaml]\n"))
+    assert "its base file 'defaults: base.yaml'" in msg and "does not exist" in msg
 
 
 def nemo_tree_with(**unknown_keys) -> dict:
@@ -655,25 +657,28 @@ def nemo_tree_with(**unknown_keys) -> dict:
 
 
 def test_nemo_rl_config_with_unknown_keys_lists_every_one_in_one_message(tmp_path):
-    tree = nemo_tree_with(defaults="grpo_math_1B.yaml", grpo__num_prompts_per_stp=4, policy__dtensor_cfg__zzz=1,
+    tree = nemo_tree_with(grpo__num_prompts_per_stp=4, policy__dtensor_cfg__zzz=1, policy__dtensor_cfg__yyy=2,
                           checkpointing__upload_to_s3=True)
     path = write(tmp_path, yaml.safe_dump(tree, sort_keys=False))
     msg = config_error(path)
     lines = msg.splitlines()
-    assert lines[0] == f"Invalid config ({path}):"
+    assert lines[0] == f"Invalid config ({path}): 4 problem(s):"
     assert len([line for line in lines if line.startswith("  - unknown key")]) == 4, msg
     assert "  - unknown key 'grpo.num_prompts_per_stp' (did you mean 'num_prompts_per_step'?)." in lines
-    assert any(line.startswith("  - unknown key 'policy.dtensor_cfg.zzz'. Allowed here: _v2, enabled") for line in lines)
-    assert any(line.startswith("  - unknown key 'checkpointing.upload_to_s3'.") for line in lines)
-    assert ("  - unknown key 'defaults': 'defaults' (Hydra inheritance) is not supported; merge the base file "
-            "into this one.") in lines
+    assert "  - unknown key 'policy.dtensor_cfg.zzz'." in lines and "  - unknown key 'policy.dtensor_cfg.yyy'." in lines
+    assert "  - unknown key 'checkpointing.upload_to_s3'." in lines
+    # The keys allowed in a section are listed once, after the problems.
+    allowed = [line for line in lines if line.startswith("  (allowed under")]
+    assert [line.split("'")[1] for line in allowed] == ["policy.dtensor_cfg", "checkpointing"], msg
+    assert allowed[0].startswith("  (allowed under 'policy.dtensor_cfg': _v2, enabled")
 
 
-def test_hydra_child_config_referring_to_its_base_lists_the_unknown_keys_too(tmp_path):
-    # A Hydra child file refers to keys its base file defines: the broken reference is
-    # reported with `defaults` and the other unknown keys, not instead of them.
+def test_child_config_referring_to_a_missing_key_lists_the_unknown_keys_too(tmp_path):
+    # A child file refers to a key its author thought the base defines: the broken reference is
+    # reported with the unknown keys (often the misspelt key it meant), not instead of them.
+    write(tmp_path, "policy:\n  model_name: tiny-arith\n", name="base.yaml")
     path = write(tmp_path, """
-        defaults: grpo_math_1B.yaml
+        defaults: base.yaml
         policy:
           tokenizer:
             name: ${policy.base_model_name}
@@ -683,7 +688,6 @@ def test_hydra_child_config_referring_to_its_base_lists_the_unknown_keys_too(tmp
     msg = config_error(path)
     assert msg.startswith(f"Invalid config ({path}):\n")
     assert "'policy.tokenizer.name': '${policy.base_model_name}' refers to a key that is not in the config." in msg
-    assert "unknown key 'defaults': 'defaults' (Hydra inheritance) is not supported" in msg
     assert "unknown key 'policy.dtensor_cgf' (did you mean 'dtensor_cfg'?)" in msg
     # Without unknown keys, a broken reference is reported alone, as before.
     assert config_error({"policy": {"model_name": "${policy.nope}"}}) == \

@@ -40,6 +40,8 @@ class ClippedPGSettings:
     use_importance_sampling_correction: bool = False
     sequence_level_importance_ratios: bool = False
     use_on_policy_kl_approximation: bool = False
+    kl_input_clamp_value: float | None = None
+    kl_output_clamp_value: float | None = None
 
 
 @POLICY_LOSSES.register("clipped_pg")
@@ -77,7 +79,7 @@ def clipped_pg_loss(
 
     kl = torch.zeros_like(token_loss)
     if settings.reference_policy_kl_penalty > 0 and batch.reference_logprobs is not None:
-        kl = KL_ESTIMATORS.get(settings.kl_estimator)(logprobs, batch.reference_logprobs)
+        kl = clamped_kl(logprobs, batch.reference_logprobs, settings)
         if settings.use_on_policy_kl_approximation:
             kl = kl * torch.exp(logprobs - old_logprobs).detach()
         token_loss = token_loss + settings.reference_policy_kl_penalty * kl
@@ -96,6 +98,19 @@ def clipped_pg_loss(
     loss = reduce(token_loss)
     metrics["loss"] = loss.detach()
     return loss, metrics
+
+
+def clamped_kl(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, settings: ClippedPGSettings) -> torch.Tensor:
+    """The configured KL estimator, with NeMo RL's clamps: the log-ratio log q - log p to
+    [-kl_input_clamp_value, kl_input_clamp_value] before the estimator (no gradient where it
+    is clamped), the estimate to [-kl_output_clamp_value, kl_output_clamp_value] after."""
+    if settings.kl_input_clamp_value is not None:
+        bound = settings.kl_input_clamp_value
+        reference_logprobs = logprobs + (reference_logprobs - logprobs).clamp(-bound, bound)
+    kl = KL_ESTIMATORS.get(settings.kl_estimator)(logprobs, reference_logprobs)
+    if settings.kl_output_clamp_value is not None:
+        kl = kl.clamp(-settings.kl_output_clamp_value, settings.kl_output_clamp_value)
+    return kl
 
 
 def mismatch_metrics(trainer_logprobs: torch.Tensor, batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -127,5 +142,7 @@ def make_loss(loss_cfg) -> LossFn:
         use_importance_sampling_correction=loss_cfg.use_importance_sampling_correction,
         sequence_level_importance_ratios=loss_cfg.sequence_level_importance_ratios,
         use_on_policy_kl_approximation=loss_cfg.use_on_policy_kl_approximation,
+        kl_input_clamp_value=loss_cfg.kl_input_clamp_value,
+        kl_output_clamp_value=loss_cfg.kl_output_clamp_value,
     )
     return partial(POLICY_LOSSES.get(loss_cfg.loss), settings=settings)

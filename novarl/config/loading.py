@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from novarl.config.nemo_rl import VALUE_NOTES, take_foreign, translate
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import ConfigError
 
@@ -86,6 +87,8 @@ ALIASES: tuple[tuple[str, str, str], ...] = (
     ("grpo", "batch_size", "num_prompts_per_step"),
     ("policy", "dtensor_config", "dtensor_cfg"),
     ("policy", "max_total_sequence_length", "max_seq_length"),
+    ("loss_fn", "reference_policy_kl_type", "kl_estimator"),
+    ("policy.megatron_cfg.fp8_cfg", "fp8", "fp8_format"),
 )
 
 # Flat keyword overrides the seeds' Python examples use, e.g.
@@ -129,11 +132,13 @@ def load_config(
     tree: dict[str, Any] = {}
     if isinstance(source, (str, Path)):
         where = str(source)
-        tree = read_yaml(Path(source))
-        check_tree(tree, f"Config file '{source}'")
+        tree = compose_file(Path(source))
     elif isinstance(source, Mapping):
         check_tree(source, "The config dict")
         tree = copy.deepcopy(dict(source))
+        if "defaults" in tree:
+            raise ConfigError("The config dict has 'defaults': base files are read only from a YAML file "
+                              "(relative to it); load the file, or merge the base into the dict.")
     elif source is not None:
         raise ConfigError(f"A config is a YAML file path or a dict, not {type(source).__name__}.")
     tree = canonical(tree)
@@ -150,17 +155,34 @@ def load_config(
         path = canonical_path(path)
         check_tree(value, f"Override '{_clip(item)}'", prefix=path)
         set_path(tree, path, canonical(value, path), merge=False)
+    check_mandatory(tree)
     try:
         tree = resolve_interpolations(tree)
     except ConfigError as err:
-        # A Hydra child file (`defaults:`) often refers to keys of its base file: report
-        # the unknown keys with the broken reference, not one of them alone.
+        # A broken reference is reported with the unknown keys (often the key it meant), not alone.
         unknown = unknown_keys(tree)
         if not unknown:
             raise
         lines = "\n".join(f"  - {line}" for line in [str(err), *unknown])
         raise ConfigError(f"Invalid config ({where}):\n{lines}") from None
-    return validate(tree, where)
+    refused, warnings = translate(tree)
+    foreign = take_foreign(tree, schema_has)
+    config = validate(tree, where, refused=[*refused, *foreign.refused])
+    return with_warnings(config, [*warnings, *filter(None, [foreign.warning()])])
+
+
+def with_warnings(config: NovaRLConfig, warnings: Iterable[str]) -> NovaRLConfig:
+    """`config`, carrying the lines loading it gave (NeMo RL keys accepted and not used, names
+    rewritten): `novarl validate`, `plan` and `train` say each once (NovaRLConfig.load_warnings)."""
+    config._load_warnings = tuple(dict.fromkeys([*config.load_warnings, *warnings]))
+    return config
+
+
+def schema_has(path: str) -> bool:
+    """Whether `path` (dotted) is a field of novarl's schema."""
+    parts = path.split(".")
+    parent = _model_at(NovaRLConfig, parts[:-1])
+    return parent is not None and parts[-1] in _field_names(parent)
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -187,9 +209,91 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"Config file '{path}' must hold a mapping at the top, "
                           f"not a {type(data).__name__}.")
-    # A Hydra `defaults:` list is left in: validation reports it as an unknown key,
-    # together with every other key novarl does not support (see format_error).
     return data
+
+
+# -------------------------------------------------------------- base files
+MAX_BASE_FILES = 64
+"""Most files one `defaults:` chain may read (NeMo RL's longest is 3)."""
+
+OVERRIDE_MARK = "_override_"
+"""`_override_: true` in a mapping: it replaces the base file's mapping rather than merging into it."""
+
+MANDATORY = "???"
+"""OmegaConf's "must be given" value: a base file leaves it for a child or an override to set."""
+
+
+def compose_file(path: Path) -> dict[str, Any]:
+    """The file's tree merged over its base files, as NeMo RL's loader
+    (nemo_rl/utils/config.py, load_config_with_inheritance) composes them: `defaults:` names
+    one base file or a list of them, each relative to the folder of the file that names it
+    (or absolute); each base is composed the same way first; bases merge in list order, so a
+    later one wins, and the file itself merges last. Mappings merge key by key, anything else
+    (lists, scalars, null) replaces. A mapping holding `_override_: true` replaces the base's
+    mapping instead of merging into it. A value of '???' does not replace the base's value.
+    Interpolations are resolved after composing, so a base's `${policy.model_name}` reads
+    the child's model."""
+    return _compose(path, ())
+
+
+def _compose(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    key = path.expanduser().absolute()
+    if key in chain:
+        names = " -> ".join(str(p) for p in (*chain, key))
+        raise ConfigError(f"Config file '{chain[0]}': its `defaults:` chain comes back to a file it has read "
+                          f"({names}).")
+    if len(chain) >= MAX_BASE_FILES:
+        raise ConfigError(f"Config file '{chain[0]}': its `defaults:` chain reads more than {MAX_BASE_FILES} "
+                          "files; no config needs that many.")
+    tree = read_yaml(path)
+    check_tree(tree, f"Config file '{path}'")
+    defaults = tree.pop("defaults", None)
+    tree = canonical(tree)
+    if defaults is None:
+        return merge_over({}, tree)
+    names = [defaults] if isinstance(defaults, str) else defaults
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ConfigError(f"Config file '{path}': 'defaults' = {_clip(repr(defaults))} must name a base file "
+                          "(a path relative to this file's folder) or a list of them.")
+    base: dict[str, Any] = {}
+    for name in names:
+        parent = Path(name).expanduser()
+        parent = parent if parent.is_absolute() else path.parent / parent
+        if not parent.is_file():
+            raise ConfigError(f"Config file '{path}': its base file 'defaults: {name}' ({parent}) "
+                              f"{'is a folder' if parent.is_dir() else 'does not exist'}.")
+        base = merge_over(base, _compose(parent, (*chain, key)))
+    return merge_over(base, tree)
+
+
+def merge_over(base: dict[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
+    """`child` merged over `base` the way NeMo RL composes files (see compose_file)."""
+    out = dict(base)
+    for key, value in child.items():
+        if key == OVERRIDE_MARK or value == MANDATORY and key in out:
+            continue
+        if isinstance(value, Mapping):
+            replace = value.get(OVERRIDE_MARK) is True or not isinstance(out.get(key), dict)
+            out[key] = merge_over({} if replace else out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def check_mandatory(tree: Mapping[str, Any], parent: str = "") -> None:
+    """Refuse, all in one message, the values a base file marked '???' that nothing set."""
+    missing = _mandatory(tree, parent)
+    if missing:
+        raise ConfigError(f"{len(missing)} value(s) the config marks as mandatory ('{MANDATORY}') are not set: "
+                          f"{', '.join(missing)}. Set each in the file or as an override (key.path=value).")
+
+
+def _mandatory(node: Any, path: str) -> list[str]:
+    if isinstance(node, dict):
+        return [m for k, v in node.items() for m in _mandatory(v, _join(path, str(k)))]
+    if isinstance(node, list):
+        return [m for i, v in enumerate(node) for m in _mandatory(v, f"{path}[{i}]")]
+    return [path] if node == MANDATORY else []
 
 
 # ------------------------------------------------------------------ tree check
@@ -360,9 +464,11 @@ def _product(values: tuple) -> Any:
 
 
 def resolve_interpolations(tree: dict[str, Any]) -> dict[str, Any]:
-    """Resolve `${a.b}` references and `${mul:x, y}`-style resolvers in place of strings.
-    A reference copies what it names, so references to references multiply like YAML
-    aliases: the values built are counted against MAX_VALUES, strings against
+    """Resolve `${a.b}` references, relative ones (`${.sibling}`, `${..key_of_the_parent}`, as
+    OmegaConf reads them: one dot is the mapping that holds the string, each further dot one
+    level up), `${oc.env:NAME}` / `${oc.env:NAME,default}` and `${mul:x, y}`-style resolvers in
+    place of strings. A reference copies what it names, so references to references multiply
+    like YAML aliases: the values built are counted against MAX_VALUES, strings against
     MAX_INTERPOLATED_CHARS."""
     built = 0
 
@@ -387,10 +493,12 @@ def resolve_interpolations(tree: dict[str, Any]) -> dict[str, Any]:
         if ref in stack:
             raise ConfigError(f"'{at}': interpolation cycle {' -> '.join(stack + (ref,))}.")
         node: Any = tree
-        for part in ref.split("."):
-            if not isinstance(node, dict) or part not in node:
+        for part in _path_parts(ref):
+            if isinstance(node, dict) and part in node or isinstance(node, list) and isinstance(part, int) \
+                    and 0 <= part < len(node):
+                node = node[part]
+            else:
                 raise ConfigError(f"'{at}': '${{{ref}}}' refers to a key that is not in the config.")
-            node = node[part]
         return walk(node, ref, stack + (ref,))
 
     def resolve_string(text: str, at: str, stack: tuple[str, ...]) -> Any:
@@ -401,7 +509,7 @@ def resolve_interpolations(tree: dict[str, Any]) -> dict[str, Any]:
                 return text
             # The message names the text as written: after substitution '${sub:${a}, 1}' is '${sub:inf, 1}'.
             where = at if text == original else f"{at}' = '{_clip(original)}"
-            value = evaluate(match.group(1).strip(), where, stack)
+            value = evaluate(match.group(1).strip(), at, where, stack)
             if match.span() == (0, len(text)):
                 return value
             text = text[:match.start()] + str(value) + text[match.end():]
@@ -409,37 +517,109 @@ def resolve_interpolations(tree: dict[str, Any]) -> dict[str, Any]:
                 raise ConfigError(f"'{at}': interpolation builds a string longer than "
                                   f"{MAX_INTERPOLATED_CHARS:,} characters.")
 
-    def evaluate(expr: str, at: str, stack: tuple[str, ...]) -> Any:
+    def evaluate(expr: str, at: str, where: str, stack: tuple[str, ...]) -> Any:
         name, colon, args = expr.partition(":")
         if not colon:
-            return lookup(canonical_path(expr), at, stack)
+            return lookup(canonical_path(absolute_reference(expr, at, where)), where, stack)
+        if name == "oc.env":
+            return environment_value(args, expr, where)
         if name not in _RESOLVERS:
-            raise ConfigError(f"'{at}': unknown resolver '{name}' in '${{{expr}}}'; "
-                              f"known: {', '.join(sorted(_RESOLVERS))}.")
+            raise ConfigError(f"'{where}': unknown resolver '{name}' in '${{{expr}}}'; "
+                              f"known: {', '.join(sorted([*_RESOLVERS, 'oc.env']))}.")
         try:
             values = [parse_yaml(a.strip()) for a in args.split(",")]
         except yaml.YAMLError:
-            raise ConfigError(f"'{at}': cannot parse the arguments of '${{{expr}}}'.") from None
+            raise ConfigError(f"'{where}': cannot parse the arguments of '${{{expr}}}'.") from None
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            raise ConfigError(f"'{at}': '${{{expr}}}' takes numbers, got {values}.")
+            raise ConfigError(f"'{where}': '${{{expr}}}' takes numbers, got {values}.")
         try:
             result = _RESOLVERS[name](*values)
         except (TypeError, ZeroDivisionError, OverflowError) as err:
-            raise ConfigError(f"'{at}': cannot evaluate '${{{_clip(expr)}}}': {err}.") from None
+            raise ConfigError(f"'{where}': cannot evaluate '${{{_clip(expr)}}}': {err}.") from None
         if isinstance(result, int) and abs(result) >= 2**63:
-            raise ConfigError(f"'{at}': '${{{_clip(expr)}}}' is out of the 64-bit integer range.")
+            raise ConfigError(f"'{where}': '${{{_clip(expr)}}}' is out of the 64-bit integer range.")
         return result
 
     return walk(tree, "", ())
 
 
+def absolute_reference(ref: str, at: str, where: str | None = None) -> str:
+    """`ref` as a path from the top: a relative reference (leading dots) read from the value
+    at `at`. `${.x}` is x beside the value, `${..x}` x beside the mapping that holds it."""
+    dots = len(ref) - len(ref.lstrip("."))
+    if not dots:
+        return ref
+    parts = _path_parts(at)[:-1]  # the mapping that holds the value
+    if dots - 1 > len(parts):
+        raise ConfigError(f"'{where or at}': '${{{ref}}}' goes {dots - 1} level(s) up from '{at}', above the "
+                          "top of the config.")
+    base = parts[:len(parts) - (dots - 1)]
+    return _parts_path([*base, *_path_parts(ref[dots:])]) if ref[dots:] else _parts_path(base)
+
+
+def environment_value(args: str, expr: str, where: str) -> str:
+    """OmegaConf's `${oc.env:NAME}` (the variable must be set) and `${oc.env:NAME,default}`."""
+    import os
+
+    name, comma, default = (a.strip() for a in args.partition(","))
+    if name in os.environ:
+        return os.environ[name]
+    if comma:
+        value = parse_yaml(default) if default else None
+        return "" if value is None and default in ("''", '""') else value
+    raise ConfigError(f"'{where}': '${{{expr}}}' reads the environment variable {name}, which is not set; set "
+                      f"it, or give a default (${{oc.env:{name},VALUE}}).")
+
+
+def _path_parts(path: str) -> list[str | int]:
+    """'a.b[0].c' -> ['a', 'b', 0, 'c']."""
+    parts: list[str | int] = []
+    for piece in path.split("."):
+        name, *indices = piece.split("[")
+        if name:
+            parts.append(name)
+        parts.extend(int(i.rstrip("]")) for i in indices if i.rstrip("]").isdigit())
+    return parts
+
+
+def _parts_path(parts: list[str | int]) -> str:
+    out = ""
+    for part in parts:
+        out = f"{out}[{part}]" if isinstance(part, int) else _join(out, part)
+    return out
+
+
 # ------------------------------------------------------------------ validation
-def validate(tree: dict[str, Any], where: str = "the config") -> NovaRLConfig:
+def validate(tree: dict[str, Any], where: str = "the config", *, refused: Iterable[str] = ()) -> NovaRLConfig:
+    """The frozen config, or one ConfigError listing every problem: `refused` (lines found
+    before, e.g. NeMo RL features that are on), then the schema's errors, one line each, then
+    for each section with an unknown key the keys allowed there, once."""
+    lines, allowed = list(refused), []
     try:
-        return NovaRLConfig.model_validate(tree)
+        config = NovaRLConfig.model_validate(tree)
     except ValidationError as err:
-        lines = [format_error(e, tree) for e in err.errors()]
-        raise ConfigError(f"Invalid config ({where}):\n" + "\n".join(f"  - {line}" for line in lines)) from None
+        problems, allowed = format_errors(err.errors(), tree)
+        lines.extend(problems)
+    else:
+        if not lines:
+            return config
+    raise ConfigError(f"Invalid config ({where}): {len(lines)} problem(s):\n"
+                      + "\n".join([*(f"  - {line}" for line in lines), *(f"  {line}" for line in allowed)])) from None
+
+
+def format_errors(errors: list[Mapping[str, Any]], tree: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """One line per error, and the allowed keys of each section with an unknown key (and no
+    close match), once per section."""
+    lines, allowed = [], {}
+    for error in errors:
+        lines.append(format_error(error, tree))
+        if error["type"] == "extra_forbidden":
+            loc = _input_path(error["loc"], tree)
+            parent = _model_at(NovaRLConfig, loc[:-1])
+            choices = _field_names(parent) if parent else []
+            if choices and not _did_you_mean(loc[-1], choices):
+                allowed[".".join(loc[:-1]) or "the top level"] = choices
+    return lines, [f"(allowed under '{section}': {', '.join(choices)})" for section, choices in allowed.items()]
 
 
 def unknown_keys(tree: dict[str, Any]) -> list[str]:
@@ -447,7 +627,8 @@ def unknown_keys(tree: dict[str, Any]) -> list[str]:
     try:
         NovaRLConfig.model_validate(tree)
     except ValidationError as err:
-        return [format_error(e, tree) for e in err.errors() if e["type"] == "extra_forbidden"]
+        problems, allowed = format_errors([e for e in err.errors() if e["type"] == "extra_forbidden"], tree)
+        return [*problems, *allowed]
     return []
 
 
@@ -457,13 +638,11 @@ def format_error(error: Mapping[str, Any], tree: Mapping[str, Any]) -> str:
     if error["type"] == "extra_forbidden":
         parent = _model_at(NovaRLConfig, loc[:-1])
         choices = _field_names(parent) if parent else []
-        if loc == ["defaults"]:
-            return ("unknown key 'defaults': 'defaults' (Hydra inheritance) is not supported; "
-                    "merge the base file into this one.")
-        hint = _did_you_mean(loc[-1], choices)
-        allowed = f" Allowed here: {', '.join(choices)}." if choices and not hint else ""
-        return f"unknown key '{path}'{hint}.{allowed}"
+        return f"unknown key '{path}'{_did_you_mean(loc[-1], choices)}."
     msg = error["msg"].removeprefix("Value error, ")
+    value = error.get("input")
+    if isinstance(value, (str, int, float, bool)) and (".".join(loc), value) in VALUE_NOTES:
+        msg = VALUE_NOTES[".".join(loc), value]
     if not loc or error.get("type") == "value_error" and isinstance(error.get("input"), dict) \
             and _model_at(NovaRLConfig, loc) is not None:
         return msg  # a check across the keys of a section: the message names them

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator,
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, field_validator,
                       model_validator)
 
 Precision = Literal["float32", "bfloat16", "float16"]
@@ -281,6 +281,25 @@ class DynamicBatchingConfig(Section):
     """Each micro-batch's padded length is rounded up to a multiple of it."""
 
 
+TORCH_OPTIMIZERS = frozenset({"ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "NAdam",
+                              "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam"})
+"""torch.optim's optimizer classes, known without importing torch (validation stays light: `novarl
+validate` on a config without a local model imports no torch). Any other name is looked up in torch."""
+
+TORCH_SCHEDULERS = frozenset({"ChainedScheduler", "ConstantLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts",
+                              "CyclicLR", "ExponentialLR", "LambdaLR", "LinearLR", "MultiStepLR",
+                              "MultiplicativeLR", "OneCycleLR", "PolynomialLR", "ReduceLROnPlateau",
+                              "SequentialLR", "StepLR"})
+"""torch.optim.lr_scheduler's classes, known without importing torch."""
+
+
+def _torch_has(module: str, name: str) -> bool:
+    """Whether `module` (imported only for a name the lists above do not hold) has the class `name`."""
+    import importlib
+
+    return isinstance(getattr(importlib.import_module(module), name, None), type)
+
+
 class OptimizerConfig(Section):
     name: str = "torch.optim.AdamW"
     """A class in torch.optim, by its import path."""
@@ -290,10 +309,8 @@ class OptimizerConfig(Section):
     @field_validator("name")
     @classmethod
     def _torch_optimizer(cls, name: str) -> str:
-        import torch.optim
-
         short = name.removeprefix("torch.optim.")
-        if "." in short or not isinstance(getattr(torch.optim, short, None), type):
+        if "." in short or short not in TORCH_OPTIMIZERS and not _torch_has("torch.optim", short):
             raise ValueError(f"'{name}' is not an optimizer class in torch.optim (e.g. torch.optim.AdamW)")
         return name
 
@@ -306,10 +323,8 @@ class SchedulerStep(Section):
     @field_validator("name")
     @classmethod
     def _torch_scheduler(cls, name: str) -> str:
-        import torch.optim.lr_scheduler as lrs
-
         short = name.removeprefix("torch.optim.lr_scheduler.")
-        if "." in short or not isinstance(getattr(lrs, short, None), type):
+        if "." in short or short not in TORCH_SCHEDULERS and not _torch_has("torch.optim.lr_scheduler", short):
             raise ValueError(f"'{name}' is not a scheduler class in torch.optim.lr_scheduler")
         return name
 
@@ -377,13 +392,25 @@ class PolicyConfig(Section):
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
     make_sequence_length_divisible_by: int = Field(1, ge=1)
     max_grad_norm: float | None = Field(1.0, ge=0)
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    scheduler: list[SchedulerItem] = Field(default_factory=_default_scheduler)
+    optimizer: OptimizerConfig | None = Field(default_factory=OptimizerConfig)
+    """None (NeMo RL's way to say it): the Megatron backend's own optimizer (megatron_cfg.optimizer)."""
+    scheduler: list[SchedulerItem] | None = Field(default_factory=_default_scheduler)
+    """None: a constant learning rate (Megatron: megatron_cfg.scheduler)."""
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
+
+    @model_validator(mode="after")
+    def _optimizer_given(self) -> "PolicyConfig":
+        if self.optimizer is None and not self.megatron_cfg.enabled:
+            raise ValueError("policy.optimizer is null, which only the Megatron backend allows (it reads "
+                             "policy.megatron_cfg.optimizer): give policy.optimizer {name, kwargs}, or set "
+                             "policy.megatron_cfg.enabled=true")
+        return self
 
     @field_validator("scheduler")
     @classmethod
-    def _one_milestone_list(cls, steps: list) -> list:
+    def _one_milestone_list(cls, steps: list | None) -> list | None:
+        if steps is None:
+            return None
         schedulers = [s for s in steps if isinstance(s, SchedulerStep)]
         milestones = [s for s in steps if isinstance(s, SchedulerMilestones)]
         if len(milestones) > 1:
@@ -436,6 +463,11 @@ class LossConfig(Section):
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
     """KL coefficient to the frozen reference; 0 loads no reference."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Alias: NeMo RL's reference_policy_kl_type."""
+    kl_input_clamp_value: float | None = Field(None, gt=0)
+    """The log-ratio log q - log p is clamped to [-v, v] before the KL estimator; None: not clamped."""
+    kl_output_clamp_value: float | None = Field(None, gt=0)
+    """The per-token KL estimate is clamped to [-v, v]; None: not clamped."""
     ratio_clip_min: float = Field(0.2, ge=0)
     ratio_clip_max: float = Field(0.2, ge=0)
     ratio_clip_c: float | None = Field(None, gt=1)
@@ -462,6 +494,9 @@ class DataConfig(Section):
     system_prompt_file: PathText | None = None
     shuffle: bool = True
     max_input_seq_length: int | None = Field(None, ge=1)
+    split_validation_size: float = Field(0.0, ge=0, lt=1)
+    """With no held-out split given: this fraction of the training examples (drawn with grpo.seed)
+    is held out for evaluation and not trained on (NeMo RL's data.train.split_validation_size)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "DataConfig":
@@ -491,12 +526,13 @@ class MathEnvConfig(Section):
 class CheckpointingConfig(Section):
     enabled: bool = True
     checkpoint_dir: PathText = "results/grpo"
-    metric_name: str = "val_reward"
+    metric_name: str | None = "val_reward"
+    """The summary value keep_top_k ranks by (NeMo RL's "val:accuracy" is val_accuracy); None: the newest."""
     higher_is_better: bool = True
     keep_top_k: int | None = Field(3, ge=1)
     save_period: int = Field(10, ge=1)
     checkpoint_must_save_by: str | None = None
-    model_save_format: Literal["safetensors", "torch_save"] = "safetensors"
+    model_save_format: Literal["safetensors", "torch_save"] | None = "safetensors"
     save_consolidated: bool = False
 
 
@@ -577,6 +613,13 @@ class NovaRLConfig(Section):
     actor_train: RoleConfig | None = None
     actor_infer: RoleConfig | None = None
     reference: RoleConfig | None = None
+    _load_warnings: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def load_warnings(self) -> tuple[str, ...]:
+        """What loading said about the file (settings accepted and not used, names rewritten),
+        one line each; novarl validate, plan and train print them (config/loading.py: with_warnings)."""
+        return self._load_warnings
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "NovaRLConfig":

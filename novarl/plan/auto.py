@@ -23,7 +23,7 @@ def apply_auto(cfg: NovaRLConfig, *, gpu_memory_gb: float | None = None,
     policy.backend is 'auto'. gpu_memory_gb / on_gpu: what this host has, when not probed."""
     if cfg.policy.backend != "auto":
         return cfg, []
-    from novarl.config.loading import load_config
+    from novarl.config.loading import load_config, with_warnings
     from novarl.plan.resolve import installed
 
     if on_gpu is None or (on_gpu and gpu_memory_gb is None):
@@ -39,7 +39,7 @@ def apply_auto(cfg: NovaRLConfig, *, gpu_memory_gb: float | None = None,
                f"{cfg.cluster.num_nodes} CPU rank(s)) with {generation} generation, colocated; the advisor's "
                "memory model is for GPUs (`novarl plan` shows it)."]
     overrides.append("policy.backend=null")  # resolved: the saved config is explicit
-    return load_config(cfg.model_dump(by_alias=True), overrides=overrides), why
+    return with_warnings(load_config(cfg.model_dump(by_alias=True), overrides=overrides), cfg.load_warnings), why
 
 
 def _probe_gpu() -> tuple[bool, float | None]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from novarl.config import BUNDLED_RECIPE, NovaRLConfig, dump_config, load_config
+from novarl.config.loading import with_warnings
 from novarl.data.arithmetic import Example
 from novarl.data.datasets import BUNDLED_DATASETS
 from novarl.errors import CheckpointLoadFailed, RunFailed, UserError
@@ -53,7 +54,8 @@ class GRPOTrainer:
                  checkpoints_in_run_folder: bool = False, **overrides: Any) -> None:
         if isinstance(config, NovaRLConfig):
             if overrides:
-                config = load_config(config.model_dump(by_alias=True, exclude_unset=True), **overrides)
+                config = with_warnings(load_config(config.model_dump(by_alias=True, exclude_unset=True), **overrides),
+                                       config.load_warnings)
             self.config = config
         else:
             self.config = load_config(BUNDLED_RECIPE if config is None else config, **overrides)

@@ -72,7 +72,7 @@ def preflight(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = 
     choice = resolve_backends(cfg)
     availability = require_available(cfg, choice)
     batches = plan_batches(cfg)
-    notes, warnings = list(choice.notes), list(availability.warnings)
+    notes, warnings = list(choice.notes), [*cfg.load_warnings, *availability.warnings]
 
     check_sequence_length(cfg, model_path, choice, warnings)
     if choice.training == "megatron":

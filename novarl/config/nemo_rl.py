@@ -1,0 +1,410 @@
+"""NeMo RL's keys that novarl's schema does not hold, and what novarl does with each.
+
+The contract follows NeMo RL at commit 7ea279a (NVIDIA-NeMo/RL, 2026-08-22): its
+`examples/configs/grpo_*.yaml` and `examples/configs/recipes/llm/grpo-*.yaml`, and the
+September-2025 files before them. Every key those files hold is either
+
+- in novarl's schema (config/schema.py) and used there, or renamed to a key that is
+  (`translate`: NeMo RL's `data.train` / `data.validation` / `data.default` blocks, the
+  advantage estimator's copies of grpo's flags, `val_period: -1`);
+- a **feature switch** (`off`): accepted while it leaves the feature off, which is what novarl
+  does; set to anything else it is refused with one line naming the key and what is missing,
+  because it would change the maths and novarl does not build it;
+- **operational** (`operational`): ports, servers, CUDA graphs, logging details, offloading:
+  they change how fast or where, not what is computed. Accepted, and listed in one warning.
+- **governed** (`governed`): read by NeMo RL only when a feature switch is on (the dynamic
+  sampling cap, an engine's own block): accepted as they are, since the switch is refused
+  when on.
+
+`take_foreign` removes those keys from a composed tree before validation and returns what
+it refused and what it warns about; load_config reports both with the schema's own errors,
+in one message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+NEMO_RL_VERSION = "NeMo RL main at 7ea279a (2026-08-22), and its September-2025 files"
+"""The NeMo RL the key set follows (README: "Config compatibility")."""
+
+Neutral = Callable[[Any, Mapping[str, Any]], bool]
+"""(value, the whole tree) -> whether the value leaves the feature off."""
+
+
+def _is(*values: Any) -> Neutral:
+    return lambda value, tree: any(value == v and type(value) is type(v) or value is v for v in values)
+
+
+def _empty(value: Any, tree: Mapping[str, Any]) -> bool:
+    return value is None or value == {} or value == [] or value == ""
+
+
+def _disabled(value: Any, tree: Mapping[str, Any]) -> bool:
+    """A block with an `enabled` flag (or null) that is off."""
+    return value is None or isinstance(value, Mapping) and value.get("enabled", False) is False
+
+
+def _all_off(value: Any, tree: Mapping[str, Any]) -> bool:
+    """A block of flags and ids (reward_penalties): every one false or null."""
+    return value is None or isinstance(value, Mapping) and all(v in (None, False, 0, {}, []) for v in value.values())
+
+
+def _no_kl(value: Any, tree: Mapping[str, Any]) -> bool:
+    """skip_reference_policy_logprobs_calculation: novarl loads no reference at a KL penalty of 0."""
+    return value is False or value is None or not (tree.get("loss_fn") or {}).get("reference_policy_kl_penalty", 0)
+
+
+@dataclass(frozen=True)
+class Rule:
+    path: str
+    """Dotted key path; a '*' part matches any one key."""
+    kind: str
+    """'off', 'operational' or 'governed' (see the module docstring)."""
+    neutral: Neutral = field(default=lambda value, tree: True)
+    why: str = ""
+    """For 'off': what is not built (the refusal's reason). For 'operational': left empty."""
+
+
+def off(path: str, neutral: Neutral, why: str) -> Rule:
+    return Rule(path, "off", neutral, why)
+
+
+def operational(*paths: str) -> list[Rule]:
+    return [Rule(p, "operational") for p in paths]
+
+
+def governed(*paths: str) -> list[Rule]:
+    return [Rule(p, "governed") for p in paths]
+
+
+ISSUE_ALGORITHMS = "not built yet (the PPO-family issue)"
+ISSUE_ASYNC = "not built yet (asynchronous GRPO is a later issue)"
+ISSUE_DATA = "not built yet (the bring-your-own-data issue)"
+
+RULES: tuple[Rule, ...] = (
+    # ---------------------------------------------------------------- grpo
+    off("grpo.adv_estimator", lambda v, t: v is None or isinstance(v, Mapping) and v.get("name", "grpo") == "grpo",
+        f"advantage estimators other than 'grpo' are {ISSUE_ALGORITHMS}"),
+    off("grpo.advantage_clip_low", _is(None), "advantage clipping is not built"),
+    off("grpo.advantage_clip_high", _is(None), "advantage clipping is not built"),
+    off("grpo.async_grpo.in_flight_weight_updates", _is(False), f"in-flight weight updates are {ISSUE_ASYNC}"),
+    off("grpo.async_grpo.max_generation_failures", _is(0), f"tolerated generation failures are {ISSUE_ASYNC}"),
+    off("grpo.async_grpo.recompute_kv_cache_after_weight_updates", _is(False), f"KV-cache recomputation is {ISSUE_ASYNC}"),
+    off("grpo.use_dynamic_sampling", _is(False), f"DAPO's dynamic sampling is {ISSUE_ALGORITHMS}"),
+    off("grpo.batch_multiplier", _is(1, 1.0), f"over-generation for dynamic sampling is {ISSUE_ALGORITHMS}"),
+    *governed("grpo.dynamic_sampling_max_gen_batches", "grpo.stop_at_validation_threshold",
+              "data.num_prompts_per_dataloader", "policy.megatron_cfg.optimizer.optimizer_offload_fraction",
+              "policy.megatron_cfg.optimizer.overlap_cpu_optimizer_d2h_h2d", "policy.generation.sglang_cfg",
+              "policy.generation.trtllm_cfg", "policy.generation.trtllm_kwargs", "policy.generation.dynamo_cfg",
+              "policy.generation.vllm_cfg.quantization_ignored_layer_kws", "policy.megatron_cfg.fused_linear_logprobs_chunk_size"),
+    off("grpo.reward_scaling", _disabled, f"reward scaling is {ISSUE_ALGORITHMS}"),
+    off("grpo.reward_shaping", _disabled, f"reward shaping (DAPO's overlong penalty) is {ISSUE_ALGORITHMS}"),
+    off("grpo.seq_logprob_error_threshold", _is(None), "masking sequences by logprob error is not built"),
+    off("grpo.invalid_tool_call_advantage", _is(None), "tool calls are not built (single-turn rollouts)"),
+    off("grpo.malformed_thinking_advantage", _is(None), "<think>-tag checks are not built"),
+    off("grpo.stop_at_validation_metric", _is(None), "stopping on a validation metric is not built"),
+    off("grpo.val_num_generations_per_prompt", _is(1), "pass@k evaluation is not built (novarl evaluates one "
+        "greedy completion per prompt)"),
+    off("grpo.val_start_at", lambda v, t: v is None or isinstance(v, int) and v <= 0,
+        "delaying periodic evaluation is not built"),
+    off("grpo.skip_reference_policy_logprobs_calculation", _no_kl,
+        "a KL penalty without reference logprobs cannot be computed (novarl skips them when "
+        "loss_fn.reference_policy_kl_penalty is 0)"),
+    # ---------------------------------------------------------------- top level
+    off("async_rl", _is(None), f"the single-controller asynchronous loop is {ISSUE_ASYNC}"),
+    off("on_policy_distillation", _disabled, "on-policy distillation is not built"),
+    off("reward_penalties", _all_off, "NeMo-Gym reward penalties are not built"),
+    # ---------------------------------------------------------------- loss
+    off("loss_fn.disable_ppo_ratio", _is(False), f"the REINFORCE surrogate is {ISSUE_ALGORITHMS}"),
+    off("loss_fn.force_on_policy_ratio", _is(False), "forcing the ratio to 1 is not built"),
+    off("loss_fn.positive_example_nll_weight", _is(0, 0.0), "VAPO's NLL term is not built"),
+    off("loss_fn.truncated_importance_sampling_type", _is(None), f"truncated importance sampling is {ISSUE_ASYNC}"),
+    off("loss_fn.truncated_importance_sampling_ratio", _is(None), f"truncated importance sampling is {ISSUE_ASYNC}"),
+    off("loss_fn.truncated_importance_sampling_ratio_min", _is(None), f"truncated importance sampling is {ISSUE_ASYNC}"),
+    off("loss_fn.use_cispo", _is(False), "CISPO is not built"),
+    off("loss_fn.use_kl_in_reward", _is(False), f"the KL penalty in the reward (REINFORCE++) is {ISSUE_ALGORITHMS}"),
+    # ---------------------------------------------------------------- policy
+    off("policy.draft", _disabled, "draft models (speculative decoding heads) are not built"),
+    off("policy.router_replay", _disabled, "MoE router replay is not built"),
+    off("policy.hf_config_overrides", _empty, "overriding the model's config.json is not built"),
+    off("policy.dtensor_cfg.lora_cfg", _disabled, f"LoRA is {ISSUE_DATA}"),
+    off("policy.dtensor_cfg.expert_parallel_size", _is(1, None), "expert parallelism on DTensor is not built "
+        "(use megatron_cfg.expert_model_parallel_size)"),
+    off("policy.megatron_cfg.peft", _disabled, f"LoRA is {ISSUE_DATA}"),
+    off("policy.megatron_cfg.model_overrides", _empty, "overriding the Megatron model provider is not built"),
+    off("policy.megatron_cfg.mtp_num_layers", _is(0, None), "multi-token prediction is not built"),
+    off("policy.megatron_cfg.mtp_loss_scaling_factor", _is(0, 0.0, None), "multi-token prediction is not built"),
+    off("policy.megatron_cfg.mtp_use_repeated_layer", _is(False), "multi-token prediction is not built"),
+    off("policy.megatron_cfg.mtp_detach_heads", _is(False), "multi-token prediction is not built"),
+    off("policy.megatron_cfg.moe_router_enable_expert_bias", _is(False), "the MoE router's expert bias is not built"),
+    off("policy.megatron_cfg.freeze_config", _empty, "freezing parts of a Megatron model is not built"),
+    off("policy.quant_cfg", _empty, "quantisation-aware training (ModelOpt) is not built"),
+    *governed("policy.disable_modelopt_layer_spec", "policy.quant_batch_size", "policy.quant_calib_data", "policy.quant_calib_size",
+              "policy.quant_sequence_length"),
+    off("policy.sequence_packing.microbatch_order", _is("packer"), "novarl runs micro-batches in the packer's order"),
+    off("policy.tokenizer.chat_template_kwargs", _empty, f"chat-template arguments are {ISSUE_DATA}"),
+    off("policy.generation.use_async_rollouts", _is(False), f"asynchronous rollouts are {ISSUE_ASYNC}"),
+    off("policy.generation.quant_cfg", _empty, "quantised generation is not built"),
+    off("policy.generation.real_quant", _is(False, None), "quantised generation is not built"),
+    off("policy.generation.real_quant_ignore", _empty, "quantised generation is not built"),
+    off("policy.generation.mcore_generation_config.num_speculative_tokens", _is(0, None),
+        "speculative decoding is not built"),
+    off("policy.generation.vllm_cfg.kv_cache_dtype", _is("auto", None), "a quantised KV cache is not built"),
+    off("policy.generation.vllm_cfg.logprobs_mode", _is("processed_logprobs", None),
+        "novarl's vLLM engines return processed logprobs (after temperature and top-p/top-k)"),
+    off("data.use_multiple_dataloader", _is(False), f"several dataloaders are {ISSUE_DATA}"),
+    off("data.custom_dataloader", _empty, f"custom dataloaders are {ISSUE_DATA}"),
+    off("data.add_system_prompt", _is(False), "set data.system_prompt_file for a system prompt"),
+    # ---------------------------------------------------------------- operational
+    *operational(
+        "cluster.master_port_range_low", "cluster.master_port_range_high", "cluster.segment_size",
+        "checkpointing.save_optimizer", "data_plane",
+        "data.num_workers",
+        "logger.swanlab", "logger.mlflow.tracking_uri", "logger.wandb.log_nemo_gym_full_result_tables",
+        "policy.offload_optimizer_for_logprob", "policy.refit_buffer_size_gb",
+        "policy.activation_checkpointing_enabled",
+        "policy.tokenizer.use_fastokens",
+        "policy.sequence_packing.fuse_loss",
+        "policy.dtensor_cfg.clear_cache_every_n_steps", "policy.dtensor_cfg.automodel_kwargs", "policy.dtensor_cfg.env_vars",
+        "policy.generation.port_range_low", "policy.generation.port_range_high",
+        "policy.generation.real_quant_export_cpu_offload", "policy.generation.refit_cfg",
+        "policy.generation.refit_transport",
+        "policy.generation.val_temperature", "policy.generation.val_top_p", "policy.generation.val_top_k",
+        "policy.generation.mcore_generation_config.*",
+        "policy.generation.vllm_cfg.enable_vllm_metrics_logger", "policy.generation.vllm_cfg.vllm_metrics_logger_interval",
+        "policy.generation.vllm_cfg.http_refit_api_key_env_var", "policy.generation.vllm_cfg.http_refit_server_port",
+        "policy.generation.vllm_cfg.zmq_refit_server_port", "policy.generation.vllm_cfg.use_tqdm",
+        "policy.generation.vllm_cfg.reset_encoder_cache_after_weight_update", "policy.generation.vllm_cfg.env_vars",
+        "policy.generation.vllm_cfg.expose_http_server", "policy.generation.vllm_cfg.enable_prefix_caching",
+        "policy.generation.vllm_cfg.enable_expert_parallel",
+        "policy.megatron_cfg.checkpoint", "policy.megatron_cfg.cuda_graph_impl", "policy.megatron_cfg.cuda_graph_modules",
+        "policy.megatron_cfg.cuda_graph_warmup_steps", "policy.megatron_cfg.fine_grained_activation_offloading",
+        "policy.megatron_cfg.offload_modules", "policy.megatron_cfg.recompute_modules",
+        "policy.megatron_cfg.force_reconvert_from_hf", "policy.megatron_cfg.use_fused_linear_logprobs",
+        "policy.megatron_cfg.gradient_accumulation_fusion", "policy.megatron_cfg.moe_enable_deepep",
+        "policy.megatron_cfg.moe_per_layer_logging", "policy.megatron_cfg.moe_shared_expert_overlap",
+        "policy.megatron_cfg.use_fused_weighted_squared_relu", "policy.megatron_cfg.use_gloo_process_groups",
+        "policy.megatron_cfg.attention_backend",
+        "policy.megatron_cfg.optimizer.optimizer_cpu_offload",
+    ),
+)
+"""Every NeMo RL key the schema lacks (see the module docstring). mcore_generation_config's keys
+novarl's schema has (buffer_size_gb, ...) stay in it: a '*' rule takes only the keys the
+schema does not hold."""
+
+OPERATIONAL_NOTES = {
+    "policy.generation.val_temperature": "novarl evaluates greedily",
+    "policy.generation.val_top_p": "novarl evaluates greedily",
+    "policy.generation.val_top_k": "novarl evaluates greedily",
+    "checkpointing.save_optimizer": "novarl always saves the optimizer state, so that a resume is exact",
+    "policy.megatron_cfg.optimizer.optimizer_cpu_offload": "the optimizer stays on the GPU",
+    "policy.megatron_cfg.fine_grained_activation_offloading": "activations stay on the GPU",
+    "policy.activation_checkpointing_enabled": "set dtensor_cfg.activation_checkpointing",
+    "data_plane": "novarl moves rollouts through Ray's object store",
+    "policy.dtensor_cfg.automodel_kwargs": "novarl loads models with transformers",
+}
+"""What an operational key's absence means where it is worth a word (said in the warning)."""
+
+
+@dataclass
+class Foreign:
+    """What take_foreign found."""
+
+    refused: list[str] = field(default_factory=list)
+    """One line per feature switch that is on."""
+    ignored: list[str] = field(default_factory=list)
+    """Operational keys given (paths), warned about together."""
+
+    def warning(self) -> str | None:
+        if not self.ignored:
+            return None
+        notes = [f"{p} ({OPERATIONAL_NOTES[p]})" if p in OPERATIONAL_NOTES else p for p in self.ignored]
+        return (f"{len(notes)} NeMo RL setting(s) about ports, servers, logging, CUDA graphs or offloading are "
+                f"accepted and not used by novarl: {', '.join(notes)}")
+
+
+def take_foreign(tree: dict[str, Any], schema_has: Callable[[str], bool]) -> Foreign:
+    """Remove from `tree` (in place) the keys RULES names that the schema does not hold
+    (`schema_has(path)`), and say which it refuses and which it warns about."""
+    found = Foreign()
+    whole = dict(tree)
+    for rule in RULES:
+        for path, parent, key in _matches(tree, rule.path.split(".")):
+            if schema_has(path):
+                continue
+            value = parent.pop(key)
+            if rule.kind == "operational":
+                found.ignored.append(path)
+            elif rule.kind == "off" and not rule.neutral(value, whole):
+                found.refused.append(f"'{path}' = {_show(value)}: {rule.why}; remove it or turn it off.")
+    return found
+
+
+def _matches(node: Any, parts: list[str], prefix: str = "") -> list[tuple[str, dict[str, Any], str]]:
+    if not isinstance(node, dict):
+        return []
+    head, rest = parts[0], parts[1:]
+    keys = list(node) if head == "*" else [head] if head in node else []
+    out = []
+    for key in keys:
+        path = f"{prefix}.{key}" if prefix else key
+        out.extend([(path, node, key)] if not rest else _matches(node[key], rest, path))
+    return out
+
+
+def _show(value: Any) -> str:
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}...{text[-10:]}"
+
+
+# ------------------------------------------------------------------ renames
+DATA_FIELDS = {"dataset_name": "dataset_name", "input_key": "input_key", "output_key": "output_key",
+               "prompt_file": "prompt_file", "system_prompt_file": "system_prompt_file",
+               "split_validation_size": "split_validation_size"}
+"""NeMo RL's per-dataset keys (data.train / data.default) and novarl's flat data keys."""
+
+PROCESSORS = (None, "math_hf_data_processor", "math_data_processor")
+"""NeMo RL prompt processors that do what novarl does: the prompt file around the problem,
+then the tokenizer's chat template."""
+
+OPTIMIZER_SYNONYMS = {
+    "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam": "torch.optim.AdamW",
+    "transformer_engine.pytorch.optimizers.FusedAdam": "torch.optim.AdamW",
+}
+"""Optimizers NeMo RL recipes name that compute torch's update (TE's FusedAdam is AdamW, fused)."""
+
+
+def translate(tree: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Rewrite, in place, NeMo RL's spellings of settings novarl has into novarl's keys.
+    Returns (refused, warnings): one line each."""
+    refused: list[str] = []
+    warnings: list[str] = []
+    grpo = tree.get("grpo")
+    if isinstance(grpo, dict):
+        if grpo.get("async_grpo", False) is None:
+            grpo["async_grpo"] = {}
+        if isinstance(grpo.get("val_period"), int) and grpo["val_period"] < 0:
+            grpo["val_period"] = 0  # NeMo RL: -1 turns periodic evaluation off; novarl: 0
+        estimator = grpo.get("adv_estimator")
+        if isinstance(estimator, dict):
+            for key in ("normalize_rewards", "use_leave_one_out_baseline"):
+                if key in estimator:  # NeMo RL reads the estimator's copy (by default ${grpo.<key>})
+                    grpo[key] = estimator.pop(key)
+            estimator.pop("minus_baseline", None)  # REINFORCE++ only (refused with the name)
+            if not estimator or estimator == {"name": "grpo"}:
+                grpo.pop("adv_estimator")
+    policy = tree.get("policy")
+    if isinstance(policy, dict):
+        optimizer = policy.get("optimizer")
+        if isinstance(optimizer, dict) and optimizer.get("name") in OPTIMIZER_SYNONYMS:
+            warnings.append(f"policy.optimizer.name='{optimizer['name']}' runs as "
+                            f"{OPTIMIZER_SYNONYMS[optimizer['name']]} (the same update, not fused)")
+            optimizer["name"] = OPTIMIZER_SYNONYMS[optimizer["name"]]
+        megatron = policy.get("megatron_cfg")
+        if isinstance(megatron, dict) and megatron.get("moe_token_dispatcher_type") == "flex":
+            warnings.append("policy.megatron_cfg.moe_token_dispatcher_type='flex' (DeepEP) runs as 'alltoall' "
+                            "(the same routing, without DeepEP's kernels)")
+            megatron["moe_token_dispatcher_type"] = "alltoall"
+        packing = policy.get("sequence_packing")
+        if isinstance(packing, dict) and packing.get("algorithm") == "modified_ffd":
+            packing["algorithm"] = "modified_first_fit_decreasing"
+    checkpointing = tree.get("checkpointing")
+    if isinstance(checkpointing, dict) and isinstance(checkpointing.get("metric_name"), str):
+        name = checkpointing["metric_name"]
+        if name.startswith("val:"):  # NeMo RL: "val:accuracy"; novarl's summary: val_accuracy
+            checkpointing["metric_name"] = "val_" + name.removeprefix("val:")
+    data = tree.get("data")
+    if isinstance(data, dict) and any(k in data for k in ("train", "validation", "default")):
+        refused.extend(_flatten_data(data, warnings))
+    refused.extend(_environments(tree, warnings))
+    return refused, warnings
+
+
+def _flatten_data(data: dict[str, Any], warnings: list[str]) -> list[str]:
+    """NeMo RL's data.train / data.validation / data.default blocks as novarl's flat data keys."""
+    train, validation, default = data.pop("train", None), data.pop("validation", None), data.pop("default", None)
+    if isinstance(train, list):
+        return [f"'data.train' is a list of {len(train)} datasets: several training datasets are {ISSUE_DATA}; "
+                "give one."]
+    blocks = {"data.train": train, "data.validation": validation, "data.default": default}
+    bad = [f"'{k}' = {_show(v)}: a dataset block is a mapping of dataset_name, data_path, input_key, ..."
+           for k, v in blocks.items() if v is not None and not isinstance(v, dict)]
+    if bad:
+        return bad
+    train, validation, default = train or {}, validation or {}, default or {}
+    refused: list[str] = []
+
+    def pick(key: str) -> Any:
+        return train.get(key, default.get(key))
+
+    for key, name in DATA_FIELDS.items():
+        if pick(key) is not None:
+            data[name] = pick(key)
+        own = validation.get(key)
+        if key not in ("dataset_name", "split_validation_size") and own is not None and own != pick(key):
+            refused.append(f"'data.validation.{key}' = {_show(own)} differs from the training data's "
+                           f"{_show(pick(key))}: novarl reads both splits with one {key}.")
+    if train.get("data_path") is not None:
+        data["train_data_path"] = train["data_path"]
+    if validation.get("data_path") is not None:
+        data["val_data_path"] = validation["data_path"]
+    if train.get("split") is not None:
+        data["train_split"] = train["split"]
+    if validation.get("split") is not None:
+        data["val_split"] = validation["split"]
+    val_name = validation.get("dataset_name")
+    if val_name is not None and val_name != data.get("dataset_name") and val_name != "ResponseDataset":
+        refused.append(f"'data.validation.dataset_name' = {_show(val_name)} differs from the training dataset "
+                       f"{_show(data.get('dataset_name'))}: a held-out split of another named dataset is {ISSUE_DATA}.")
+    for block, values in (("data.train", train), ("data.validation", validation), ("data.default", default)):
+        processor = values.get("processor")
+        if processor not in PROCESSORS:
+            refused.append(f"'{block}.processor' = {_show(processor)}: novarl formats prompts as "
+                           f"{PROCESSORS[1]} does (prompt file, then chat template); other processors are {ISSUE_DATA}.")
+        env = values.get("env_name")
+        if env is not None:
+            data.setdefault("_env_names", set()).add(env)
+        if values.get("repeat", 1) != 1:
+            refused.append(f"'{block}.repeat' = {_show(values['repeat'])}: repeating a dataset is {ISSUE_DATA}.")
+        unknown = set(values) - {*DATA_FIELDS, "data_path", "split", "processor", "env_name", "seed", "repeat"}
+        refused.extend(f"unknown key '{block}.{k}'." for k in sorted(unknown))
+    return refused
+
+
+def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
+    """NeMo RL's environments: novarl scores with reward.function. The math environment
+    (math-verify) is the one novarl's recipes stand in for; it is said once in a warning."""
+    data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
+    used = data.pop("_env_names", set()) if data else set()
+    env = tree.get("env")
+    if not isinstance(env, dict):
+        return []
+    refused = []
+    for name in list(env):
+        if name == "math":
+            continue
+        block = env.pop(name)
+        if name in used:
+            refused.append(f"'env.{name}': NeMo RL's '{name}' environment is not built; novarl scores completions "
+                           "with reward.function.")
+        elif isinstance(block, dict) and block.get("enabled", False):
+            refused.append(f"'env.{name}.enabled' = true: NeMo RL's '{name}' environment is not built.")
+    if "math" in env and "reward" not in tree:
+        warnings.append("env.math: NeMo RL's math environment (math-verify) is not built yet; rewards come from "
+                        "reward.function='exact_match' (the answer's text, compared after normalisation)")
+    return refused
+
+
+VALUE_NOTES: dict[tuple[str, Any], str] = {
+    ("policy.generation.backend", "sglang"): "SGLang generation is not built in novarl; use 'vllm', 'hf' or 'megatron'",
+    ("policy.generation.backend", "trtllm"): "TensorRT-LLM generation is not built in novarl; use 'vllm', 'hf' or "
+                                             "'megatron'",
+    ("policy.generation.backend", "dynamo"): "Dynamo generation is not built in novarl; use 'vllm', 'hf' or 'megatron'",
+    ("policy.generation.vllm_cfg.precision", "fp8"): "FP8 generation is not built in novarl; use 'bfloat16' (or null: "
+                                                     "the policy's precision)",
+}
+"""Values of keys novarl's schema holds that name a NeMo RL feature novarl does not build:
+the refusal says so instead of listing the allowed values."""
