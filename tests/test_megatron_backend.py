@@ -37,9 +37,9 @@ MEGATRON = "policy.megatron_cfg.enabled=true"
 @pytest.fixture(scope="module", autouse=True)
 def megatron_on_cpu(tmp_path_factory):
     ray = pytest.importorskip("ray")
-    saved = {k: os.environ.get(k) for k in ("NOVARL_MEGATRON_ON_CPU", "NOVARL_MEGATRON_CHECKPOINT_DIR")}
+    saved = {k: os.environ.get(k) for k in ("NOVARL_MEGATRON_ON_CPU", "NRL_MEGATRON_CHECKPOINT_DIR")}
     os.environ["NOVARL_MEGATRON_ON_CPU"] = "1"
-    os.environ["NOVARL_MEGATRON_CHECKPOINT_DIR"] = str(tmp_path_factory.mktemp("megatron_cache"))
+    os.environ["NRL_MEGATRON_CHECKPOINT_DIR"] = str(tmp_path_factory.mktemp("megatron_cache"))
     yield
     ray.shutdown()
     for key, value in saved.items():

@@ -200,15 +200,19 @@ def test_megatron_core_loads_and_computes_like_hugging_face(name, tp):
 
 
 # ---------------------------------------------------------------- the cache
-def test_cache_folder_follows_the_seeds_order(monkeypatch, tmp_path):
-    monkeypatch.delenv("NOVARL_MEGATRON_CHECKPOINT_DIR", raising=False)
-    monkeypatch.delenv("HF_HOME", raising=False)
+def test_cache_folder_follows_the_seeds_order_and_names(monkeypatch, tmp_path):
+    # Seed 002: NRL_MEGATRON_CHECKPOINT_DIR, else $HF_HOME/nemo_rl, else ~/.cache/huggingface/nemo_rl;
+    # novarl's NOVARL_MEGATRON_CHECKPOINT_DIR is an alias the seed's variable wins over.
+    for variable in ("NRL_MEGATRON_CHECKPOINT_DIR", "NOVARL_MEGATRON_CHECKPOINT_DIR", "HF_HOME"):
+        monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert checkpoint_root() == (tmp_path / "home" / ".cache" / "huggingface" / "novarl", "the default")
+    assert checkpoint_root() == (tmp_path / "home" / ".cache" / "huggingface" / "nemo_rl", "the default")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    assert checkpoint_root() == (tmp_path / "hf" / "novarl", "HF_HOME")
-    monkeypatch.setenv("NOVARL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "mine"))
-    assert checkpoint_root() == (tmp_path / "mine", "NOVARL_MEGATRON_CHECKPOINT_DIR")
+    assert checkpoint_root() == (tmp_path / "hf" / "nemo_rl", "HF_HOME")
+    monkeypatch.setenv("NOVARL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "alias"))
+    assert checkpoint_root() == (tmp_path / "alias", "NOVARL_MEGATRON_CHECKPOINT_DIR")
+    monkeypatch.setenv("NRL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "seed"))
+    assert checkpoint_root() == (tmp_path / "seed", "NRL_MEGATRON_CHECKPOINT_DIR")
 
 
 def test_conversion_is_cached_and_stale_or_partial_ones_are_redone(monkeypatch, tmp_path, capsys):

@@ -24,7 +24,7 @@ import huggingface_hub
 import pytest
 from huggingface_hub import constants
 
-import novarl.models.loading as loading
+import novarl.models.locate as locate
 from novarl.cli import main
 from novarl.errors import UserError
 from novarl.models.bundled import resolve_bundled
@@ -48,7 +48,7 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(loading, "_REACHABLE", set())
+    monkeypatch.setattr(locate, "_REACHABLE", set())
     return cache
 
 

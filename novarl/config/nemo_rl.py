@@ -221,9 +221,31 @@ class Foreign:
     def warning(self) -> str | None:
         if not self.ignored:
             return None
-        notes = [f"{p} ({OPERATIONAL_NOTES[p]})" if p in OPERATIONAL_NOTES else p for p in self.ignored]
-        return (f"{len(notes)} NeMo RL setting(s) about ports, servers, logging, CUDA graphs or offloading are "
-                f"accepted and not used by novarl: {', '.join(notes)}")
+        groups: dict[str, list[str]] = {}
+        for path in self.ignored:
+            parent, _, key = path.rpartition(".")
+            groups.setdefault(parent, []).append(f"{key} ({OPERATIONAL_NOTES[path]})" if path in OPERATIONAL_NOTES
+                                                 else key)
+        names = [f"{parent}.{keys[0]}" if len(keys) == 1 else f"{parent}.{{{', '.join(keys)}}}"
+                 for parent, keys in groups.items()]
+        return (f"{len(self.ignored)} NeMo RL setting(s) about ports, servers, logging, kernels or offloading are "
+                f"accepted and not used by novarl: {'; '.join(n.removeprefix('.') for n in names)}")
+
+
+INACTIVE_SECTIONS: tuple[tuple[str, Callable[[Mapping[str, Any]], bool]], ...] = (
+    ("policy.megatron_cfg.", lambda tree: not _get(tree, "policy.megatron_cfg.enabled")),
+    ("policy.generation.mcore_generation_config.", lambda tree: _get(tree, "policy.generation.backend") != "megatron"),
+    ("policy.generation.vllm_cfg.", lambda tree: _get(tree, "policy.generation.backend") not in ("vllm", None)),
+)
+"""Sections a run does not use (a backend that is off): their operational keys are not worth a
+warning, since nothing would read them."""
+
+
+def _get(tree: Mapping[str, Any], path: str) -> Any:
+    node: Any = tree
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
 
 
 def take_foreign(tree: dict[str, Any], schema_has: Callable[[str], bool]) -> Foreign:
@@ -237,7 +259,8 @@ def take_foreign(tree: dict[str, Any], schema_has: Callable[[str], bool]) -> For
                 continue
             value = parent.pop(key)
             if rule.kind == "operational":
-                found.ignored.append(path)
+                if not any(path.startswith(section) and inactive(whole) for section, inactive in INACTIVE_SECTIONS):
+                    found.ignored.append(path)
             elif rule.kind == "off" and not rule.neutral(value, whole):
                 found.refused.append(f"'{path}' = {_show(value)}: {rule.why}; remove it or turn it off.")
     return found

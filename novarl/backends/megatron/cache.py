@@ -1,7 +1,8 @@
 """Converted Megatron checkpoints, made once per (model, tensor-parallel size) and reused.
 
-Where (the seeds' order): `NOVARL_MEGATRON_CHECKPOINT_DIR`, else `$HF_HOME/novarl`,
-else `~/.cache/huggingface/novarl`. Each conversion is a folder
+Where (seed 002's order and names): `NRL_MEGATRON_CHECKPOINT_DIR` (novarl's own
+`NOVARL_MEGATRON_CHECKPOINT_DIR` is an alias), else `$HF_HOME/nemo_rl`, else
+`~/.cache/huggingface/nemo_rl`. Each conversion is a folder
 
     <root>/<model name>-<fingerprint>/tp<T>/rank_<r>.pt + manifest.json
 
@@ -29,13 +30,18 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 
 
+CHECKPOINT_DIR_VARIABLES = ("NRL_MEGATRON_CHECKPOINT_DIR", "NOVARL_MEGATRON_CHECKPOINT_DIR")
+"""Where converted checkpoints go: seed 002's variable, then novarl's alias for it."""
+
+
 def checkpoint_root() -> tuple[Path, str]:
     """(folder, which setting chose it)."""
-    if os.environ.get("NOVARL_MEGATRON_CHECKPOINT_DIR"):
-        return Path(os.environ["NOVARL_MEGATRON_CHECKPOINT_DIR"]).expanduser(), "NOVARL_MEGATRON_CHECKPOINT_DIR"
+    for variable in CHECKPOINT_DIR_VARIABLES:
+        if os.environ.get(variable):
+            return Path(os.environ[variable]).expanduser(), variable
     if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "novarl", "HF_HOME"
-    return Path("~/.cache/huggingface/novarl").expanduser(), "the default"
+        return Path(os.environ["HF_HOME"]).expanduser() / "nemo_rl", "HF_HOME"
+    return Path("~/.cache/huggingface/nemo_rl").expanduser(), "the default"
 
 
 def fingerprint(model_dir: Path) -> str:
