@@ -141,21 +141,36 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """The checks `novarl train` makes before it starts anything (the same function:
-    trainer.setup.preflight), then the resolved config. Starts no worker, loads no weights."""
+    """The checks `novarl train` makes before it starts anything (the same functions:
+    plan/checks.py, then trainer.setup.inspect_inputs when the model's files are here), all of
+    them, then the resolved config. Starts no worker, loads no weights; imports no torch when
+    the model is not local. Exit 2 naming every problem; exit 0 with one line when only a GPU
+    host can run it."""
     from novarl.config import dump_config
     from novarl.plan.auto import apply_auto
-    from novarl.trainer.setup import preflight
+    from novarl.plan.checks import check_config, one_error
 
     cfg, why = apply_auto(_config(args))
-    inputs = preflight(cfg)
+    report = check_config(cfg)
+    inputs = None
+    if report.model_path is not None and not report.gpu_only:
+        from novarl.trainer.setup import inspect_inputs
+
+        inputs = inspect_inputs(cfg, report, report.model_path)
+    error = one_error(report.problems)
+    if error is not None:
+        raise error
     print(dump_config(cfg), end="")
     for line in why:
         print(f"# {line}")
-    print(f"# valid. {inputs.choice.describe()}; {inputs.batches.describe()}")
-    for line in (*(f"note: {n}" for n in inputs.notes), *(f"warning: {w}" for w in inputs.warnings),
-                 inputs.summary):
+    print(f"# valid. {report.choice.describe()}; {report.batches.describe()}")
+    notes, warnings = (inputs.notes, inputs.warnings) if inputs else (report.notes, report.warnings)
+    for line in (*(f"note: {n}" for n in notes), *(f"warning: {w}" for w in warnings)):
         print(f"# {line}")
+    if report.needs_gpu():
+        print(f"# {report.needs_gpu()}")
+    if inputs is not None:
+        print(f"# {inputs.summary}")
     return 0
 
 

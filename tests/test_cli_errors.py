@@ -269,13 +269,18 @@ def test_reward_function_that_fails_its_smoke_call(capsys, log_dir, spec, expect
 
 
 @pytest.mark.skipif(CUDA, reason="this host has CUDA: Megatron runs")
-@BOTH
-def test_megatron_without_a_gpu_is_refused_before_any_output(capsys, log_dir, monkeypatch, command):
+def test_megatron_without_a_gpu_is_refused_by_train_and_valid_for_a_gpu_host(capsys, log_dir, monkeypatch):
     monkeypatch.delenv("NOVARL_MEGATRON_ON_CPU", raising=False)
-    code, _, err = run_cli(capsys, command, f"logger.log_dir={log_dir}", "policy.megatron_cfg.enabled=true")
+    code, _, err = run_cli(capsys, "train", f"logger.log_dir={log_dir}", "policy.megatron_cfg.enabled=true")
     msg = assert_refused_cleanly(code, err, log_dir)
-    assert "does not have yet" in msg and "a CUDA GPU: Megatron-core trains and generates on CUDA GPUs only" in msg
+    assert "this host lacks a CUDA GPU: Megatron-core trains and generates on CUDA GPUs only" in msg
     assert "NOVARL_MEGATRON_ON_CPU=1 runs it on the CPU for tests" in msg
+    # validate: the config is valid for a GPU host, which it says in one line (exit 0).
+    code, out, err = run_cli(capsys, "validate", f"logger.log_dir={log_dir}", "policy.megatron_cfg.enabled=true")
+    assert code == 0, err
+    gpu_lines = [line for line in out.splitlines() if "valid for a GPU host" in line]
+    assert len(gpu_lines) == 1 and "a CUDA GPU: Megatron-core trains" in gpu_lines[0], out
+    assert not log_dir.exists()
 
 
 @pytest.mark.skipif(CUDA, reason="this host has CUDA: Megatron runs")

@@ -16,37 +16,40 @@ from pathlib import Path
 from novarl.config.schema import DataConfig
 from novarl.data.arithmetic import Example, arithmetic_examples
 from novarl.data.repeat import repeat_examples
-from novarl.errors import NotAvailableYet, UserError
+from novarl.errors import UserError
+from novarl.plan.checks import check_data_source, dataset_kind  # noqa: F401 (dataset_kind re-exported)
 from novarl.types import Prompt
 
 BUNDLED_DATASETS = {"arithmetic": arithmetic_examples, "repeat": repeat_examples}
 
 
-def dataset_kind(cfg: DataConfig) -> str:
-    """data.dataset_name, else 'ResponseDataset' when a file is given, else 'arithmetic'.
-
-    A bundled name together with a data file is refused when the config is
-    validated (see DataConfig), so a file is never silently ignored.
-    """
-    if cfg.dataset_name is not None:
-        return cfg.dataset_name
-    return "ResponseDataset" if cfg.train_data_path else "arithmetic"
-
-
-def load_examples(cfg: DataConfig, split: str) -> list[Example]:
-    """The examples of `split` ("train" or "validation")."""
+def load_examples(cfg: DataConfig, split: str, *, seed: int = 0) -> list[Example]:
+    """The examples of `split` ("train" or "validation"). A data file without a held-out file
+    and with data.split_validation_size > 0 is split in two: that fraction (at least one
+    example), drawn with `seed`, is the validation split and is left out of the training one."""
+    check_data_source(cfg)
     kind = dataset_kind(cfg)
     if kind in BUNDLED_DATASETS:
         return BUNDLED_DATASETS[kind](split)
-    if kind != "ResponseDataset":
-        raise NotAvailableYet(f"data.dataset_name='{kind}' is not available yet. Use 'arithmetic' or 'repeat' (bundled) "
-                              "or 'ResponseDataset' with data.train_data_path / data.val_data_path "
-                              "pointing at JSONL or Parquet files.")
+    if cfg.split_validation_size > 0 and not cfg.val_data_path:
+        examples = read_examples(Path(cfg.train_data_path), cfg.input_key, cfg.output_key, where="data.train_data_path")
+        held_out = held_out_indices(len(examples), cfg.split_validation_size, seed)
+        if len(held_out) >= len(examples):
+            raise UserError(f"data.split_validation_size={cfg.split_validation_size} leaves no training example of "
+                            f"the {len(examples)} in data.train_data_path='{cfg.train_data_path}'.")
+        return [e for i, e in enumerate(examples) if (i in held_out) == (split == "validation")]
     key = "train_data_path" if split == "train" else "val_data_path"
-    path = getattr(cfg, key) or (cfg.train_data_path if split == "validation" else None)
-    if path is None:
-        raise UserError(f"data.{key} is not set: ResponseDataset needs a JSONL or Parquet file.")
+    path = getattr(cfg, key) or cfg.train_data_path
     return read_examples(Path(path), cfg.input_key, cfg.output_key, where=f"data.{key}")
+
+
+def held_out_indices(count: int, fraction: float, seed: int) -> set[int]:
+    """Which of `count` examples a validation fraction holds out: round(count x fraction), at
+    least one, drawn without replacement by `seed` (the same on every run and rank)."""
+    import random
+
+    size = max(1, round(count * fraction))
+    return set(random.Random(seed).sample(range(count), min(size, count)))
 
 
 def read_examples(path: Path, input_key: str, output_key: str, *, where: str = "data") -> list[Example]:

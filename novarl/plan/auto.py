@@ -43,6 +43,10 @@ def apply_auto(cfg: NovaRLConfig, *, gpu_memory_gb: float | None = None,
 
 
 def _probe_gpu() -> tuple[bool, float | None]:
+    from novarl.plan.resolve import _has_cuda
+
+    if not _has_cuda():  # without importing torch
+        return False, None
     import torch
 
     if not torch.cuda.is_available():

@@ -75,19 +75,31 @@ def default_generation_backend(cfg: NovaRLConfig) -> tuple[str, str]:
 
 
 def _has_cuda() -> bool:
-    import torch
+    """Whether this host has a CUDA GPU. Without torch imported (`novarl validate` and `plan`
+    stay light), the driver's device files decide: /dev/nvidia0, ... (none where
+    CUDA_VISIBLE_DEVICES hides them all)."""
+    import os
+    import sys
 
-    return torch.cuda.is_available()
+    if "torch" in sys.modules:
+        return sys.modules["torch"].cuda.is_available()
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+MEGATRON_ON_CPU = "NOVARL_MEGATRON_ON_CPU"
+"""backends/megatron/cpu.py's switch (read here without importing it: it imports torch)."""
 
 
 def _megatron_missing() -> list[str]:
+    import os
+
     if not installed("megatron.core"):
         return ["megatron-core, for policy.megatron_cfg.enabled: pip install 'novarl[megatron]'"]
-    from novarl.backends.megatron import cpu
-
-    if not _has_cuda() and not cpu.requested():
+    if not _has_cuda() and os.environ.get(MEGATRON_ON_CPU, "") in ("", "0"):
         return ["a CUDA GPU: Megatron-core trains and generates on CUDA GPUs only, and this host has none "
-                f"(its weight conversion runs anywhere; {cpu.ENV}=1 runs it on the CPU for tests, slowly)"]
+                f"(its weight conversion runs anywhere; {MEGATRON_ON_CPU}=1 runs it on the CPU for tests, slowly)"]
     return []
 
 
@@ -103,14 +115,19 @@ class Availability:
     """Needed by the run and not built yet: the run is refused."""
     warnings: tuple[str, ...] = field(default_factory=tuple)
     """Asked for, not built yet, and the run goes on without it."""
+    gpu_only: tuple[str, ...] = ()
+    """The items of `missing` a GPU host has (CUDA, engines of several devices): the config is
+    valid for a GPU host, and cannot run on this one."""
 
 
 def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
-    policy, missing, warnings = cfg.policy, [], []
+    policy, missing, warnings, gpu_only = cfg.policy, [], [], []
     if choice.training not in BUILT_TRAINING_BACKENDS:
         missing.append(f"training backend '{choice.training}' (policy.{choice.training}_cfg.enabled)")
     if choice.training == "megatron":
-        missing.extend(_megatron_missing())
+        needs = _megatron_missing()
+        missing.extend(needs)
+        gpu_only.extend(n for n in needs if n.startswith("a CUDA GPU"))
     if choice.training == "deepspeed" and not installed("deepspeed"):
         missing.append("DeepSpeed, for policy.deepspeed_cfg.enabled: pip install 'novarl[deepspeed]' "
                        "(the Makefile shows how on a CPU-only host)")
@@ -125,7 +142,9 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     except ConfigError:
         layout = None  # the device arithmetic does not fit: plan_batches says how
     else:
-        missing.extend(layout_missing(layout, on_gpu=_has_cuda()))
+        needs = layout_missing(layout, on_gpu=_has_cuda())
+        missing.extend(needs)
+        gpu_only.extend(needs if not _has_cuda() else [])
     ranks = layout.training_ranks if layout else max(cfg.cluster.gpus_per_node, 1) * cfg.cluster.num_nodes
     if ranks > 1 and not installed("ray"):
         missing.append(f"Ray, to run {ranks} ranks (cluster: {cfg.cluster.num_nodes} node(s) x "
@@ -145,7 +164,7 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     for sink in ("wandb", "tensorboard", "mlflow", "swanlab"):
         if getattr(cfg.logger, f"{sink}_enabled"):
             warnings.append(f"logger.{sink}_enabled: not available yet; metrics go to the JSONL file")
-    return Availability(tuple(missing), tuple(warnings))
+    return Availability(tuple(missing), tuple(warnings), tuple(gpu_only))
 
 
 def require_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:

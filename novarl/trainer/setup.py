@@ -18,12 +18,12 @@ from novarl.backends.protocols import (GenerationBackend, Offloadable, Reference
 from novarl.config.schema import NovaRLConfig
 from novarl.data.arithmetic import Example
 from novarl.data.datasets import PromptSampler, dataset_kind, load_examples, read_prompt_template, to_prompts
-from novarl.errors import UserError
+from novarl.errors import NotAvailableYet, UserError
 from novarl.logging.console import info
 from novarl.models.loading import check_model_folder, load_tokenizer, resolve_model_path
 from novarl.plan.generation import generation_layout
-from novarl.plan.resolve import (BackendChoice, BatchPlan, plan_batches, require_available, resolve_backends,
-                                 world_size)
+from novarl.plan.checks import ConfigReport, check_config, one_error
+from novarl.plan.resolve import BackendChoice, BatchPlan, world_size
 from novarl.rewards.registry import RewardScorer
 from novarl.types import Completion, Prompt
 
@@ -57,38 +57,64 @@ class RunInputs:
 
 def preflight(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = None,
               train_examples: list[Example] | None = None) -> RunInputs:
-    """Every check `novarl train` makes before it starts a worker or writes a folder, and
-    `novarl validate` makes alone: backends and their availability, batch arithmetic, model
-    folder (config.json), Megatron's model constraints, tokenizer, data (every row), the
-    reward function (imported, then called once on a training example). Loads no weights.
+    """Every check `novarl train` makes before it starts a worker or writes a folder:
+    the config's own (plan/checks.py: backends and their availability, batch arithmetic,
+    output folders), then those that read the model's files (`inspect_inputs`). Loads no
+    weights. Keeps going after a problem and raises one UserError naming every one.
 
     train_examples: in-memory examples used for training and (the first
     grpo.max_val_samples) for evaluation, instead of the configured data.
-    Raises UserError (or a subclass) naming the key at fault.
     """
-    # The model folder first: the batch arithmetic and the backend checks read its config.json.
-    model_path = resolve_model_path(cfg.policy.model_name)
-    check_model_folder(model_path, trust_remote_code=cfg.policy.trust_remote_code)
-    choice = resolve_backends(cfg)
-    availability = require_available(cfg, choice)
-    batches = plan_batches(cfg)
-    notes, warnings = list(choice.notes), [*cfg.load_warnings, *availability.warnings]
+    report = check_config(cfg)
+    model_path = report.model_path
+    if model_path is None and not report.problems and not report.gpu_only:
+        model_path = report.attempt(resolve_model_path, cfg.policy.model_name)  # a hub id: downloads
+    inputs = inspect_inputs(cfg, report, model_path, reward_fn, train_examples) if model_path else None
+    error = one_error([*report.problems, *(NotAvailableYet(f"this host lacks {g}") for g in report.gpu_only)])
+    if error is not None:
+        raise error
+    assert inputs is not None
+    return inputs
 
-    check_sequence_length(cfg, model_path, choice, warnings)
-    if choice.training == "megatron":
-        check_megatron_model(cfg, model_path)
-    tokenizer = load_tokenizer(cfg.policy.tokenizer.name or model_path,
-                               trust_remote_code=cfg.policy.trust_remote_code)
-    check_stop_token_ids(cfg, tokenizer)
-    check_output_dirs(cfg)
-    scorer = RewardScorer.from_spec(reward_fn or cfg.reward.function, timeout_s=cfg.reward.timeout_s)
-    train = split_prompts(cfg, tokenizer, "train", train_examples, notes=notes)
-    sampler = PromptSampler(train, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
-    check_reward(scorer, train[0], where=f"reward.function='{cfg.reward.function}'" if reward_fn is None
-                 else f"the reward function given to the trainer ({scorer.name})")
+
+def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
+                   reward_fn: str | Callable[..., float] | None = None,
+                   train_examples: list[Example] | None = None) -> RunInputs | None:
+    """The checks that read the model's files: the folder (config.json, weights' shapes), the
+    sequence length against its positions, Megatron's model constraints, the tokenizer and
+    stop ids, the data (every row), and the reward (imported, then called once on a training
+    example). Problems go to report.problems; the RunInputs when there was none."""
+    notes, warnings = list(report.notes), list(report.warnings)
+    attempt = report.attempt
+    before = len(report.problems)
+    attempt(check_model_folder, model_path, trust_remote_code=cfg.policy.trust_remote_code)
+    folder_ok = len(report.problems) == before
+    if report.choice is not None:
+        attempt(check_sequence_length, cfg, model_path, report.choice, warnings)
+        if report.choice.training == "megatron" and not report.gpu_only and folder_ok:
+            attempt(check_megatron_model, cfg, model_path)
+    tokenizer = None  # from a folder the check refused, it would fail again for the same reason
+    if folder_ok or cfg.policy.tokenizer.name:
+        tokenizer = attempt(load_tokenizer, cfg.policy.tokenizer.name or model_path,
+                            trust_remote_code=cfg.policy.trust_remote_code)
+    if tokenizer is not None:
+        attempt(check_stop_token_ids, cfg, tokenizer)
+    scorer = attempt(RewardScorer.from_spec, reward_fn or cfg.reward.function, timeout_s=cfg.reward.timeout_s)
+    train = attempt(split_prompts, cfg, tokenizer, "train", train_examples, notes=notes) \
+        if tokenizer is not None else None
+    if scorer is not None and train:
+        attempt(check_reward, scorer, train[0], where=f"reward.function='{cfg.reward.function}'" if reward_fn is None
+                else f"the reward function given to the trainer ({scorer.name})")
     gap = held_out_gap(cfg, train_examples)
+    val = None
+    if gap is None and tokenizer is not None:
+        val = attempt(split_prompts, cfg, tokenizer, "validation", notes=notes)
+    if report.problems or report.gpu_only or report.choice is None or report.batches is None or not train \
+            or scorer is None or (gap is None and val is None):
+        return None
+    sampler = PromptSampler(train, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
     if gap is None:
-        val = split_prompts(cfg, tokenizer, "validation", notes=notes)[:cfg.grpo.max_val_samples]
+        val = val[:cfg.grpo.max_val_samples]
         prompts = f"{len(train)} train / {len(val)} held-out prompts"
     else:
         val = train[:cfg.grpo.max_val_samples]
@@ -97,7 +123,7 @@ def preflight(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = 
                         + ("set data.val_data_path to a held-out file" if train_examples is None else
                            "evaluate held-out examples separately (`novarl eval` with data.val_data_path)"))
     summary = f"model: {cfg.policy.model_name} ({model_path}); {prompts}; reward: {scorer.name}"
-    return RunInputs(choice, batches, model_path, tokenizer, scorer, sampler, val,
+    return RunInputs(report.choice, report.batches, model_path, tokenizer, scorer, sampler, val,
                      val_source="held-out" if gap is None else "training-set", summary=summary,
                      notes=tuple(notes), warnings=tuple(warnings))
 
@@ -116,7 +142,8 @@ def held_out_gap(cfg: NovaRLConfig, train_examples: list[Example] | None = None)
     not (the evaluation prompts are then training prompts)."""
     if train_examples is not None:
         return "train_examples were given in memory, with no held-out split"
-    if dataset_kind(cfg.data) == "ResponseDataset" and not cfg.data.val_data_path:
+    if dataset_kind(cfg.data) == "ResponseDataset" and not cfg.data.val_data_path \
+            and not cfg.data.split_validation_size:
         return "data.val_data_path is not set"
     return None
 
@@ -143,30 +170,6 @@ def check_stop_token_ids(cfg: NovaRLConfig, tokenizer) -> None:
     if outside:
         raise UserError(f"policy.generation.stop_token_ids={ids[:10]}{'...' if len(ids) > 10 else ''}: {outside[0]} "
                         f"is not a token id of the tokenizer, which has {size} tokens (ids 0 to {size - 1}).")
-
-
-def check_output_dirs(cfg: NovaRLConfig) -> None:
-    """logger.log_dir, and checkpointing.checkpoint_dir when checkpointing, can be made: no file
-    where a folder must go, the nearest existing folder writable, no name the file system
-    refuses. Creates nothing (validate writes nothing)."""
-    import os
-    from pathlib import Path
-
-    folders = [("logger.log_dir", cfg.logger.log_dir)]
-    if cfg.checkpointing.enabled:
-        folders.append(("checkpointing.checkpoint_dir", cfg.checkpointing.checkpoint_dir))
-    for key, folder in folders:
-        try:
-            existing = Path(folder).expanduser().absolute()
-            while not existing.exists():
-                existing = existing.parent
-            if not existing.is_dir():
-                raise UserError(f"{key}='{folder}': {existing} is a file, so the folder cannot be made there.")
-            if not os.access(existing, os.W_OK | os.X_OK):
-                raise UserError(f"{key}='{folder}': {existing} is not writable by this user.")
-        except (OSError, ValueError) as err:
-            raise UserError(f"{key}='{folder}': the folder cannot be made "
-                            f"({getattr(err, 'strerror', None) or err}).") from None
 
 
 def check_sequence_length(cfg: NovaRLConfig, model_path: str, choice: BackendChoice, warnings: list[str]) -> None:
@@ -209,7 +212,7 @@ def split_prompts(cfg: NovaRLConfig, tokenizer, split: str, examples: list[Examp
     """Tokenised prompts of a split that fit the sequence budget (at least one). How many
     were dropped as too long goes to `notes` (to the log when notes is None)."""
     template, system = read_prompt_template(cfg.data)
-    examples = examples if examples is not None else load_examples(cfg.data, split)
+    examples = examples if examples is not None else load_examples(cfg.data, split, seed=cfg.grpo.seed)
     max_prompt = min(cfg.data.max_input_seq_length or cfg.policy.max_seq_length,
                      cfg.policy.max_seq_length - 1)
     prompts = to_prompts(examples, tokenizer, template=template, system_prompt=system,

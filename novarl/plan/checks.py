@@ -1,0 +1,187 @@
+"""The checks of a config that need neither torch nor the model's weights.
+
+`check_config` runs every one of them and keeps going after a failure, so that
+`novarl validate` (and `novarl train`, before it starts anything) names every
+reason a run cannot start in one message. It reads the model's config.json when
+the model is bundled, a local folder or in the local Hugging Face cache, and never
+touches the network: a hub id that is not cached is noted ("train downloads it"),
+and the checks that need its files (tokenizer, data lengths, the reward's trial
+call, Megatron's model constraints) run when it is there (trainer/setup.py).
+
+Problems come in two kinds: those that stop the run anywhere, and those a GPU host
+does not have (`gpu_only`: CUDA for Megatron, engines spanning several devices,
+Transformer Engine's kernels). A config with only the second kind is valid for a
+GPU host; `validate` says so in one line.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from novarl.config.schema import BUNDLED_TASKS, DataConfig, NovaRLConfig
+from novarl.errors import NotAvailableYet, UserError
+from novarl.plan.resolve import (BackendChoice, BatchPlan, _has_cuda, check_available, installed, plan_batches,
+                                 resolve_backends)
+
+
+@dataclass
+class ConfigReport:
+    """What check_config found."""
+
+    choice: BackendChoice | None = None
+    batches: BatchPlan | None = None
+    model_path: str | None = None
+    """The model's local folder (bundled, a folder, or a complete cached snapshot); None when
+    it must be downloaded (or cannot be found: see problems)."""
+    model_config_dir: str | None = None
+    """A folder holding the model's config.json (also a cached snapshot without weights)."""
+    problems: list[UserError] = field(default_factory=list)
+    """Each stops the run on any host."""
+    gpu_only: list[str] = field(default_factory=list)
+    """What this host lacks and a GPU host has: each stops the run here."""
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def attempt(self, check, *args, **kwargs):
+        """check(*args, **kwargs), with a UserError kept in problems (and None returned)."""
+        try:
+            return check(*args, **kwargs)
+        except UserError as err:
+            self.problems.append(err)
+            return None
+
+    def needs_gpu(self) -> str | None:
+        """One line: what only a GPU host has, or None."""
+        if not self.gpu_only:
+            return None
+        return ("valid for a GPU host; this host has no CUDA GPU, so `novarl train` would stop here. It needs: "
+                + "; ".join(self.gpu_only))
+
+
+def check_config(cfg: NovaRLConfig) -> ConfigReport:
+    """Every check of `cfg` that needs no torch and no weights (see the module docstring)."""
+    report = ConfigReport(warnings=list(cfg.load_warnings))
+    report.attempt(locate, cfg, report)
+    report.choice = report.attempt(resolve_backends, cfg)
+    if report.choice is not None:
+        report.notes.extend(report.choice.notes)
+        availability = check_available(cfg, report.choice)
+        report.warnings.extend(availability.warnings)
+        report.gpu_only.extend(availability.gpu_only)
+        report.problems.extend(NotAvailableYet(f"this config needs what novarl does not have yet: {m}")
+                               for m in availability.missing if m not in availability.gpu_only)
+        if report.choice.training == "megatron":
+            report.gpu_only.extend(transformer_engine_options(cfg))
+    report.batches = report.attempt(plan_batches, cfg)
+    report.attempt(check_output_dirs, cfg)
+    report.attempt(check_data_source, cfg.data)
+    return report
+
+
+def dataset_kind(data: DataConfig) -> str:
+    """data.dataset_name, else 'ResponseDataset' when a file is given, else 'arithmetic'.
+
+    A bundled name together with a data file is refused when the config is
+    validated (see DataConfig), so a file is never silently ignored.
+    """
+    if data.dataset_name is not None:
+        return data.dataset_name
+    return "ResponseDataset" if data.train_data_path else "arithmetic"
+
+
+def check_data_source(data: DataConfig) -> None:
+    """The data names something novarl reads: a bundled task, or files that exist. (Their rows
+    are read, and checked, with the tokenizer: trainer/setup.py.)"""
+    kind = dataset_kind(data)
+    if data.split_validation_size and (kind in BUNDLED_TASKS or data.val_data_path):
+        raise UserError(f"data.split_validation_size={data.split_validation_size} holds out part of the training "
+                        "data for evaluation, but the data already has a held-out split ("
+                        + (f"the bundled task '{kind}'" if kind in BUNDLED_TASKS else "data.val_data_path")
+                        + "): set one of them.")
+    if kind in BUNDLED_TASKS:
+        return
+    if kind != "ResponseDataset":
+        raise NotAvailableYet(f"data.dataset_name='{kind}' is not available yet. Use 'arithmetic' or 'repeat' (bundled) "
+                              "or 'ResponseDataset' with data.train_data_path / data.val_data_path "
+                              "pointing at JSONL or Parquet files.")
+    if data.train_data_path is None:
+        raise UserError("data.train_data_path is not set: ResponseDataset needs a JSONL or Parquet file.")
+
+
+def locate(cfg: NovaRLConfig, report: ConfigReport) -> None:
+    """The model's local folder, without the network: sets report.model_path (weights here)
+    and report.model_config_dir (config.json here), or notes that train downloads it."""
+    from novarl.models.locate import _has_safetensors_weights, resolve_model_path
+
+    name = cfg.policy.model_name
+    found = resolve_model_path(name, download=False)
+    folder = Path(found)
+    if not (folder / "config.json").is_file():
+        report.notes.append(f"policy.model_name='{name}' is not in the local Hugging Face cache: `novarl train` "
+                            "downloads it, and checks its tokenizer, the data's lengths and the reward then")
+        return
+    report.model_config_dir = found
+    if found != name and not _has_safetensors_weights(folder):  # a cached snapshot with config.json only
+        report.notes.append(f"policy.model_name='{name}': only config.json is in the local cache; `novarl train` "
+                            "downloads the weights")
+        return
+    report.model_path = found
+
+
+TE_OPTIONS = (
+    ("apply_rope_fusion", lambda mc: mc.apply_rope_fusion),
+    ("moe_permute_fusion", lambda mc: mc.moe_permute_fusion),
+    ("moe_grouped_gemm", lambda mc: mc.moe_grouped_gemm),
+    ("sequence_parallel (with tensor_model_parallel_size > 1)",
+     lambda mc: mc.sequence_parallel and mc.tensor_model_parallel_size > 1),
+    ("fp8_cfg.enabled", lambda mc: mc.fp8_cfg is not None and mc.fp8_cfg.enabled),
+)
+"""Megatron options whose kernels come from Transformer Engine, which GPU hosts have."""
+
+
+def transformer_engine_options(cfg: NovaRLConfig) -> list[str]:
+    """What megatron_cfg asks of Transformer Engine when it is not installed (one line)."""
+    if installed("transformer_engine"):
+        return []
+    mc = cfg.policy.megatron_cfg
+    asked = [f"policy.megatron_cfg.{name}" for name, used in TE_OPTIONS if used(mc)]
+    if not asked:
+        return []
+    return [f"Transformer Engine (installed with megatron-core on GPU hosts) for {', '.join(asked)}"]
+
+
+def check_output_dirs(cfg: NovaRLConfig) -> None:
+    """logger.log_dir, and checkpointing.checkpoint_dir when checkpointing, can be made: no file
+    where a folder must go, the nearest existing folder writable, no name the file system
+    refuses. Creates nothing (validate writes nothing)."""
+    folders = [("logger.log_dir", cfg.logger.log_dir)]
+    if cfg.checkpointing.enabled:
+        folders.append(("checkpointing.checkpoint_dir", cfg.checkpointing.checkpoint_dir))
+    for key, folder in folders:
+        try:
+            existing = Path(folder).expanduser().absolute()
+            while not existing.exists():
+                existing = existing.parent
+            if not existing.is_dir():
+                raise UserError(f"{key}='{folder}': {existing} is a file, so the folder cannot be made there.")
+            if not os.access(existing, os.W_OK | os.X_OK):
+                raise UserError(f"{key}='{folder}': {existing} is not writable by this user.")
+        except (OSError, ValueError) as err:
+            raise UserError(f"{key}='{folder}': the folder cannot be made "
+                            f"({getattr(err, 'strerror', None) or err}).") from None
+
+
+def one_error(problems: list[UserError]) -> UserError | None:
+    """The problems as one error: the only one as it is, several listed (the first's class,
+    so that the exit code stays that of the first)."""
+    if not problems:
+        return None
+    if len(problems) == 1:
+        return problems[0]
+    lines = "\n".join(f"  - {p}".replace("\n", "\n    ") for p in problems)
+    return type(problems[0])(f"{len(problems)} problems stop this run:\n{lines}")
+
+
+__all__ = ["ConfigReport", "check_config", "check_output_dirs", "one_error", "_has_cuda"]
