@@ -185,7 +185,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from novarl.plan.advisor import advise, format_advice
     from novarl.plan.auto import apply_auto
     from novarl.plan.model_shape import ModelShape, parse_parameter_count
-    from novarl.plan.resolve import check_available, micro_batch_shape, plan_batches, resolve_backends
+    from novarl.plan.resolve import (check_available, describe_layout, micro_batch_shape, plan_batches,
+                                     resolve_backends)
 
     model_only = args.model is not None and args.config is None
     # With only --model, the workload comes from the schema defaults (and the overrides,
@@ -196,7 +197,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cfg, why = apply_auto(cfg)
         choice = resolve_backends(cfg)
         availability = check_available(cfg, choice)
-        exit_code = 0 if not availability.missing else 2
+        exit_code = 0 if set(availability.missing) <= set(availability.gpu_only) else 2
         if not args.json:
             for line in why:
                 print(line)
@@ -204,8 +205,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             for note in choice.notes:
                 print(f"note: {note}")
             print(plan_batches(cfg).describe())
+            print(describe_layout(cfg, choice.training))
             for item in availability.missing:
-                print(f"not available yet: {item}")
+                print(f"{'needs a GPU host' if item in availability.gpu_only else 'not available yet'}: {item}")
             for item in (*cfg.load_warnings, *availability.warnings):
                 print(f"warning: {item}")
     name, advice, skipped = args.model or cfg.policy.model_name, None, None

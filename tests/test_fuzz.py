@@ -149,7 +149,7 @@ def schema_cases(per_field: int, rng: random.Random) -> list[Case]:
     for key, kind, low in schema_fields():
         values = list(BAD_VALUES[kind])
         if low is not None and low >= 0 and kind in ("int", "float"):
-            values.append("-1")
+            values.append("-2" if key == "grpo.val_period" else "-1")  # NeMo RL's val_period -1 is "off"
         for value in rng.sample(values, min(per_field, len(values))):
             cases.append(Case(f"value:{key}={value[:20]}", overrides(f"{key}={value}"), 2, limit_s=CONFIG_LIMIT_S,
                               says=key))
@@ -203,7 +203,7 @@ def yaml_cases() -> list[Case]:
         ("unknown-resolver", "grpo: {seed: '${pow:2, 3}'}\n", "unknown resolver 'pow'"),
         ("resolver-overflow", "grpo: {seed: '${mul:10000000000, 10000000000}'}\n", "64-bit"),
         ("nul-in-path", 'policy: {model_name: "tiny\\0arith"}\n', "NUL"),
-        ("defaults-list", "defaults: [base]\n", "Hydra"),
+        ("defaults-list", "defaults: [base]\n", "does not exist"),
     ]
     cases = [Case(f"yaml:{name}", write("cfg.yaml", text), 2, limit_s=CONFIG_LIMIT_S, says=says)
              for name, text, says in files]

@@ -76,12 +76,19 @@ def test_engines_larger_than_a_device_need_gpus_and_colocated_ones_are_not_there
     assert layout_missing(dedicated, on_gpu=True) == []
 
 
-def test_validate_lists_what_the_generation_layout_needs(capsys):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has GPUs")
+def test_validate_says_what_the_generation_layout_needs_of_a_gpu_host(capsys):
     from novarl.cli import main
 
+    # Valid for a GPU host, in one line; train refuses to start here.
     assert main(["validate", "policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=2",
+                 "cluster.gpus_per_node=2"]) == 0
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if "valid for a GPU host" in line]
+    assert "engines of tensor_parallel_size x pipeline_parallel_size = 2 devices" in line
+    assert main(["train", "policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=2",
                  "cluster.gpus_per_node=2"]) == 2
-    assert "engines of tensor_parallel_size x pipeline_parallel_size = 2 devices" in capsys.readouterr().err
+    assert "this host lacks GPUs, for engines of tensor_parallel_size" in capsys.readouterr().err
 
 
 def test_validate_refuses_dedicated_resources_that_leave_devices_idle(capsys):

@@ -10,7 +10,6 @@ and one subprocess test sets HF_HOME in the environment alone.
 
 from __future__ import annotations
 
-import hashlib
 import http.server
 import json
 import os
@@ -18,54 +17,18 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import huggingface_hub
 import pytest
-from huggingface_hub import constants
 
-import novarl.models.locate as locate
 from novarl.cli import main
 from novarl.errors import UserError
 from novarl.models.bundled import resolve_bundled
 from novarl.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
-REPO_ID = "someorg/somemodel"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
+from tests.helpers.hub import REPO_ID, cache_snapshot
+
 CLOSED_PORT = "http://127.0.0.1:9"  # discard port: nothing listens, the connection is refused at once
-
-
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch) -> Path:
-    """An empty Hugging Face cache that huggingface_hub uses; online, with no hub id probed yet."""
-    home = tmp_path / "hf_home"
-    cache = home / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HOME", str(home))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(locate, "_REACHABLE", set())
-    return cache
-
-
-def cache_snapshot(cache: Path, repo_id: str, files: dict[str, bytes]) -> Path:
-    """Put `files` in the cache as huggingface_hub does: blobs named by hash, snapshot links to them."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / COMMIT
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    for name, content in files.items():
-        blob = repo / "blobs" / hashlib.sha256(content).hexdigest()
-        blob.write_bytes(content)
-        link = snapshot / name
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    return snapshot
 
 
 def bundled_files() -> dict[str, bytes]:

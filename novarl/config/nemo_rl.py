@@ -309,7 +309,7 @@ def translate(tree: dict[str, Any]) -> tuple[list[str], list[str]]:
     if isinstance(grpo, dict):
         if grpo.get("async_grpo", False) is None:
             grpo["async_grpo"] = {}
-        if isinstance(grpo.get("val_period"), int) and grpo["val_period"] < 0:
+        if grpo.get("val_period") == -1 and grpo["val_period"] is not True:
             grpo["val_period"] = 0  # NeMo RL: -1 turns periodic evaluation off; novarl: 0
         estimator = grpo.get("adv_estimator")
         if isinstance(estimator, dict):
@@ -322,7 +322,8 @@ def translate(tree: dict[str, Any]) -> tuple[list[str], list[str]]:
     policy = tree.get("policy")
     if isinstance(policy, dict):
         optimizer = policy.get("optimizer")
-        if isinstance(optimizer, dict) and optimizer.get("name") in OPTIMIZER_SYNONYMS:
+        if isinstance(optimizer, dict) and isinstance(optimizer.get("name"), str) \
+                and optimizer["name"] in OPTIMIZER_SYNONYMS:
             warnings.append(f"policy.optimizer.name='{optimizer['name']}' runs as "
                             f"{OPTIMIZER_SYNONYMS[optimizer['name']]} (the same update, not fused)")
             optimizer["name"] = OPTIMIZER_SYNONYMS[optimizer["name"]]
@@ -363,21 +364,22 @@ def _flatten_data(data: dict[str, Any], warnings: list[str]) -> list[str]:
     def pick(key: str) -> Any:
         return train.get(key, default.get(key))
 
+    # A flat key given beside the blocks (a command-line override: data.dataset_name=...) wins.
     for key, name in DATA_FIELDS.items():
         if pick(key) is not None:
-            data[name] = pick(key)
+            data.setdefault(name, pick(key))
         own = validation.get(key)
         if key not in ("dataset_name", "split_validation_size") and own is not None and own != pick(key):
             refused.append(f"'data.validation.{key}' = {_show(own)} differs from the training data's "
                            f"{_show(pick(key))}: novarl reads both splits with one {key}.")
     if train.get("data_path") is not None:
-        data["train_data_path"] = train["data_path"]
+        data.setdefault("train_data_path", train["data_path"])
     if validation.get("data_path") is not None:
-        data["val_data_path"] = validation["data_path"]
+        data.setdefault("val_data_path", validation["data_path"])
     if train.get("split") is not None:
-        data["train_split"] = train["split"]
+        data.setdefault("train_split", train["split"])
     if validation.get("split") is not None:
-        data["val_split"] = validation["split"]
+        data.setdefault("val_split", validation["split"])
     val_name = validation.get("dataset_name")
     if val_name is not None and val_name != data.get("dataset_name") and val_name != "ResponseDataset":
         refused.append(f"'data.validation.dataset_name' = {_show(val_name)} differs from the training dataset "
@@ -415,6 +417,9 @@ def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
                            "with reward.function.")
         elif isinstance(block, dict) and block.get("enabled", False):
             refused.append(f"'env.{name}.enabled' = true: NeMo RL's '{name}' environment is not built.")
+        else:
+            warnings.append(f"env.{name}: NeMo RL's '{name}' environment is not built; the block is not used "
+                            "(novarl scores completions with reward.function)")
     if "math" in env and "reward" not in tree:
         warnings.append("env.math: NeMo RL's math environment (math-verify) is not built yet; rewards come from "
                         "reward.function='exact_match' (the answer's text, compared after normalisation)")

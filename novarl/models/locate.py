@@ -146,6 +146,19 @@ def _probe_hub(endpoint: str, repo_id: str) -> str | None:
     return outcome[0]
 
 
+def download_snapshot(repo_id: str) -> str:
+    """`repo_id`'s config, tokenizer and safetensors files, downloaded into the local Hugging
+    Face cache now, in this process, as a folder: what the Megatron backend converts (its
+    ranks read files, not hub ids)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except Exception as err:  # noqa: BLE001 - network, permissions, a gated repo: all end the same way
+        raise UserError(f"policy.model_name='{repo_id}': downloading it for the Megatron conversion failed "
+                        f"({type(err).__name__}: {_first_line(err)}).") from None
+
+
 def _first_line(err: Exception) -> str:
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__

@@ -104,9 +104,20 @@ def _megatron_missing() -> list[str]:
 
 
 def installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it or its parent packages
+    (importlib's find_spec of 'a.b' imports 'a': megatron's, for one, is not light)."""
     import importlib.util
+    import sys
 
-    return importlib.util.find_spec(module) is not None
+    top, _, rest = module.partition(".")
+    if top in sys.modules:
+        return importlib.util.find_spec(module) is not None
+    spec = importlib.util.find_spec(top)
+    if spec is None or not rest:
+        return spec is not None
+    folders = [Path(p) for p in spec.submodule_search_locations or ()]
+    path = Path(*rest.split("."))
+    return any((f / path).is_dir() or (f / path).with_suffix(".py").is_file() for f in folders)
 
 
 @dataclass(frozen=True)
@@ -336,6 +347,26 @@ def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> 
     problems.extend(_head_problems(shape, "policy.generation.vllm_cfg.tensor_parallel_size",
                                    gen.vllm_cfg.tensor_parallel_size, kv_replicated=True))
     return problems
+
+
+def describe_layout(cfg: NovaRLConfig, training: str) -> str:
+    """One line: the ranks and how the training backend splits them, and generation's engines,
+    e.g. `layout: 64 training ranks (8 node(s) x 8) = megatron dp 2 x tp 4 x pp 8 x cp 1, ep 8;
+    generation: 16 vllm engine(s) x tp=4, colocated`."""
+    ranks = world_size(cfg)
+    names, _, sizes, _ = _model_parallel_sizes(cfg, training)
+    parallel = math.prod(sizes)
+    split = " x ".join(f"{name} {size}" for name, size in zip(names.split(" x "), (ranks // parallel, *sizes)))
+    if training == "megatron" and cfg.policy.megatron_cfg.expert_model_parallel_size > 1:
+        split += f", ep {cfg.policy.megatron_cfg.expert_model_parallel_size}"
+    if training == "deepspeed":
+        split = f"dp {ranks} (ZeRO-{cfg.policy.deepspeed_cfg.zero_stage})"
+    line = (f"layout: {ranks} training rank(s) of {cfg.cluster.num_nodes} node(s) x {cfg.cluster.gpus_per_node} = "
+            f"{training} {split}")
+    try:
+        return f"{line}; {generation_layout(cfg, resolve_backends(cfg).generation).describe()}"
+    except ConfigError:
+        return line
 
 
 def _model_parallel_sizes(cfg: NovaRLConfig, training: str

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,7 @@ from novarl.data.datasets import PromptSampler, dataset_kind, load_examples, rea
 from novarl.errors import NotAvailableYet, UserError
 from novarl.logging.console import info
 from novarl.models.loading import check_model_folder, load_tokenizer, resolve_model_path
+from novarl.models.locate import download_snapshot
 from novarl.plan.generation import generation_layout
 from novarl.plan.checks import ConfigReport, check_config, one_error
 from novarl.plan.resolve import BackendChoice, BatchPlan, world_size
@@ -69,6 +71,9 @@ def preflight(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = 
     model_path = report.model_path
     if model_path is None and not report.problems and not report.gpu_only:
         model_path = report.attempt(resolve_model_path, cfg.policy.model_name)  # a hub id: downloads
+        if model_path and report.choice is not None and report.choice.training == "megatron" \
+                and not Path(model_path).is_dir():  # Megatron's ranks convert files: fetch them here, first
+            model_path = report.attempt(download_snapshot, model_path)
     inputs = inspect_inputs(cfg, report, model_path, reward_fn, train_examples) if model_path else None
     error = one_error([*report.problems, *(NotAvailableYet(f"this host lacks {g}") for g in report.gpu_only)])
     if error is not None:

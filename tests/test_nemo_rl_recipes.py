@@ -1,0 +1,228 @@
+"""NeMo RL's own GRPO configs and recipes, as they are (tests/data/nemo_rl: the files of
+NVIDIA-NeMo/RL at 7ea279a, 2026-08, and at b50bfca, 2025-09, with their `defaults:` chains),
+and the one validation pass: `novarl validate` names every reason `train` would stop, at
+once, without torch when the model is not local."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from novarl.cli import main
+from novarl.config import load_config
+from novarl.plan.resolve import installed
+
+NEMO_RL = Path(__file__).parent / "data" / "nemo_rl"
+
+# file -> the layout `novarl plan` must print: what the file (with its bases) asks for.
+LAYOUTS = {
+    "2026-08/grpo_math_1B.yaml": "1 training rank(s) of 1 node(s) x 1 = dtensor dp 1 x tp 1 x cp 1; generation: 1 vllm "
+                                 "engine(s) x tp=1, in this process beside the policy",
+    "2026-08/grpo_math_8B.yaml": "8 training rank(s) of 1 node(s) x 8 = dtensor dp 8 x tp 1 x cp 1; generation: 8 vllm "
+                                 "engine(s) x tp=1, colocated with policy ranks 0-7",
+    "2026-08/grpo_math_1B_megatron.yaml": "1 training rank(s) of 1 node(s) x 1 = megatron dp 1 x tp 1 x pp 1 x cp 1; "
+                                          "generation: 1 vllm engine(s) x tp=1, in this process beside the policy",
+    "2026-08/grpo_math_8B_megatron.yaml": "8 training rank(s) of 1 node(s) x 8 = megatron dp 4 x tp 1 x pp 2 x cp 1; "
+                                          "generation: 8 vllm engine(s) x tp=1, colocated with policy ranks 0-7",
+    "2026-08/grpo_math_70B_megatron.yaml": "64 training rank(s) of 8 node(s) x 8 = megatron dp 4 x tp 4 x pp 4 x cp 1; "
+                                           "generation: 8 vllm engine(s) x tp=8, colocated with policy ranks 0-63",
+    "2026-08/grpo_math_qwen30ba3b_megatron.yaml": "64 training rank(s) of 8 node(s) x 8 = megatron dp 32 x tp 2 x pp 1 "
+                                                  "x cp 1, ep 8; generation: 16 vllm engine(s) x tp=4, colocated with "
+                                                  "policy ranks 0-63",
+    "2026-08/recipes/llm/grpo-llama3.1-8b-instruct-2n4g-fsdp2tp1-noncolocated.yaml":
+        "4 training rank(s) of 2 node(s) x 4 = dtensor dp 4 x tp 1 x cp 1; generation: 4 vllm engine(s) x tp=1, "
+        "dedicated: 1 node(s) x 4 GPU(s) apart from the policy's 4 rank(s)",
+    "2026-08/recipes/llm/grpo-qwen2.5-7b-instruct-4n4g-fsdp2tp2.v3.yaml":
+        "16 training rank(s) of 4 node(s) x 4 = dtensor dp 8 x tp 2 x cp 1; generation: 8 vllm engine(s) x tp=2, "
+        "colocated with policy ranks 0-15",
+    "2026-08/recipes/llm/grpo-qwen2.5-7b-instruct-4n8g-megatron.yaml":
+        "32 training rank(s) of 4 node(s) x 8 = megatron dp 16 x tp 2 x pp 1 x cp 1; generation: 8 vllm engine(s) x "
+        "tp=4, colocated with policy ranks 0-31",
+    "2026-08/recipes/llm/grpo-qwen3-30ba3b-8n8g-megatron.yaml":
+        "64 training rank(s) of 8 node(s) x 8 = megatron dp 4 x tp 4 x pp 4 x cp 1, ep 4; generation: 16 vllm "
+        "engine(s) x tp=4, colocated with policy ranks 0-63",
+    "2026-08/recipes/llm/grpo-gemma3-27b-it-8n8g-fsdp2tp8-actckpt-long.yaml":
+        "64 training rank(s) of 8 node(s) x 8 = dtensor dp 8 x tp 8 x cp 1; generation: 16 vllm engine(s) x tp=4, "
+        "colocated with policy ranks 0-63",
+    "2026-08/recipes/llm/grpo-llama3.2-1b-instruct-1n8g-megatron_generation.yaml":
+        "8 training rank(s) of 1 node(s) x 8 = megatron dp 8 x tp 1 x pp 1 x cp 1; generation: megatron on the "
+        "policy's 8 rank(s) (the policy's own model, no weight sync)",
+    "2025-09/grpo_math_1B.yaml": "1 training rank(s) of 1 node(s) x 1 = dtensor dp 1 x tp 1 x cp 1; generation: 1 vllm "
+                                 "engine(s) x tp=1, in this process beside the policy",
+    "2025-09/grpo_math_8B.yaml": "8 training rank(s) of 1 node(s) x 8 = dtensor dp 8 x tp 1 x cp 1; generation: 8 vllm "
+                                 "engine(s) x tp=1, colocated with policy ranks 0-7",
+    "2025-09/grpo_math_1B_megatron.yaml": "1 training rank(s) of 1 node(s) x 1 = megatron dp 1 x tp 1 x pp 1 x cp 1; "
+                                          "generation: 1 vllm engine(s) x tp=1, in this process beside the policy",
+    "2025-09/grpo_math_70B_megatron.yaml": "64 training rank(s) of 8 node(s) x 8 = megatron dp 4 x tp 4 x pp 4 x cp 1; "
+                                           "generation: 8 vllm engine(s) x tp=8, colocated with policy ranks 0-63",
+    "2025-09/grpo_math_qwen30ba3b_megatron.yaml": "64 training rank(s) of 8 node(s) x 8 = megatron dp 32 x tp 2 x pp 1 "
+                                                  "x cp 1, ep 8; generation: 16 vllm engine(s) x tp=4, colocated with "
+                                                  "policy ranks 0-63",
+    "2025-09/recipes/llm/grpo-deepscaler-1.5b-8K.yaml":
+        "8 training rank(s) of 1 node(s) x 8 = dtensor dp 8 x tp 1 x cp 1; generation: 8 vllm engine(s) x tp=1, "
+        "colocated with policy ranks 0-7",
+    "2025-09/recipes/llm/grpo-llama3.1-8b-instruct-2n8g-fsdp2tp1-noncolocated.yaml":
+        "8 training rank(s) of 2 node(s) x 8 = dtensor dp 8 x tp 1 x cp 1; generation: 8 vllm engine(s) x tp=1, "
+        "dedicated: 1 node(s) x 8 GPU(s) apart from the policy's 8 rank(s)",
+    "2025-09/recipes/llm/grpo-moonlight-16ba3b-4n8g-megatron.yaml":
+        "32 training rank(s) of 4 node(s) x 8 = megatron dp 8 x tp 1 x pp 4 x cp 1, ep 4; generation: 32 vllm "
+        "engine(s) x tp=1, colocated with policy ranks 0-31",
+    "2025-09/recipes/llm/grpo-qwen2.5-7b-instruct-4n8g-megatron.yaml":
+        "32 training rank(s) of 4 node(s) x 8 = megatron dp 16 x tp 2 x pp 1 x cp 1; generation: 8 vllm engine(s) x "
+        "tp=4, colocated with policy ranks 0-31",
+}
+
+# file -> the refusals (one line each) of features novarl does not build.
+REFUSED = {
+    "2026-08/grpo_math_1B_sglang.yaml": ["'policy.generation.backend' = 'sglang': SGLang generation is not built"],
+    "2026-08/grpo_math_8B_megatron_fp8.yaml": ["'policy.generation.vllm_cfg.precision' = 'fp8': FP8 generation is "
+                                               "not built"],
+    "2026-08/recipes/llm/dapo-qwen2.5-7b.v2.yaml": [
+        "'data.validation.dataset_name' = 'DAPOMathAIME2024' differs from the training dataset 'DAPOMath17K'",
+        "'grpo.use_dynamic_sampling' = true: DAPO's dynamic sampling is not built yet",
+        "'grpo.batch_multiplier' = 3: over-generation for dynamic sampling",
+        "'grpo.reward_scaling' = {'enabled': True,", "'grpo.reward_shaping' = {'enabled': True,",
+        "'policy.hf_config_overrides' = {'max_position_embeddings': 16384}"],
+}
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    """Nothing reaches the network, and the checks' folders are writable ones."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_nemo_rl_files_load_as_written_and_plan_prints_their_layout(capsys, name):
+    cfg = load_config(NEMO_RL / name)
+    assert len(cfg.load_warnings) >= 1  # the operational keys, in one line (and env.math's note)
+    code, out, err = run(capsys, "plan", str(NEMO_RL / name))
+    assert code == 0, err
+    layout = [line.removeprefix("layout: ") for line in out.splitlines() if line.startswith("layout: ")]
+    assert layout == [LAYOUTS[name]], out
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_nemo_rl_features_novarl_does_not_build_are_refused_one_line_each(capsys, name):
+    code, _, err = run(capsys, "validate", str(NEMO_RL / name))
+    assert code == 2 and "Traceback" not in err
+    lines = err.splitlines()
+    assert lines[0].startswith(f"novarl: error: Invalid config ({NEMO_RL / name}): {len(REFUSED[name])} problem(s):")
+    for expected in REFUSED[name]:
+        assert sum(line.startswith(f"  - {expected}") for line in lines) == 1, (expected, err)
+
+
+def test_validate_on_a_nemo_rl_recipe_names_what_is_left(capsys, tmp_path):
+    # As written, the math recipes name NeMo RL's OpenMathInstruct-2, which novarl does not load yet:
+    # that is the one problem validate reports; the model (a hub id, not cached) is a note.
+    recipe = str(NEMO_RL / "2026-08/grpo_math_8B.yaml")
+    code, _, err = run(capsys, "validate", recipe)
+    assert code == 2 and err.startswith("novarl: error: data.dataset_name='OpenMathInstruct-2' is not available yet")
+    # With the data in a file, the recipe is valid; a GPU-sized engine layout is said in one line.
+    (tmp_path / "train.jsonl").write_text(json.dumps({"problem": "1+1=", "expected_answer": "2"}) + "\n")
+    code, out, err = run(capsys, "validate", recipe, "data.dataset_name=ResponseDataset",
+                         "data.train_data_path=train.jsonl", "data.input_key=problem",
+                         "data.output_key=expected_answer")
+    assert code == 0, err
+    comments = [line for line in out.splitlines() if line.startswith("# ")]
+    assert comments[0].startswith("# valid. training backend: dtensor; generation backend: vllm")
+    assert any("'meta-llama/Llama-3.1-8B-Instruct' is not in the local Hugging Face cache: `novarl train` downloads"
+               in line for line in comments)
+    assert sum("NeMo RL setting(s) about ports" in line for line in comments) == 1
+
+
+def test_validate_without_a_local_model_imports_no_torch():
+    code = ("import sys; from novarl.cli import main; "
+            f"rc = main(['validate', {str(NEMO_RL / '2026-08/grpo_math_70B_megatron.yaml')!r}, "
+            "'data.dataset_name=ResponseDataset', 'data.train_data_path=x.jsonl']); "
+            "heavy = [m for m in ('torch', 'transformers', 'megatron', 'vllm') if m in sys.modules]; "
+            "print(rc, heavy)")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    # x.jsonl does not exist, but a hub model that is not cached leaves the data's rows for train to read.
+    assert out.stdout.strip().splitlines()[-1] == "0 []", out.stdout + out.stderr
+
+
+def test_validate_lists_every_reason_train_would_stop_at_once(capsys, tmp_path):
+    (tmp_path / "blocker").write_text("a file where the log folder should go")
+    code, out, err = run(capsys, "validate", "policy.dtensor_cfg.context_parallel_size=2", "grpo.async_grpo.enabled=true",
+                         f"logger.log_dir={tmp_path / 'blocker' / 'logs'}", "data.train_data_path=missing.jsonl",
+                         "data.dataset_name=ResponseDataset", "reward.function=no_such_module:f")
+    assert code == 2 and out == ""
+    lines = err.splitlines()
+    assert lines[0] == "novarl: error: 6 problems stop this run:", err
+    assert "context parallelism (policy.dtensor_cfg.context_parallel_size=2)" in err
+    assert "1 ranks is not a multiple of policy.dtensor_cfg.tensor_parallel_size x context_parallel_size" in err
+    assert "asynchronous GRPO (grpo.async_grpo.enabled)" in err
+    assert "logger.log_dir=" in err and "is a file, so the folder cannot be made there" in err
+    assert "data.train_data_path='missing.jsonl': no such file" in err
+    assert "reward.function" in err and "no_such_module" in err
+
+
+# ------------------------------------------------------------------ Megatron pre-flight, before any rank starts
+@pytest.fixture
+def megatron_on_cpu(monkeypatch):
+    monkeypatch.setenv("NOVARL_MEGATRON_ON_CPU", "1")
+
+
+MEGATRON = ("policy.megatron_cfg.enabled=true", "policy.generation.backend=hf")
+
+
+@pytest.mark.skipif(installed("transformer_engine"), reason="Transformer Engine is installed: its options run")
+def test_transformer_engine_options_are_valid_for_a_gpu_host_and_stop_train_here(capsys, megatron_on_cpu, tmp_path):
+    args = (*MEGATRON, "policy.megatron_cfg.apply_rope_fusion=true", "policy.megatron_cfg.moe_grouped_gemm=true",
+            f"logger.log_dir={tmp_path / 'logs'}")
+    code, out, err = run(capsys, "validate", *args)
+    assert code == 0, err
+    (line,) = [line for line in out.splitlines() if "valid for a GPU host" in line]
+    assert ("Transformer Engine (installed with megatron-core on GPU hosts) for policy.megatron_cfg.apply_rope_fusion, "
+            "policy.megatron_cfg.moe_grouped_gemm") in line
+    code, _, err = run(capsys, "train", *args)
+    assert code == 2 and "this host lacks Transformer Engine" in err and "Traceback" not in err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_megatron_model_constraints_are_listed_with_the_other_problems(capsys, megatron_on_cpu, tmp_path):
+    code, out, err = run(capsys, "validate", *MEGATRON, "policy.precision=float32",
+                         "policy.megatron_cfg.pipeline_dtype=bfloat16",
+                         "policy.megatron_cfg.expert_model_parallel_size=2", "cluster.gpus_per_node=2",
+                         "reward.function=no_such_module:f")
+    assert code == 2 and out == "", err
+    assert err.startswith("novarl: error: 2 problems stop this run:"), err
+    assert "pipeline_dtype=bfloat16 differs from policy.precision=float32" in err
+    assert "needs a Mixture-of-Experts model; LlamaForCausalLM is dense" in err
+    assert "no_such_module" in err
+
+
+def test_megatron_with_a_cached_hub_id_converts_from_the_cache(capsys, megatron_on_cpu, hub_cache, monkeypatch):
+    from tests.helpers.hub import cache_snapshot
+    from novarl.models.bundled import resolve_bundled
+
+    folder = resolve_bundled("tiny-arith")
+    snapshot = cache_snapshot(hub_cache, "someorg/tiny", {p.name: p.read_bytes() for p in folder.iterdir()
+                                                          if p.is_file()})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, out, err = run(capsys, "validate", *MEGATRON, "policy.model_name=someorg/tiny")
+    assert code == 0, err
+    assert f"# model: someorg/tiny ({snapshot}); " in out  # every check read the cached snapshot's files
+
+
+def test_megatron_with_an_uncached_hub_id_offline_is_refused_before_ranks_start(capsys, megatron_on_cpu, hub_cache,
+                                                                               monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = run(capsys, "train", *MEGATRON, "policy.model_name=someorg/absent", f"logger.log_dir={tmp_path / 'l'}")
+    assert code == 2 and "Traceback" not in err
+    assert "policy.model_name='someorg/absent'" in err and "HF_HUB_OFFLINE=1 forbids downloading it" in err
+    assert not (tmp_path / "l").exists()
