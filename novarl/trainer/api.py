@@ -339,7 +339,7 @@ def save_atomically(path: Path, write: Callable[[Path], None]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{owner_tag()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        write(tmp)
+        write(tmp.absolute())  # the writer may be a Ray rank, whose working directory is not necessarily ours
         fsync_tree(tmp)
         replace_dir(tmp, path)
     except BaseException as err:
