@@ -67,6 +67,27 @@ def test_file_with_val_data_path_is_held_out(tmp_path):
     assert "12 train / 3 held-out prompts" in inputs.summary and inputs.warnings == ()
 
 
+def test_split_validation_size_holds_out_part_of_the_file(tmp_path):
+    inputs = preflight(file_config(tmp_path, "data.split_validation_size=0.25", "grpo.seed=3"))
+    assert inputs.val_source == "held-out" and len(inputs.val_prompts) == 3
+    train, val = {p.answer for p in inputs.sampler.prompts}, {p.answer for p in inputs.val_prompts}
+    assert len(train) == 9 and not train & val  # the 12 rows, split: nothing held out is trained on
+    again = preflight(file_config(tmp_path, "data.split_validation_size=0.25", "grpo.seed=3"))
+    assert [p.answer for p in again.val_prompts] == [p.answer for p in inputs.val_prompts]  # the same on every run
+    assert inputs.warnings == () and "9 train / 3 held-out prompts" in inputs.summary
+
+
+def test_max_num_epochs_ends_the_run(tmp_path, capsys):
+    data = data_file(tmp_path / "train.jsonl", 12)
+    code, out, err = run_cli(capsys, "train", f"logger.log_dir={tmp_path / 'logs'}", "logger.progress_bar=false",
+                             f"data.train_data_path={data}", "grpo.num_prompts_per_step=4", "grpo.max_num_steps=50",
+                             "grpo.max_num_epochs=1", "grpo.val_at_start=false", "grpo.max_val_samples=4",
+                             "policy.generation.max_new_tokens=4", "policy.train_micro_batch_size=32", HF)
+    assert code == 0, err
+    assert "the run takes 3 steps, not grpo.max_num_steps=50: grpo.max_num_epochs=1 pass(es) over 12" in err
+    assert "(3 steps)" in out
+
+
 def test_in_memory_examples_evaluate_on_training_prompts():
     examples = [Example(prompt=f"{a}+1=", answer=str(a + 1)) for a in range(10, 18)]
     cfg = load_config(BUNDLED_RECIPE, overrides=[HF, "grpo.num_prompts_per_step=8", "policy.train_micro_batch_size=32"])

@@ -236,3 +236,87 @@ def test_kl_clamps_bound_the_log_ratio_and_the_estimate():
     both.sum().backward()
     # Where the input or the output is clamped, no gradient flows.
     assert logprobs.grad[1] == 0 and logprobs.grad[2] == 0 and logprobs.grad[0] != 0
+
+
+# ------------------------------------------------------------------ settings that are never silently ignored
+def test_every_schema_setting_is_read_or_refused_or_warned_about():
+    """A key that is accepted is used, warned about once, or refused. This test finds the
+    schema fields no code reads by name: each must be in config/unused.py (refused or
+    warned) or governed by a switch that is refused or warned about (named here)."""
+    import re
+    import typing
+
+    from pydantic import BaseModel
+
+    from novarl.config.schema import NovaRLConfig
+    from novarl.config.unused import SETTINGS
+
+    governed = {
+        "grpo.async_grpo.max_trajectory_age_steps": "grpo.async_grpo.enabled is refused (not built yet)",
+        "logger.wandb_enabled": "plan/resolve.py check_available warns, by f-string",
+        "logger.tensorboard_enabled": "the same", "logger.mlflow_enabled": "the same", "logger.swanlab_enabled": "the same",
+        "logger.mlflow.experiment_name": "logger.mlflow_enabled is warned about",
+        "logger.mlflow.run_name": "logger.mlflow_enabled is warned about",
+        "logger.gpu_monitoring.collection_interval": "logger.monitor_gpus is warned about",
+        "logger.gpu_monitoring.flush_interval": "logger.monitor_gpus is warned about",
+        "env.num_workers": "env.math is warned about (config/nemo_rl.py)",
+        "env.math_verify_impl": "env.math is warned about (config/nemo_rl.py)",
+    }
+    roll_blocks = ("actor_train.", "actor_infer.", "reference.")  # ROLL's role blocks: read by config/roll.py
+
+    def leaves(model, prefix=""):
+        for name, field in model.model_fields.items():
+            path = f"{prefix}{field.alias or name}"
+            args = [field.annotation, *typing.get_args(field.annotation)]
+            nested = [c for a in args for c in (a, *typing.get_args(a)) if isinstance(c, type) and issubclass(c, BaseModel)]
+            if nested:
+                yield from leaves(nested[0], path + ".")
+            else:
+                yield path, name
+
+    root = Path(__file__).parent.parent / "novarl"
+    source = "\n".join(p.read_text() for p in root.rglob("*.py")
+                       if p.name not in ("schema.py", "nemo_rl.py", "unused.py"))
+    named = {s.path for s in SETTINGS}
+    unread = [path for path, name in leaves(NovaRLConfig)
+              if not re.search(rf"\b{re.escape(name)}\b", source) and path not in named and path not in governed
+              and not path.startswith(roll_blocks)]
+    assert unread == []
+
+
+def test_unbuilt_settings_are_refused_and_operational_ones_warned():
+    msg = error_of({"policy": {"generation": {"stop_strings": ["</answer>"]}, "tokenizer": {"chat_template": "{{x}}"}}})
+    assert msg.startswith("Invalid config (the config): 2 problem(s):")
+    assert "'policy.generation.stop_strings' = ['</answer>']: stopping on strings is not built yet" in msg
+    assert "'policy.tokenizer.chat_template' = '{{x}}'" in msg
+    cfg = load_config({"policy": {"logprob_chunk_size": 1024, "dtensor_cfg": {"_v2": False},
+                                  "megatron_cfg": {"enabled": True,
+                                                   "distributed_data_parallel_config": {"overlap_param_gather": True}}},
+                       "checkpointing": {"model_save_format": "torch_save"}})
+    warned = "\n".join(cfg.load_warnings)
+    for key in ("policy.logprob_chunk_size", "policy.dtensor_cfg._v2", "checkpointing.model_save_format",
+                "distributed_data_parallel_config.overlap_param_gather"):
+        assert key in warned
+    assert load_config({}).load_warnings == ()
+
+
+def test_the_top_level_overlap_grad_reduce_is_not_overridden():
+    from novarl.backends.training.megatron import ddp_config
+
+    pytest.importorskip("megatron.core")
+    off = load_config({"policy": {"megatron_cfg": {"overlap_grad_reduce": False}}}).policy.megatron_cfg
+    assert ddp_config(off, True).overlap_grad_reduce is False
+    default = load_config({}).policy.megatron_cfg
+    assert ddp_config(default, True).overlap_grad_reduce is True  # distributed_data_parallel_config's own
+
+
+def test_max_num_epochs_ends_the_run_when_it_comes_before_max_num_steps():
+    from novarl.trainer.setup import steps_in_epochs
+
+    notes: list[str] = []
+    cfg = load_config({"grpo": {"num_prompts_per_step": 4, "max_num_steps": 100, "max_num_epochs": 2}})
+    assert steps_in_epochs(cfg, 10, notes) == 4  # 2 whole batches of 4 in 10 prompts, twice
+    assert "the run takes 4 steps, not grpo.max_num_steps=100" in notes[0]
+    assert steps_in_epochs(load_config({"grpo": {"num_prompts_per_step": 4, "max_num_steps": 3}}), 10, []) == 3
+    assert steps_in_epochs(load_config({"grpo": {"num_prompts_per_step": 4, "max_num_steps": 3,
+                                                 "max_num_epochs": 1}}), 10, []) == 2

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from novarl.config.nemo_rl import VALUE_NOTES, take_foreign, translate
 from novarl.config.schema import NovaRLConfig
+from novarl.config.unused import check_settings
 from novarl.errors import ConfigError
 
 MAX_DEPTH = 64
@@ -168,7 +169,11 @@ def load_config(
     refused, warnings = translate(tree)
     foreign = take_foreign(tree, schema_has)
     config = validate(tree, where, refused=[*refused, *foreign.refused])
-    return with_warnings(config, [*warnings, *filter(None, [foreign.warning()])])
+    unbuilt, unused = check_settings(config)
+    if unbuilt:
+        raise ConfigError(f"Invalid config ({where}): {len(unbuilt)} problem(s):\n"
+                          + "\n".join(f"  - {line}" for line in unbuilt))
+    return with_warnings(config, [*warnings, *filter(None, [foreign.warning()]), *unused])
 
 
 def with_warnings(config: NovaRLConfig, warnings: Iterable[str]) -> NovaRLConfig:

@@ -420,9 +420,11 @@ def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
         else:
             warnings.append(f"env.{name}: NeMo RL's '{name}' environment is not built; the block is not used "
                             "(novarl scores completions with reward.function)")
-    if "math" in env and "reward" not in tree:
+    if "math" in env:
+        function = (tree.get("reward") or {}).get("function", "exact_match")
         warnings.append("env.math: NeMo RL's math environment (math-verify) is not built yet; rewards come from "
-                        "reward.function='exact_match' (the answer's text, compared after normalisation)")
+                        f"reward.function='{function}'" + (" (the answer's text, compared after normalisation)"
+                                                           if function == "exact_match" else ""))
     return refused
 
 

@@ -188,8 +188,11 @@ class MegatronSchedulerConfig(Section):
 class MegatronDDPConfig(Section):
     grad_reduce_in_fp32: bool = False
     overlap_grad_reduce: bool = True
-    overlap_param_gather: bool = True
-    average_in_collective: bool = True
+    overlap_param_gather: bool = False
+    """novarl gathers the distributed optimizer's parameters after its step (True is warned about)."""
+    average_in_collective: bool = False
+    """novarl sums gradients in the collective: each micro-batch's loss is its share of the step's
+    mean already (True is warned about; the update is the same)."""
     use_custom_fsdp: bool = False
     data_parallel_sharding_strategy: str = "optim_grads_params"
 
@@ -242,6 +245,9 @@ class DeepSpeedConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 2
     offload_optimizer: bool = False
     offload_param: bool = False
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (transformers' gradient
+    checkpointing), as dtensor_cfg.activation_checkpointing does for DTensor."""
     config: dict[str, Any] | None = None
     """Raw DeepSpeed JSON config, merged over the preset."""
 
@@ -436,7 +442,9 @@ class GRPOConfig(Section):
     num_generations_per_prompt: int = Field(16, ge=1)
     """Completions sampled per prompt: the group advantages are normalised in."""
     max_rollout_turns: int = Field(1, ge=1)
-    max_num_epochs: int = Field(1, ge=1)
+    max_num_epochs: int | None = Field(None, ge=1)
+    """Passes over the training prompts, at most: the run ends at max_num_steps or here,
+    whichever comes first (NeMo RL's rule; its configs set 1). None: max_num_steps decides."""
     max_num_steps: int = Field(1000, ge=1)
     max_train_seconds: float | None = Field(None, gt=0)
     """Stop after this much wall time in the loop (evaluation excluded); None: no limit."""

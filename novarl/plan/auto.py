@@ -95,7 +95,8 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
 def _layout_overrides(*, tp: int, activation_checkpointing: bool, cpu_offload: bool, generation: str,
                       generation_tp: int, colocated: bool, zero_stage: int | None = None) -> list[str]:
     """The seeds' keys for a layout: DTensor, or DeepSpeed ZeRO `zero_stage` when given."""
-    deepspeed = (["policy.deepspeed_cfg.enabled=true", f"policy.deepspeed_cfg.zero_stage={zero_stage}"]
+    deepspeed = (["policy.deepspeed_cfg.enabled=true", f"policy.deepspeed_cfg.zero_stage={zero_stage}",
+                  f"policy.deepspeed_cfg.activation_checkpointing={str(activation_checkpointing).lower()}"]
                  if zero_stage is not None else ["policy.deepspeed_cfg.enabled=false"])
     return ["policy.dtensor_cfg.enabled=true", "policy.megatron_cfg.enabled=false", *deepspeed,
             f"policy.dtensor_cfg.tensor_parallel_size={tp}",

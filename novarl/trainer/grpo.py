@@ -48,7 +48,8 @@ class StepTimer:
 
 def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink,
              checkpointer: Checkpointer | None = None, resume: Checkpoint | None = None) -> dict[str, float]:
-    """Train for grpo.max_num_steps (or max_train_seconds); returns the last metrics, evals included.
+    """Train for grpo.max_num_steps (fewer when grpo.max_num_epochs ends first, or on
+    max_train_seconds); returns the last metrics, evals included.
 
     With `resume`, the policy, data position and step count come from that checkpoint
     and the loop continues as the uninterrupted run would have.
@@ -57,7 +58,8 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
     loss_fn = make_loss(cfg.loss_fn)
     estimate_advantages = ADVANTAGE_ESTIMATORS.get(grpo.advantage_estimator)
     step = resume_from(resume, inputs, roles, sink) if resume else 0
-    progress = Progress(grpo.max_num_steps, enabled=cfg.logger.progress_bar,
+    max_steps = inputs.max_steps or grpo.max_num_steps  # fewer when grpo.max_num_epochs ends first
+    progress = Progress(max_steps, enabled=cfg.logger.progress_bar,
                         print_every=cfg.logger.print_every_n_steps, initial=step)
     summary: dict[str, float] = dict(resume.state.get("summary", {})) if resume else {}
     summary.pop("stopped_on_time_budget", None)  # this run's own ending decides
@@ -86,9 +88,9 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         if grpo.val_at_start and step == 0:
             validate(0)
         started = time.perf_counter()
-        while step < grpo.max_num_steps:
+        while step < max_steps:
             if grpo.max_train_seconds and time.perf_counter() - started > grpo.max_train_seconds:
-                progress.stopped_early(time_budget_message(step, grpo.max_num_steps, grpo.max_train_seconds))
+                progress.stopped_early(time_budget_message(step, max_steps, grpo.max_train_seconds))
                 summary["stopped_on_time_budget"] = 1.0
                 break
             step += 1
@@ -99,7 +101,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
             sink.write({"kind": "train", "step": step, **metrics})
             progress.step(step, metrics)
             summary.update(metrics)
-            if grpo.val_period and step % grpo.val_period == 0 and not (grpo.val_at_end and step == grpo.max_num_steps):
+            if grpo.val_period and step % grpo.val_period == 0 and not (grpo.val_at_end and step == max_steps):
                 validate(step)
             checkpoint(step, last=False)
         summary["steps"] = step

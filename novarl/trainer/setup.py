@@ -50,6 +50,9 @@ class RunInputs:
     """What the user should know (a backend ignored by precedence, prompts dropped as too long)."""
     warnings: tuple[str, ...] = ()
     """What is not as asked (a setting not available yet, evaluation on training prompts)."""
+    max_steps: int = 0
+    """Steps the run takes: grpo.max_num_steps, or fewer when grpo.max_num_epochs passes over the
+    training prompts end sooner (0: grpo.max_num_steps)."""
 
     def report(self) -> list[str]:
         """The lines a run logs at start: backends, notes, warnings, batch arithmetic, data."""
@@ -128,9 +131,27 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
                         + ("set data.val_data_path to a held-out file" if train_examples is None else
                            "evaluate held-out examples separately (`novarl eval` with data.val_data_path)"))
     summary = f"model: {cfg.policy.model_name} ({model_path}); {prompts}; reward: {scorer.name}"
+    max_steps = steps_in_epochs(cfg, len(train), notes)
     return RunInputs(report.choice, report.batches, model_path, tokenizer, scorer, sampler, val,
                      val_source="held-out" if gap is None else "training-set", summary=summary,
-                     notes=tuple(notes), warnings=tuple(warnings))
+                     notes=tuple(notes), warnings=tuple(warnings), max_steps=max_steps)
+
+
+def steps_in_epochs(cfg: NovaRLConfig, num_prompts: int, notes: list[str]) -> int:
+    """The steps a run takes: grpo.max_num_steps, or the steps of grpo.max_num_epochs passes over
+    the `num_prompts` training prompts when that is fewer (NeMo RL's rule: whichever ends first).
+    A pass is the whole batches of num_prompts_per_step it holds (the sampler reshuffles for the
+    next pass and leaves the remainder out)."""
+    grpo = cfg.grpo
+    if grpo.max_num_epochs is None:
+        return grpo.max_num_steps
+    per_epoch = max(num_prompts // grpo.num_prompts_per_step, 1)
+    steps = min(grpo.max_num_steps, grpo.max_num_epochs * per_epoch)
+    if steps < grpo.max_num_steps:
+        notes.append(f"the run takes {steps} steps, not grpo.max_num_steps={grpo.max_num_steps}: grpo.max_num_epochs="
+                     f"{grpo.max_num_epochs} pass(es) over {num_prompts} training prompts of {per_epoch} step(s) "
+                     f"each ({grpo.num_prompts_per_step} prompts a step); raise grpo.max_num_epochs to train longer")
+    return steps
 
 
 def prepare_inputs(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = None,
@@ -372,7 +393,7 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
     from novarl.backends.registry import training_classes
 
     temperature = cfg.policy.generation.temperature
-    total_steps = cfg.grpo.max_num_steps * inputs.batches.optimizer_steps_per_step
+    total_steps = (inputs.max_steps or cfg.grpo.max_num_steps) * inputs.batches.optimizer_steps_per_step
     common = dict(policy=cfg.policy, model_path=inputs.model_path, temperature=temperature)
     policy_only: dict = dict(total_steps=total_steps)
     Policy, Reference = training_classes(inputs.choice.training)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.batching import MicroBatching
 from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing
+from novarl.backends.training.parallelize import apply_activation_checkpointing
 from novarl.config.schema import PolicyConfig
 from novarl.distributed.weight_sync import bucketed, in_dtype
 from novarl.errors import ConfigError
@@ -121,6 +122,8 @@ class DeepSpeedModel(DataParallelRows):
                                   on_gpu=self.device.type == "cuda",
                                   hidden_size=getattr(model.config, "hidden_size", None) or 4096)
         check_packing(model, self.attention, self.logprob_batching, torch.device("cpu"))  # before the engine
+        if trainable and policy.deepspeed_cfg.activation_checkpointing:
+            apply_activation_checkpointing(model)
         model.train(trainable)
         model.requires_grad_(trainable)
         self.optimizer = self.scheduler = None

@@ -497,7 +497,8 @@ def ddp_config(mc, distributed_optimizer: bool):
 
     d = mc.distributed_data_parallel_config
     kwargs: dict[str, Any] = dict(
-        grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=d.overlap_grad_reduce or mc.overlap_grad_reduce,
+        grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=mc.overlap_grad_reduce if "overlap_grad_reduce" in mc.model_fields_set
+        else d.overlap_grad_reduce,
         overlap_param_gather=False, average_in_collective=False, use_distributed_optimizer=distributed_optimizer)
     if d.use_custom_fsdp:
         kwargs.update(use_custom_fsdp=True, data_parallel_sharding_strategy=d.data_parallel_sharding_strategy)

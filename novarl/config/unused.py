@@ -1,0 +1,91 @@
+"""Settings novarl's schema holds (the seeds and NeMo RL name them) whose feature novarl
+does not build, or builds differently: each is refused when set to something that would
+change the maths, or said once in a warning when it only changes speed or memory. At its
+default, each does what novarl does. `check_settings` runs after validation (load_config);
+a test checks that every schema field is read by the code or named here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from novarl.config.schema import NovaRLConfig
+
+
+@dataclass(frozen=True)
+class Setting:
+    path: str
+    neutral: Callable[[Any], bool]
+    """Whether the value leaves the feature as novarl has it."""
+    refuse: bool
+    """True: a value outside neutral is refused; False: it is warned about."""
+    why: str
+
+
+def _off(value: Any) -> bool:
+    return value in (None, False, 0, [], {}, "")
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("policy.generation.stop_strings", _off, True,
+            "stopping on strings is not built yet; give the stop strings' token ids in policy.generation.stop_token_ids"),
+    Setting("policy.tokenizer.chat_template", _off, True,
+            "a chat template of your own is not built yet (the bring-your-own-data issue); novarl applies the "
+            "tokenizer's own template when it has one"),
+    Setting("data.train_split", _off, True, "splits of a Hugging Face dataset are not built yet; data files have none"),
+    Setting("data.val_split", _off, True, "splits of a Hugging Face dataset are not built yet; data files have none"),
+    Setting("checkpointing.checkpoint_must_save_by", _off, True,
+            "saving before a wall-clock deadline is not built; grpo.max_train_seconds ends a run on time, with a "
+            "checkpoint"),
+    Setting("policy.logprob_chunk_size", _off, False,
+            "logprobs are computed a micro-batch at a time (policy.logprob_batch_size, or logprob_mb_tokens when "
+            "packing), not in vocabulary chunks"),
+    Setting("policy.dtensor_cfg._v2", lambda v: v is True, False, "novarl has one DTensor worker"),
+    Setting("policy.generation.vllm_cfg.async_engine", _off, False,
+            "novarl's vLLM engines are the synchronous LLM, each serving its share of a step at once"),
+    Setting("policy.generation.vllm_cfg.use_deep_gemm", _off, False, "DeepGEMM kernels are for FP8 generation"),
+    Setting("policy.generation.vllm_cfg.num_last_layers_in_bf16", _off, False, "it applies to FP8 generation"),
+    Setting("policy.generation.vllm_cfg.num_first_layers_in_bf16", _off, False, "it applies to FP8 generation"),
+    Setting("checkpointing.model_save_format", lambda v: v in (None, "safetensors"), False,
+            "novarl writes safetensors"),
+    Setting("checkpointing.save_consolidated", _off, False,
+            "checkpoints hold the training shards; `novarl convert` (and the end of every run) writes the Hugging "
+            "Face folder"),
+    Setting("logger.monitor_gpus", _off, False, "GPU monitoring is not available yet"),
+)
+
+
+def check_settings(config: NovaRLConfig) -> tuple[list[str], list[str]]:
+    """(refusals, warnings), one line each, for the SETTINGS `config` sets outside their neutral
+    values. Megatron generation's CUDA graphs are said when Megatron generates."""
+    refused, warnings = [], []
+    for setting in SETTINGS:
+        value = _get(config, setting.path)
+        if setting.neutral(value):
+            continue
+        line = f"'{setting.path}' = {value!r}: {setting.why}"
+        (refused if setting.refuse else warnings).append(line + ("." if setting.refuse else ""))
+    ddp = config.policy.megatron_cfg.distributed_data_parallel_config
+    if config.policy.megatron_cfg.enabled:
+        if ddp.overlap_param_gather:
+            warnings.append("'policy.megatron_cfg.distributed_data_parallel_config.overlap_param_gather' = True: the "
+                            "distributed optimizer gathers parameters after its step, without overlapping the next "
+                            "forward")
+        if ddp.average_in_collective:
+            warnings.append("'policy.megatron_cfg.distributed_data_parallel_config.average_in_collective' = True: "
+                            "gradients are summed in the collective, since each micro-batch's loss is already its "
+                            "share of the step's mean (the same update)")
+    generation = config.policy.generation
+    if generation.backend == "megatron" and generation.mcore_generation_config.num_cuda_graphs:
+        warnings.append(f"'policy.generation.mcore_generation_config.num_cuda_graphs' = "
+                        f"{generation.mcore_generation_config.num_cuda_graphs}: Megatron generation decodes eagerly "
+                        "(no CUDA graphs are captured)")
+    return refused, warnings
+
+
+def _get(config: Any, path: str) -> Any:
+    for part in path.split("."):
+        config = getattr(config, "v2" if part == "_v2" else part)
+    return config
