@@ -97,7 +97,7 @@ def test_dotted_overrides_are_parsed_as_yaml_values():
         "grpo.normalize_rewards=false",
         "policy.tokenizer.name=null",
         "policy.generation.stop_token_ids=[1, 2]",
-        "policy.generation.stop_strings=['</s>', 'END']",
+        "policy.megatron_cfg.env_vars={NCCL_DEBUG: 'INFO', TAG: '</s>'}",
         "policy.model_name=org/name",
     ])
     assert cfg.grpo.num_prompts_per_step == 7
@@ -106,7 +106,7 @@ def test_dotted_overrides_are_parsed_as_yaml_values():
     assert cfg.grpo.normalize_rewards is False
     assert cfg.policy.tokenizer.name is None
     assert cfg.policy.generation.stop_token_ids == [1, 2]
-    assert cfg.policy.generation.stop_strings == ["</s>", "END"]
+    assert cfg.policy.megatron_cfg.env_vars == {"NCCL_DEBUG": "INFO", "TAG": "</s>"}
     assert cfg.policy.model_name == "org/name"
 
 

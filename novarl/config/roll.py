@@ -1,0 +1,571 @@
+"""ROLL's pipeline configs (seed 003's format) in novarl's terms.
+
+ROLL (alibaba/ROLL; the contract follows its RLVR examples at 8eb27cc, 2026-08) describes
+a run as roles -- `actor_train`, `actor_infer`, `reference`, `rewards` -- each with a
+`strategy_args` (`strategy_name` + `strategy_config`), a `device_mapping` (the GPUs it runs
+on, e.g. `list(range(0,16))`) and an `infer_batch_size`, under top-level keys for the
+algorithm and the schedule (`rollout_batch_size`, `num_return_sequences_in_group`,
+`prompt_length`, `response_length`, `max_steps`, `pg_clip`, ...). `from_roll` turns such a
+tree into novarl's sections:
+
+- strategies: `megatron_train` -> policy.megatron_cfg (its strategy_config key by key),
+  `fsdp2_train` -> policy.dtensor_cfg, `deepspeed_train` -> policy.deepspeed_cfg;
+  `vllm` / `hf_infer` / `megatron_infer` for actor_infer -> policy.generation.backend;
+  the reference runs on the training backend, as novarl's does.
+- `device_mapping`: actor_infer's devices inside actor_train's -> colocated generation;
+  apart from them -> dedicated, with the devices counted (policy.generation.colocated.resources);
+  the cluster is the devices all roles name, `num_gpus_per_node` a node.
+- `infer_batch_size` of actor_train / reference -> policy.logprob_batch_size.
+
+Every other key is used, refused in one line when it asks for what novarl does not build
+(a REINFORCE estimator, difficulty masks, reward workers other than a math rule, ...), or
+warned about when it is operational. `describe` gives the lines the log shows: what each
+block became.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLL_VERSION = "ROLL main at 8eb27cc (2026-08-19), RLVR pipeline examples"
+
+ROLES = ("actor_train", "actor_infer", "reference")
+
+
+def is_roll(tree: Mapping[str, Any]) -> bool:
+    """A ROLL pipeline config: one with ROLL's role blocks, or its `pretrain` model key."""
+    return any(isinstance(tree.get(role), Mapping) for role in ROLES) or "pretrain" in tree
+
+
+@dataclass
+class Translation:
+    tree: dict[str, Any] = field(default_factory=dict)
+    """novarl's sections."""
+    refused: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    became: list[str] = field(default_factory=list)
+    """One line per ROLL block: what it became in novarl's terms."""
+
+    def set(self, path: str, value: Any) -> None:
+        node = self.tree
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+
+    def refuse(self, key: str, value: Any, why: str) -> None:
+        self.refused.append(f"'{key}' = {_show(value)}: {why}.")
+
+
+# Top-level keys: (ROLL key, novarl path or None, neutral values or None). A key with a path is
+# copied there; a key with neutral values only is accepted at them and refused otherwise.
+ISSUE_ALGORITHMS = "not built yet (the PPO-family issue)"
+COPIED = {
+    "seed": "grpo.seed",
+    "logging_dir": "logger.log_dir",
+    "max_steps": "grpo.max_num_steps",
+    "save_steps": "checkpointing.save_period",
+    "logging_steps": "logger.print_every_n_steps",
+    "eval_steps": "grpo.val_period",
+    "max_ckpt_to_keep": "checkpointing.keep_top_k",
+    "rollout_batch_size": "grpo.num_prompts_per_step",
+    "val_batch_size": "grpo.val_batch_size",
+    "num_return_sequences_in_group": "grpo.num_generations_per_prompt",
+    "max_grad_norm": "policy.max_grad_norm",
+    "pretrain": "policy.model_name",
+    "num_gpus_per_node": "cluster.gpus_per_node",
+    "reward_clip": "grpo.reward_clip",
+    "max_len_mask": "grpo.overlong_filtering",
+}
+NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "ppo_epochs": ((1,), f"several PPO epochs per batch are {ISSUE_ALGORITHMS}"),
+    "whiten_advantages": ((False,), f"whitening advantages over the batch (REINFORCE++) is {ISSUE_ALGORITHMS}"),
+    "whiten_rewards": ((False,), f"whitening rewards is {ISSUE_ALGORITHMS}"),
+    "use_reward_scaling": ((False,), f"reward scaling is {ISSUE_ALGORITHMS}"),
+    "use_reward_norm": ((False,), f"reward normalisation over the batch is {ISSUE_ALGORITHMS}"),
+    "reward_norm": ((None,), f"reward normalisation over the batch is {ISSUE_ALGORITHMS}"),
+    "reward_shift": ((None, 0, 0.0), f"reward shifting is {ISSUE_ALGORITHMS}"),
+    "reward_scale": ((None, 1, 1.0), f"reward scaling is {ISSUE_ALGORITHMS}"),
+    "difficulty_mask": ((False,), f"dropping groups by difficulty (dynamic filtering) is {ISSUE_ALGORITHMS}"),
+    "error_max_len_clip": ((False,), "clipping error rewards at the maximum length is not built"),
+    "difficulty_loss_weight": ((False,), "weighting the loss by difficulty is not built"),
+    "length_loss_weight": ((False,), "weighting the loss by length is not built"),
+    "add_token_level_kl": ((False,), f"a KL penalty in the reward is {ISSUE_ALGORITHMS}"),
+    "add_len_reward": ((False,), "a length reward is not built"),
+    "init_kl_coef": ((0, 0.0), f"a KL penalty in the reward is {ISSUE_ALGORITHMS}"),
+    "entropy_loss_coef": ((0, 0.0), "an entropy bonus is not built"),
+    "async_generation_ratio": ((0, 0.0), "asynchronous generation is not built yet (the asynchronous GRPO issue)"),
+    "is_num_return_sequences_expand": ((False, True), ""),
+    "use_pg_clip_range": ((False, True), ""),
+}
+GOVERNED = ("difficulty_low_threshold", "difficulty_high_threshold", "value_clip", "lambd", "gamma", "target_kl",
+            "kl_horizon", "kl_penalty", "critic_warmup", "reward_pretrain", "pg_clip", "pg_clip_low", "pg_clip_high",
+            "dual_clip_loss", "use_kl_loss", "kl_loss_coef", "norm_mean_type", "norm_std_type", "adv_estimator",
+            "advantage_clip", "loss_agg_mode", "prompt_length", "response_length", "sequence_length",
+            "output_dir", "checkpoint_config", "track_with", "validation", "rewards", "num_nodes", "enable_reference",
+            *ROLES)
+"""Read below, with the keys they go with."""
+OPERATIONAL = ("hydra", "exp_name", "resume_from_checkpoint", "tracker_kwargs", "system_envs", "rpc_timeout",
+               "profiler_timeline", "profiler_memory", "profiler_output_dir", "report_length_and_rewards",
+               "is_offload_states", "model_update_buffer_size_mb", "model_download_type", "offload_nccl",
+               "max_running_requests", "global_template", "local_rank", "base_dir", "rollout_dump_dir")
+
+MEGATRON_KEYS_OPERATIONAL = ("bf16", "overlap_grad_reduce", "moe_shared_expert_overlap", "cross_entropy_loss_fusion",
+                             "account_for_loss_in_pipeline_split", "account_for_embedding_in_pipeline_split",
+                             "recompute_modules", "distrib_optim_fully_reshardable")
+FSDP_KEYS = ("fsdp_size", "param_dtype", "reduce_dtype", "reshard_after_forward", "offload_policy",
+             "use_batched_model_update", "wrap_policy")
+VLLM_KEYS = {"gpu_memory_utilization": "gpu_memory_utilization", "tensor_parallel_size": "tensor_parallel_size",
+             "pipeline_parallel_size": "pipeline_parallel_size", "max_model_len": "max_model_len",
+             "enforce_eager": "enforce_eager"}
+VLLM_OPERATIONAL = ("block_size", "load_format", "sleep_level", "distributed_executor_backend", "optimization_level",
+                    "disable_log_stats", "enable_prefix_caching", "cuda_graph_sizes", "cudagraph_capture_sizes",
+                    "max_num_batched_tokens", "disable_mm_preprocessor_cache")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+          "float32": "float32"}
+MATH_REWARDS = ("MathRuleRewardWorker",)
+"""ROLL's reward workers novarl stands in for with reward.function (said in a warning)."""
+
+
+def from_roll(tree: Mapping[str, Any]) -> Translation:
+    """The ROLL pipeline config `tree` (interpolations resolved) in novarl's terms."""
+    out = Translation()
+    for key, value in tree.items():
+        if key in COPIED:
+            out.set(COPIED[key], value)
+        elif key in NEUTRAL:
+            allowed, why = NEUTRAL[key]
+            if value not in allowed:
+                out.refuse(key, value, why)
+        elif key in OPERATIONAL:
+            continue
+        elif key not in GOVERNED:
+            out.refused.append(f"unknown key '{key}' (a ROLL pipeline key novarl does not know).")
+    ignored = [k for k in OPERATIONAL if k in tree and k not in ("hydra", "exp_name")]
+    if ignored:
+        out.warnings.append(f"ROLL settings about logging, profiling, the environment or resuming accepted and not "
+                            f"used: {', '.join(ignored)} (novarl resumes from checkpointing.checkpoint_dir when it "
+                            "holds a checkpoint; `novarl train --no-resume` refuses to)")
+    _algorithm(tree, out)
+    _lengths(tree, out)
+    _outputs(tree, out)
+    placement = _placement(tree, out)
+    training = _actor_train(tree.get("actor_train"), out, placement)
+    _actor_infer(tree.get("actor_infer"), out, placement, tree)
+    _reference(tree.get("reference"), out, placement, training)
+    _rewards(tree.get("rewards"), out)
+    _validation(tree.get("validation"), out)
+    return out
+
+
+# ------------------------------------------------------------------ algorithm
+def _algorithm(tree: Mapping[str, Any], out: Translation) -> None:
+    estimator = tree.get("adv_estimator", "gae")
+    if estimator != "grpo":
+        out.refuse("adv_estimator", estimator, f"advantage estimators other than 'grpo' are {ISSUE_ALGORITHMS}")
+    for key in ("norm_mean_type", "norm_std_type"):  # ROLL's grpo normalises within the group itself
+        if tree.get(key) not in (None, "group"):
+            out.refuse(key, tree[key], "novarl normalises a GRPO group's rewards within the group")
+    if tree.get("use_pg_clip_range"):
+        out.set("loss_fn.ratio_clip_min", tree.get("pg_clip_low", 0.2))
+        out.set("loss_fn.ratio_clip_max", tree.get("pg_clip_high", 0.2))
+    elif "pg_clip" in tree:
+        out.set("loss_fn.ratio_clip_min", tree["pg_clip"])
+        out.set("loss_fn.ratio_clip_max", tree["pg_clip"])
+    if tree.get("dual_clip_loss"):  # ROLL: loss = min(loss, -(1 + 2 pg_clip) A) where A < 0
+        out.set("loss_fn.ratio_clip_c", 1 + 2 * tree.get("pg_clip", 0.2))
+    if tree.get("advantage_clip") is not None:
+        out.set("grpo.advantage_clip_low", -tree["advantage_clip"])
+        out.set("grpo.advantage_clip_high", tree["advantage_clip"])
+    if tree.get("use_kl_loss"):  # ROLL's KL loss: k3, clamped to [-10, 10]
+        out.set("loss_fn.reference_policy_kl_penalty", tree.get("kl_loss_coef", 0.0))
+        out.set("loss_fn.kl_estimator", "k3")
+        out.set("loss_fn.kl_output_clamp_value", 10.0)
+    mode = tree.get("loss_agg_mode", "seq-mean-token-mean")
+    if mode not in ("token-mean", "seq-mean-token-mean"):
+        out.refuse("loss_agg_mode", mode, "novarl averages over tokens (token-mean) or per sequence, then over "
+                                          "sequences (seq-mean-token-mean)")
+    out.set("loss_fn.token_level_loss", mode == "token-mean")
+
+
+def _lengths(tree: Mapping[str, Any], out: Translation) -> None:
+    prompt, response = tree.get("prompt_length"), tree.get("response_length")
+    total = tree.get("sequence_length") or (prompt + response if prompt and response else None)
+    if total:
+        out.set("policy.max_seq_length", total)
+    if response:
+        out.set("policy.generation.max_new_tokens", response)
+    if prompt:
+        out.set("data.max_input_seq_length", prompt)
+
+
+def _outputs(tree: Mapping[str, Any], out: Translation) -> None:
+    checkpoint = tree.get("checkpoint_config") or {}
+    folder = checkpoint.get("output_dir") or tree.get("output_dir")
+    if folder:
+        out.set("checkpointing.checkpoint_dir", folder)
+    if checkpoint.get("type", "file_system") != "file_system":
+        out.refuse("checkpoint_config.type", checkpoint["type"], "novarl saves checkpoints to a file system")
+    sink = tree.get("track_with")
+    if sink in ("wandb", "tensorboard", "mlflow", "swanlab"):
+        out.set(f"logger.{sink}_enabled", True)
+    elif sink not in (None, "stdout"):
+        out.refuse("track_with", sink, "novarl's trackers are wandb, tensorboard, mlflow and swanlab")
+
+
+# ------------------------------------------------------------------ devices
+@dataclass(frozen=True)
+class Placement:
+    train: tuple[int, ...]
+    infer: tuple[int, ...]
+    gpus_per_node: int
+    colocated: bool
+
+
+def parse_devices(value: Any, where: str) -> tuple[int, ...]:
+    """ROLL's device_mapping: a list of ints, or a string `list(range(a, b[, step]))` / `[0, 1, ...]`."""
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*list\(\s*range\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?(?:,\s*(\d+)\s*)?\)\s*\)\s*", value)
+        if match:
+            a, b, step = match.groups()
+            start, stop = (0, int(a)) if b is None else (int(a), int(b))
+            return tuple(range(start, stop, int(step or 1)))
+        listed = re.fullmatch(r"\s*list\(\s*(\[.*\])\s*\)\s*", value)  # list([0, 1, 8, 9])
+        try:
+            parsed = ast.literal_eval(listed.group(1) if listed else value)
+        except (ValueError, SyntaxError):
+            parsed = None
+        if isinstance(parsed, (list, tuple)) and all(isinstance(v, int) for v in parsed):
+            return tuple(parsed)
+    raise ValueError(f"'{where}' = {_show(value)}: a device mapping is a list of GPU indices or "
+                     "'list(range(a, b))'")
+
+
+def _placement(tree: Mapping[str, Any], out: Translation) -> Placement | None:
+    gpus_per_node = tree.get("num_gpus_per_node", 8)
+    mappings = {}
+    for role in ROLES:
+        block = tree.get(role)
+        if isinstance(block, Mapping) and block.get("device_mapping") is not None:
+            try:
+                mappings[role] = parse_devices(block["device_mapping"], f"{role}.device_mapping")
+            except ValueError as err:
+                out.refused.append(f"{err}.")
+    if "actor_train" not in mappings:
+        out.refused.append("'actor_train.device_mapping' is missing: novarl needs the training devices.")
+        return None
+    train = mappings["actor_train"]
+    infer = mappings.get("actor_infer", train)
+    overlap = set(train) & set(infer)
+    if overlap and not set(infer) <= set(train):
+        out.refused.append(f"'actor_infer.device_mapping' shares {len(overlap)} of its {len(infer)} devices with "
+                           "actor_train: generation is either on the training devices (colocated) or on devices of "
+                           "its own (dedicated), not partly both.")
+        return None
+    every = sorted({*train, *infer, *mappings.get("reference", ())})
+    devices = max(every) + 1
+    nodes = math.ceil(devices / gpus_per_node)
+    out.set("cluster.gpus_per_node", gpus_per_node)
+    out.set("cluster.num_nodes", nodes)
+    colocated = bool(overlap)
+    out.set("policy.generation.colocated.enabled", colocated)
+    if colocated and len(infer) < len(train):
+        out.warnings.append(f"actor_infer.device_mapping names {len(infer)} of actor_train's {len(train)} devices: "
+                            f"novarl's colocated generation runs an engine on each of the {len(train)}")
+    if not colocated:
+        if nodes == 1:
+            out.set("policy.generation.colocated.resources.gpus_per_node", len(infer))
+        elif len(infer) % gpus_per_node == 0:
+            out.set("policy.generation.colocated.resources.num_nodes", len(infer) // gpus_per_node)
+        else:
+            out.refused.append(f"'actor_infer.device_mapping': {len(infer)} devices on a {nodes}-node cluster; "
+                               "dedicated generation on several nodes takes whole nodes "
+                               f"({gpus_per_node} devices each).")
+    if len(train) + (0 if colocated else len(infer)) != devices:
+        out.warnings.append(f"the roles name {len(set(every))} of devices 0-{devices - 1}: novarl's cluster is "
+                            f"{nodes} node(s) x {gpus_per_node}, and training takes every device generation does not")
+    return Placement(train, infer, gpus_per_node, colocated)
+
+
+# ------------------------------------------------------------------ roles
+def _actor_train(block: Any, out: Translation, placement: Placement | None) -> str | None:
+    if not isinstance(block, Mapping):
+        out.refused.append("'actor_train' is missing: novarl needs the training role.")
+        return None
+    strategy = block.get("strategy_args") or {}
+    name, config = strategy.get("strategy_name"), strategy.get("strategy_config") or {}
+    training = {"megatron_train": "megatron", "fsdp2_train": "dtensor", "deepspeed_train": "deepspeed"}.get(name)
+    if training is None:
+        out.refuse("actor_train.strategy_args.strategy_name", name,
+                   "novarl trains with megatron_train, fsdp2_train or deepspeed_train")
+        return None
+    out.set("policy.megatron_cfg.enabled", training == "megatron")
+    out.set("policy.deepspeed_cfg.enabled", training == "deepspeed")
+    out.set("policy.dtensor_cfg.enabled", training == "dtensor")
+    sizes = {"megatron": _megatron, "dtensor": _fsdp2, "deepspeed": _deepspeed}[training](config, out, placement)
+    model = block.get("model_args") or {}
+    _model_args(model, "actor_train", out)
+    checkpointing = not model.get("disable_gradient_checkpointing", False)
+    section = {"megatron": "megatron_cfg", "dtensor": "dtensor_cfg", "deepspeed": "deepspeed_cfg"}[training]
+    if checkpointing and not (training == "megatron" and config.get("recompute_granularity")):
+        out.set(f"policy.{section}.activation_checkpointing", True)
+    _training_args(block.get("training_args") or {}, out, training, placement, sizes)
+    _data_args(block.get("data_args") or {}, out)
+    if block.get("infer_batch_size"):
+        out.set("policy.logprob_batch_size", block["infer_batch_size"])
+    _role_extras(block, "actor_train", out, ("model_args", "training_args", "data_args", "strategy_args",
+                                             "device_mapping", "infer_batch_size"))
+    devices = len(placement.train) if placement else "?"
+    out.became.append(f"actor_train ({name} on {devices} device(s)) -> policy: {training} "
+                      f"({', '.join(f'{k} {v}' for k, v in sizes.items()) or 'data parallel'})")
+    return training
+
+
+def _megatron(config: Mapping[str, Any], out: Translation, placement: Placement | None) -> dict[str, int]:
+    from novarl.config.loading import schema_has
+
+    for key, value in config.items():
+        if key in MEGATRON_KEYS_OPERATIONAL:
+            if key == "overlap_grad_reduce":
+                out.set("policy.megatron_cfg.overlap_grad_reduce", value)
+            elif key == "bf16" and value:
+                out.set("policy.precision", "bfloat16")
+        elif key == "additional_configs":
+            out.refuse("actor_train.strategy_args.strategy_config.additional_configs", value,
+                       "extra megatron-core arguments are not passed through")
+        elif schema_has(f"policy.megatron_cfg.{key}"):
+            out.set(f"policy.megatron_cfg.{key}", value)
+        else:
+            out.refused.append(f"unknown key 'actor_train.strategy_args.strategy_config.{key}' (megatron_train): "
+                               "not a megatron_cfg setting novarl has.")
+    return {"tp": config.get("tensor_model_parallel_size", 1), "pp": config.get("pipeline_model_parallel_size", 1),
+            "cp": config.get("context_parallel_size", 1),
+            **({"ep": config["expert_model_parallel_size"]} if config.get("expert_model_parallel_size", 1) > 1 else {})}
+
+
+def _fsdp2(config: Mapping[str, Any], out: Translation, placement: Placement | None) -> dict[str, int]:
+    for key, value in config.items():
+        if key == "param_dtype":
+            out.set("policy.precision", DTYPES.get(value, value))
+        elif key == "reduce_dtype" and value not in ("float32", "fp32"):
+            out.refuse("actor_train.strategy_args.strategy_config.reduce_dtype", value,
+                       "novarl reduces gradients in float32")
+        elif key == "offload_policy":
+            out.set("policy.dtensor_cfg.cpu_offload", bool(value))
+        elif key == "fsdp_size" and placement is not None and value not in (len(placement.train), -1):
+            out.refuse("actor_train.strategy_args.strategy_config.fsdp_size", value,
+                       f"novarl shards over every training rank ({len(placement.train)}); hybrid sharding is not "
+                       "built")
+        elif key not in FSDP_KEYS:
+            out.refused.append(f"unknown key 'actor_train.strategy_args.strategy_config.{key}' (fsdp2_train): not a "
+                               "setting novarl's DTensor backend has.")
+    return {}
+
+
+def _deepspeed(config: Mapping[str, Any], out: Translation, placement: Placement | None) -> dict[str, int]:
+    zero = dict(config.get("zero_optimization") or {})
+    if "stage" in zero:
+        out.set("policy.deepspeed_cfg.zero_stage", zero.pop("stage"))
+    for key, flag in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
+        device = (zero.get(key) or {}).get("device")
+        if device is not None:
+            out.set(f"policy.deepspeed_cfg.{flag}", device == "cpu")
+    if config:
+        out.set("policy.deepspeed_cfg.config", dict(config))
+    return {}
+
+
+def _model_args(model: Mapping[str, Any], role: str, out: Translation) -> None:
+    dtype = model.get("dtype")
+    if dtype is not None:
+        if dtype not in DTYPES:
+            out.refuse(f"{role}.model_args.dtype", dtype, "novarl's precisions are bf16, fp16 and fp32")
+        elif role == "actor_train":
+            out.set("policy.precision", DTYPES[dtype])
+    for key in ("lora_target", "lora_rank", "lora_alpha"):
+        if model.get(key) is not None:
+            out.refuse(f"{role}.model_args.{key}", model[key], "LoRA is not built yet (the bring-your-own-data issue)")
+    if model.get("ulysses_size", 1) not in (1, None):
+        out.refuse(f"{role}.model_args.ulysses_size", model["ulysses_size"], "sequence parallelism over attention "
+                                                                             "heads (Ulysses) is not built")
+    if model.get("freeze_module_prefix"):
+        out.refuse(f"{role}.model_args.freeze_module_prefix", model["freeze_module_prefix"],
+                   "freezing parts of the model is not built")
+
+
+def _training_args(args: Mapping[str, Any], out: Translation, training: str, placement: Placement | None,
+                   sizes: Mapping[str, int]) -> None:
+    lr, decay = args.get("learning_rate"), args.get("weight_decay")
+    if training == "megatron":
+        if lr is not None:
+            out.set("policy.megatron_cfg.optimizer.lr", lr)
+        if decay is not None:
+            out.set("policy.megatron_cfg.optimizer.weight_decay", decay)
+        if args.get("warmup_steps"):
+            out.set("policy.megatron_cfg.scheduler.lr_warmup_iters", args["warmup_steps"])
+    else:
+        kwargs = {"lr": lr if lr is not None else 1e-6, "weight_decay": decay or 0.0, "betas": [0.9, 0.999],
+                  "eps": 1e-8}
+        out.set("policy.optimizer", {"name": "torch.optim.AdamW", "kwargs": kwargs})
+        warmup = args.get("warmup_steps") or 0
+        out.set("policy.scheduler", [] if not warmup else [
+            {"name": "torch.optim.lr_scheduler.LinearLR", "kwargs": {"start_factor": 1e-3, "end_factor": 1.0,
+                                                                     "total_iters": warmup}},
+            {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0, "total_iters": 10**10}},
+            {"milestones": [warmup]}])
+    micro = args.get("per_device_train_batch_size")
+    if micro:
+        out.set("policy.train_micro_batch_size", micro)
+    accumulation = args.get("gradient_accumulation_steps")
+    if micro and accumulation and placement is not None:
+        parallel = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
+        out.set("policy.train_global_batch_size", micro * accumulation * max(len(placement.train) // parallel, 1))
+    if args.get("num_train_epochs"):
+        out.set("grpo.max_num_epochs", args["num_train_epochs"])
+    unknown = set(args) - {"learning_rate", "weight_decay", "warmup_steps", "per_device_train_batch_size",
+                           "gradient_accumulation_steps", "num_train_epochs"}
+    out.refused.extend(f"unknown key 'actor_train.training_args.{k}'." for k in sorted(unknown))
+
+
+def _data_args(args: Mapping[str, Any], out: Translation) -> None:
+    files = args.get("file_name")
+    files = [files] if isinstance(files, str) else list(files or [])
+    if len(files) > 1:
+        out.refuse("actor_train.data_args.file_name", files, "several training files (with domain interleaving) "
+                                                             "are not built yet (the bring-your-own-data issue)")
+    elif files:
+        out.set("data.train_data_path", files[0])
+    if args.get("messages"):
+        out.refuse("actor_train.data_args.messages", args["messages"], "chat-message prompts are not built yet "
+                                                                     "(the bring-your-own-data issue); give a "
+                                                                     "'prompt' field")
+    if args.get("template"):
+        out.warnings.append(f"actor_train.data_args.template={args['template']!r}: novarl applies the tokenizer's own "
+                            "chat template")
+    unknown = set(args) - {"file_name", "messages", "template", "dataset_dir", "preprocessing_num_workers",
+                           "interleave_probs", "domain_interleave_probs"}
+    out.refused.extend(f"unknown key 'actor_train.data_args.{k}'." for k in sorted(unknown))
+
+
+def _actor_infer(block: Any, out: Translation, placement: Placement | None, tree: Mapping[str, Any]) -> None:
+    if not isinstance(block, Mapping):
+        return
+    strategy = block.get("strategy_args") or {}
+    name, config = strategy.get("strategy_name"), strategy.get("strategy_config") or {}
+    backend = {"vllm": "vllm", "hf_infer": "hf", "megatron_infer": "megatron"}.get(name)
+    if backend is None:
+        out.refuse("actor_infer.strategy_args.strategy_name", name,
+                   "novarl generates with vllm, hf_infer or megatron_infer")
+        return
+    out.set("policy.generation.backend", backend)
+    for key, value in config.items():
+        if backend == "vllm" and key in VLLM_KEYS:
+            out.set(f"policy.generation.vllm_cfg.{VLLM_KEYS[key]}", value)
+        elif backend == "vllm" and key in VLLM_OPERATIONAL:
+            continue
+        else:
+            out.refused.append(f"unknown key 'actor_infer.strategy_args.strategy_config.{key}' ({name}).")
+    generating = block.get("generating_args") or {}
+    for key, path in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                      ("max_new_tokens", "max_new_tokens")):
+        if generating.get(key) is not None:
+            out.set(f"policy.generation.{path}", generating[key])
+    group = tree.get("num_return_sequences_in_group")
+    if generating.get("num_return_sequences") not in (None, group):
+        out.refuse("actor_infer.generating_args.num_return_sequences", generating["num_return_sequences"],
+                   f"it must equal num_return_sequences_in_group ({group})")
+    if generating.get("num_beams", 1) != 1:
+        out.refuse("actor_infer.generating_args.num_beams", generating["num_beams"], "beam search is not built")
+    dtype = (block.get("model_args") or {}).get("dtype")
+    if backend == "vllm" and dtype in DTYPES:
+        out.set("policy.generation.vllm_cfg.precision", DTYPES[dtype])
+    if backend == "hf" and block.get("infer_batch_size"):
+        out.set("policy.generation.generation_batch_size", block["infer_batch_size"])
+    _role_extras(block, "actor_infer", out, ("model_args", "generating_args", "data_args", "strategy_args",
+                                             "device_mapping", "infer_batch_size"))
+    devices = len(placement.infer) if placement else "?"
+    where = "colocated on the training devices" if placement and placement.colocated else f"dedicated, {devices} device(s)"
+    out.became.append(f"actor_infer ({name} on {devices} device(s)) -> policy.generation: {backend}, {where}")
+
+
+def _reference(block: Any, out: Translation, placement: Placement | None, training: str | None) -> None:
+    if not isinstance(block, Mapping):
+        return
+    name = (block.get("strategy_args") or {}).get("strategy_name")
+    if name not in ("megatron_infer", "hf_infer", "fsdp2_infer", "deepspeed_infer", None):
+        out.refuse("reference.strategy_args.strategy_name", name, "the reference runs on a training backend")
+    _role_extras(block, "reference", out, ("model_args", "data_args", "strategy_args", "device_mapping",
+                                           "infer_batch_size"))
+    mapping = block.get("device_mapping")
+    if placement is not None and mapping is not None:
+        try:
+            same = parse_devices(mapping, "reference.device_mapping") == placement.train
+        except ValueError:
+            same = True  # refused with the placement
+        if not same:
+            out.warnings.append("reference.device_mapping differs from actor_train's: novarl's reference runs on the "
+                                "policy's devices")
+    out.became.append(f"reference ({name}) -> the frozen reference, on the training backend ({training}); it is "
+                      "loaded when loss_fn.reference_policy_kl_penalty > 0 (ROLL: use_kl_loss, kl_loss_coef)")
+
+
+def _rewards(rewards: Any, out: Translation) -> None:
+    if not isinstance(rewards, Mapping):
+        return
+    for name, block in rewards.items():
+        worker = str((block or {}).get("worker_cls", "")).rsplit(".", 1)[-1]
+        if worker in MATH_REWARDS:
+            out.warnings.append(f"rewards.{name} ({worker}): ROLL's math rule reward is not built yet; rewards come "
+                                "from reward.function='exact_match' (the answer's text, compared after normalisation)")
+        else:
+            out.refuse(f"rewards.{name}.worker_cls", worker or None, "only ROLL's math rule reward has a stand-in "
+                                                                     "(reward.function); other reward workers "
+                                                                     "are not built")
+
+
+def _validation(validation: Any, out: Translation) -> None:
+    if not isinstance(validation, Mapping):
+        return
+    files = (validation.get("data_args") or {}).get("file_name")
+    files = [files] if isinstance(files, str) else list(files or [])
+    if len(files) > 1:
+        out.refuse("validation.data_args.file_name", files, "several held-out files are not built yet")
+    elif files:
+        out.set("data.val_data_path", files[0])
+    if validation.get("generating_args"):
+        out.warnings.append("validation.generating_args: novarl evaluates greedily")
+
+
+BATCHING = {"use_dynamic_batching_in_train": "policy.dynamic_batching.enabled",
+            "max_tokens_per_microbatch_in_train": "policy.dynamic_batching.train_mb_tokens",
+            "max_tokens_per_microbatch_in_infer": "policy.dynamic_batching.logprob_mb_tokens",
+            "sequence_length_round_in_train": "policy.dynamic_batching.sequence_length_round",
+            "use_sequence_packing": "policy.sequence_packing.enabled"}
+"""ROLL's per-role micro-batching keys (actor_train's) and novarl's."""
+ROLE_OPERATIONAL = ("offload_nccl", "num_gpus_per_worker", "use_remove_padding", "use_dynamic_batching_in_infer",
+                    "sequence_length_round_in_infer", "system_envs", "backend_timeout", "max_concurrency",
+                    "model_update_frequency")
+
+
+def _role_extras(block: Mapping[str, Any], role: str, out: Translation, known: tuple[str, ...]) -> None:
+    for key, value in block.items():
+        if key in known or key in ROLE_OPERATIONAL:
+            continue
+        if role == "actor_train" and key in BATCHING:
+            out.set(BATCHING[key], value)
+            continue
+        if role == "actor_train" and key == "sequence_packing_args":
+            continue  # ROLL's packer settings: novarl packs with its own (policy.sequence_packing)
+        out.refused.append(f"unknown key '{role}.{key}' (a ROLL role setting novarl does not map).")
+
+
+def _show(value: Any) -> str:
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}...{text[-10:]}"

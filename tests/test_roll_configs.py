@@ -1,0 +1,129 @@
+"""ROLL's RLVR pipeline configs (seed 003's format): role blocks, strategies, device
+mappings turned into novarl's sections (config/roll.py). tests/data/roll holds four of
+ROLL's own examples (alibaba/ROLL at 8eb27cc) and one of novarl's in the same format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from novarl.cli import main
+from novarl.config import load_config
+from novarl.config.roll import parse_devices
+from novarl.errors import ConfigError
+
+ROLL = Path(__file__).parent / "data" / "roll"
+
+
+def error_of(*args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(*args, **kwargs)
+    return str(info.value)
+
+
+@pytest.fixture
+def in_tmp(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 20) for b in range(40, 44)]
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path
+
+
+def test_a_roll_pipeline_config_becomes_novarls_sections(in_tmp):
+    cfg = load_config(ROLL / "tiny_grpo_fsdp2.yaml")
+    policy, grpo, loss = cfg.policy, cfg.grpo, cfg.loss_fn
+    assert policy.model_name == "tiny-arith" and policy.precision == "float32"
+    assert policy.dtensor_cfg.enabled and not policy.megatron_cfg.enabled and not policy.deepspeed_cfg.enabled
+    assert (cfg.cluster.gpus_per_node, cfg.cluster.num_nodes) == (2, 1)
+    assert policy.generation.backend == "hf" and policy.generation.colocated.enabled
+    assert (grpo.num_prompts_per_step, grpo.num_generations_per_prompt, grpo.max_num_steps, grpo.seed) == (4, 4, 3, 7)
+    assert (policy.max_seq_length, policy.generation.max_new_tokens, cfg.data.max_input_seq_length) == (32, 8, 24)
+    assert (policy.train_micro_batch_size, policy.train_global_batch_size, policy.logprob_batch_size) == (4, 16, 4)
+    assert policy.optimizer.kwargs["lr"] == 1e-4 and [s.name for s in policy.scheduler][0].endswith("LinearLR")
+    assert (loss.ratio_clip_min, loss.ratio_clip_max, loss.ratio_clip_c) == (0.2, 0.2, pytest.approx(1.4))
+    assert (loss.reference_policy_kl_penalty, loss.kl_estimator, loss.kl_output_clamp_value) == (1e-3, "k3", 10.0)
+    assert loss.token_level_loss and grpo.overlong_filtering
+    assert (grpo.advantage_clip_low, grpo.advantage_clip_high, grpo.reward_clip) == (-2.0, 2.0, 10)
+    assert cfg.data.train_data_path == "data/train.jsonl"
+    assert cfg.checkpointing.checkpoint_dir == "./output/checkpoints/tiny-grpo-fsdp2"
+    became = "\n".join(cfg.load_notes)
+    assert "actor_train (fsdp2_train on 2 device(s)) -> policy: dtensor" in became
+    assert "actor_infer (hf_infer on 2 device(s)) -> policy.generation: hf, colocated on the training devices" in became
+    assert "reference (hf_infer) -> the frozen reference, on the training backend (dtensor)" in became
+    assert any("rewards.math_rule (MathRuleRewardWorker)" in w for w in cfg.load_warnings)
+
+
+def test_validate_on_the_roll_config_lists_what_each_block_became(in_tmp, capsys):
+    assert main(["validate", str(ROLL / "tiny_grpo_fsdp2.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "# note: ROLL: actor_train (fsdp2_train on 2 device(s)) -> policy: dtensor" in out
+    assert "# valid. training backend: dtensor; generation backend: hf" in out
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("qwen3-8B-rlvr_fsdp2.yaml", ["'adv_estimator' = 'reinforce'", "'whiten_advantages' = true",
+                                  "'difficulty_mask' = true", "'actor_train.data_args.file_name' = [",
+                                  "'actor_train.data_args.messages' = 'messages'",
+                                  "'actor_train.strategy_args.strategy_config.fsdp_size' = 16",
+                                  "'rewards.code_sandbox.worker_cls' = 'CodeSandboxRewardWorker'",
+                                  "'rewards.llm_judge.worker_cls' = 'LLMJudgeRewardWorker'"]),
+    ("qwen2.5-7B-rlvr_megatron.yaml", ["'adv_estimator' = 'reinforce'", "'rewards.ifeval.worker_cls'"]),
+    ("qwen3-30BA3B-rlvr_megatron.yaml", ["'adv_estimator' = 'reinforce'"]),
+    ("qwen2.5-7B-rlvr_megatron_separate.yaml", ["'adv_estimator' = 'reinforce'"]),
+])
+def test_rolls_own_examples_are_read_and_refused_one_line_per_missing_feature(name, expected):
+    msg = error_of(ROLL / name)
+    lines = msg.splitlines()
+    assert lines[0].startswith(f"Invalid config ({ROLL / name}):")
+    for item in expected:
+        assert sum(line.startswith(f"  - {item}") for line in lines) == 1, (item, msg)
+    assert not any("unknown key" in line for line in lines), msg  # every key of ROLL's files is known
+
+
+def test_device_mappings_become_placement():
+    base = {"pretrain": "tiny-arith", "num_gpus_per_node": 8, "adv_estimator": "grpo",
+            "actor_train": {"strategy_args": {"strategy_name": "fsdp2_train"}, "device_mapping": "list(range(0,16))"},
+            "actor_infer": {"strategy_args": {"strategy_name": "vllm"}, "device_mapping": "list(range(16,24))"}}
+    cfg = load_config(base)  # disjoint: dedicated, one whole node of three
+    assert (cfg.cluster.num_nodes, cfg.policy.generation.colocated.enabled) == (3, False)
+    assert cfg.policy.generation.colocated.resources.num_nodes == 1
+    one_node = {**base, "actor_train": {**base["actor_train"], "device_mapping": "list(range(0,6))"},
+                "actor_infer": {**base["actor_infer"], "device_mapping": [6, 7]}}
+    cfg = load_config(one_node)
+    assert cfg.cluster.num_nodes == 1 and cfg.policy.generation.colocated.resources.gpus_per_node == 2
+    partly = {**base, "actor_infer": {**base["actor_infer"], "device_mapping": "list(range(12,20))"}}
+    assert "shares 4 of its 8 devices with actor_train" in error_of(partly)
+    half_node = {**base, "actor_infer": {**base["actor_infer"], "device_mapping": "list(range(16,20))"}}
+    assert "dedicated generation on several nodes takes whole nodes" in error_of(half_node)
+
+
+def test_device_mapping_forms():
+    assert parse_devices("list(range(0,16))", "x") == tuple(range(16))
+    assert parse_devices("list(range(4))", "x") == (0, 1, 2, 3)
+    assert parse_devices("list([0,1,2,3,8,9,10,11])", "x") == (0, 1, 2, 3, 8, 9, 10, 11)
+    assert parse_devices([2, 3], "x") == (2, 3)
+    with pytest.raises(ValueError, match="a device mapping is a list of GPU indices"):
+        parse_devices("__import__('os')", "x")
+
+
+def test_megatron_strategy_config_is_checked_key_by_key():
+    tree = {"pretrain": "tiny-arith", "adv_estimator": "grpo", "num_gpus_per_node": 8,
+            "actor_train": {"strategy_args": {"strategy_name": "megatron_train", "strategy_config": {
+                "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2,
+                "sequence_parallel": True, "recompute_granularity": "full", "bf16": True, "no_such_key": 1}},
+                "device_mapping": "list(range(0,8))"}}
+    msg = error_of(tree)
+    assert "unknown key 'actor_train.strategy_args.strategy_config.no_such_key' (megatron_train)" in msg
+    del tree["actor_train"]["strategy_args"]["strategy_config"]["no_such_key"]
+    mc = load_config(tree).policy.megatron_cfg
+    assert mc.enabled and (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size,
+                           mc.expert_model_parallel_size) == (2, 2, 2)
+    assert mc.sequence_parallel and mc.recompute_granularity == "full"
+
+
+def test_novarl_overrides_apply_over_a_roll_config(in_tmp):
+    cfg = load_config(ROLL / "tiny_grpo_fsdp2.yaml", overrides=["grpo.max_num_steps=1", "policy.generation.top_k=5"])
+    assert cfg.grpo.max_num_steps == 1 and cfg.policy.generation.top_k == 5
