@@ -202,7 +202,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             for line in why:
                 print(line)
             print(choice.describe())
-            for note in choice.notes:
+            for note in (*cfg.load_notes, *choice.notes):
                 print(f"note: {note}")
             print(plan_batches(cfg).describe())
             print(describe_layout(cfg, choice.training))

@@ -426,21 +426,20 @@ def test_seed_001_advanced_yaml(tmp_path):
     assert missing(cfg) == ()  # 8 DTensor ranks over Ray: built
 
 
-def test_seed_003_roll_role_blocks_load_and_are_not_available(tmp_path):
-    cfg = load_config(write(tmp_path, SEED_003_ROLES))
-    actor = cfg.actor_train
-    assert actor.strategy_args.strategy_name == "megatron_train"
-    assert actor.strategy_args.strategy_config["virtual_pipeline_model_parallel_size"] == 8
-    assert actor.model_args.dtype == "bf16" and actor.model_args.model_type is None
-    assert actor.training_args.learning_rate == 1e-6
-    assert actor.training_args.gradient_accumulation_steps == 32
-    assert actor.device_mapping == "list(range(0,32))"
-    assert cfg.reference.strategy_args.strategy_name == "megatron_infer"
-    assert cfg.actor_infer is None
-    assert missing(cfg) == ("ROLL role blocks ('actor_train'); use the policy section",
-                            "ROLL role blocks ('reference'); use the policy section")
-    with pytest.raises(NotAvailableYet, match="actor_train"):
-        require_available(cfg, resolve_backends(cfg))
+def test_seed_003_roll_role_blocks_become_the_megatron_policy(tmp_path):
+    # ROLL's default estimator is GAE (a critic): without adv_estimator the file asks for PPO.
+    assert "'adv_estimator' = 'gae': advantage estimators other than 'grpo'" in config_error(write(tmp_path, SEED_003_ROLES))
+    cfg = load_config(write(tmp_path, "adv_estimator: grpo\n" + SEED_003_ROLES))
+    mc = cfg.policy.megatron_cfg
+    assert mc.enabled and (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size,
+                           mc.virtual_pipeline_model_parallel_size, mc.expert_model_parallel_size) == (2, 2, 8, 4)
+    assert mc.sequence_parallel and mc.moe_grouped_gemm and mc.moe_layer_recompute and mc.use_distributed_optimizer
+    assert mc.optimizer.lr == 1e-6 and mc.scheduler.lr_warmup_iters == 20 and mc.activation_checkpointing
+    assert cfg.policy.precision == "bfloat16" and cfg.policy.logprob_batch_size == 2
+    assert (cfg.cluster.gpus_per_node, cfg.cluster.num_nodes) == (8, 4)  # list(range(0,32)), 8 a node
+    assert cfg.policy.train_micro_batch_size == 1 and cfg.policy.train_global_batch_size == 32 * 8  # dp = 32 / 4
+    assert any("actor_train (megatron_train on 32 device(s)) -> policy: megatron (tp 2, pp 2, cp 1, ep 4)" in n
+               for n in cfg.load_notes)
 
 
 # ============================================================ NeMo RL interop

@@ -28,6 +28,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from novarl.config.nemo_rl import VALUE_NOTES, take_foreign, translate
+from novarl.config.roll import from_roll, is_roll
 from novarl.config.schema import NovaRLConfig
 from novarl.config.unused import check_settings
 from novarl.errors import ConfigError
@@ -166,20 +167,32 @@ def load_config(
             raise
         lines = "\n".join(f"  - {line}" for line in [str(err), *unknown])
         raise ConfigError(f"Invalid config ({where}):\n{lines}") from None
+    roll_refused, notes = [], []
+    if is_roll(tree):  # ROLL's pipeline format: its keys become novarl's sections, novarl's own merge over
+        roll = from_roll({k: v for k, v in tree.items() if k not in NovaRLConfig.model_fields})
+        tree = merge_over(roll.tree, {k: v for k, v in tree.items() if k in NovaRLConfig.model_fields})
+        roll_refused, notes = roll.refused, [f"ROLL: {line}" for line in roll.became]
+        warnings_roll = roll.warnings
+    else:
+        warnings_roll = []
     refused, warnings = translate(tree)
+    refused = [*roll_refused, *refused]
+    warnings = [*warnings_roll, *warnings]
     foreign = take_foreign(tree, schema_has)
     config = validate(tree, where, refused=[*refused, *foreign.refused])
     unbuilt, unused = check_settings(config)
     if unbuilt:
         raise ConfigError(f"Invalid config ({where}): {len(unbuilt)} problem(s):\n"
                           + "\n".join(f"  - {line}" for line in unbuilt))
-    return with_warnings(config, [*warnings, *filter(None, [foreign.warning()]), *unused])
+    return with_warnings(config, [*warnings, *filter(None, [foreign.warning()]), *unused], notes)
 
 
-def with_warnings(config: NovaRLConfig, warnings: Iterable[str]) -> NovaRLConfig:
+def with_warnings(config: NovaRLConfig, warnings: Iterable[str], notes: Iterable[str] = ()) -> NovaRLConfig:
     """`config`, carrying the lines loading it gave (NeMo RL keys accepted and not used, names
-    rewritten): `novarl validate`, `plan` and `train` say each once (NovaRLConfig.load_warnings)."""
+    rewritten; what a ROLL config's blocks became): `novarl validate`, `plan` and `train` say
+    each once (NovaRLConfig.load_warnings, load_notes)."""
     config._load_warnings = tuple(dict.fromkeys([*config.load_warnings, *warnings]))
+    config._load_notes = tuple(dict.fromkeys([*config.load_notes, *notes]))
     return config
 
 

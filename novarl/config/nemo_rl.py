@@ -88,8 +88,6 @@ RULES: tuple[Rule, ...] = (
     # ---------------------------------------------------------------- grpo
     off("grpo.adv_estimator", lambda v, t: v is None or isinstance(v, Mapping) and v.get("name", "grpo") == "grpo",
         f"advantage estimators other than 'grpo' are {ISSUE_ALGORITHMS}"),
-    off("grpo.advantage_clip_low", _is(None), "advantage clipping is not built"),
-    off("grpo.advantage_clip_high", _is(None), "advantage clipping is not built"),
     off("grpo.async_grpo.in_flight_weight_updates", _is(False), f"in-flight weight updates are {ISSUE_ASYNC}"),
     off("grpo.async_grpo.max_generation_failures", _is(0), f"tolerated generation failures are {ISSUE_ASYNC}"),
     off("grpo.async_grpo.recompute_kv_cache_after_weight_updates", _is(False), f"KV-cache recomputation is {ISSUE_ASYNC}"),

@@ -453,6 +453,13 @@ class GRPOConfig(Section):
     normalize_rewards: bool = True
     """Divide group-centred rewards by the group's standard deviation."""
     use_leave_one_out_baseline: bool = False
+    advantage_clip_low: float | None = None
+    """Advantages below it are raised to it (NeMo RL's key); None: no lower bound."""
+    advantage_clip_high: float | None = None
+    """Advantages above it are lowered to it; None: no upper bound."""
+    reward_clip: float | None = Field(None, gt=0)
+    """Rewards are clipped to [-reward_clip, reward_clip] before the advantages (ROLL's key; the
+    logged rewards are the unclipped ones); None: not clipped."""
     advantage_estimator: str = "grpo"
     val_period: int = Field(0, ge=0)
     """Evaluate every N steps; 0: only at start (if val_at_start) and end."""
@@ -576,37 +583,6 @@ class LoggerConfig(Section):
     gpu_monitoring: GpuMonitoringConfig = Field(default_factory=GpuMonitoringConfig)
 
 
-# ------------------------------------------------------------- ROLL role blocks
-class RoleModelArgs(Section):
-    disable_gradient_checkpointing: bool = False
-    dtype: Literal["bf16", "fp16", "fp32"] | None = None
-    model_type: str | None = None
-
-
-class RoleTrainingArgs(Section):
-    learning_rate: float | None = None
-    weight_decay: float | None = None
-    per_device_train_batch_size: int | None = None
-    gradient_accumulation_steps: int | None = None
-    warmup_steps: int | None = None
-    num_train_epochs: int | None = None
-
-
-class RoleStrategyArgs(Section):
-    strategy_name: str
-    strategy_config: dict[str, Any] = {}
-
-
-class RoleConfig(Section):
-    """A ROLL-style role block (actor_train, actor_infer, reference)."""
-
-    model_args: RoleModelArgs = Field(default_factory=RoleModelArgs)
-    training_args: RoleTrainingArgs = Field(default_factory=RoleTrainingArgs)
-    strategy_args: RoleStrategyArgs | None = None
-    device_mapping: str | list[int] | None = None
-    infer_batch_size: int | None = Field(None, ge=1)
-
-
 # ------------------------------------------------------------------ the whole
 class NovaRLConfig(Section):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
@@ -618,16 +594,19 @@ class NovaRLConfig(Section):
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    actor_train: RoleConfig | None = None
-    actor_infer: RoleConfig | None = None
-    reference: RoleConfig | None = None
     _load_warnings: tuple[str, ...] = PrivateAttr(default=())
+    _load_notes: tuple[str, ...] = PrivateAttr(default=())
 
     @property
     def load_warnings(self) -> tuple[str, ...]:
         """What loading said about the file (settings accepted and not used, names rewritten),
         one line each; novarl validate, plan and train print them (config/loading.py: with_warnings)."""
         return self._load_warnings
+
+    @property
+    def load_notes(self) -> tuple[str, ...]:
+        """What loading rewrote that is worth a line (a ROLL config: what each role block became)."""
+        return self._load_notes
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "NovaRLConfig":

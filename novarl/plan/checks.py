@@ -62,7 +62,7 @@ class ConfigReport:
 
 def check_config(cfg: NovaRLConfig) -> ConfigReport:
     """Every check of `cfg` that needs no torch and no weights (see the module docstring)."""
-    report = ConfigReport(warnings=list(cfg.load_warnings))
+    report = ConfigReport(warnings=list(cfg.load_warnings), notes=list(cfg.load_notes))
     report.attempt(locate, cfg, report)
     report.choice = report.attempt(resolve_backends, cfg)
     if report.choice is not None:

@@ -169,9 +169,6 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
         missing.append("asynchronous GRPO (grpo.async_grpo.enabled)")
     if cfg.grpo.max_rollout_turns > 1:
         missing.append(f"multi-turn rollouts (grpo.max_rollout_turns={cfg.grpo.max_rollout_turns})")
-    for role in ("actor_train", "actor_infer", "reference"):
-        if getattr(cfg, role) is not None:
-            missing.append(f"ROLL role blocks ('{role}'); use the policy section")
     for sink in ("wandb", "tensorboard", "mlflow", "swanlab"):
         if getattr(cfg.logger, f"{sink}_enabled"):
             warnings.append(f"logger.{sink}_enabled: not available yet; metrics go to the JSONL file")

@@ -55,7 +55,7 @@ class GRPOTrainer:
         if isinstance(config, NovaRLConfig):
             if overrides:
                 config = with_warnings(load_config(config.model_dump(by_alias=True, exclude_unset=True), **overrides),
-                                       config.load_warnings)
+                                       config.load_warnings, config.load_notes)
             self.config = config
         else:
             self.config = load_config(BUNDLED_RECIPE if config is None else config, **overrides)

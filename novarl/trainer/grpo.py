@@ -126,9 +126,12 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
         completions = roles.generator.submit(prompts, sampling).result()
         roles.release_generator()
     rewards = torch.tensor(inputs.scorer.score(completions))
-    advantages = estimate_advantages(rewards, grpo.num_generations_per_prompt,
+    clipped = rewards if grpo.reward_clip is None else rewards.clamp(-grpo.reward_clip, grpo.reward_clip)
+    advantages = estimate_advantages(clipped, grpo.num_generations_per_prompt,
                                      normalize_rewards=grpo.normalize_rewards,
                                      use_leave_one_out_baseline=grpo.use_leave_one_out_baseline)
+    if grpo.advantage_clip_low is not None or grpo.advantage_clip_high is not None:
+        advantages = advantages.clamp(min=grpo.advantage_clip_low, max=grpo.advantage_clip_high)
     batch = build_train_batch(completions, advantages, overlong_filtering=grpo.overlong_filtering)
     with timer("logprobs"):
         if not one_forward_fewer(inputs):
