@@ -318,3 +318,18 @@ def test_max_num_epochs_ends_the_run_when_it_comes_before_max_num_steps():
     assert steps_in_epochs(load_config({"grpo": {"num_prompts_per_step": 4, "max_num_steps": 3}}), 10, []) == 3
     assert steps_in_epochs(load_config({"grpo": {"num_prompts_per_step": 4, "max_num_steps": 3,
                                                  "max_num_epochs": 1}}), 10, []) == 2
+
+
+def test_reward_and_advantage_clipping():
+    from novarl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from novarl.trainer.grpo import clipped_advantages
+
+    estimate = ADVANTAGE_ESTIMATORS.get("grpo")
+    rewards = torch.tensor([0.0, 0.0, 0.0, 100.0, 1.0, 2.0, 3.0, 4.0])
+    grpo = load_config({"grpo": {"num_generations_per_prompt": 4, "normalize_rewards": False}}).grpo
+    assert torch.allclose(clipped_advantages(rewards, grpo, estimate),
+                          torch.tensor([-25.0, -25.0, -25.0, 75.0, -1.5, -0.5, 0.5, 1.5]))
+    grpo = grpo.model_copy(update={"reward_clip": 10.0, "advantage_clip_low": -1.0, "advantage_clip_high": 5.0})
+    # The reward 100 counts as 10 (group mean 2.5), then the advantages are clipped to [-1, 5].
+    assert torch.allclose(clipped_advantages(rewards, grpo, estimate),
+                          torch.tensor([-1.0, -1.0, -1.0, 5.0, -1.0, -0.5, 0.5, 1.5]))

@@ -126,12 +126,7 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
         completions = roles.generator.submit(prompts, sampling).result()
         roles.release_generator()
     rewards = torch.tensor(inputs.scorer.score(completions))
-    clipped = rewards if grpo.reward_clip is None else rewards.clamp(-grpo.reward_clip, grpo.reward_clip)
-    advantages = estimate_advantages(clipped, grpo.num_generations_per_prompt,
-                                     normalize_rewards=grpo.normalize_rewards,
-                                     use_leave_one_out_baseline=grpo.use_leave_one_out_baseline)
-    if grpo.advantage_clip_low is not None or grpo.advantage_clip_high is not None:
-        advantages = advantages.clamp(min=grpo.advantage_clip_low, max=grpo.advantage_clip_high)
+    advantages = clipped_advantages(rewards, grpo, estimate_advantages)
     batch = build_train_batch(completions, advantages, overlong_filtering=grpo.overlong_filtering)
     with timer("logprobs"):
         if not one_forward_fewer(inputs):
@@ -147,6 +142,19 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
     mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None else {}  # else the loss measured it
     return {**rollout_metrics(completions, rewards, grpo.num_generations_per_prompt), **train_metrics,
             **sync_metrics, **mismatch, **timer.seconds, "time_step": time.perf_counter() - tic}
+
+
+def clipped_advantages(rewards: torch.Tensor, grpo, estimate_advantages) -> torch.Tensor:
+    """The step's advantages: rewards clipped to +-grpo.reward_clip (ROLL), the estimator over
+    each group, then advantages clipped to [advantage_clip_low, advantage_clip_high] (NeMo RL)."""
+    if grpo.reward_clip is not None:
+        rewards = rewards.clamp(-grpo.reward_clip, grpo.reward_clip)
+    advantages = estimate_advantages(rewards, grpo.num_generations_per_prompt,
+                                     normalize_rewards=grpo.normalize_rewards,
+                                     use_leave_one_out_baseline=grpo.use_leave_one_out_baseline)
+    if grpo.advantage_clip_low is not None or grpo.advantage_clip_high is not None:
+        advantages = advantages.clamp(min=grpo.advantage_clip_low, max=grpo.advantage_clip_high)
+    return advantages
 
 
 def one_forward_fewer(inputs: RunInputs) -> bool:
