@@ -141,3 +141,18 @@ def test_the_roll_config_trains(in_tmp, capsys):
     assert "[novarl] note: ROLL: actor_train (fsdp2_train on 2 device(s)) -> policy: dtensor" in captured.err
     assert "training backend: dtensor; generation backend: hf" in captured.err
     assert (in_tmp / "output" / "checkpoints" / "tiny-grpo-fsdp2").is_dir()
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"prompt_length": "abc"}, "'prompt_length' = 'abc': it must be a positive whole number."),
+    ({"num_gpus_per_node": 0}, "'num_gpus_per_node' = 0: it must be a positive whole number."),
+    ({"advantage_clip": [1]}, "'advantage_clip' = [1]: it must be a positive number."),
+    ({"actor_train": {"strategy_args": 5, "device_mapping": [0]}}, "a ROLL setting has a value of the wrong type"),
+    ({"actor_train": {"strategy_args": {"strategy_name": "fsdp2_train"}, "device_mapping": "list(range(3,3))"}},
+     "a device mapping is a list of GPU indices"),
+])
+def test_bad_roll_values_are_refused_naming_the_key(change, expected):
+    tree = {"pretrain": "tiny-arith", "adv_estimator": "grpo", "response_length": 8,
+            "actor_train": {"strategy_args": {"strategy_name": "fsdp2_train"}, "device_mapping": "list(range(0,2))"},
+            **change}
+    assert expected in error_of(tree)

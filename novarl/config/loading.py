@@ -169,7 +169,12 @@ def load_config(
         raise ConfigError(f"Invalid config ({where}):\n{lines}") from None
     roll_refused, notes = [], []
     if is_roll(tree):  # ROLL's pipeline format: its keys become novarl's sections, novarl's own merge over
-        roll = from_roll({k: v for k, v in tree.items() if k not in NovaRLConfig.model_fields})
+        try:
+            roll = from_roll({k: v for k, v in tree.items() if k not in NovaRLConfig.model_fields})
+        except (TypeError, ValueError, AttributeError, ArithmeticError) as err:  # a value of a type ROLL never has
+            raise ConfigError(f"Invalid config ({where}): a ROLL setting has a value of the wrong type or shape "
+                              f"({type(err).__name__}: {_clip(str(err))}); compare it with ROLL's example "
+                              "configs.") from None
         tree = merge_over(roll.tree, {k: v for k, v in tree.items() if k in NovaRLConfig.model_fields})
         roll_refused, notes = roll.refused, [f"ROLL: {line}" for line in roll.became]
         warnings_roll = roll.warnings

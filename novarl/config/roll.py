@@ -62,6 +62,20 @@ class Translation:
         self.refused.append(f"'{key}' = {_show(value)}: {why}.")
 
 
+def _number(block: Mapping[str, Any], key: str, out: Translation, where: str = "", *, integer: bool = False,
+            positive: bool = True) -> Any:
+    """block[key] when it is a number of the right kind (None when absent); refused otherwise."""
+    value = block.get(key)
+    if value is None:
+        return None
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or (positive and value <= 0) or value != value:
+        what = "a positive whole number" if integer and positive else "a positive number" if positive else "a number"
+        out.refuse(f"{where}{key}", value, f"it must be {what}")
+        return None
+    return value
+
+
 # Top-level keys: (ROLL key, novarl path or None, neutral values or None). A key with a path is
 # copied there; a key with neutral values only is accepted at them and refused otherwise.
 ISSUE_ALGORITHMS = "not built yet (the PPO-family issue)"
@@ -171,19 +185,21 @@ def _algorithm(tree: Mapping[str, Any], out: Translation) -> None:
     for key in ("norm_mean_type", "norm_std_type"):  # ROLL's grpo normalises within the group itself
         if tree.get(key) not in (None, "group"):
             out.refuse(key, tree[key], "novarl normalises a GRPO group's rewards within the group")
+    clip, low, high, advantage, kl = (_number(tree, k, out) for k in ("pg_clip", "pg_clip_low", "pg_clip_high",
+                                                                     "advantage_clip", "kl_loss_coef"))
     if tree.get("use_pg_clip_range"):
-        out.set("loss_fn.ratio_clip_min", tree.get("pg_clip_low", 0.2))
-        out.set("loss_fn.ratio_clip_max", tree.get("pg_clip_high", 0.2))
-    elif "pg_clip" in tree:
-        out.set("loss_fn.ratio_clip_min", tree["pg_clip"])
-        out.set("loss_fn.ratio_clip_max", tree["pg_clip"])
+        out.set("loss_fn.ratio_clip_min", low if low is not None else 0.2)
+        out.set("loss_fn.ratio_clip_max", high if high is not None else 0.2)
+    elif clip is not None:
+        out.set("loss_fn.ratio_clip_min", clip)
+        out.set("loss_fn.ratio_clip_max", clip)
     if tree.get("dual_clip_loss"):  # ROLL: loss = min(loss, -(1 + 2 pg_clip) A) where A < 0
-        out.set("loss_fn.ratio_clip_c", 1 + 2 * tree.get("pg_clip", 0.2))
-    if tree.get("advantage_clip") is not None:
-        out.set("grpo.advantage_clip_low", -tree["advantage_clip"])
-        out.set("grpo.advantage_clip_high", tree["advantage_clip"])
+        out.set("loss_fn.ratio_clip_c", 1 + 2 * (clip if clip is not None else 0.2))
+    if advantage is not None:
+        out.set("grpo.advantage_clip_low", -advantage)
+        out.set("grpo.advantage_clip_high", advantage)
     if tree.get("use_kl_loss"):  # ROLL's KL loss: k3, clamped to [-10, 10]
-        out.set("loss_fn.reference_policy_kl_penalty", tree.get("kl_loss_coef", 0.0))
+        out.set("loss_fn.reference_policy_kl_penalty", kl or 0.0)
         out.set("loss_fn.kl_estimator", "k3")
         out.set("loss_fn.kl_output_clamp_value", 10.0)
     mode = tree.get("loss_agg_mode", "seq-mean-token-mean")
@@ -194,8 +210,8 @@ def _algorithm(tree: Mapping[str, Any], out: Translation) -> None:
 
 
 def _lengths(tree: Mapping[str, Any], out: Translation) -> None:
-    prompt, response = tree.get("prompt_length"), tree.get("response_length")
-    total = tree.get("sequence_length") or (prompt + response if prompt and response else None)
+    prompt, response = (_number(tree, k, out, integer=True) for k in ("prompt_length", "response_length"))
+    total = _number(tree, "sequence_length", out, integer=True) or (prompt + response if prompt and response else None)
     if total:
         out.set("policy.max_seq_length", total)
     if response:
@@ -229,27 +245,32 @@ class Placement:
 
 def parse_devices(value: Any, where: str) -> tuple[int, ...]:
     """ROLL's device_mapping: a list of ints, or a string `list(range(a, b[, step]))` / `[0, 1, ...]`."""
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                 for v in value):
         return tuple(value)
     if isinstance(value, str):
         match = re.fullmatch(r"\s*list\(\s*range\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?(?:,\s*(\d+)\s*)?\)\s*\)\s*", value)
         if match:
             a, b, step = match.groups()
             start, stop = (0, int(a)) if b is None else (int(a), int(b))
-            return tuple(range(start, stop, int(step or 1)))
+            devices = tuple(range(start, stop, int(step or 1)))
+            if devices:
+                return devices
         listed = re.fullmatch(r"\s*list\(\s*(\[.*\])\s*\)\s*", value)  # list([0, 1, 8, 9])
         try:
             parsed = ast.literal_eval(listed.group(1) if listed else value)
         except (ValueError, SyntaxError):
             parsed = None
-        if isinstance(parsed, (list, tuple)) and all(isinstance(v, int) for v in parsed):
+        if isinstance(parsed, (list, tuple)) and parsed and all(isinstance(v, int) and v >= 0 for v in parsed):
             return tuple(parsed)
     raise ValueError(f"'{where}' = {_show(value)}: a device mapping is a list of GPU indices or "
                      "'list(range(a, b))'")
 
 
 def _placement(tree: Mapping[str, Any], out: Translation) -> Placement | None:
-    gpus_per_node = tree.get("num_gpus_per_node", 8)
+    gpus_per_node = _number(tree, "num_gpus_per_node", out, integer=True) if "num_gpus_per_node" in tree else 8
+    if gpus_per_node is None:
+        return None
     mappings = {}
     for role in ROLES:
         block = tree.get(role)
@@ -402,33 +423,35 @@ def _model_args(model: Mapping[str, Any], role: str, out: Translation) -> None:
 
 def _training_args(args: Mapping[str, Any], out: Translation, training: str, placement: Placement | None,
                    sizes: Mapping[str, int]) -> None:
-    lr, decay = args.get("learning_rate"), args.get("weight_decay")
+    where = "actor_train.training_args."
+    lr = _number(args, "learning_rate", out, where)
+    decay = _number(args, "weight_decay", out, where, positive=False)
+    micro, accumulation, warmup = (_number(args, k, out, where, integer=True) for k in (
+        "per_device_train_batch_size", "gradient_accumulation_steps", "warmup_steps"))
     if training == "megatron":
         if lr is not None:
             out.set("policy.megatron_cfg.optimizer.lr", lr)
         if decay is not None:
             out.set("policy.megatron_cfg.optimizer.weight_decay", decay)
-        if args.get("warmup_steps"):
-            out.set("policy.megatron_cfg.scheduler.lr_warmup_iters", args["warmup_steps"])
+        if warmup:
+            out.set("policy.megatron_cfg.scheduler.lr_warmup_iters", warmup)
     else:
         kwargs = {"lr": lr if lr is not None else 1e-6, "weight_decay": decay or 0.0, "betas": [0.9, 0.999],
                   "eps": 1e-8}
         out.set("policy.optimizer", {"name": "torch.optim.AdamW", "kwargs": kwargs})
-        warmup = args.get("warmup_steps") or 0
         out.set("policy.scheduler", [] if not warmup else [
             {"name": "torch.optim.lr_scheduler.LinearLR", "kwargs": {"start_factor": 1e-3, "end_factor": 1.0,
                                                                      "total_iters": warmup}},
             {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0, "total_iters": 10**10}},
             {"milestones": [warmup]}])
-    micro = args.get("per_device_train_batch_size")
     if micro:
         out.set("policy.train_micro_batch_size", micro)
-    accumulation = args.get("gradient_accumulation_steps")
     if micro and accumulation and placement is not None:
-        parallel = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
+        parallel = math.prod(v for k, v in sizes.items() if k in ("tp", "pp", "cp") and isinstance(v, int) and v > 0)
         out.set("policy.train_global_batch_size", micro * accumulation * max(len(placement.train) // parallel, 1))
-    if args.get("num_train_epochs"):
-        out.set("grpo.max_num_epochs", args["num_train_epochs"])
+    epochs = _number(args, "num_train_epochs", out, where, integer=True)
+    if epochs:
+        out.set("grpo.max_num_epochs", epochs)
     unknown = set(args) - {"learning_rate", "weight_decay", "warmup_steps", "per_device_train_batch_size",
                            "gradient_accumulation_steps", "num_train_epochs"}
     out.refused.extend(f"unknown key 'actor_train.training_args.{k}'." for k in sorted(unknown))
