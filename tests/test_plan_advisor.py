@@ -6,6 +6,7 @@ as a table or JSON. Pure arithmetic: nothing is loaded."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -152,7 +153,7 @@ def test_cli_plan_parameter_count_as_json(capsys):
     assert data["tree_branch"] == "<10B" and data["gpu_memory_gb"] == 40
     for candidate in data["candidates"]:
         assert set(candidate) >= {"strategy", "parallel", "memory_gb", "fits", "score", "placement", "generation"}
-        assert set(candidate["parallel"]) == {"dp", "tp", "pp", "cp"}
+        assert set(candidate["parallel"]) == {"dp", "tp", "pp", "cp", "ep"}
         assert {"params", "grads", "optimizer", "activations", "generator_weights", "kv_cache", "total",
                 "peak"} <= set(candidate["memory_gb"])
         assert isinstance(candidate["fits"], bool)
@@ -192,3 +193,42 @@ def test_a_kl_reference_adds_a_copy_of_the_weights_on_every_gpu():
         assert without.memory_gb["reference_weights"] == 0
         assert kl.memory_gb["reference_weights"] == pytest.approx(without.memory_gb["params"])
         assert kl.memory_gb["training"] == pytest.approx(without.memory_gb["training"] + without.memory_gb["params"])
+
+
+# ------------------------------------------------------------------ real shapes (config.json)
+CONFIGS = Path(__file__).parent / "data" / "model_configs"
+
+
+def test_a_70b_count_and_llama_70b_config_get_the_same_layout():
+    real = ModelShape.from_name(str(CONFIGS / "llama-3.3-70b"))
+    assumed = ModelShape.from_name("70B")
+    assert 70.5e9 < real.parameters < 70.6e9 and 69e9 < assumed.parameters < 70.5e9
+    for nodes in (1, 8):
+        a = advise(real, gpus_per_node=8, num_nodes=nodes, sequence_length=SEQ)
+        b = advise(assumed, gpus_per_node=8, num_nodes=nodes, sequence_length=SEQ)
+        assert a.tree_branch == b.tree_branch == ("10B-70B single node" if nodes == 1 else "10B-70B multi-node")
+        assert a.recommended.describe() == b.recommended.describe()
+
+
+@pytest.mark.parametrize("name, nodes", [("qwen3-30b-a3b", 8), ("qwen3-235b-a22b", 32)])
+def test_mixture_of_experts_models_get_expert_parallel_megatron_layouts(name, nodes):
+    shape = ModelShape.from_name(str(CONFIGS / name))
+    assert shape.num_experts == 128 and shape.num_experts_per_token == 8
+    advice = advise(shape, gpus_per_node=8, num_nodes=nodes, sequence_length=SEQ)
+    best = advice.recommended
+    assert best is advice.tree_pick and best.fits and best.built
+    assert best.training_backend == "megatron" and best.expert_parallel_size > 1
+    assert shape.num_experts % best.expert_parallel_size == 0
+    assert (best.data_parallel_size * best.tensor_parallel_size) % best.expert_parallel_size == 0
+    assert f"ep={best.expert_parallel_size}" in best.describe()
+    # Without expert parallelism every rank holds all 128 experts of its layers: only deep pipelines
+    # fit, and they score below the expert-parallel pick (the pipeline bubble).
+    whole = [c for c in advice.candidates if c.training_backend == "megatron" and c.expert_parallel_size == 1]
+    assert whole and all(c.score < best.score for c in whole if c.fits)
+    assert all(c.pipeline_parallel_size > best.pipeline_parallel_size for c in whole if c.fits)
+
+
+def test_a_dense_model_is_never_given_expert_parallelism():
+    advice = advise(ModelShape.from_name(str(CONFIGS / "llama-3.3-70b")), gpus_per_node=8, num_nodes=8,
+                    sequence_length=SEQ)
+    assert {c.expert_parallel_size for c in advice.candidates} == {1}

@@ -4,7 +4,8 @@ and if need be overridden by the memory model (`novarl.plan.memory`).
     advice = advise(ModelShape.from_name("7.5B"), gpus_per_node=8, num_nodes=1, sequence_length=4096)
     advice.recommended, advice.explanation, advice.to_dict()
 
-The decision tree (seed 000, NeMo RL's backend guide), by total parameters:
+The decision tree (seed 000, NeMo RL's backend guide), by total parameters (size
+classes: a 70B model, 70.6B for Llama 3, is in the 10B-70B branch; see LARGE_MODEL):
     < 10B                    DTensor + vLLM
     10B-70B, single node     DTensor + vLLM (TP=8)
     10B-70B, multi-node      Megatron + vLLM
@@ -57,7 +58,11 @@ Enumerated: DTensor FSDP2; FSDP2 + TP (TP in {2, 4, 8} dividing the GPUs per
 node and the attention heads); FSDP2 + CPU offload; DeepSpeed ZeRO-2 and
 ZeRO-3; Megatron TP x PP (the same TPs, PP a power of two dividing the training
 GPUs / TP, at most the layers; per TP the pipeline deepens only until a layout
-fits, deeper ones only add bubble). Context parallelism is not enumerated
+fits, deeper ones only add bubble), and for a Mixture-of-Experts model each
+expert-parallel size EP (a power of two dividing the experts and data x tensor
+parallelism: whole experts, expert TP 1), scored x0.97 per doubling for the token
+all-to-all and x0.7 when the expert group spans nodes. A Mixture-of-Experts model's
+tree pick on Megatron is its best-scored fitting layout. Context parallelism is not enumerated
 (cp = 1). A layout is `built` when novarl has both its training and its generation
 backend (Megatron generation, the >70B branch, is not built yet).
 """
@@ -90,7 +95,11 @@ COLOCATED_VLLM_UTILIZATION = 0.6
 DEDICATED_VLLM_UTILIZATION = 0.9
 MEGATRON_GENERATION_BUFFER_GB = 20.0
 ASSUMED_MICROBATCHES = 8
-SMALL_MODEL, LARGE_MODEL = 10e9, 70e9
+SMALL_MODEL = 10e9
+LARGE_MODEL = 71e9
+"""The seeds' branches are size classes: a "70B" model is in the 10B-70B branch although Llama 3 70B
+has 70.6B parameters (the assumed shape for `--model 70B` has 69.7B: both give the same layout);
+the seeds' own >70B example is Qwen2.5-72B (72.7B)."""
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 
 Placement = Literal["colocated", "dedicated"]
@@ -106,8 +115,7 @@ class _Layout:
     """A key of `novarl.plan.memory.STRATEGIES`."""
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-
-
+    expert_parallel_size: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,6 +145,8 @@ class Candidate:
     """Relative expected training throughput per GPU (1.0: DDP)."""
     score_factors: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    expert_parallel_size: int = 1
+    """Megatron: ranks a Mixture-of-Experts layer's experts are spread over (whole experts)."""
 
     @property
     def peak_gb(self) -> float:
@@ -145,7 +155,8 @@ class Candidate:
     @property
     def parallel_sizes(self) -> str:
         return (f"dp={self.data_parallel_size} tp={self.tensor_parallel_size} "
-                f"pp={self.pipeline_parallel_size} cp={self.context_parallel_size}")
+                f"pp={self.pipeline_parallel_size} cp={self.context_parallel_size}"
+                + (f" ep={self.expert_parallel_size}" if self.expert_parallel_size > 1 else ""))
 
     def describe(self) -> str:
         return (f"{self.strategy} ({self.parallel_sizes}{', activation checkpointing' * self.activation_checkpointing})"
@@ -155,7 +166,8 @@ class Candidate:
         return {
             "strategy": self.strategy, "training_backend": self.training_backend, "built": self.built,
             "parallel": {"dp": self.data_parallel_size, "tp": self.tensor_parallel_size,
-                         "pp": self.pipeline_parallel_size, "cp": self.context_parallel_size},
+                         "pp": self.pipeline_parallel_size, "cp": self.context_parallel_size,
+                         "ep": self.expert_parallel_size},
             "training_gpus": self.training_gpus,
             "generation": {"backend": self.generation_backend, "tensor_parallel_size": self.generation_tp},
             "placement": self.placement, "activation_checkpointing": self.activation_checkpointing,
@@ -286,18 +298,37 @@ def _candidates(context: _Context) -> list[Candidate]:
 
 
 def _megatron_candidates(context: _Context) -> list[Candidate]:
+    """For each TP (and each expert-parallel size of a Mixture-of-Experts model), pipelines
+    from the shallowest, deepening until one fits."""
     found = []
     generation = "megatron" if context.branch == ">70B" else "vllm"
     training_gpus = _training_gpus(context, generation)
     for tp in context.tps:
-        pp = 1
-        while (training_gpus // tp) % pp == 0 and pp <= context.shape.num_layers:
-            candidate = _size(context, _Layout("megatron tp x pp", "megatron", "megatron", tp, pp))
-            found.append(candidate)
-            if candidate.fits:
-                break
-            pp *= 2
+        for ep in expert_parallel_sizes(context.shape, training_gpus):
+            pp = 1
+            while (training_gpus // tp) % pp == 0 and pp <= context.shape.num_layers:
+                if (training_gpus // pp) % ep:  # whole experts over ranks of dp x tp (etp = 1)
+                    break
+                candidate = _size(context, _Layout("megatron tp x pp", "megatron", "megatron", tp, pp, ep))
+                found.append(candidate)
+                if candidate.fits:
+                    break
+                pp *= 2
     return found
+
+
+def expert_parallel_sizes(shape: ModelShape, training_gpus: int) -> list[int]:
+    """1 for a dense model; for a Mixture-of-Experts model the powers of two that divide its
+    experts and the training GPUs (megatron-core spreads whole experts over the ranks of
+    data x tensor parallelism)."""
+    if shape.num_experts <= 1:
+        return [1]
+    sizes, ep = [], 1
+    while ep <= min(shape.num_experts, training_gpus):
+        if not shape.num_experts % ep and not training_gpus % ep:
+            sizes.append(ep)
+        ep *= 2
+    return sizes
 
 
 def _generation_backend(context: _Context, layout: _Layout) -> str:
@@ -315,11 +346,11 @@ def _size(context: _Context, layout: _Layout) -> Candidate:
     generation = _generation_backend(context, layout)
     placement = placement_for(context.shape, num_nodes=context.num_nodes, generation_backend=generation)
     training_gpus = _training_gpus(context, generation)
-    tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
+    tp, pp, ep = layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.expert_parallel_size
     dp = training_gpus // (tp * pp)
     generation_tp = tp if generation == "megatron" else _vllm_tp(context, placement)
     parallel = Parallelism(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                           sequence_parallel=layout.backend == "megatron" and tp > 1,
+                           expert_parallel_size=ep, sequence_parallel=layout.backend == "megatron" and tp > 1,
                            num_microbatches=ASSUMED_MICROBATCHES if pp > 1 else None)
     for recompute in ("none", "full"):
         workload = dataclasses.replace(context.workload, recompute=recompute)
@@ -340,6 +371,7 @@ def _size(context: _Context, layout: _Layout) -> Candidate:
     built = layout.backend in BUILT_TRAINING_BACKENDS and generation in BUILT_GENERATION_BACKENDS
     return Candidate(strategy=layout.strategy, training_backend=layout.backend, built=built,
                      data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=1,
+                     expert_parallel_size=ep,
                      training_gpus=training_gpus, generation_backend=generation, generation_tp=generation_tp,
                      placement=placement, activation_checkpointing=recompute == "full",
                      memory_gb={**breakdown.as_dict_gb(), "peak": peak / GB}, fits=fits, score=score,
@@ -423,6 +455,11 @@ def _score(context: _Context, layout: _Layout, *, dp: int, recompute: str) -> tu
     if pp > 1:
         m = ASSUMED_MICROBATCHES
         apply(1 - (pp - 1) / (m + pp - 1), f"pipeline bubble (p-1)/(m+p-1), p={pp}, m={m}")
+    ep = layout.expert_parallel_size
+    if ep > 1:  # every MoE layer sends its tokens to the experts' ranks and back (all-to-all)
+        apply(0.97 ** (ep.bit_length() - 1), f"expert parallel {ep}: token all-to-all")
+        if ep * tp > context.gpus_per_node:
+            apply(0.7, "expert all-to-all across nodes (InfiniBand, not NVLink)")
     if layout.memory_strategy == "fsdp2_offload":
         apply(0.3, "CPU offload (PCIe transfers, CPU optimizer step)")
     if recompute == "full":
@@ -432,10 +469,19 @@ def _score(context: _Context, layout: _Layout, *, dp: int, recompute: str) -> tu
 
 # ------------------------------------------------------------------ tree pick
 def _tree_pick(context: _Context, candidates: list[Candidate]) -> Candidate:
-    """The tree's choice as a concrete layout: plain FSDP2 for DTensor; for Megatron the
-    largest TP and the shallowest pipeline that fits (or the deepest tried)."""
+    """The tree's choice as a concrete layout: plain FSDP2 for DTensor; for a dense model on
+    Megatron the largest TP and the shallowest pipeline that fits (or the deepest tried); for
+    a Mixture-of-Experts model on Megatron, the layout of tensor, pipeline and expert
+    parallelism that fits with the best score (the recipes NeMo RL and ROLL ship spread the
+    experts with expert parallelism and keep TP small), or the one of least memory."""
     if context.branch in ("<10B", "10B-70B single node"):
         return next(c for c in candidates if c.strategy == "dtensor fsdp2")
+    if context.shape.num_experts > 1:
+        megatron = [c for c in candidates if c.training_backend == "megatron"]
+        fitting = [c for c in megatron if c.fits]
+        if fitting:
+            return max(fitting, key=lambda c: (c.score, -c.peak_gb))
+        return min(megatron, key=lambda c: c.peak_gb)
     megatron = [c for c in candidates if c.training_backend == "megatron"
                 and c.tensor_parallel_size == context.tps[-1]]
     return next((c for c in megatron if c.fits), megatron[-1])
@@ -495,13 +541,14 @@ _TABLE_COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "optim
 def format_advice(advice: Advice) -> str:
     """The advice as `novarl plan` prints it: one row per candidate, GB per GPU, then
     the recommendation and the explanation."""
-    header = (f"{'strategy':<34} {'dp':>3} {'tp':>2} {'pp':>2} {'generation':<14} {'placement':<9} "
+    header = (f"{'strategy':<34} {'dp':>3} {'tp':>2} {'pp':>2} {'ep':>2} {'generation':<14} {'placement':<9} "
               + " ".join(f"{label:>9}" for _, label in _TABLE_COLUMNS) + f" {'fits':<4} {'score':>5}")
     rows = [f"layouts, GB per GPU (fits: peak <= {HEADROOM:.0%} of {advice.gpu_memory_gb:g} GB):", header]
     for c in advice.candidates:
         name = c.strategy + (" +ckpt" if c.activation_checkpointing else "") + ("" if c.built else " *")
         numbers = " ".join(f"{c.memory_gb[key]:>9.{1 if c.memory_gb[key] >= 10 else 3}f}" for key, _ in _TABLE_COLUMNS)
         rows.append(f"{name:<34} {c.data_parallel_size:>3} {c.tensor_parallel_size:>2} {c.pipeline_parallel_size:>2} "
+                    f"{c.expert_parallel_size:>2} "
                     f"{c.generation_backend + ' tp=' + str(c.generation_tp):<14} {c.placement:<9} {numbers} "
                     f"{'yes' if c.fits else 'no':<4} {c.score:>5.2f}")
     rows.append("+ckpt: with full activation checkpointing (tried when a layout does not fit without it); "
