@@ -316,16 +316,27 @@ def _placement(tree: Mapping[str, Any], out: Translation) -> Placement | None:
 
 
 # ------------------------------------------------------------------ roles
+TRAIN_STRATEGIES = {"megatron_train": "megatron", "fsdp2_train": "dtensor", "deepspeed_train": "deepspeed"}
+INFER_STRATEGIES = {"vllm": "vllm", "hf_infer": "hf", "megatron_infer": "megatron"}
+
+
+def _strategy(block: Mapping[str, Any], role: str, known: Mapping[str, str], out: Translation
+              ) -> tuple[Any, Mapping[str, Any], str | None]:
+    """(strategy_name, strategy_config, novarl's backend for it or None, refused)."""
+    strategy = block.get("strategy_args") or {}
+    name, config = strategy.get("strategy_name"), strategy.get("strategy_config") or {}
+    backend = known.get(name)
+    if backend is None:
+        out.refuse(f"{role}.strategy_args.strategy_name", name, f"novarl's {role} runs {', '.join(known)}")
+    return name, config, backend
+
+
 def _actor_train(block: Any, out: Translation, placement: Placement | None) -> str | None:
     if not isinstance(block, Mapping):
         out.refused.append("'actor_train' is missing: novarl needs the training role.")
         return None
-    strategy = block.get("strategy_args") or {}
-    name, config = strategy.get("strategy_name"), strategy.get("strategy_config") or {}
-    training = {"megatron_train": "megatron", "fsdp2_train": "dtensor", "deepspeed_train": "deepspeed"}.get(name)
+    name, config, training = _strategy(block, "actor_train", TRAIN_STRATEGIES, out)
     if training is None:
-        out.refuse("actor_train.strategy_args.strategy_name", name,
-                   "novarl trains with megatron_train, fsdp2_train or deepspeed_train")
         return None
     out.set("policy.megatron_cfg.enabled", training == "megatron")
     out.set("policy.deepspeed_cfg.enabled", training == "deepspeed")
@@ -480,12 +491,8 @@ def _data_args(args: Mapping[str, Any], out: Translation) -> None:
 def _actor_infer(block: Any, out: Translation, placement: Placement | None, tree: Mapping[str, Any]) -> None:
     if not isinstance(block, Mapping):
         return
-    strategy = block.get("strategy_args") or {}
-    name, config = strategy.get("strategy_name"), strategy.get("strategy_config") or {}
-    backend = {"vllm": "vllm", "hf_infer": "hf", "megatron_infer": "megatron"}.get(name)
+    name, config, backend = _strategy(block, "actor_infer", INFER_STRATEGIES, out)
     if backend is None:
-        out.refuse("actor_infer.strategy_args.strategy_name", name,
-                   "novarl generates with vllm, hf_infer or megatron_infer")
         return
     out.set("policy.generation.backend", backend)
     for key, value in config.items():
