@@ -333,3 +333,9 @@ def test_reward_and_advantage_clipping():
     # The reward 100 counts as 10 (group mean 2.5), then the advantages are clipped to [-1, 5].
     assert torch.allclose(clipped_advantages(rewards, grpo, estimate),
                           torch.tensor([-1.0, -1.0, -1.0, 5.0, -1.0, -0.5, 0.5, 1.5]))
+
+
+def test_unbuilt_settings_are_listed_with_the_schemas_errors():
+    msg = error_of({"policy": {"generation": {"stop_strings": ["x"]}, "precision": "float64"}})
+    assert msg.startswith("Invalid config (the config): 2 problem(s):")
+    assert "'policy.generation.stop_strings' = ['x']" in msg and "'policy.precision' = 'float64'" in msg

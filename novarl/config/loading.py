@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 from novarl.config.nemo_rl import VALUE_NOTES, take_foreign, translate
 from novarl.config.roll import from_roll, is_roll
 from novarl.config.schema import NovaRLConfig
-from novarl.config.unused import check_settings
+from novarl.config.unused import check_settings, refuse_settings
 from novarl.errors import ConfigError
 
 MAX_DEPTH = 64
@@ -184,12 +184,8 @@ def load_config(
     refused = [*roll_refused, *refused]
     warnings = [*warnings_roll, *warnings]
     foreign = take_foreign(tree, schema_has)
-    config = validate(tree, where, refused=[*refused, *foreign.refused])
-    unbuilt, unused = check_settings(config)
-    if unbuilt:
-        raise ConfigError(f"Invalid config ({where}): {len(unbuilt)} problem(s):\n"
-                          + "\n".join(f"  - {line}" for line in unbuilt))
-    return with_warnings(config, [*warnings, *filter(None, [foreign.warning()]), *unused], notes)
+    config = validate(tree, where, refused=[*refused, *foreign.refused, *refuse_settings(tree)])
+    return with_warnings(config, [*warnings, *filter(None, [foreign.warning()]), *check_settings(config)], notes)
 
 
 def with_warnings(config: NovaRLConfig, warnings: Iterable[str], notes: Iterable[str] = ()) -> NovaRLConfig:

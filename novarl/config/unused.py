@@ -7,7 +7,7 @@ a test checks that every schema field is read by the code or named here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,16 +57,26 @@ SETTINGS: tuple[Setting, ...] = (
 )
 
 
-def check_settings(config: NovaRLConfig) -> tuple[list[str], list[str]]:
-    """(refusals, warnings), one line each, for the SETTINGS `config` sets outside their neutral
-    values. Megatron generation's CUDA graphs are said when Megatron generates."""
-    refused, warnings = [], []
+def refuse_settings(tree: Mapping[str, Any]) -> list[str]:
+    """The refusals among SETTINGS, read from the tree before validation, so that they are
+    listed with the schema's own errors in one message."""
+    refused = []
+    for setting in SETTINGS:
+        value = _tree_get(tree, setting.path)
+        if setting.refuse and value is not _MISSING and not setting.neutral(value):
+            refused.append(f"'{setting.path}' = {value!r}: {setting.why}.")
+    return refused
+
+
+def check_settings(config: NovaRLConfig) -> list[str]:
+    """The warnings, one line each, for the SETTINGS `config` sets outside their neutral values
+    (the refusals are refuse_settings'). Megatron generation's CUDA graphs are said when
+    Megatron generates."""
+    warnings = []
     for setting in SETTINGS:
         value = _get(config, setting.path)
-        if setting.neutral(value):
-            continue
-        line = f"'{setting.path}' = {value!r}: {setting.why}"
-        (refused if setting.refuse else warnings).append(line + ("." if setting.refuse else ""))
+        if not setting.refuse and not setting.neutral(value):
+            warnings.append(f"'{setting.path}' = {value!r}: {setting.why}")
     ddp = config.policy.megatron_cfg.distributed_data_parallel_config
     if config.policy.megatron_cfg.enabled:
         if ddp.overlap_param_gather:
@@ -82,7 +92,18 @@ def check_settings(config: NovaRLConfig) -> tuple[list[str], list[str]]:
         warnings.append(f"'policy.generation.mcore_generation_config.num_cuda_graphs' = "
                         f"{generation.mcore_generation_config.num_cuda_graphs}: Megatron generation decodes eagerly "
                         "(no CUDA graphs are captured)")
-    return refused, warnings
+    return warnings
+
+
+_MISSING = object()
+
+
+def _tree_get(tree: Any, path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(tree, Mapping) or part not in tree:
+            return _MISSING
+        tree = tree[part]
+    return tree
 
 
 def _get(config: Any, path: str) -> Any:
