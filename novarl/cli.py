@@ -153,7 +153,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     cfg, why = apply_auto(_config(args))
     report = check_config(cfg)
     inputs = None
-    if report.model_path is not None and not report.gpu_only:
+    if report.model_path is not None:  # (what a GPU host has is not needed to read the data and reward)
         from novarl.trainer.setup import inspect_inputs
 
         inputs = inspect_inputs(cfg, report, report.model_path)

@@ -213,7 +213,8 @@ def test_nemo_rl_data_blocks_become_novarl_data_keys():
 def test_null_optimizer_is_megatron_only_and_null_scheduler_is_constant():
     cfg = load_config({"policy": {"optimizer": None, "scheduler": None, "megatron_cfg": {"enabled": True}}})
     assert cfg.policy.optimizer is None and cfg.policy.scheduler is None
-    assert "policy.optimizer is null, which only the Megatron backend allows" in error_of({"policy": {"optimizer": None}})
+    msg = error_of({"policy": {"optimizer": None}})
+    assert "policy.optimizer is null, which only the Megatron backend allows" in msg
     from novarl.backends.training.optim import build_scheduler
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
@@ -254,7 +255,8 @@ def test_every_schema_setting_is_read_or_refused_or_warned_about():
     governed = {
         "grpo.async_grpo.max_trajectory_age_steps": "grpo.async_grpo.enabled is refused (not built yet)",
         "logger.wandb_enabled": "plan/resolve.py check_available warns, by f-string",
-        "logger.tensorboard_enabled": "the same", "logger.mlflow_enabled": "the same", "logger.swanlab_enabled": "the same",
+        "logger.tensorboard_enabled": "the same", "logger.mlflow_enabled": "the same",
+        "logger.swanlab_enabled": "the same",
         "logger.mlflow.experiment_name": "logger.mlflow_enabled is warned about",
         "logger.mlflow.run_name": "logger.mlflow_enabled is warned about",
         "logger.gpu_monitoring.collection_interval": "logger.monitor_gpus is warned about",
@@ -267,7 +269,8 @@ def test_every_schema_setting_is_read_or_refused_or_warned_about():
         for name, field in model.model_fields.items():
             path = f"{prefix}{field.alias or name}"
             args = [field.annotation, *typing.get_args(field.annotation)]
-            nested = [c for a in args for c in (a, *typing.get_args(a)) if isinstance(c, type) and issubclass(c, BaseModel)]
+            nested = [c for a in args for c in (a, *typing.get_args(a))
+                      if isinstance(c, type) and issubclass(c, BaseModel)]
             if nested:
                 yield from leaves(nested[0], path + ".")
             else:

@@ -157,7 +157,8 @@ def test_validate_without_a_local_model_imports_no_torch():
 
 def test_validate_lists_every_reason_train_would_stop_at_once(capsys, tmp_path):
     (tmp_path / "blocker").write_text("a file where the log folder should go")
-    code, out, err = run(capsys, "validate", "policy.dtensor_cfg.context_parallel_size=2", "grpo.async_grpo.enabled=true",
+    code, out, err = run(capsys, "validate", "policy.dtensor_cfg.context_parallel_size=2",
+                         "grpo.async_grpo.enabled=true",
                          f"logger.log_dir={tmp_path / 'blocker' / 'logs'}", "data.train_data_path=missing.jsonl",
                          "data.dataset_name=ResponseDataset", "reward.function=no_such_module:f")
     assert code == 2 and out == ""
@@ -222,7 +223,8 @@ def test_megatron_with_a_cached_hub_id_converts_from_the_cache(capsys, megatron_
 def test_megatron_with_an_uncached_hub_id_offline_is_refused_before_ranks_start(capsys, megatron_on_cpu, hub_cache,
                                                                                monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code, _, err = run(capsys, "train", *MEGATRON, "policy.model_name=someorg/absent", f"logger.log_dir={tmp_path / 'l'}")
+    code, _, err = run(capsys, "train", *MEGATRON, "policy.model_name=someorg/absent",
+                       f"logger.log_dir={tmp_path / 'l'}")
     assert code == 2 and "Traceback" not in err
     assert "policy.model_name='someorg/absent'" in err and "HF_HUB_OFFLINE=1 forbids downloading it" in err
     assert not (tmp_path / "l").exists()

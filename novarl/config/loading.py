@@ -1,12 +1,16 @@
 """Load a config from YAML, dicts, keyword and dotted overrides; validate it once.
 
-Precedence, lowest first: the schema's defaults, the YAML file, a Python dict,
+Precedence, lowest first: the schema's defaults, the YAML file (over its `defaults:`
+base files, composed as NeMo RL composes them: `compose_file`), a Python dict,
 keyword overrides, then dotted command-line overrides (`a.b.c=value`). The
 merged tree has its aliases rewritten, its `${...}` interpolations resolved
-(OmegaConf style: `${policy.model_name}`, `${mul:a, b}`), and is then
-validated into a frozen `NovaRLConfig`. Every failure is a `ConfigError` whose
-message names the key path, the bad value, what is allowed and, for a
-misspelled key, the closest valid one.
+(OmegaConf style: `${policy.model_name}`, `${.sibling}`, `${oc.env:HOME}`,
+`${mul:a, b}`); a ROLL pipeline config becomes novarl's sections (config/roll.py);
+NeMo RL's spellings are rewritten and its keys outside the schema taken out
+(config/nemo_rl.py); the tree is then validated into a frozen `NovaRLConfig`.
+Every failure is a `ConfigError` that lists every problem, one line each, naming
+the key path, the bad value, what is allowed and, for a misspelled key, the
+closest valid one; what loading warns about rides on the config (`load_warnings`).
 
 Before any of the recursive steps runs, every input tree is checked by
 `check_tree` (string keys, at most MAX_DEPTH levels, at most MAX_VALUES values
@@ -167,25 +171,28 @@ def load_config(
             raise
         lines = "\n".join(f"  - {line}" for line in [str(err), *unknown])
         raise ConfigError(f"Invalid config ({where}):\n{lines}") from None
-    roll_refused, notes = [], []
-    if is_roll(tree):  # ROLL's pipeline format: its keys become novarl's sections, novarl's own merge over
-        try:
-            roll = from_roll({k: v for k, v in tree.items() if k not in NovaRLConfig.model_fields})
-        except (TypeError, ValueError, AttributeError, ArithmeticError) as err:  # a value of a type ROLL never has
-            raise ConfigError(f"Invalid config ({where}): a ROLL setting has a value of the wrong type or shape "
-                              f"({type(err).__name__}: {_clip(str(err))}); compare it with ROLL's example "
-                              "configs.") from None
-        tree = merge_over(roll.tree, {k: v for k, v in tree.items() if k in NovaRLConfig.model_fields})
-        roll_refused, notes = roll.refused, [f"ROLL: {line}" for line in roll.became]
-        warnings_roll = roll.warnings
-    else:
-        warnings_roll = []
-    refused, warnings = translate(tree)
-    refused = [*roll_refused, *refused]
-    warnings = [*warnings_roll, *warnings]
+    tree, refused, warnings, notes = read_roll(tree, where)
+    more_refused, more_warnings = translate(tree)
     foreign = take_foreign(tree, schema_has)
-    config = validate(tree, where, refused=[*refused, *foreign.refused, *refuse_settings(tree)])
-    return with_warnings(config, [*warnings, *filter(None, [foreign.warning()]), *check_settings(config)], notes)
+    config = validate(tree, where, refused=[*refused, *more_refused, *foreign.refused, *refuse_settings(tree)])
+    return with_warnings(config, [*warnings, *more_warnings, *filter(None, [foreign.warning()]),
+                                  *check_settings(config)], notes)
+
+
+def read_roll(tree: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str], list[str], list[str]]:
+    """(tree, refusals, warnings, notes): a ROLL pipeline config's keys turned into novarl's
+    sections (config/roll.py), with novarl's own sections (overrides) merged over them; any
+    other tree as it is."""
+    if not is_roll(tree):
+        return tree, [], [], []
+    try:
+        roll = from_roll({k: v for k, v in tree.items() if k not in NovaRLConfig.model_fields})
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as err:  # a value of a type ROLL never has
+        raise ConfigError(f"Invalid config ({where}): a ROLL setting has a value of the wrong type or shape "
+                          f"({type(err).__name__}: {_clip(str(err))}); compare it with ROLL's example "
+                          "configs.") from None
+    merged = merge_over(roll.tree, {k: v for k, v in tree.items() if k in NovaRLConfig.model_fields})
+    return merged, roll.refused, roll.warnings, [f"ROLL: {line}" for line in roll.became]
 
 
 def with_warnings(config: NovaRLConfig, warnings: Iterable[str], notes: Iterable[str] = ()) -> NovaRLConfig:

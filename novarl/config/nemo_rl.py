@@ -90,14 +90,16 @@ RULES: tuple[Rule, ...] = (
         f"advantage estimators other than 'grpo' are {ISSUE_ALGORITHMS}"),
     off("grpo.async_grpo.in_flight_weight_updates", _is(False), f"in-flight weight updates are {ISSUE_ASYNC}"),
     off("grpo.async_grpo.max_generation_failures", _is(0), f"tolerated generation failures are {ISSUE_ASYNC}"),
-    off("grpo.async_grpo.recompute_kv_cache_after_weight_updates", _is(False), f"KV-cache recomputation is {ISSUE_ASYNC}"),
+    off("grpo.async_grpo.recompute_kv_cache_after_weight_updates", _is(False),
+        f"KV-cache recomputation is {ISSUE_ASYNC}"),
     off("grpo.use_dynamic_sampling", _is(False), f"DAPO's dynamic sampling is {ISSUE_ALGORITHMS}"),
     off("grpo.batch_multiplier", _is(1, 1.0), f"over-generation for dynamic sampling is {ISSUE_ALGORITHMS}"),
     *governed("grpo.dynamic_sampling_max_gen_batches", "grpo.stop_at_validation_threshold",
               "data.num_prompts_per_dataloader", "policy.megatron_cfg.optimizer.optimizer_offload_fraction",
               "policy.megatron_cfg.optimizer.overlap_cpu_optimizer_d2h_h2d", "policy.generation.sglang_cfg",
               "policy.generation.trtllm_cfg", "policy.generation.trtllm_kwargs", "policy.generation.dynamo_cfg",
-              "policy.generation.vllm_cfg.quantization_ignored_layer_kws", "policy.megatron_cfg.fused_linear_logprobs_chunk_size"),
+              "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
+              "policy.megatron_cfg.fused_linear_logprobs_chunk_size"),
     off("grpo.reward_scaling", _disabled, f"reward scaling is {ISSUE_ALGORITHMS}"),
     off("grpo.reward_shaping", _disabled, f"reward shaping (DAPO's overlong penalty) is {ISSUE_ALGORITHMS}"),
     off("grpo.seq_logprob_error_threshold", _is(None), "masking sequences by logprob error is not built"),
@@ -121,7 +123,8 @@ RULES: tuple[Rule, ...] = (
     off("loss_fn.positive_example_nll_weight", _is(0, 0.0), "VAPO's NLL term is not built"),
     off("loss_fn.truncated_importance_sampling_type", _is(None), f"truncated importance sampling is {ISSUE_ASYNC}"),
     off("loss_fn.truncated_importance_sampling_ratio", _is(None), f"truncated importance sampling is {ISSUE_ASYNC}"),
-    off("loss_fn.truncated_importance_sampling_ratio_min", _is(None), f"truncated importance sampling is {ISSUE_ASYNC}"),
+    off("loss_fn.truncated_importance_sampling_ratio_min", _is(None),
+        f"truncated importance sampling is {ISSUE_ASYNC}"),
     off("loss_fn.use_cispo", _is(False), "CISPO is not built"),
     off("loss_fn.use_kl_in_reward", _is(False), f"the KL penalty in the reward (REINFORCE++) is {ISSUE_ALGORITHMS}"),
     # ---------------------------------------------------------------- policy
@@ -140,7 +143,8 @@ RULES: tuple[Rule, ...] = (
     off("policy.megatron_cfg.moe_router_enable_expert_bias", _is(False), "the MoE router's expert bias is not built"),
     off("policy.megatron_cfg.freeze_config", _empty, "freezing parts of a Megatron model is not built"),
     off("policy.quant_cfg", _empty, "quantisation-aware training (ModelOpt) is not built"),
-    *governed("policy.disable_modelopt_layer_spec", "policy.quant_batch_size", "policy.quant_calib_data", "policy.quant_calib_size",
+    *governed("policy.disable_modelopt_layer_spec", "policy.quant_batch_size", "policy.quant_calib_data",
+              "policy.quant_calib_size",
               "policy.quant_sequence_length"),
     off("policy.sequence_packing.microbatch_order", _is("packer"), "novarl runs micro-batches in the packer's order"),
     off("policy.tokenizer.chat_template_kwargs", _empty, f"chat-template arguments are {ISSUE_DATA}"),
@@ -166,19 +170,22 @@ RULES: tuple[Rule, ...] = (
         "policy.activation_checkpointing_enabled",
         "policy.tokenizer.use_fastokens",
         "policy.sequence_packing.fuse_loss",
-        "policy.dtensor_cfg.clear_cache_every_n_steps", "policy.dtensor_cfg.automodel_kwargs", "policy.dtensor_cfg.env_vars",
+        "policy.dtensor_cfg.clear_cache_every_n_steps", "policy.dtensor_cfg.automodel_kwargs",
+        "policy.dtensor_cfg.env_vars",
         "policy.generation.port_range_low", "policy.generation.port_range_high",
         "policy.generation.real_quant_export_cpu_offload", "policy.generation.refit_cfg",
         "policy.generation.refit_transport",
         "policy.generation.val_temperature", "policy.generation.val_top_p", "policy.generation.val_top_k",
         "policy.generation.mcore_generation_config.*",
-        "policy.generation.vllm_cfg.enable_vllm_metrics_logger", "policy.generation.vllm_cfg.vllm_metrics_logger_interval",
+        "policy.generation.vllm_cfg.enable_vllm_metrics_logger",
+        "policy.generation.vllm_cfg.vllm_metrics_logger_interval",
         "policy.generation.vllm_cfg.http_refit_api_key_env_var", "policy.generation.vllm_cfg.http_refit_server_port",
         "policy.generation.vllm_cfg.zmq_refit_server_port", "policy.generation.vllm_cfg.use_tqdm",
         "policy.generation.vllm_cfg.reset_encoder_cache_after_weight_update", "policy.generation.vllm_cfg.env_vars",
         "policy.generation.vllm_cfg.expose_http_server", "policy.generation.vllm_cfg.enable_prefix_caching",
         "policy.generation.vllm_cfg.enable_expert_parallel",
-        "policy.megatron_cfg.checkpoint", "policy.megatron_cfg.cuda_graph_impl", "policy.megatron_cfg.cuda_graph_modules",
+        "policy.megatron_cfg.checkpoint", "policy.megatron_cfg.cuda_graph_impl",
+        "policy.megatron_cfg.cuda_graph_modules",
         "policy.megatron_cfg.cuda_graph_warmup_steps", "policy.megatron_cfg.fine_grained_activation_offloading",
         "policy.megatron_cfg.offload_modules", "policy.megatron_cfg.recompute_modules",
         "policy.megatron_cfg.force_reconvert_from_hf", "policy.megatron_cfg.use_fused_linear_logprobs",
@@ -386,7 +393,8 @@ def _flatten_data(data: dict[str, Any], warnings: list[str]) -> list[str]:
         processor = values.get("processor")
         if processor not in PROCESSORS:
             refused.append(f"'{block}.processor' = {_show(processor)}: novarl formats prompts as "
-                           f"{PROCESSORS[1]} does (prompt file, then chat template); other processors are {ISSUE_DATA}.")
+                           f"{PROCESSORS[1]} does (prompt file, then chat template); other processors are "
+                           f"{ISSUE_DATA}.")
         env = values.get("env_name")
         if env is not None:
             data.setdefault("_env_names", set()).add(env)

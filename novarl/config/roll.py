@@ -521,7 +521,8 @@ def _actor_infer(block: Any, out: Translation, placement: Placement | None, tree
     _role_extras(block, "actor_infer", out, ("model_args", "generating_args", "data_args", "strategy_args",
                                              "device_mapping", "infer_batch_size"))
     devices = len(placement.infer) if placement else "?"
-    where = "colocated on the training devices" if placement and placement.colocated else f"dedicated, {devices} device(s)"
+    where = ("colocated on the training devices" if placement and placement.colocated
+             else f"dedicated, {devices} device(s)")
     out.became.append(f"actor_infer ({name} on {devices} device(s)) -> policy.generation: {backend}, {where}")
 
 

@@ -30,7 +30,8 @@ def _off(value: Any) -> bool:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("policy.generation.stop_strings", _off, True,
-            "stopping on strings is not built yet; give the stop strings' token ids in policy.generation.stop_token_ids"),
+            "stopping on strings is not built yet; give the stop strings' token ids in "
+            "policy.generation.stop_token_ids"),
     Setting("policy.tokenizer.chat_template", _off, True,
             "a chat template of your own is not built yet (the bring-your-own-data issue); novarl applies the "
             "tokenizer's own template when it has one"),

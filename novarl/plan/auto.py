@@ -39,7 +39,8 @@ def apply_auto(cfg: NovaRLConfig, *, gpu_memory_gb: float | None = None,
                f"{cfg.cluster.num_nodes} CPU rank(s)) with {generation} generation, colocated; the advisor's "
                "memory model is for GPUs (`novarl plan` shows it)."]
     overrides.append("policy.backend=null")  # resolved: the saved config is explicit
-    return with_warnings(load_config(cfg.model_dump(by_alias=True), overrides=overrides), cfg.load_warnings, cfg.load_notes), why
+    resolved = load_config(cfg.model_dump(by_alias=True), overrides=overrides)
+    return with_warnings(resolved, cfg.load_warnings, cfg.load_notes), why
 
 
 def _probe_gpu() -> tuple[bool, float | None]:

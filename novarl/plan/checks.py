@@ -103,8 +103,8 @@ def check_data_source(data: DataConfig) -> None:
     if kind in BUNDLED_TASKS:
         return
     if kind != "ResponseDataset":
-        raise NotAvailableYet(f"data.dataset_name='{kind}' is not available yet. Use 'arithmetic' or 'repeat' (bundled) "
-                              "or 'ResponseDataset' with data.train_data_path / data.val_data_path "
+        raise NotAvailableYet(f"data.dataset_name='{kind}' is not available yet. Use 'arithmetic' or 'repeat' "
+                              "(bundled) or 'ResponseDataset' with data.train_data_path / data.val_data_path "
                               "pointing at JSONL or Parquet files.")
     if data.train_data_path is None:
         raise UserError("data.train_data_path is not set: ResponseDataset needs a JSONL or Parquet file.")

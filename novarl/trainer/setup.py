@@ -81,7 +81,8 @@ def preflight(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = 
     error = one_error([*report.problems, *(NotAvailableYet(f"this host lacks {g}") for g in report.gpu_only)])
     if error is not None:
         raise error
-    assert inputs is not None
+    if inputs is None:  # every check passed, so this is novarl's fault, not the config's
+        raise RuntimeError("preflight found no problem and yet no run inputs")
     return inputs
 
 
