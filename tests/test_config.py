@@ -424,6 +424,15 @@ def test_seed_001_advanced_yaml(tmp_path):
     assert (cfg.cluster.gpus_per_node, cfg.cluster.num_nodes) == (4, 2)
     assert (cfg.grpo.num_prompts_per_step, cfg.grpo.gradient_accumulation_steps) == (1, 8)
     assert missing(cfg) == ()  # 8 DTensor ranks over Ray: built
+    # Its arithmetic does not close (1 prompt x 16 samples against 8 x 4 x 8 per optimizer step):
+    # the refusal says which settings would make it, and each of them does.
+    with pytest.raises(ConfigError) as info:
+        plan_batches(cfg)
+    assert str(info.value).endswith("To fit, set grpo.num_prompts_per_step=16 or policy.train_micro_batch_size=2 "
+                                    "with grpo.gradient_accumulation_steps=1.")
+    for fix in (["grpo.num_prompts_per_step=16"],
+                ["policy.train_micro_batch_size=2", "grpo.gradient_accumulation_steps=1"]):
+        assert plan_batches(load_config(write(tmp_path, SEED_001_ADVANCED), overrides=fix)).samples_per_step
 
 
 def test_seed_003_roll_role_blocks_become_the_megatron_policy(tmp_path):
@@ -784,7 +793,8 @@ def test_samples_not_a_multiple_of_the_global_batch():
     with pytest.raises(ConfigError) as info:
         plan_batches(batches(num_prompts_per_step=8, num_generations_per_prompt=4, train_global_batch_size=12))
     assert str(info.value) == ("grpo.num_prompts_per_step x grpo.num_generations_per_prompt = 8 x 4 = 32 samples, "
-                               "not a multiple of policy.train_global_batch_size=12.")
+                               "not a multiple of policy.train_global_batch_size=12. To fit, set "
+                               "grpo.num_prompts_per_step=3 or policy.train_global_batch_size=8.")
 
 
 def test_global_batch_not_a_multiple_of_the_micro_batch():

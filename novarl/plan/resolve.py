@@ -245,7 +245,9 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
     shown = (f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = "
              f"{grpo.num_prompts_per_step} x {grpo.num_generations_per_prompt} = {samples} samples")
     if samples % global_batch:
-        problems.append(f"{shown}, not a multiple of {source}.")
+        problems.append(f"{shown}, not a multiple of {source}. "
+                        + batch_fixes(samples, grpo.num_generations_per_prompt, global_batch, micro, dp,
+                                      accumulation_given=grpo.gradient_accumulation_steps is not None))
     if global_batch % (micro * dp):
         problems.append(f"policy.train_global_batch_size={global_batch} is not a multiple of "
                         f"policy.train_micro_batch_size x data-parallel size = {micro} x {dp} = {micro * dp}.")
@@ -262,6 +264,26 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
         raise ConfigError("The config's sizes do not fit together:\n" + "\n".join(f"  - {p}" for p in problems))
     return BatchPlan(samples, dp, global_batch, samples // global_batch, micro, accumulation,
                      micro_batching_text(policy))
+
+
+def batch_fixes(samples: int, generations: int, global_batch: int, micro: int, dp: int, *,
+                accumulation_given: bool) -> str:
+    """What would make a step's samples a whole number of optimizer steps, as settings."""
+    prompts = math.lcm(global_batch, generations) // generations
+    fixes = [f"grpo.num_prompts_per_step={prompts}"]
+    if accumulation_given:
+        steps = [g for g in range(global_batch // (micro * dp), 0, -1) if not samples % (g * micro * dp)]
+        if steps:
+            fixes.append(f"grpo.gradient_accumulation_steps={steps[0]}")
+        else:
+            smaller = [m for m in range(micro, 0, -1) if not samples % (m * dp)]
+            if smaller:
+                fixes.append(f"policy.train_micro_batch_size={smaller[0]} with grpo.gradient_accumulation_steps=1")
+    else:
+        sizes = [b for b in range(min(global_batch, samples), 0, -1) if not samples % b and not b % (micro * dp)]
+        if sizes:
+            fixes.append(f"policy.train_global_batch_size={sizes[0]}")
+    return f"To fit, set {' or '.join(fixes)}."
 
 
 def micro_batch_shape(policy) -> dict[str, int | None]:
