@@ -1,19 +1,19 @@
 """Load a config from YAML, dicts, keyword and dotted overrides; validate it once.
 
 Precedence, lowest first: the schema's defaults, the YAML file (over its `defaults:`
-base files, composed as NeMo RL composes them: `compose_file`), a Python dict,
+base files, composed as NeMo RL composes them: config/files.py), a Python dict,
 keyword overrides, then dotted command-line overrides (`a.b.c=value`). The
 merged tree has its aliases rewritten, its `${...}` interpolations resolved
-(OmegaConf style: `${policy.model_name}`, `${.sibling}`, `${oc.env:HOME}`,
-`${mul:a, b}`); a ROLL pipeline config becomes novarl's sections (config/roll.py);
+(OmegaConf style, config/interpolation.py: `${policy.model_name}`, `${.sibling}`,
+`${oc.env:HOME}`, `${mul:a, b}`); a ROLL pipeline config becomes novarl's sections (config/roll.py);
 NeMo RL's spellings are rewritten and its keys outside the schema taken out
 (config/nemo_rl.py); the tree is then validated into a frozen `NovaRLConfig`.
 Every failure is a `ConfigError` that lists every problem, one line each, naming
 the key path, the bad value, what is allowed and, for a misspelled key, the
 closest valid one; what loading warns about rides on the config (`load_warnings`).
 
-Before any of the recursive steps runs, every input tree is checked by
-`check_tree` (string keys, at most MAX_DEPTH levels, at most MAX_VALUES values
+Before any of the recursive steps runs, every input tree (a file, a dict, an override
+value) is checked by `check_tree` (string keys, at most MAX_DEPTH levels, at most MAX_VALUES values
 with every use of a YAML alias counted), and interpolation is bounded the same
 way: a hostile or broken file ends in a ConfigError, not a RecursionError or a
 run that expands an alias bomb forever.
@@ -31,74 +31,15 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from novarl.config.files import (NestingError, _clip, canonical, canonical_path, check_mandatory,
+                                 check_tree, compose_file, merge_over, parse_yaml)
+from novarl.config.interpolation import resolve_interpolations
 from novarl.config.nemo_rl import VALUE_NOTES, take_foreign, translate
 from novarl.config.roll import from_roll, is_roll
 from novarl.config.schema import NovaRLConfig
 from novarl.config.unused import check_settings, refuse_settings
 from novarl.errors import ConfigError
 
-MAX_DEPTH = 64
-"""Deepest nesting of values a config may have (NeMo RL's deepest is under 10)."""
-
-MAX_VALUES = 100_000
-"""Most values (scalars, lists, mappings) a config may expand to, counting a YAML alias or
-a `${...}` reference as often as it is used: enough for any real config, and small enough
-that a "billion laughs" file (anchors of anchors, 1 KB expanding to 10^9 values) is refused
-in milliseconds."""
-
-MAX_INTERPOLATED_CHARS = 1_000_000
-"""Longest string an interpolation may build."""
-
-
-class NestingError(yaml.composer.ComposerError):
-    """The YAML is nested deeper than MAX_DEPTH."""
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads 1e-3 as a float (YAML 1.1 wants 1.0e-3), and stops at
-    MAX_DEPTH levels of nesting (PyYAML's composer recurses once per level; past about
-    300 it would end in a RecursionError)."""
-
-    _depth = 0
-
-    def compose_node(self, parent, index):
-        if self._depth >= MAX_DEPTH:
-            raise NestingError(None, None, f"values nested more than {MAX_DEPTH} levels deep; no setting is",
-                               self.peek_event().start_mark)
-        self._depth += 1
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-    |\.[0-9_]+(?:[eE][-+][0-9]+)?
-    |[-+]?\.(?:inf|Inf|INF)
-    |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."),
-)
-
-
-def parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 -- a SafeLoader subclass
-
-
-# Where two seeds name one thing differently: (parent path, alias, canonical).
-ALIASES: tuple[tuple[str, str, str], ...] = (
-    ("", "algorithm", "grpo"),
-    ("grpo", "batch_size", "num_prompts_per_step"),
-    ("policy", "dtensor_config", "dtensor_cfg"),
-    ("policy", "max_total_sequence_length", "max_seq_length"),
-    ("loss_fn", "reference_policy_kl_type", "kl_estimator"),
-    ("policy.megatron_cfg.fp8_cfg", "fp8", "fp8_format"),
-)
-
-# Flat keyword overrides the seeds' Python examples use, e.g.
-# GRPOTrainer.from_pretrained(name, tensor_parallel_size=8).
 KEYWORD_SHORTCUTS: dict[str, str] = {
     "model_name": "policy.model_name",
     "tensor_parallel_size": "policy.dtensor_cfg.tensor_parallel_size",
@@ -211,208 +152,6 @@ def schema_has(path: str) -> bool:
     return parent is not None and parts[-1] in _field_names(parent)
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        exists = path.is_file()
-    except (OSError, ValueError) as err:  # a name too long, a NUL byte, a folder we may not enter
-        raise ConfigError(f"Config file '{_clip(str(path))}' cannot be opened ({_os_reason(err)}).") from None
-    if not exists:
-        what = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
-        raise ConfigError(f"Config file '{path}' {what}.")
-    try:
-        data = parse_yaml(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, OSError) as err:
-        raise ConfigError(f"Config file '{path}' cannot be read as UTF-8 text ({err}).") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"Config file '{path}' is not valid YAML{at}: "
-                          f"{getattr(err, 'problem', err)}.") from None
-    except (ValueError, OverflowError) as err:  # a scalar PyYAML matched but cannot build (2024-13-45, 10**5000)
-        raise ConfigError(f"Config file '{path}' has a value YAML cannot read: {_clip(str(err))}.") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"Config file '{path}' must hold a mapping at the top, "
-                          f"not a {type(data).__name__}.")
-    return data
-
-
-# -------------------------------------------------------------- base files
-MAX_BASE_FILES = 64
-"""Most files one `defaults:` chain may read (NeMo RL's longest is 3)."""
-
-OVERRIDE_MARK = "_override_"
-"""`_override_: true` in a mapping: it replaces the base file's mapping rather than merging into it."""
-
-MANDATORY = "???"
-"""OmegaConf's "must be given" value: a base file leaves it for a child or an override to set."""
-
-
-def compose_file(path: Path) -> dict[str, Any]:
-    """The file's tree merged over its base files, as NeMo RL's loader
-    (nemo_rl/utils/config.py, load_config_with_inheritance) composes them: `defaults:` names
-    one base file or a list of them, each relative to the folder of the file that names it
-    (or absolute); each base is composed the same way first; bases merge in list order, so a
-    later one wins, and the file itself merges last. Mappings merge key by key, anything else
-    (lists, scalars, null) replaces. A mapping holding `_override_: true` replaces the base's
-    mapping instead of merging into it. A value of '???' does not replace the base's value.
-    Interpolations are resolved after composing, so a base's `${policy.model_name}` reads
-    the child's model."""
-    return _compose(path, ())
-
-
-def _compose(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
-    key = path.expanduser().absolute()
-    if key in chain:
-        names = " -> ".join(str(p) for p in (*chain, key))
-        raise ConfigError(f"Config file '{chain[0]}': its `defaults:` chain comes back to a file it has read "
-                          f"({names}).")
-    if len(chain) >= MAX_BASE_FILES:
-        raise ConfigError(f"Config file '{chain[0]}': its `defaults:` chain reads more than {MAX_BASE_FILES} "
-                          "files; no config needs that many.")
-    tree = read_yaml(path)
-    check_tree(tree, f"Config file '{path}'")
-    defaults = tree.pop("defaults", None)
-    tree = canonical(tree)
-    if defaults is None:
-        return merge_over({}, tree)
-    names = [defaults] if isinstance(defaults, str) else defaults
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n.strip() for n in names):
-        raise ConfigError(f"Config file '{path}': 'defaults' = {_clip(repr(defaults))} must name a base file "
-                          "(a path relative to this file's folder) or a list of them.")
-    base: dict[str, Any] = {}
-    for name in names:
-        parent = Path(name).expanduser()
-        parent = parent if parent.is_absolute() else path.parent / parent
-        if not parent.is_file():
-            raise ConfigError(f"Config file '{path}': its base file 'defaults: {name}' ({parent}) "
-                              f"{'is a folder' if parent.is_dir() else 'does not exist'}.")
-        base = merge_over(base, _compose(parent, (*chain, key)))
-    return merge_over(base, tree)
-
-
-def merge_over(base: dict[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
-    """`child` merged over `base` the way NeMo RL composes files (see compose_file)."""
-    out = dict(base)
-    for key, value in child.items():
-        if key == OVERRIDE_MARK or value == MANDATORY and key in out:
-            continue
-        if isinstance(value, Mapping):
-            replace = value.get(OVERRIDE_MARK) is True or not isinstance(out.get(key), dict)
-            out[key] = merge_over({} if replace else out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def check_mandatory(tree: Mapping[str, Any], parent: str = "") -> None:
-    """Refuse, all in one message, the values a base file marked '???' that nothing set."""
-    missing = _mandatory(tree, parent)
-    if missing:
-        raise ConfigError(f"{len(missing)} value(s) the config marks as mandatory ('{MANDATORY}') are not set: "
-                          f"{', '.join(missing)}. Set each in the file or as an override (key.path=value).")
-
-
-def _mandatory(node: Any, path: str) -> list[str]:
-    if isinstance(node, dict):
-        return [m for k, v in node.items() for m in _mandatory(v, _join(path, str(k)))]
-    if isinstance(node, list):
-        return [m for i, v in enumerate(node) for m in _mandatory(v, f"{path}[{i}]")]
-    return [path] if node == MANDATORY else []
-
-
-# ------------------------------------------------------------------ tree check
-def check_tree(tree: Any, where: str, *, prefix: str = "") -> None:
-    """Refuse, naming `where` and the key path, what the recursive steps after it cannot
-    take: a key that is not a string (YAML reads unquoted null, true, no, 1 as values), more
-    than MAX_DEPTH levels of nesting, more than MAX_VALUES values (YAML aliases counted as
-    often as they are used), and a value that contains itself (a recursive alias).
-    Iterative, and never visits more than MAX_VALUES values."""
-    stack: list[tuple[Any, str, tuple[int, ...]]] = [(tree, prefix, ())]
-    visited = 0
-    while stack:
-        node, path, parents = stack.pop()
-        visited += 1
-        if visited > MAX_VALUES:
-            raise ConfigError(
-                f"{where}: more than {MAX_VALUES:,} values (every use of a YAML alias counts, so anchors "
-                f"that refer to anchors multiply); no config needs that many. Look near '{path or '(top level)'}' "
-                "for aliases of aliases or a huge list.")
-        if not isinstance(node, (dict, list)):
-            continue
-        if id(node) in parents:
-            raise ConfigError(f"{where}: '{path}' contains itself (a YAML alias inside its own anchor).")
-        if len(parents) >= MAX_DEPTH:
-            raise ConfigError(f"{where}: '{path}' is nested more than {MAX_DEPTH} levels deep; no setting is.")
-        inner = (*parents, id(node))
-        if isinstance(node, list):
-            stack.extend((value, f"{path}[{i}]", inner) for i, value in enumerate(node))
-            continue
-        for key, value in node.items():
-            if not isinstance(key, str):
-                raise ConfigError(
-                    f"{where}: the key {_yaml_scalar(key)} {f'under {path!r}' if path else 'at the top level'} is "
-                    "not a name: YAML reads unquoted null, ~, true, false, yes, no, on, off and numbers as "
-                    "values, not strings. Setting names are strings; quote the key if it is meant as one.")
-            stack.append((value, _join(path, key), inner))
-
-
-def _yaml_scalar(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return repr(value)
-
-
-def _clip(text: str, limit: int = 200) -> str:
-    """`text`, or its start and end around an ellipsis when it is longer than `limit`."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit // 2]}...{text[-limit // 4:]} ({len(text):,} characters)"
-
-
-def _os_reason(err: Exception) -> str:
-    return getattr(err, "strerror", None) or str(err)
-
-
-# ------------------------------------------------------------------- aliases
-def canonical(tree: Any, parent: str = "") -> Any:
-    """Rewrite alias keys to their canonical names, recursively."""
-    if not isinstance(tree, dict):
-        return tree
-    out: dict[str, Any] = {}
-    written: dict[str, str] = {}
-    for key, value in tree.items():
-        name = _canonical_key(parent, str(key))
-        if name in out:
-            raise ConfigError(f"'{_join(parent, written[name])}' and '{_join(parent, str(key))}' "
-                              "name the same setting; give only one.")
-        written[name] = str(key)
-        out[name] = canonical(value, _join(parent, name))
-    return out
-
-
-def canonical_path(path: str) -> str:
-    parts = path.split(".")
-    fixed: list[str] = []
-    for part in parts:
-        fixed.append(_canonical_key(".".join(fixed), part))
-    return ".".join(fixed)
-
-
-def _canonical_key(parent: str, key: str) -> str:
-    for alias_parent, alias, name in ALIASES:
-        if alias_parent == parent and key == alias:
-            return name
-    return key
-
-
-def _join(parent: str, key: str) -> str:
-    return f"{parent}.{key}" if parent else key
-
-
 # ------------------------------------------------------------------ overrides
 def parse_override(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
@@ -466,152 +205,6 @@ def deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any
             out[key] = deep_merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
-    return out
-
-
-# ------------------------------------------------------------- interpolation
-_INTERP = re.compile(r"\$\{([^${}]*)\}")
-_RESOLVERS = {
-    "mul": lambda *xs: _product(xs),
-    "add": lambda *xs: sum(xs),
-    "sub": lambda a, b: a - b,
-    "div": lambda a, b: a / b,
-    "floordiv": lambda a, b: a // b,
-    "max": lambda *xs: max(xs),
-    "min": lambda *xs: min(xs),
-}
-
-
-def _product(values: tuple) -> Any:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
-def resolve_interpolations(tree: dict[str, Any]) -> dict[str, Any]:
-    """Resolve `${a.b}` references, relative ones (`${.sibling}`, `${..key_of_the_parent}`, as
-    OmegaConf reads them: one dot is the mapping that holds the string, each further dot one
-    level up), `${oc.env:NAME}` / `${oc.env:NAME,default}` and `${mul:x, y}`-style resolvers in
-    place of strings. A reference copies what it names, so references to references multiply
-    like YAML aliases: the values built are counted against MAX_VALUES, strings against
-    MAX_INTERPOLATED_CHARS."""
-    built = 0
-
-    def count(at: str) -> None:
-        nonlocal built
-        built += 1
-        if built > MAX_VALUES:
-            raise ConfigError(f"'{at}': the ${{...}} references expand to more than {MAX_VALUES:,} values "
-                              "(references to references multiply); no config needs that many.")
-
-    def walk(node: Any, path: str, stack: tuple[str, ...]) -> Any:
-        count(path)
-        if isinstance(node, dict):
-            return {k: walk(v, _join(path, str(k)), stack) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v, f"{path}[{i}]", stack) for i, v in enumerate(node)]
-        if isinstance(node, str) and "${" in node:
-            return resolve_string(node, path, stack)
-        return node
-
-    def lookup(ref: str, at: str, stack: tuple[str, ...]) -> Any:
-        if ref in stack:
-            raise ConfigError(f"'{at}': interpolation cycle {' -> '.join(stack + (ref,))}.")
-        node: Any = tree
-        for part in _path_parts(ref):
-            if isinstance(node, dict) and part in node or isinstance(node, list) and isinstance(part, int) \
-                    and 0 <= part < len(node):
-                node = node[part]
-            else:
-                raise ConfigError(f"'{at}': '${{{ref}}}' refers to a key that is not in the config.")
-        return walk(node, ref, stack + (ref,))
-
-    def resolve_string(text: str, at: str, stack: tuple[str, ...]) -> Any:
-        original = text
-        while True:
-            match = _INTERP.search(text)
-            if match is None:
-                return text
-            # The message names the text as written: after substitution '${sub:${a}, 1}' is '${sub:inf, 1}'.
-            where = at if text == original else f"{at}' = '{_clip(original)}"
-            value = evaluate(match.group(1).strip(), at, where, stack)
-            if match.span() == (0, len(text)):
-                return value
-            text = text[:match.start()] + str(value) + text[match.end():]
-            if len(text) > MAX_INTERPOLATED_CHARS:
-                raise ConfigError(f"'{at}': interpolation builds a string longer than "
-                                  f"{MAX_INTERPOLATED_CHARS:,} characters.")
-
-    def evaluate(expr: str, at: str, where: str, stack: tuple[str, ...]) -> Any:
-        name, colon, args = expr.partition(":")
-        if not colon:
-            return lookup(canonical_path(absolute_reference(expr, at, where)), where, stack)
-        if name == "oc.env":
-            return environment_value(args, expr, where)
-        if name not in _RESOLVERS:
-            raise ConfigError(f"'{where}': unknown resolver '{name}' in '${{{expr}}}'; "
-                              f"known: {', '.join(sorted([*_RESOLVERS, 'oc.env']))}.")
-        try:
-            values = [parse_yaml(a.strip()) for a in args.split(",")]
-        except yaml.YAMLError:
-            raise ConfigError(f"'{where}': cannot parse the arguments of '${{{expr}}}'.") from None
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            raise ConfigError(f"'{where}': '${{{expr}}}' takes numbers, got {values}.")
-        try:
-            result = _RESOLVERS[name](*values)
-        except (TypeError, ZeroDivisionError, OverflowError) as err:
-            raise ConfigError(f"'{where}': cannot evaluate '${{{_clip(expr)}}}': {err}.") from None
-        if isinstance(result, int) and abs(result) >= 2**63:
-            raise ConfigError(f"'{where}': '${{{_clip(expr)}}}' is out of the 64-bit integer range.")
-        return result
-
-    return walk(tree, "", ())
-
-
-def absolute_reference(ref: str, at: str, where: str | None = None) -> str:
-    """`ref` as a path from the top: a relative reference (leading dots) read from the value
-    at `at`. `${.x}` is x beside the value, `${..x}` x beside the mapping that holds it."""
-    dots = len(ref) - len(ref.lstrip("."))
-    if not dots:
-        return ref
-    parts = _path_parts(at)[:-1]  # the mapping that holds the value
-    if dots - 1 > len(parts):
-        raise ConfigError(f"'{where or at}': '${{{ref}}}' goes {dots - 1} level(s) up from '{at}', above the "
-                          "top of the config.")
-    base = parts[:len(parts) - (dots - 1)]
-    return _parts_path([*base, *_path_parts(ref[dots:])]) if ref[dots:] else _parts_path(base)
-
-
-def environment_value(args: str, expr: str, where: str) -> str:
-    """OmegaConf's `${oc.env:NAME}` (the variable must be set) and `${oc.env:NAME,default}`."""
-    import os
-
-    name, comma, default = (a.strip() for a in args.partition(","))
-    if name in os.environ:
-        return os.environ[name]
-    if comma:
-        value = parse_yaml(default) if default else None
-        return "" if value is None and default in ("''", '""') else value
-    raise ConfigError(f"'{where}': '${{{expr}}}' reads the environment variable {name}, which is not set; set "
-                      f"it, or give a default (${{oc.env:{name},VALUE}}).")
-
-
-def _path_parts(path: str) -> list[str | int]:
-    """'a.b[0].c' -> ['a', 'b', 0, 'c']."""
-    parts: list[str | int] = []
-    for piece in path.split("."):
-        name, *indices = piece.split("[")
-        if name:
-            parts.append(name)
-        parts.extend(int(i.rstrip("]")) for i in indices if i.rstrip("]").isdigit())
-    return parts
-
-
-def _parts_path(parts: list[str | int]) -> str:
-    out = ""
-    for part in parts:
-        out = f"{out}[{part}]" if isinstance(part, int) else _join(out, part)
     return out
 
 
