@@ -151,3 +151,53 @@ def test_scalar_betas_is_a_config_error():
 
     with pytest.raises(ConfigError, match="policy.optimizer: torch.optim.AdamW"):
         build_optimizer(OptimizerConfig(kwargs={"lr": 1e-3, "betas": 0.9}), [torch.nn.Parameter(torch.ones(1))])
+
+
+# ------------------------------------------------------------ nested fields, chat messages
+def test_dotted_keys_reach_nested_fields(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    rows = [{"question": {"text": "3+4="}, "reward_model": {"ground_truth": 7, "style": "rule"}},
+            {"question": {"text": "1+1="}, "reward_model": {"ground_truth": "2"}, "question.text": "literal"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    examples = read_examples(path, "question.text", "reward_model.ground_truth")
+    # a column literally named with dots wins over the nested field
+    assert [(e.prompt, e.answer) for e in examples] == [("3+4=", "7"), ("literal", "2")]
+    with pytest.raises(UserError, match=r"rows.jsonl:1: no field 'reward_model.answer' \(reward_model has: "
+                                        r"ground_truth, style\)"):
+        read_examples(path, "question.text", "reward_model.answer")
+
+
+def chat_tokenizer():
+    """The bundled tokenizer with a chat template of its characters only: the messages' contents
+    joined, system first (what a ChatML template does, minus the role tags the tiny vocabulary lacks)."""
+    tokenizer = load_tokenizer("tiny-arith")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer
+
+
+def test_chat_message_prompts_are_rendered_by_the_chat_template(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    rows = [{"prompt": [{"role": "system", "content": "1"}, {"role": "user", "content": "2+3="}], "answer": "5"},
+            {"prompt": [{"role": "user", "content": "4+4="}], "answer": 8}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    examples = read_examples(path, "prompt", "answer")
+    assert examples[1].prompt == ({"role": "user", "content": "4+4="},) and examples[1].answer == "8"
+    prompts = to_prompts(examples, chat_tokenizer(), template="{}0", system_prompt="9")
+    # the prompt file's template goes around the user's last turn; a system prompt is added where none is
+    assert [p.text for p in prompts] == ["12+3=0", "94+4=0"]
+    with pytest.raises(UserError, match="the tokenizer has no chat template"):
+        to_prompts(examples, load_tokenizer("tiny-arith"))
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ([{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}], "must end with the user's message"),
+    ([{"role": "narrator", "content": "1"}], r"'prompt'\[0\] must be a chat message"),
+    ([], "must end with the user's message"),
+    ({"role": "user"}, "must be a non-empty string or a list of chat messages"),
+])
+def test_bad_chat_messages_are_refused_by_row(tmp_path, prompt, expected):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "answer": "1"}) + "\n")
+    with pytest.raises(UserError, match=expected) as info:
+        read_examples(path, "prompt", "answer")
+    assert "bad.jsonl:1" in str(info.value)

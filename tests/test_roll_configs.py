@@ -66,7 +66,6 @@ def test_validate_on_the_roll_config_lists_what_each_block_became(in_tmp, capsys
 @pytest.mark.parametrize("name, expected", [
     ("qwen3-8B-rlvr_fsdp2.yaml", ["'adv_estimator' = 'reinforce'", "'whiten_advantages' = true",
                                   "'difficulty_mask' = true", "'actor_train.data_args.file_name' = [",
-                                  "'actor_train.data_args.messages' = 'messages'",
                                   "'rewards.code_sandbox.worker_cls' = 'CodeSandboxRewardWorker'",
                                   "'rewards.llm_judge.worker_cls' = 'LLMJudgeRewardWorker'"]),
     ("qwen2.5-7B-rlvr_megatron.yaml", ["'adv_estimator' = 'reinforce'", "'rewards.ifeval.worker_cls'",
@@ -82,6 +81,7 @@ def test_rolls_own_examples_are_read_and_refused_one_line_per_missing_feature(na
     for item in expected:
         assert sum(line.startswith(f"  - {item}") for line in lines) == 1, (item, msg)
     assert not any("unknown key" in line for line in lines), msg  # every key of ROLL's files is known
+    assert not any("messages" in line for line in lines), msg  # chat-message rows are read
 
 
 def test_device_mappings_become_placement():
@@ -99,6 +99,21 @@ def test_device_mappings_become_placement():
     assert "shares 4 of its 8 devices with actor_train" in error_of(partly)
     half_node = {**base, "actor_infer": {**base["actor_infer"], "device_mapping": "list(range(16,20))"}}
     assert "dedicated generation on several nodes takes whole nodes" in error_of(half_node)
+
+
+def test_rolls_chat_message_rows_are_read(in_tmp):
+    rows = [{"messages": [{"role": "user", "content": f"{a}+1="}], "ground_truth": str(a + 1), "tag": "math"}
+            for a in range(10, 20)]
+    (in_tmp / "data" / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tree = {"pretrain": "tiny-arith", "adv_estimator": "grpo", "response_length": 8, "prompt_length": 24,
+            "actor_train": {"strategy_args": {"strategy_name": "fsdp2_train"}, "device_mapping": [0],
+                            "data_args": {"file_name": "data/chat.jsonl", "messages": "messages"}}}
+    cfg = load_config(tree)
+    assert (cfg.data.input_key, cfg.data.output_key) == ("messages", "ground_truth")
+    from novarl.data.datasets import load_examples
+
+    examples = load_examples(cfg.data, "train")
+    assert examples[0].prompt == ({"role": "user", "content": "10+1="},) and examples[0].answer == "11"
 
 
 def test_device_mapping_forms():

@@ -476,10 +476,9 @@ def _data_args(args: Mapping[str, Any], out: Translation) -> None:
                                                              "are not built yet (the bring-your-own-data issue)")
     elif files:
         out.set("data.train_data_path", files[0])
-    if args.get("messages"):
-        out.refuse("actor_train.data_args.messages", args["messages"], "chat-message prompts are not built yet "
-                                                                     "(the bring-your-own-data issue); give a "
-                                                                     "'prompt' field")
+    if args.get("messages"):  # ROLL's rows: chat messages in this field, the answer in ground_truth
+        out.set("data.input_key", args["messages"])
+        out.set("data.output_key", "ground_truth")
     if args.get("template"):
         out.warnings.append(f"actor_train.data_args.template={args['template']!r}: novarl applies the tokenizer's own "
                             "chat template")

@@ -20,7 +20,9 @@ VALIDATION_SEED = 1234
 
 @dataclass(frozen=True)
 class Example:
-    prompt: str  # e.g. "37+58="
+    prompt: str | tuple[dict[str, str], ...]
+    """The question, e.g. "37+58=", or chat messages ({"role": "system" | "user" | "assistant",
+    "content": text}, ending with the user's turn) that the tokenizer's chat template renders."""
     answer: str  # e.g. "95"
 
 

@@ -104,19 +104,73 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _example(row: object, input_key: str, output_key: str, place: str) -> Example:
+    """A row's prompt and answer. Keys may be dotted paths into nested fields
+    (`reward_model.ground_truth`); the prompt is a non-empty string or a list of chat
+    messages ({role, content}, as TRL's conversational datasets and verl's parquet files
+    hold them); the answer a string or a number."""
     if not isinstance(row, dict):
         raise UserError(f"{place}: a row must be an object with '{input_key}' and '{output_key}', "
                         f"got {type(row).__name__}.")
-    missing = [k for k in (input_key, output_key) if k not in row]
-    if missing:
-        raise UserError(f"{place}: no field {', '.join(repr(k) for k in missing)} (fields: "
+    plain = [k for k in (input_key, output_key) if "." not in k and k not in row]
+    if plain:
+        raise UserError(f"{place}: no field {', '.join(repr(k) for k in plain)} (fields: "
                         f"{', '.join(sorted(map(str, row)))}). Set data.input_key / data.output_key.")
-    prompt, answer = row[input_key], row[output_key]
+    prompt, answer = _field(row, input_key, place, "data.input_key"), _field(row, output_key, place, "data.output_key")
+    if isinstance(prompt, list):
+        return Example(prompt=_messages(prompt, input_key, place), answer=_answer(answer, output_key, place))
     if not isinstance(prompt, str) or not prompt:
-        raise UserError(f"{place}: '{input_key}' must be a non-empty string, got {prompt!r}.")
-    if not isinstance(answer, (str, int, float)):
-        raise UserError(f"{place}: '{output_key}' must be a string or a number, got {type(answer).__name__}.")
-    return Example(prompt=prompt, answer=str(answer))
+        raise UserError(f"{place}: '{input_key}' must be a non-empty string or a list of chat messages "
+                        f"({{role, content}}), got {_clip_value(prompt)}.")
+    return Example(prompt=prompt, answer=_answer(answer, output_key, place))
+
+
+def _field(row: dict, key: str, place: str, setting: str) -> object:
+    """row[key], or for a dotted key the nested field it names (a key with dots in the row
+    itself wins)."""
+    if key in row:
+        return row[key]
+    node: object = row
+    for depth, part in enumerate(key.split(".")):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            where = ".".join(key.split(".")[:depth]) or "the row"
+            fields = ", ".join(sorted(map(str, node))) if isinstance(node, dict) else type(node).__name__
+            raise UserError(f"{place}: no field '{key}' ({where} has: {fields}). Set {setting} (a dotted path "
+                            "reaches nested fields, e.g. reward_model.ground_truth).")
+    return node
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def _messages(value: list, key: str, place: str) -> tuple[dict[str, str], ...]:
+    """Chat messages, checked: each {role, content} with a known role and text content, the
+    last the user's turn (the completion is the assistant's)."""
+    messages = []
+    for i, message in enumerate(value):
+        ok = isinstance(message, dict) and message.get("role") in ROLES and isinstance(message.get("content"), str)
+        if not ok:
+            raise UserError(f"{place}: '{key}'[{i}] must be a chat message {{role: {'|'.join(ROLES)}, content: "
+                            f"text}}, got {_clip_value(message)}.")
+        messages.append({"role": message["role"], "content": message["content"]})
+    if not messages or messages[-1]["role"] != "user":
+        raise UserError(f"{place}: '{key}' must end with the user's message (the completion is the "
+                        f"assistant's turn), got {'no messages' if not messages else messages[-1]['role']!r} last.")
+    return tuple(messages)
+
+
+def _answer(answer: object, key: str, place: str) -> str:
+    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+        raise UserError(f"{place}: '{key}' must be a string or a number, got {type(answer).__name__}.")
+    return str(answer)
+
+
+def _clip_value(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # ------------------------------------------------------------ prompts + batches
@@ -125,14 +179,27 @@ def to_prompts(examples: list[Example], tokenizer, *, template: str | None = Non
     """Tokenised prompts. A chat template is applied when the tokenizer has one;
     prompts longer than `max_prompt_tokens` are dropped (counted in the log)."""
     prompts = []
+    has_template = bool(getattr(tokenizer, "chat_template", None))
     for index, ex in enumerate(examples):
-        text = template.format(ex.prompt) if template else ex.prompt
-        if getattr(tokenizer, "chat_template", None):
+        if not isinstance(ex.prompt, str):  # chat messages: the template goes around the user's last turn
+            if not has_template:
+                raise UserError("The data's prompts are chat messages, and the tokenizer has no chat template to "
+                                "render them with: use a model whose tokenizer has one, or give plain-text prompts.")
+            messages = [dict(m) for m in ex.prompt]
+            if template:
+                messages[-1]["content"] = template.format(messages[-1]["content"])
+            if system_prompt and messages[0]["role"] != "system":
+                messages.insert(0, {"role": "system", "content": system_prompt})
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+        elif has_template:
+            text = template.format(ex.prompt) if template else ex.prompt
             messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
                 [{"role": "user", "content": text}]
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = tokenizer(text, add_special_tokens=False).input_ids
         else:
+            text = template.format(ex.prompt) if template else ex.prompt
             text = f"{system_prompt}\n{text}" if system_prompt else text
             ids = tokenizer(text).input_ids
         if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
