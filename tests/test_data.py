@@ -201,3 +201,26 @@ def test_bad_chat_messages_are_refused_by_row(tmp_path, prompt, expected):
     with pytest.raises(UserError, match=expected) as info:
         read_examples(path, "prompt", "answer")
     assert "bad.jsonl:1" in str(info.value)
+
+
+def test_nemo_rl_chat_template_settings(tmp_path):
+    from novarl.config import load_config
+
+    examples = [type(arithmetic_examples("train")[0])(prompt="1+1=", answer="2")]
+    plain = load_tokenizer("tiny-arith")  # no template of its own
+    # 'default' (novarl's default, NeMo RL's unset key): the tokenizer's own, plain text without one
+    assert to_prompts(examples, chat_tokenizer(), system_prompt="9")[0].text == "91+1="
+    assert to_prompts(examples, plain, system_prompt="9")[0].text == "9\n1+1="
+    # null: NeMo RL's pass-through template, the contents one after the other
+    assert to_prompts(examples, plain, system_prompt="9", chat_template=None)[0].text == "91+1="
+    # a template string with its arguments, or a file holding one
+    jinja = "{% if enable_thinking %}0{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert to_prompts(examples, plain, chat_template=jinja, chat_template_kwargs={"enable_thinking": True})[0].text \
+        == "01+1="
+    (tmp_path / "t.jinja").write_text(jinja)
+    assert to_prompts(examples, plain, chat_template=str(tmp_path / "t.jinja"))[0].text == "1+1="
+    with pytest.raises(UserError, match="The chat template could not render a prompt"):
+        to_prompts(examples, plain, chat_template="{% for m in messages %}{{ m['content'] }")
+    cfg = load_config({"policy": {"tokenizer": {"chat_template": None,
+                                                "chat_template_kwargs": {"enable_thinking": False}}}})
+    assert cfg.policy.tokenizer.chat_template is None and cfg.load_warnings == ()

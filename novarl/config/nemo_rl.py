@@ -147,7 +147,6 @@ RULES: tuple[Rule, ...] = (
               "policy.quant_calib_size",
               "policy.quant_sequence_length"),
     off("policy.sequence_packing.microbatch_order", _is("packer"), "novarl runs micro-batches in the packer's order"),
-    off("policy.tokenizer.chat_template_kwargs", _empty, f"chat-template arguments are {ISSUE_DATA}"),
     off("policy.generation.use_async_rollouts", _is(False), f"asynchronous rollouts are {ISSUE_ASYNC}"),
     off("policy.generation.quant_cfg", _empty, "quantised generation is not built"),
     off("policy.generation.real_quant", _is(False, None), "quantised generation is not built"),

@@ -367,7 +367,12 @@ def _default_scheduler() -> list[SchedulerItem]:
 class TokenizerConfig(Section):
     name: PathText | None = None
     """Tokenizer folder or hub id; None: the model's own."""
-    chat_template: str | None = None
+    chat_template: str | None = "default"
+    """NeMo RL's meanings: 'default' the tokenizer's own template (prompts as plain text when it
+    has none); null the pass-through template (the messages' contents, no role markers); a
+    Jinja string, or the path of a .jinja / .j2 / .txt file holding one."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Passed to the template (e.g. {enable_thinking: false} for Qwen3)."""
 
 
 class PolicyConfig(Section):

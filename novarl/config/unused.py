@@ -32,9 +32,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("policy.generation.stop_strings", _off, True,
             "stopping on strings is not built yet; give the stop strings' token ids in "
             "policy.generation.stop_token_ids"),
-    Setting("policy.tokenizer.chat_template", _off, True,
-            "a chat template of your own is not built yet (the bring-your-own-data issue); novarl applies the "
-            "tokenizer's own template when it has one"),
     Setting("data.train_split", _off, True, "splits of a Hugging Face dataset are not built yet; data files have none"),
     Setting("data.val_split", _off, True, "splits of a Hugging Face dataset are not built yet; data files have none"),
     Setting("checkpointing.checkpoint_must_save_by", _off, True,

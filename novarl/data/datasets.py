@@ -174,37 +174,67 @@ def _clip_value(value: object, limit: int = 80) -> str:
 
 
 # ------------------------------------------------------------ prompts + batches
+PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+"""NeMo RL's pass-through chat template (policy.tokenizer.chat_template: null): the messages'
+contents one after the other, no role markers."""
+
+
+def chat_template_for(tokenizer, setting: str | None) -> str | None:
+    """The Jinja template prompts are rendered with, by NeMo RL's policy.tokenizer.chat_template:
+    'default' the tokenizer's own (None when it has none: plain text); null the pass-through
+    template; a file's path (.jinja, .j2, .txt) that file's text; any other string the template."""
+    if setting == "default":
+        return getattr(tokenizer, "chat_template", None) or None
+    if setting is None:
+        return PASSTHROUGH_TEMPLATE
+    path = Path(setting).expanduser()
+    if "{" not in setting and path.suffix in (".jinja", ".jinja2", ".j2", ".txt"):
+        return _read_text(setting, "policy.tokenizer.chat_template")
+    return setting
+
+
 def to_prompts(examples: list[Example], tokenizer, *, template: str | None = None,
-               system_prompt: str | None = None, max_prompt_tokens: int | None = None) -> list[Prompt]:
-    """Tokenised prompts. A chat template is applied when the tokenizer has one;
+               system_prompt: str | None = None, max_prompt_tokens: int | None = None,
+               chat_template: str | None = "default", chat_template_kwargs: dict | None = None) -> list[Prompt]:
+    """Tokenised prompts, rendered with the chat template `chat_template_for` picks (with
+    `chat_template_kwargs`, e.g. enable_thinking) when there is one, else as plain text;
     prompts longer than `max_prompt_tokens` are dropped (counted in the log)."""
+    jinja = chat_template_for(tokenizer, chat_template)
+    kwargs = dict(chat_template_kwargs or {})
     prompts = []
-    has_template = bool(getattr(tokenizer, "chat_template", None))
     for index, ex in enumerate(examples):
         if not isinstance(ex.prompt, str):  # chat messages: the template goes around the user's last turn
-            if not has_template:
+            if jinja is None:
                 raise UserError("The data's prompts are chat messages, and the tokenizer has no chat template to "
-                                "render them with: use a model whose tokenizer has one, or give plain-text prompts.")
+                                "render them with: use a model whose tokenizer has one, set "
+                                "policy.tokenizer.chat_template, or give plain-text prompts.")
             messages = [dict(m) for m in ex.prompt]
             if template:
                 messages[-1]["content"] = template.format(messages[-1]["content"])
             if system_prompt and messages[0]["role"] != "system":
                 messages.insert(0, {"role": "system", "content": system_prompt})
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False).input_ids
-        elif has_template:
+        else:
             text = template.format(ex.prompt) if template else ex.prompt
             messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
                 [{"role": "user", "content": text}]
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if jinja is not None:
+            text = _render(tokenizer, messages, jinja, kwargs)
             ids = tokenizer(text, add_special_tokens=False).input_ids
         else:
-            text = template.format(ex.prompt) if template else ex.prompt
             text = f"{system_prompt}\n{text}" if system_prompt else text
             ids = tokenizer(text).input_ids
         if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
             prompts.append(Prompt(text=text, token_ids=list(ids), answer=ex.answer, index=index))
     return prompts
+
+
+def _render(tokenizer, messages: list[dict[str, str]], jinja: str, kwargs: dict) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=jinja, tokenize=False,
+                                             add_generation_prompt=True, **kwargs)
+    except Exception as err:  # jinja2's TemplateError and the errors a template raises itself
+        raise UserError(f"The chat template could not render a prompt ({type(err).__name__}: {err}); check "
+                        "policy.tokenizer.chat_template and chat_template_kwargs.") from None
 
 
 def read_prompt_template(cfg: DataConfig) -> tuple[str | None, str | None]:

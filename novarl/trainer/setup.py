@@ -243,7 +243,8 @@ def split_prompts(cfg: NovaRLConfig, tokenizer, split: str, examples: list[Examp
     max_prompt = min(cfg.data.max_input_seq_length or cfg.policy.max_seq_length,
                      cfg.policy.max_seq_length - 1)
     prompts = to_prompts(examples, tokenizer, template=template, system_prompt=system,
-                         max_prompt_tokens=max_prompt)
+                         max_prompt_tokens=max_prompt, chat_template=cfg.policy.tokenizer.chat_template,
+                         chat_template_kwargs=cfg.policy.tokenizer.chat_template_kwargs)
     if not prompts:
         raise UserError(f"No {split} prompt fits in {max_prompt} tokens (policy.max_seq_length="
                         f"{cfg.policy.max_seq_length}); raise it or shorten the prompts.")
