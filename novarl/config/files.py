@@ -220,6 +220,25 @@ def _yaml_scalar(value: Any) -> str:
     return repr(value)
 
 
+MISSING = object()
+"""What tree_get returns for a path the tree does not hold (when no default is given)."""
+
+
+def tree_get(tree: Any, path: str, default: Any = MISSING) -> Any:
+    """The value at dotted `path` in a tree of mappings, or `default`."""
+    for part in path.split("."):
+        if not isinstance(tree, Mapping) or part not in tree:
+            return default
+        tree = tree[part]
+    return tree
+
+
+def show_value(value: Any, limit: int = 80) -> str:
+    """A config value as a message shows it: YAML's null / true / false, long values cut."""
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 20]}...{text[-10:]}"
+
+
 def _clip(text: str, limit: int = 200) -> str:
     """`text`, or its start and end around an ellipsis when it is longer than `limit`."""
     if len(text) <= limit:

@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from novarl.config.files import show_value, tree_get
+
 NEMO_RL_VERSION = "NeMo RL main at 7ea279a (2026-08-22), and its September-2025 files"
 """The NeMo RL the key set follows (README: "Config compatibility")."""
 
@@ -236,20 +238,17 @@ class Foreign:
                 f"accepted and not used by novarl: {'; '.join(n.removeprefix('.') for n in names)}")
 
 
+def _backend(tree: Mapping[str, Any]) -> Any:
+    return tree_get(tree, "policy.generation.backend", None)
+
+
 INACTIVE_SECTIONS: tuple[tuple[str, Callable[[Mapping[str, Any]], bool]], ...] = (
-    ("policy.megatron_cfg.", lambda tree: not _get(tree, "policy.megatron_cfg.enabled")),
-    ("policy.generation.mcore_generation_config.", lambda tree: _get(tree, "policy.generation.backend") != "megatron"),
-    ("policy.generation.vllm_cfg.", lambda tree: _get(tree, "policy.generation.backend") not in ("vllm", None)),
+    ("policy.megatron_cfg.", lambda tree: not tree_get(tree, "policy.megatron_cfg.enabled", None)),
+    ("policy.generation.mcore_generation_config.", lambda tree: _backend(tree) != "megatron"),
+    ("policy.generation.vllm_cfg.", lambda tree: _backend(tree) not in ("vllm", None)),
 )
 """Sections a run does not use (a backend that is off): their operational keys are not worth a
 warning, since nothing would read them."""
-
-
-def _get(tree: Mapping[str, Any], path: str) -> Any:
-    node: Any = tree
-    for part in path.split("."):
-        node = node.get(part) if isinstance(node, Mapping) else None
-    return node
 
 
 def take_foreign(tree: dict[str, Any], schema_has: Callable[[str], bool]) -> Foreign:
@@ -266,7 +265,7 @@ def take_foreign(tree: dict[str, Any], schema_has: Callable[[str], bool]) -> For
                 if not any(path.startswith(section) and inactive(whole) for section, inactive in INACTIVE_SECTIONS):
                     found.ignored.append(path)
             elif rule.kind == "off" and not rule.neutral(value, whole):
-                found.refused.append(f"'{path}' = {_show(value)}: {rule.why}; remove it or turn it off.")
+                found.refused.append(f"'{path}' = {show_value(value)}: {rule.why}; remove it or turn it off.")
     return found
 
 
@@ -280,11 +279,6 @@ def _matches(node: Any, parts: list[str], prefix: str = "") -> list[tuple[str, d
         path = f"{prefix}.{key}" if prefix else key
         out.extend([(path, node, key)] if not rest else _matches(node[key], rest, path))
     return out
-
-
-def _show(value: Any) -> str:
-    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
-    return text if len(text) <= 80 else f"{text[:60]}...{text[-10:]}"
 
 
 # ------------------------------------------------------------------ renames
@@ -358,7 +352,7 @@ def _flatten_data(data: dict[str, Any], warnings: list[str]) -> list[str]:
         return [f"'data.train' is a list of {len(train)} datasets: several training datasets are {ISSUE_DATA}; "
                 "give one."]
     blocks = {"data.train": train, "data.validation": validation, "data.default": default}
-    bad = [f"'{k}' = {_show(v)}: a dataset block is a mapping of dataset_name, data_path, input_key, ..."
+    bad = [f"'{k}' = {show_value(v)}: a dataset block is a mapping of dataset_name, data_path, input_key, ..."
            for k, v in blocks.items() if v is not None and not isinstance(v, dict)]
     if bad:
         return bad
@@ -374,8 +368,8 @@ def _flatten_data(data: dict[str, Any], warnings: list[str]) -> list[str]:
             data.setdefault(name, pick(key))
         own = validation.get(key)
         if key not in ("dataset_name", "split_validation_size") and own is not None and own != pick(key):
-            refused.append(f"'data.validation.{key}' = {_show(own)} differs from the training data's "
-                           f"{_show(pick(key))}: novarl reads both splits with one {key}.")
+            refused.append(f"'data.validation.{key}' = {show_value(own)} differs from the training data's "
+                           f"{show_value(pick(key))}: novarl reads both splits with one {key}.")
     if train.get("data_path") is not None:
         data.setdefault("train_data_path", train["data_path"])
     if validation.get("data_path") is not None:
@@ -386,19 +380,20 @@ def _flatten_data(data: dict[str, Any], warnings: list[str]) -> list[str]:
         data.setdefault("val_split", validation["split"])
     val_name = validation.get("dataset_name")
     if val_name is not None and val_name != data.get("dataset_name") and val_name != "ResponseDataset":
-        refused.append(f"'data.validation.dataset_name' = {_show(val_name)} differs from the training dataset "
-                       f"{_show(data.get('dataset_name'))}: a held-out split of another named dataset is {ISSUE_DATA}.")
+        refused.append(f"'data.validation.dataset_name' = {show_value(val_name)} differs from the training dataset "
+                       f"{show_value(data.get('dataset_name'))}: a held-out split of another named dataset is "
+                       f"{ISSUE_DATA}.")
     for block, values in (("data.train", train), ("data.validation", validation), ("data.default", default)):
         processor = values.get("processor")
         if processor not in PROCESSORS:
-            refused.append(f"'{block}.processor' = {_show(processor)}: novarl formats prompts as "
+            refused.append(f"'{block}.processor' = {show_value(processor)}: novarl formats prompts as "
                            f"{PROCESSORS[1]} does (prompt file, then chat template); other processors are "
                            f"{ISSUE_DATA}.")
         env = values.get("env_name")
         if env is not None:
             data.setdefault("_env_names", set()).add(env)
         if values.get("repeat", 1) != 1:
-            refused.append(f"'{block}.repeat' = {_show(values['repeat'])}: repeating a dataset is {ISSUE_DATA}.")
+            refused.append(f"'{block}.repeat' = {show_value(values['repeat'])}: repeating a dataset is {ISSUE_DATA}.")
         unknown = set(values) - {*DATA_FIELDS, "data_path", "split", "processor", "env_name", "seed", "repeat"}
         refused.extend(f"unknown key '{block}.{k}'." for k in sorted(unknown))
     return refused

@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from novarl.config.files import show_value
+
 ROLL_VERSION = "ROLL main at 8eb27cc (2026-08-19), RLVR pipeline examples"
 
 ROLES = ("actor_train", "actor_infer", "reference")
@@ -59,7 +61,7 @@ class Translation:
         node[leaf] = value
 
     def refuse(self, key: str, value: Any, why: str) -> None:
-        self.refused.append(f"'{key}' = {_show(value)}: {why}.")
+        self.refused.append(f"'{key}' = {show_value(value)}: {why}.")
 
 
 def _number(block: Mapping[str, Any], key: str, out: Translation, where: str = "", *, integer: bool = False,
@@ -263,7 +265,7 @@ def parse_devices(value: Any, where: str) -> tuple[int, ...]:
             parsed = None
         if isinstance(parsed, (list, tuple)) and parsed and all(isinstance(v, int) and v >= 0 for v in parsed):
             return tuple(parsed)
-    raise ValueError(f"'{where}' = {_show(value)}: a device mapping is a list of GPU indices or "
+    raise ValueError(f"'{where}' = {show_value(value)}: a device mapping is a list of GPU indices or "
                      "'list(range(a, b))'")
 
 
@@ -594,8 +596,3 @@ def _role_extras(block: Mapping[str, Any], role: str, out: Translation, known: t
         if role == "actor_train" and key == "sequence_packing_args":
             continue  # ROLL's packer settings: novarl packs with its own (policy.sequence_packing)
         out.refused.append(f"unknown key '{role}.{key}' (a ROLL role setting novarl does not map).")
-
-
-def _show(value: Any) -> str:
-    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
-    return text if len(text) <= 80 else f"{text[:60]}...{text[-10:]}"

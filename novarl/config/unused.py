@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from novarl.config.files import MISSING, tree_get
 from novarl.config.schema import NovaRLConfig
 
 
@@ -60,8 +61,8 @@ def refuse_settings(tree: Mapping[str, Any]) -> list[str]:
     listed with the schema's own errors in one message."""
     refused = []
     for setting in SETTINGS:
-        value = _tree_get(tree, setting.path)
-        if setting.refuse and value is not _MISSING and not setting.neutral(value):
+        value = tree_get(tree, setting.path)
+        if setting.refuse and value is not MISSING and not setting.neutral(value):
             refused.append(f"'{setting.path}' = {value!r}: {setting.why}.")
     return refused
 
@@ -91,17 +92,6 @@ def check_settings(config: NovaRLConfig) -> list[str]:
                         f"{generation.mcore_generation_config.num_cuda_graphs}: Megatron generation decodes eagerly "
                         "(no CUDA graphs are captured)")
     return warnings
-
-
-_MISSING = object()
-
-
-def _tree_get(tree: Any, path: str) -> Any:
-    for part in path.split("."):
-        if not isinstance(tree, Mapping) or part not in tree:
-            return _MISSING
-        tree = tree[part]
-    return tree
 
 
 def _get(config: Any, path: str) -> Any:

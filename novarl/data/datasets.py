@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from novarl.config.files import show_value
 from novarl.config.schema import DataConfig
 from novarl.data.arithmetic import Example, arithmetic_examples
 from novarl.data.repeat import repeat_examples
@@ -120,7 +121,7 @@ def _example(row: object, input_key: str, output_key: str, place: str) -> Exampl
         return Example(prompt=_messages(prompt, input_key, place), answer=_answer(answer, output_key, place))
     if not isinstance(prompt, str) or not prompt:
         raise UserError(f"{place}: '{input_key}' must be a non-empty string or a list of chat messages "
-                        f"({{role, content}}), got {_clip_value(prompt)}.")
+                        f"({{role, content}}), got {show_value(prompt)}.")
     return Example(prompt=prompt, answer=_answer(answer, output_key, place))
 
 
@@ -154,7 +155,7 @@ def _messages(value: list, key: str, place: str) -> tuple[dict[str, str], ...]:
         ok = isinstance(message, dict) and message.get("role") in ROLES and isinstance(message.get("content"), str)
         if not ok:
             raise UserError(f"{place}: '{key}'[{i}] must be a chat message {{role: {'|'.join(ROLES)}, content: "
-                            f"text}}, got {_clip_value(message)}.")
+                            f"text}}, got {show_value(message)}.")
         messages.append({"role": message["role"], "content": message["content"]})
     if not messages or messages[-1]["role"] != "user":
         raise UserError(f"{place}: '{key}' must end with the user's message (the completion is the "
@@ -166,11 +167,6 @@ def _answer(answer: object, key: str, place: str) -> str:
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
         raise UserError(f"{place}: '{key}' must be a string or a number, got {type(answer).__name__}.")
     return str(answer)
-
-
-def _clip_value(value: object, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # ------------------------------------------------------------ prompts + batches

@@ -92,15 +92,16 @@ MEGATRON_ON_CPU = "NOVARL_MEGATRON_ON_CPU"
 """backends/megatron/cpu.py's switch (read here without importing it: it imports torch)."""
 
 
-def _megatron_missing() -> list[str]:
+def _megatron_missing() -> tuple[list[str], list[str]]:
+    """(what the Megatron backend needs that is not installed, what it needs of a GPU host)."""
     import os
 
     if not installed("megatron.core"):
-        return ["megatron-core, for policy.megatron_cfg.enabled: pip install 'novarl[megatron]'"]
+        return ["megatron-core, for policy.megatron_cfg.enabled: pip install 'novarl[megatron]'"], []
     if not _has_cuda() and os.environ.get(MEGATRON_ON_CPU, "") in ("", "0"):
-        return ["a CUDA GPU: Megatron-core trains and generates on CUDA GPUs only, and this host has none "
-                f"(its weight conversion runs anywhere; {MEGATRON_ON_CPU}=1 runs it on the CPU for tests, slowly)"]
-    return []
+        return [], ["a CUDA GPU: Megatron-core trains and generates on CUDA GPUs only, and this host has none "
+                    f"(its weight conversion runs anywhere; {MEGATRON_ON_CPU}=1 runs it on the CPU for tests, slowly)"]
+    return [], []
 
 
 def installed(module: str) -> bool:
@@ -136,9 +137,9 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     if choice.training not in BUILT_TRAINING_BACKENDS:
         missing.append(f"training backend '{choice.training}' (policy.{choice.training}_cfg.enabled)")
     if choice.training == "megatron":
-        needs = _megatron_missing()
-        missing.extend(needs)
-        gpu_only.extend(n for n in needs if n.startswith("a CUDA GPU"))
+        not_installed, host = _megatron_missing()
+        missing.extend([*not_installed, *host])
+        gpu_only.extend(host)
     if choice.training == "deepspeed" and not installed("deepspeed"):
         missing.append("DeepSpeed, for policy.deepspeed_cfg.enabled: pip install 'novarl[deepspeed]' "
                        "(the Makefile shows how on a CPU-only host)")
