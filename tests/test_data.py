@@ -72,8 +72,8 @@ def test_bad_rows_are_reported_by_file_and_line(tmp_path):
 
 
 def test_unknown_dataset_name_is_not_available_yet():
-    with pytest.raises(NotAvailableYet, match="OpenMathInstruct-2"):
-        load_examples(DataConfig(dataset_name="OpenMathInstruct-2"), "train")
+    with pytest.raises(NotAvailableYet, match="'NoSuchSet' is not a dataset novarl has.*OpenMathInstruct-2"):
+        load_examples(DataConfig(dataset_name="NoSuchSet"), "train")
 
 
 def test_prompts_are_tokenised_and_filtered_by_length():

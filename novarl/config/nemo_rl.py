@@ -380,9 +380,14 @@ def _flatten_data(data: dict[str, Any], warnings: list[str]) -> list[str]:
         data.setdefault("val_split", validation["split"])
     val_name = validation.get("dataset_name")
     if val_name is not None and val_name != data.get("dataset_name") and val_name != "ResponseDataset":
-        refused.append(f"'data.validation.dataset_name' = {show_value(val_name)} differs from the training dataset "
-                       f"{show_value(data.get('dataset_name'))}: a held-out split of another named dataset is "
-                       f"{ISSUE_DATA}.")
+        data.setdefault("val_dataset_name", val_name)
+    subsets = {v.get("subset", default.get("subset")) for v in (train, validation) if v}
+    subsets.discard(None)
+    if len(subsets) > 1:
+        refused.append(f"'data.validation.subset' = {show_value(validation.get('subset'))} differs from the training "
+                       f"data's {show_value(pick('subset'))}: novarl reads both splits with one subset.")
+    elif subsets:
+        data.setdefault("subset", subsets.pop())
     for block, values in (("data.train", train), ("data.validation", validation), ("data.default", default)):
         processor = values.get("processor")
         if processor not in PROCESSORS:
@@ -394,7 +399,8 @@ def _flatten_data(data: dict[str, Any], warnings: list[str]) -> list[str]:
             data.setdefault("_env_names", set()).add(env)
         if values.get("repeat", 1) != 1:
             refused.append(f"'{block}.repeat' = {show_value(values['repeat'])}: repeating a dataset is {ISSUE_DATA}.")
-        unknown = set(values) - {*DATA_FIELDS, "data_path", "split", "processor", "env_name", "seed", "repeat"}
+        unknown = set(values) - {*DATA_FIELDS, "data_path", "split", "subset", "processor", "env_name", "seed",
+                                 "repeat"}
         refused.extend(f"unknown key '{block}.{k}'." for k in sorted(unknown))
     return refused
 

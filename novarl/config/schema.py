@@ -502,13 +502,26 @@ class LossConfig(Section):
 # ------------------------------------------------------------------ data, reward
 class DataConfig(Section):
     dataset_name: str | None = None
-    """'arithmetic' or 'repeat' (bundled), 'ResponseDataset' (JSONL/Parquet files); None: from the paths."""
+    """'arithmetic' or 'repeat' (bundled); 'ResponseDataset' (data.train_data_path: a file, a
+    `datasets` folder or a hub dataset id); a NeMo RL named dataset ('OpenMathInstruct-2',
+    'DAPOMath17K', 'DeepScaler', 'AIME2024', ...: novarl/data/named.py); None: from the paths."""
     train_data_path: PathText | None = None
+    """A data file (.jsonl, .json, .parquet, .arrow, .csv), a folder `datasets` saved or laid out as
+    a hub dataset repository, or a hub dataset id 'org/name' (read from the local caches;
+    `novarl train` downloads the split when no cache holds it)."""
     val_data_path: PathText | None = None
+    """As train_data_path, for evaluation; None: the training source's validation or test split
+    when it has one (else the training split, and the log says so)."""
+    val_dataset_name: str | None = None
+    """A named dataset to evaluate on (NeMo RL's data.validation.dataset_name: 'AIME2024', ...)."""
     input_key: str = "prompt"
     output_key: str = "answer"
+    subset: str | None = None
+    """The subset (configuration) of a hub dataset or folder with several (NeMo RL's `subset`)."""
     train_split: str | None = None
+    """The split to train on; None: 'train' (a named dataset's own split)."""
     val_split: str | None = None
+    """The split to evaluate on; None: 'validation', else 'test', else the training split."""
     prompt_file: PathText | None = None
     """A text file with one '{}' where the prompt goes (other braces doubled: '{{', '}}')."""
     system_prompt_file: PathText | None = None
@@ -524,6 +537,11 @@ class DataConfig(Section):
         if self.dataset_name in BUNDLED_TASKS and given:
             raise ValueError(f"data.dataset_name='{self.dataset_name}' is a bundled task, but data.{given[0]} "
                              "is also set: drop dataset_name (or set it to 'ResponseDataset') to train on the file")
+        if self.dataset_name not in (None, "ResponseDataset", *BUNDLED_TASKS) and self.train_data_path:
+            raise ValueError(f"data.dataset_name='{self.dataset_name}' names a dataset, but data.train_data_path is "
+                             "also set: drop dataset_name (or set it to 'ResponseDataset') to train on the path")
+        if self.val_dataset_name is not None and self.val_data_path:
+            raise ValueError("data.val_dataset_name and data.val_data_path both name the evaluation data: set one")
         return self
 
 

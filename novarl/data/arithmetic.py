@@ -10,7 +10,9 @@ other 7,100, in sorted order. Both are deterministic.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 from functools import lru_cache
 
 SPLITS = ("train", "validation")
@@ -24,6 +26,8 @@ class Example:
     """The question, e.g. "37+58=", or chat messages ({"role": "system" | "user" | "assistant",
     "content": text}, ending with the user's turn) that the tokenizer's chat template renders."""
     answer: str  # e.g. "95"
+    columns: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    """The row's other fields (the answer's too; not the prompt's), for the reward."""
 
 
 @lru_cache(maxsize=None)

@@ -1,9 +1,10 @@
-"""Prompt datasets: the bundled tasks (arithmetic, repeat), or JSONL / Parquet files.
+"""Prompt datasets: the bundled tasks (arithmetic, repeat), or rows from data files, `datasets`
+folders and hub datasets (novarl/data/sources.py says which files a split reads).
 
-A file dataset has one example per row with a prompt field (`data.input_key`,
-default "prompt") and an answer field (`data.output_key`, default "answer").
-Rows are checked when loaded; a bad row is reported by file and line (JSONL)
-or row number (Parquet).
+A row has a prompt field (`data.input_key`, default "prompt") and an answer field
+(`data.output_key`, default "answer"); its other fields are kept with the example for the
+reward. Rows are checked when loaded; a bad row is reported by file and line (JSON Lines)
+or row number (JSON arrays, Parquet, Arrow, CSV).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from novarl.config.schema import DataConfig
 from novarl.data.arithmetic import Example, arithmetic_examples
 from novarl.data.repeat import repeat_examples
 from novarl.errors import UserError
+from novarl.data.named import SplitSpec, prompt_file, split_spec
+from novarl.data.sources import FORMATS, Source, locate
 from novarl.plan.checks import check_data_source, dataset_kind  # noqa: F401 (dataset_kind re-exported)
 from novarl.types import Prompt
 
@@ -25,23 +28,33 @@ BUNDLED_DATASETS = {"arithmetic": arithmetic_examples, "repeat": repeat_examples
 
 
 def load_examples(cfg: DataConfig, split: str, *, seed: int = 0) -> list[Example]:
-    """The examples of `split` ("train" or "validation"). A data file without a held-out file
-    and with data.split_validation_size > 0 is split in two: that fraction (at least one
-    example), drawn with `seed`, is the validation split and is left out of the training one."""
+    """The examples of `split` ("train" or "validation"), from a bundled task or the source
+    `split_spec` names (downloading a hub dataset's split no local cache holds). Without a
+    held-out source and with data.split_validation_size > 0 the training examples are split
+    in two: that fraction (at least one example), drawn with `seed`, is the validation split
+    and is left out of the training one."""
     check_data_source(cfg)
     kind = dataset_kind(cfg)
     if kind in BUNDLED_DATASETS:
         return BUNDLED_DATASETS[kind](split)
-    if cfg.split_validation_size > 0 and not cfg.val_data_path:
-        examples = read_examples(Path(cfg.train_data_path), cfg.input_key, cfg.output_key, where="data.train_data_path")
+    if cfg.split_validation_size > 0 and not (cfg.val_data_path or cfg.val_dataset_name):
+        examples = spec_examples(split_spec(cfg, "train"))
         held_out = held_out_indices(len(examples), cfg.split_validation_size, seed)
         if len(held_out) >= len(examples):
             raise UserError(f"data.split_validation_size={cfg.split_validation_size} leaves no training example of "
-                            f"the {len(examples)} in data.train_data_path='{cfg.train_data_path}'.")
+                            f"the {len(examples)} in {split_spec(cfg, 'train').text}.")
         return [e for i, e in enumerate(examples) if (i in held_out) == (split == "validation")]
-    key = "train_data_path" if split == "train" else "val_data_path"
-    path = getattr(cfg, key) or cfg.train_data_path
-    return read_examples(Path(path), cfg.input_key, cfg.output_key, where=f"data.{key}")
+    return spec_examples(split_spec(cfg, split))
+
+
+def spec_examples(spec: SplitSpec) -> list[Example]:
+    """The examples of one split's source, every subset in turn."""
+    examples = []
+    for subset in spec.subsets:
+        source = locate(spec.text, spec.where, split=spec.split, subset=subset,
+                        fallback_splits=spec.fallback_splits, download=True)
+        examples.extend(source_examples(source, spec.input_key, spec.output_key, answer_after=spec.answer_after))
+    return examples
 
 
 def held_out_indices(count: int, fraction: float, seed: int) -> set[int]:
@@ -54,57 +67,83 @@ def held_out_indices(count: int, fraction: float, seed: int) -> set[int]:
 
 
 def read_examples(path: Path, input_key: str, output_key: str, *, where: str = "data") -> list[Example]:
-    if not _is_file(path, where):
-        what = "is a folder, not a file" if path.is_dir() else "no such file"
-        raise UserError(f"{where}='{path}': {what}.")
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        rows = _jsonl_rows(path)
-    elif suffix == ".parquet":
-        rows = _parquet_rows(path)
-    else:
-        raise UserError(f"{where}='{path}': unknown format '{suffix}'; use .jsonl or .parquet.")
-    examples = [_example(row, input_key, output_key, place) for place, row in rows]
+    """The examples of one data file."""
+    return source_examples(locate(str(path), f"{where}='{path}'"), input_key, output_key)
+
+
+def source_examples(source: Source, input_key: str, output_key: str, *,
+                    answer_after: str | None = None) -> list[Example]:
+    examples = []
+    for path in source.files:
+        rows = _ROW_READERS[FORMATS[path.suffix.lower()]](path, source)
+        examples.extend(_example(row, input_key, output_key, place, answer_after) for place, row in rows)
     if not examples:
-        raise UserError(f"{where}='{path}' has no examples.")
+        raise UserError(f"{source.label} has no examples.")
     return examples
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
+def _jsonl_rows(path: Path, source: Source) -> Iterator[tuple[str, object]]:
+    """JSON Lines, or (a .json file starting with '[') one JSON array of rows."""
     try:
-        lines = path.read_bytes().decode("utf-8").splitlines()
+        text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
         raise UserError(f"{path}: not UTF-8 text (byte {err.start}).") from None
     except OSError as err:
         raise UserError(f"{path}: cannot read it ({err.strerror}).") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            yield f"{path}:{number}", json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}).") from None
-        except RecursionError:
-            raise UserError(f"{path}:{number}: the row is nested too deeply to read; a row is an object "
-                            "with a prompt and an answer.") from None
-        except ValueError as err:  # an integer of more than 4,300 digits
-            raise UserError(f"{path}:{number}: a value cannot be read ({err}).") from None
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        rows = _json_value(text, str(path))
+        if not isinstance(rows, list):
+            raise UserError(f"{path}: a .json data file is one array of rows, or one row per line.")
+        yield from ((f"{path} row {number}", row) for number, row in enumerate(rows, start=1))
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            yield f"{path}:{number}", _json_value(line, f"{path}:{number}")
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[str, object]]:
+def _json_value(text: str, place: str) -> object:
     try:
-        import pyarrow.parquet as pq
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{place}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno}).") from None
+    except RecursionError:
+        raise UserError(f"{place}: the row is nested too deeply to read; a row is an object "
+                        "with a prompt and an answer.") from None
+    except ValueError as err:  # an integer of more than 4,300 digits
+        raise UserError(f"{place}: a value cannot be read ({err}).") from None
+
+
+def _table_rows(path: Path, source: Source) -> Iterator[tuple[str, object]]:
+    """Parquet, Arrow (IPC stream, as `datasets` writes it, or file) and CSV, through pyarrow."""
+    try:
+        import pyarrow as pa
     except ImportError:
         raise UserError(f"Reading '{path}' needs pyarrow: pip install 'novarl[parquet]'.") from None
+    suffix = path.suffix.lower()
     try:
-        table = pq.read_table(path)
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+        elif suffix == ".csv":
+            import pyarrow.csv as pcsv
+
+            table = pcsv.read_csv(path)
+        else:
+            with pa.memory_map(str(path)) as stream:
+                opened = pa.ipc.open_stream(stream) if source.arrow_stream else pa.ipc.open_file(stream)
+                table = opened.read_all()
     except Exception as err:  # pyarrow raises several unrelated types for a bad file
-        raise UserError(f"{path}: not a readable Parquet file ({err}).") from None
+        raise UserError(f"{path}: not a readable {FORMATS[suffix]} file ({str(err).splitlines()[0]}).") from None
     for number, row in enumerate(table.to_pylist(), start=1):
         yield f"{path} row {number}", row
 
 
-def _example(row: object, input_key: str, output_key: str, place: str) -> Example:
+_ROW_READERS = {"jsonl": _jsonl_rows, "json": _jsonl_rows, "parquet": _table_rows, "arrow": _table_rows,
+                "csv": _table_rows}
+
+
+def _example(row: object, input_key: str, output_key: str, place: str, answer_after: str | None = None) -> Example:
     """A row's prompt and answer. Keys may be dotted paths into nested fields
     (`reward_model.ground_truth`); the prompt is a non-empty string or a list of chat
     messages ({role, content}, as TRL's conversational datasets and verl's parquet files
@@ -117,12 +156,16 @@ def _example(row: object, input_key: str, output_key: str, place: str) -> Exampl
         raise UserError(f"{place}: no field {', '.join(repr(k) for k in plain)} (fields: "
                         f"{', '.join(sorted(map(str, row)))}). Set data.input_key / data.output_key.")
     prompt, answer = _field(row, input_key, place, "data.input_key"), _field(row, output_key, place, "data.output_key")
+    answer = _answer(answer, output_key, place)
+    if answer_after is not None:  # GSM8K: the reasoning, then '#### 42'
+        answer = answer.rpartition(answer_after)[2].strip() if answer_after in answer else answer
+    columns = {k: v for k, v in row.items() if k not in (input_key, input_key.partition(".")[0])}
     if isinstance(prompt, list):
-        return Example(prompt=_messages(prompt, input_key, place), answer=_answer(answer, output_key, place))
+        return Example(prompt=_messages(prompt, input_key, place), answer=answer, columns=columns)
     if not isinstance(prompt, str) or not prompt:
         raise UserError(f"{place}: '{input_key}' must be a non-empty string or a list of chat messages "
                         f"({{role, content}}), got {show_value(prompt)}.")
-    return Example(prompt=prompt, answer=_answer(answer, output_key, place))
+    return Example(prompt=prompt, answer=answer, columns=columns)
 
 
 def _field(row: dict, key: str, place: str, setting: str) -> object:
@@ -239,10 +282,11 @@ def read_prompt_template(cfg: DataConfig) -> tuple[str | None, str | None]:
     formatting a prompt with it cannot fail."""
     template = system = None
     if cfg.prompt_file:
-        template = _read_text(cfg.prompt_file, "data.prompt_file")
+        template = _read_text(prompt_file(cfg.prompt_file, "data.prompt_file")[0], "data.prompt_file")
         check_template(template, f"data.prompt_file='{cfg.prompt_file}'")
     if cfg.system_prompt_file:
-        system = _read_text(cfg.system_prompt_file, "data.system_prompt_file")
+        system = _read_text(prompt_file(cfg.system_prompt_file, "data.system_prompt_file")[0],
+                            "data.system_prompt_file")
     return template, system
 
 

@@ -81,13 +81,13 @@ def resolve_hub_id(repo_id: str, *, download: bool = True) -> str:
     where = f"it is not in the local Hugging Face cache ({cache_dir})"
     fix = (f"Download it on a machine with access (hf download {repo_id}) and copy the cache, point "
            "HF_HOME or HF_HUB_CACHE at a cache that holds it, or give a local model folder.")
-    if _hub_offline():
+    if hub_offline():
         if snapshot is not None:
             return str(snapshot)
         raise UserError(f"policy.model_name='{repo_id}': {where} and HF_HUB_OFFLINE=1 forbids downloading "
                         f"it (there is no local folder of that name either). {fix}")
     endpoint = os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
-    problem = _probe_hub(endpoint, repo_id)
+    problem = probe_hub(endpoint, repo_id)
     if problem is None:
         return repo_id
     if snapshot is not None:
@@ -97,7 +97,7 @@ def resolve_hub_id(repo_id: str, *, download: bool = True) -> str:
                     "Set HF_HUB_OFFLINE=1 to fail at once without trying the network.")
 
 
-def _hub_offline() -> bool:
+def hub_offline() -> bool:
     from huggingface_hub import constants
 
     flags = (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE"))
@@ -116,7 +116,7 @@ def _has_safetensors_weights(folder: Path) -> bool:
     return any(folder.glob("*.safetensors"))
 
 
-def _probe_hub(endpoint: str, repo_id: str) -> str | None:
+def probe_hub(endpoint: str, repo_id: str, repo_type: str = "model") -> str | None:
     """None when the hub at `endpoint` answers (any HTTP status: the id may be private or
     wrong, which transformers reports), else what went wrong. One request, no retries,
     bounded by `HUB_PROBE_TIMEOUT_S` even where name resolution hangs."""
@@ -129,7 +129,7 @@ def _probe_hub(endpoint: str, repo_id: str) -> str | None:
 
     def probe() -> None:
         try:
-            HfApi(endpoint=endpoint).model_info(repo_id, timeout=HUB_PROBE_TIMEOUT_S)
+            HfApi(endpoint=endpoint).repo_info(repo_id, repo_type=repo_type, timeout=HUB_PROBE_TIMEOUT_S)
             outcome.append(None)
         except HfHubHTTPError:
             outcome.append(None)  # the server answered

@@ -76,7 +76,9 @@ def check_config(cfg: NovaRLConfig) -> ConfigReport:
             report.gpu_only.extend(transformer_engine_options(cfg))
     report.batches = report.attempt(plan_batches, cfg)
     report.attempt(check_output_dirs, cfg)
-    report.attempt(check_data_source, cfg.data)
+    problems, notes = data_problems(cfg.data)
+    report.problems.extend(problems)
+    report.notes.extend(notes)
     return report
 
 
@@ -92,22 +94,76 @@ def dataset_kind(data: DataConfig) -> str:
 
 
 def check_data_source(data: DataConfig) -> None:
-    """The data names something novarl reads: a bundled task, or files that exist. (Their rows
-    are read, and checked, with the tokenizer: trainer/setup.py.)"""
+    """Raise the first of `data_problems`."""
+    problems, _ = data_problems(data)
+    if problems:
+        raise problems[0]
+
+
+def data_problems(data: DataConfig) -> tuple[list[UserError], list[str]]:
+    """(problems, notes): the data names something novarl reads, a bundled task or for each
+    split a file, folder or hub dataset whose split exists, and prompt files that are there;
+    notes say which hub dataset `novarl train` downloads. Rows are read, and checked, with
+    the tokenizer: trainer/setup.py."""
+    try:
+        return _data_problems(data)
+    except UserError as err:
+        return [err], []
+
+
+def _data_problems(data: DataConfig) -> tuple[list[UserError], list[str]]:
+    from novarl.data.named import NAMED_DATASETS, prompt_file
+
     kind = dataset_kind(data)
-    if data.split_validation_size and (kind in BUNDLED_TASKS or data.val_data_path):
+    held_out = (f"the bundled task '{kind}'" if kind in BUNDLED_TASKS else "data.val_data_path" if data.val_data_path
+                else "data.val_dataset_name" if data.val_dataset_name else None)
+    if data.split_validation_size and held_out:
         raise UserError(f"data.split_validation_size={data.split_validation_size} holds out part of the training "
-                        "data for evaluation, but the data already has a held-out split ("
-                        + (f"the bundled task '{kind}'" if kind in BUNDLED_TASKS else "data.val_data_path")
-                        + "): set one of them.")
+                        f"data for evaluation, but the data already has a held-out split ({held_out}): set one.")
+    for key in ("dataset_name", "val_dataset_name"):
+        name = getattr(data, key)
+        if name is not None and name not in (*BUNDLED_TASKS, "ResponseDataset", *NAMED_DATASETS):
+            raise NotAvailableYet(f"data.{key}='{name}' is not a dataset novarl has. Use 'arithmetic' or 'repeat' "
+                                  "(bundled), a named dataset (" + ", ".join(sorted(set(NAMED_DATASETS))) + "), or "
+                                  "'ResponseDataset' with data.train_data_path: a data file, a `datasets` folder or "
+                                  "a hub dataset id.")
+    problems, notes = [], []
+    for key in ("prompt_file", "system_prompt_file"):
+        given = getattr(data, key)
+        path, note = prompt_file(given, f"data.{key}") if given else (None, None)
+        notes.extend([note] if note else [])
+        if path and not Path(path).expanduser().is_file():
+            problems.append(UserError(f"data.{key}='{path}': no such file."))
     if kind in BUNDLED_TASKS:
-        return
-    if kind != "ResponseDataset":
-        raise NotAvailableYet(f"data.dataset_name='{kind}' is not available yet. Use 'arithmetic' or 'repeat' "
-                              "(bundled) or 'ResponseDataset' with data.train_data_path / data.val_data_path "
-                              "pointing at JSONL or Parquet files.")
-    if data.train_data_path is None:
-        raise UserError("data.train_data_path is not set: ResponseDataset needs a JSONL or Parquet file.")
+        return problems, notes
+    if kind == "ResponseDataset" and data.train_data_path is None:
+        raise UserError("data.train_data_path is not set: ResponseDataset reads a data file, a `datasets` folder or "
+                        "a hub dataset id.")
+    notes.extend(_check_sources(data, problems))
+    return problems, notes
+
+
+def _check_sources(data: DataConfig, problems: list[UserError]) -> list[str]:
+    from novarl.data.named import split_spec
+    from novarl.data.sources import NotInCache, locate as locate_source
+    from novarl.models.locate import hub_offline
+
+    notes = []
+    for split in ("train", "validation"):
+        spec = split_spec(data, split)
+        for subset in spec.subsets:
+            try:
+                locate_source(spec.text, spec.where, split=spec.split, subset=subset,
+                              fallback_splits=spec.fallback_splits)
+            except NotInCache as err:
+                if hub_offline():
+                    problems.append(UserError(f"{err} HF_HUB_OFFLINE is set, so `novarl train` cannot download it."))
+                else:
+                    notes.append(f"{err} `novarl train` downloads it.")
+            except UserError as err:
+                if str(err) not in map(str, problems):
+                    problems.append(err)
+    return list(dict.fromkeys(notes))
 
 
 def locate(cfg: NovaRLConfig, report: ConfigReport) -> None:

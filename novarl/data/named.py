@@ -1,0 +1,109 @@
+"""NeMo RL's named math datasets, and which source, split and fields each data split reads.
+
+A named dataset (`data.dataset_name: OpenMathInstruct-2`, NeMo RL's
+`data.train.dataset_name`) is a hub dataset with fixed fields, as NeMo RL's
+`nemo_rl/data/datasets/response_datasets/` classes read it (contract: NeMo RL 7ea279a):
+the prompt is the user's turn, the answer what the reward compares against. Imports no
+torch: `novarl validate` resolves the same specs `novarl train` reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from novarl.config.schema import BUNDLED_TASKS, DataConfig
+
+NEMO_RL_PROMPTS = Path(__file__).parent / "prompts" / "nemo_rl"
+"""NeMo RL's math prompt files (cot.txt, math.txt), shipped for its recipes (README there)."""
+
+
+@dataclass(frozen=True)
+class NamedDataset:
+    repo_id: str
+    input_key: str
+    """Dotted path to the prompt (`prompt.0.content`: the first message's text)."""
+    output_key: str
+    split: str = "train"
+    subsets: tuple[str | None, ...] = (None,)
+    """Subsets read one after the other (AIME 2025 is two)."""
+    answer_after: str | None = None
+    """The answer is the text after this marker (GSM8K's '#### 42')."""
+
+
+NAMED_DATASETS = {
+    "OpenMathInstruct-2": NamedDataset("nvidia/OpenMathInstruct-2", "problem", "expected_answer", split="train_1M"),
+    "DAPOMath17K": NamedDataset("BytedTsinghua-SIA/DAPO-Math-17k", "prompt.0.content", "reward_model.ground_truth"),
+    "DAPOMathAIME2024": NamedDataset("BytedTsinghua-SIA/AIME-2024", "prompt.0.content", "reward_model.ground_truth"),
+    "DeepScaler": NamedDataset("agentica-org/DeepScaleR-Preview-Dataset", "problem", "answer"),
+    "AIME2024": NamedDataset("HuggingFaceH4/aime_2024", "problem", "answer"),
+    "AIME2025": NamedDataset("opencompass/AIME2025", "question", "answer", split="test",
+                             subsets=("AIME2025-I", "AIME2025-II")),
+    "AIME2026": NamedDataset("MathArena/aime_2026", "problem", "answer"),
+    "GSM8K": NamedDataset("openai/gsm8k", "question", "answer", subsets=("main",), answer_after="####"),
+    "gsm8k": NamedDataset("openai/gsm8k", "question", "answer", subsets=("main",), answer_after="####"),
+}
+
+
+@dataclass(frozen=True)
+class SplitSpec:
+    """What one data split reads: a file, folder or hub id (`text`, named by `setting`), which
+    of its splits, and which fields."""
+
+    where: str
+    """How messages name it: "data.train_data_path='x.jsonl'"."""
+    text: str
+    subsets: tuple[str | None, ...]
+    split: str | None
+    fallback_splits: tuple[str, ...]
+    input_key: str
+    output_key: str
+    answer_after: str | None = None
+
+
+def split_spec(data: DataConfig, split: str) -> SplitSpec | None:
+    """The source of `split` ("train" or "validation"); None for a bundled task. For validation
+    without a source of its own: the training source's validation or test split when it has
+    one, else the training split itself (held_out_gap says so)."""
+    name = data.dataset_name
+    if name in BUNDLED_TASKS or (name is None and not data.train_data_path):
+        return None
+    train = _spec(data, name, data.train_data_path, data.train_split, "train")
+    if split == "train":
+        return train
+    if data.val_dataset_name is not None:
+        return _spec(data, data.val_dataset_name, None, data.val_split, "validation")
+    if data.val_data_path:
+        return _spec(data, "ResponseDataset", data.val_data_path, data.val_split, "validation")
+    own = (data.val_split,) if data.val_split else ("validation", "test", train.split or "train")
+    return SplitSpec(train.where, train.text, train.subsets, data.val_split, own, train.input_key,
+                     train.output_key, train.answer_after)
+
+
+def _spec(data: DataConfig, name: str | None, path: str | None, split: str | None, role: str) -> SplitSpec:
+    named = NAMED_DATASETS.get(name or "")
+    if named is None:
+        setting = "data.train_data_path" if role == "train" else "data.val_data_path"
+        fallback = ("train",) if role == "train" else ("validation", "test", "train")
+        return SplitSpec(f"{setting}='{path}'", str(path), (data.subset,), split, fallback, data.input_key,
+                         data.output_key)
+    given = data.model_fields_set  # keys given in the config win over the named dataset's own fields
+    setting = "data.dataset_name" if role == "train" else "data.val_dataset_name"
+    return SplitSpec(f"{setting}='{name}' (hub dataset '{named.repo_id}')", named.repo_id, named.subsets,
+                     split or named.split, (named.split,),
+                     data.input_key if "input_key" in given else named.input_key,
+                     data.output_key if "output_key" in given else named.output_key, named.answer_after)
+
+
+def prompt_file(path: str, setting: str) -> tuple[str, str | None]:
+    """(the file to read, a note or None): a NeMo RL recipe's 'examples/prompts/<name>.txt' that
+    does not exist here is the copy novarl ships."""
+    parts = PurePosixPath(path).parts
+    try:
+        here = Path(path).expanduser().is_file()
+    except (OSError, ValueError):
+        here = False
+    if here or parts[-3:-1] != ("examples", "prompts") or not (NEMO_RL_PROMPTS / parts[-1]).is_file():
+        return path, None
+    return str(NEMO_RL_PROMPTS / parts[-1]), (f"{setting}='{path}' is not here: reading NeMo RL's {parts[-1]}, "
+                                              "which novarl ships (NeMo RL 7ea279a)")
