@@ -286,10 +286,11 @@ def test_every_schema_setting_is_read_or_refused_or_warned_about():
 
 
 def test_unbuilt_settings_are_refused_and_operational_ones_warned():
-    msg = error_of({"policy": {"generation": {"stop_strings": ["</answer>"]}}, "data": {"train_split": "train"}})
+    msg = error_of({"policy": {"generation": {"stop_strings": ["</answer>"]}},
+                    "checkpointing": {"checkpoint_must_save_by": "00:03:30:00"}})
     assert msg.startswith("Invalid config (the config): 2 problem(s):")
     assert "'policy.generation.stop_strings' = ['</answer>']: stopping on strings is not built yet" in msg
-    assert "'data.train_split' = 'train': splits of a Hugging Face dataset are not built yet" in msg
+    assert "'checkpointing.checkpoint_must_save_by' = '00:03:30:00': saving before a wall-clock deadline" in msg
     cfg = load_config({"policy": {"logprob_chunk_size": 1024, "dtensor_cfg": {"_v2": False},
                                   "megatron_cfg": {"enabled": True,
                                                    "distributed_data_parallel_config": {"overlap_param_gather": True}}},

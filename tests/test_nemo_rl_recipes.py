@@ -16,6 +16,7 @@ import pytest
 from novarl.cli import main
 from novarl.config import load_config
 from novarl.plan.resolve import installed
+from tests.helpers.hub import cache_snapshot, parquet_bytes
 
 NEMO_RL = Path(__file__).parent / "data" / "nemo_rl"
 
@@ -83,7 +84,6 @@ REFUSED = {
     "2026-08/grpo_math_8B_megatron_fp8.yaml": ["'policy.generation.vllm_cfg.precision' = 'fp8': FP8 generation is "
                                                "not built"],
     "2026-08/recipes/llm/dapo-qwen2.5-7b.v2.yaml": [
-        "'data.validation.dataset_name' = 'DAPOMathAIME2024' differs from the training dataset 'DAPOMath17K'",
         "'grpo.use_dynamic_sampling' = true: DAPO's dynamic sampling is not built yet",
         "'grpo.batch_multiplier' = 3: over-generation for dynamic sampling",
         "'grpo.reward_scaling' = {'enabled': True,", "'grpo.reward_shaping' = {'enabled': True,",
@@ -129,34 +129,45 @@ def test_nemo_rl_features_novarl_does_not_build_are_refused_one_line_each(capsys
         assert sum(line.startswith(f"  - {expected}") for line in lines) == 1, (expected, err)
 
 
-def test_validate_on_a_nemo_rl_recipe_names_what_is_left(capsys, tmp_path):
-    # As written, the math recipes name NeMo RL's OpenMathInstruct-2, which novarl does not load yet:
-    # that is the one problem validate reports; the model (a hub id, not cached) is a note.
+def test_validate_on_a_nemo_rl_recipe_names_what_is_left(capsys, tmp_path, hub_cache, monkeypatch):
+    # As written, the math recipe names NeMo RL's OpenMathInstruct-2: offline and in no cache, that is
+    # the one problem validate reports; the model (a hub id, not cached) is a note.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     recipe = str(NEMO_RL / "2026-08/grpo_math_8B.yaml")
     code, _, err = run(capsys, "validate", recipe)
-    assert code == 2 and err.startswith("novarl: error: data.dataset_name='OpenMathInstruct-2' is not available yet")
-    # With the data in a file, the recipe is valid; a GPU-sized engine layout is said in one line.
-    (tmp_path / "train.jsonl").write_text(json.dumps({"problem": "1+1=", "expected_answer": "2"}) + "\n")
-    code, out, err = run(capsys, "validate", recipe, "data.dataset_name=ResponseDataset",
-                         "data.train_data_path=train.jsonl", "data.input_key=problem",
-                         "data.output_key=expected_answer")
+    assert code == 2 and err.startswith("novarl: error: data.dataset_name='OpenMathInstruct-2' (hub dataset "
+                                        "'nvidia/OpenMathInstruct-2'): it is in no local cache"), err
+    assert "HF_HUB_OFFLINE is set" in err
+    # With the dataset in the hub cache (laid out as on the hub: its card names the train_1M split),
+    # the recipe is valid; a GPU-sized engine layout is said in one line.
+    card = ("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*\n"
+            "  - split: train_1M\n    path: data/train_1M-*\n---\n").encode()
+    cache_snapshot(hub_cache, "nvidia/OpenMathInstruct-2", {
+        "README.md": card, "data/train_1M-00000-of-00001.parquet": parquet_bytes(
+            [{"problem": "1+1=", "generated_solution": "...", "expected_answer": "2", "problem_source": "x"}])},
+        repo_type="dataset")
+    code, out, err = run(capsys, "validate", recipe)
     assert code == 0, err
     comments = [line for line in out.splitlines() if line.startswith("# ")]
     assert comments[0].startswith("# valid. training backend: dtensor; generation backend: vllm")
     assert any("'meta-llama/Llama-3.1-8B-Instruct' is not in the local Hugging Face cache: `novarl train` downloads"
                in line for line in comments)
+    assert any("data.prompt_file='examples/prompts/cot.txt' is not here: reading NeMo RL's cot.txt" in line
+               for line in comments)
     assert sum("NeMo RL setting(s) about ports" in line for line in comments) == 1
 
 
-def test_validate_without_a_local_model_imports_no_torch():
+def test_validate_without_a_local_model_imports_no_torch(tmp_path):
     code = ("import sys; from novarl.cli import main; "
             f"rc = main(['validate', {str(NEMO_RL / '2026-08/grpo_math_70B_megatron.yaml')!r}, "
             "'data.dataset_name=ResponseDataset', 'data.train_data_path=x.jsonl']); "
             "heavy = [m for m in ('torch', 'transformers', 'megatron', 'vllm') if m in sys.modules]; "
             "print(rc, heavy)")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    # x.jsonl does not exist, but a hub model that is not cached leaves the data's rows for train to read.
+    (tmp_path / "x.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=tmp_path)
+    # x.jsonl is there; a hub model that is not cached leaves the data's rows for train to read.
     assert out.stdout.strip().splitlines()[-1] == "0 []", out.stdout + out.stderr
 
 

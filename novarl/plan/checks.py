@@ -144,10 +144,12 @@ def _data_problems(data: DataConfig) -> tuple[list[UserError], list[str]]:
 
 
 def _check_sources(data: DataConfig, problems: list[UserError]) -> list[str]:
+    """Each split's source located without the network (problems appended; notes returned)."""
     from novarl.data.named import split_spec
     from novarl.data.sources import NotInCache, locate as locate_source
     from novarl.models.locate import hub_offline
 
+    found: dict[str, UserError | None] = {}
     notes = []
     for split in ("train", "validation"):
         spec = split_spec(data, split)
@@ -157,12 +159,12 @@ def _check_sources(data: DataConfig, problems: list[UserError]) -> list[str]:
                               fallback_splits=spec.fallback_splits)
             except NotInCache as err:
                 if hub_offline():
-                    problems.append(UserError(f"{err} HF_HUB_OFFLINE is set, so `novarl train` cannot download it."))
+                    found[str(err)] = UserError(f"{err} HF_HUB_OFFLINE is set, so `novarl train` cannot download it.")
                 else:
                     notes.append(f"{err} `novarl train` downloads it.")
             except UserError as err:
-                if str(err) not in map(str, problems):
-                    problems.append(err)
+                found[str(err)] = err
+    problems.extend(found.values())
     return list(dict.fromkeys(notes))
 
 
@@ -231,7 +233,11 @@ def check_output_dirs(cfg: NovaRLConfig) -> None:
 
 def one_error(problems: list[UserError]) -> UserError | None:
     """The problems as one error: the only one as it is, several listed (the first's class,
-    so that the exit code stays that of the first)."""
+    so that the exit code stays that of the first); one found by two checks is said once."""
+    unique: dict[str, UserError] = {}
+    for problem in problems:
+        unique.setdefault(str(problem), problem)
+    problems = list(unique.values())
     if not problems:
         return None
     if len(problems) == 1:

@@ -167,12 +167,24 @@ def prepare_inputs(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | No
 def held_out_gap(cfg: NovaRLConfig, train_examples: list[Example] | None = None) -> str | None:
     """None when the configured data has a held-out split to evaluate on; otherwise why
     not (the evaluation prompts are then training prompts)."""
+    from novarl.config.schema import BUNDLED_TASKS
+    from novarl.data.named import split_spec
+    from novarl.data.sources import locate
+
     if train_examples is not None:
         return "train_examples were given in memory, with no held-out split"
-    if dataset_kind(cfg.data) == "ResponseDataset" and not cfg.data.val_data_path \
-            and not cfg.data.split_validation_size:
-        return "data.val_data_path is not set"
-    return None
+    data = cfg.data
+    if dataset_kind(data) in BUNDLED_TASKS or data.val_data_path or data.val_dataset_name \
+            or data.split_validation_size:
+        return None
+    train, val = split_spec(data, "train"), split_spec(data, "validation")
+    try:
+        same = all(locate(val.text, val.where, split=val.split, subset=subset, fallback_splits=val.fallback_splits)
+                   == locate(train.text, train.where, split=train.split, subset=subset,
+                             fallback_splits=train.fallback_splits) for subset in train.subsets)
+    except UserError:
+        return None  # reading the split reports it
+    return "data.val_data_path is not set, and the training data has no validation or test split" if same else None
 
 
 def check_reward(scorer: RewardScorer, prompt: Prompt, *, where: str) -> None:

@@ -32,9 +32,9 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
     return cache
 
 
-def cache_snapshot(cache: Path, repo_id: str, files: dict[str, bytes]) -> Path:
+def cache_snapshot(cache: Path, repo_id: str, files: dict[str, bytes], repo_type: str = "model") -> Path:
     """Put `files` in the cache as huggingface_hub does: blobs named by hash, snapshot links to them."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    repo = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / COMMIT
     (repo / "blobs").mkdir(parents=True, exist_ok=True)
     (repo / "refs").mkdir(exist_ok=True)
@@ -48,3 +48,15 @@ def cache_snapshot(cache: Path, repo_id: str, files: dict[str, bytes]) -> Path:
     return snapshot
 
 
+
+
+def parquet_bytes(rows: list[dict]) -> bytes:
+    """`rows` as a Parquet file's bytes."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buffer = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buffer)
+    return buffer.getvalue()
