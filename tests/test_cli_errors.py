@@ -238,7 +238,7 @@ def test_missing_validation_file(capsys, tmp_path, log_dir, command):
 def test_unknown_dataset_name(capsys, log_dir, command):
     code, _, err = run_cli(capsys, command, f"logger.log_dir={log_dir}", "data.dataset_name=gsm8k_typo")
     msg = assert_refused_cleanly(code, err, log_dir)
-    assert "data.dataset_name='gsm8k_typo' is not available yet" in msg and "'arithmetic'" in msg
+    assert "data.dataset_name='gsm8k_typo' is not a dataset novarl has" in msg and "'arithmetic'" in msg
 
 
 @pytest.mark.parametrize("spec, expected", [

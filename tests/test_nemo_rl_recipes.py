@@ -5,7 +5,6 @@ once, without torch when the model is not local."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

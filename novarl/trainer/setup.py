@@ -184,7 +184,10 @@ def held_out_gap(cfg: NovaRLConfig, train_examples: list[Example] | None = None)
                              fallback_splits=train.fallback_splits) for subset in train.subsets)
     except UserError:
         return None  # reading the split reports it
-    return "data.val_data_path is not set, and the training data has no validation or test split" if same else None
+    if not same:
+        return None
+    return "data.val_data_path is not set" + ("" if Path(train.text).is_file() else
+                                              ", and the training data has no validation or test split")
 
 
 def check_reward(scorer: RewardScorer, prompt: Prompt, *, where: str) -> None:
