@@ -114,7 +114,7 @@ def _json_value(text: str, place: str) -> object:
 
 
 def _table_rows(path: Path, source: Source) -> Iterator[tuple[str, object]]:
-    """Parquet, Arrow (IPC stream, as `datasets` writes it, or file) and CSV, through pyarrow."""
+    """Parquet and Arrow (IPC stream, as `datasets` writes it, or file), through pyarrow."""
     try:
         import pyarrow as pa
     except ImportError:
@@ -125,10 +125,6 @@ def _table_rows(path: Path, source: Source) -> Iterator[tuple[str, object]]:
             import pyarrow.parquet as pq
 
             table = pq.read_table(path)
-        elif suffix == ".csv":
-            import pyarrow.csv as pcsv
-
-            table = pcsv.read_csv(path)
         else:
             with pa.memory_map(str(path)) as stream:
                 opened = pa.ipc.open_stream(stream) if source.arrow_stream else pa.ipc.open_file(stream)
@@ -139,8 +135,22 @@ def _table_rows(path: Path, source: Source) -> Iterator[tuple[str, object]]:
         yield f"{path} row {number}", row
 
 
+def _csv_rows(path: Path, source: Source) -> Iterator[tuple[str, object]]:
+    """CSV with a header row; every value is text, as written (an answer '007' stays '007')."""
+    import csv
+
+    try:
+        with path.open(encoding="utf-8", newline="") as stream:
+            for number, row in enumerate(csv.DictReader(stream), start=2):
+                yield f"{path}:{number}", row
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text (byte {err.start}).") from None
+    except csv.Error as err:
+        raise UserError(f"{path}: not readable as CSV ({err}).") from None
+
+
 _ROW_READERS = {"jsonl": _jsonl_rows, "json": _jsonl_rows, "parquet": _table_rows, "arrow": _table_rows,
-                "csv": _table_rows}
+                "csv": _csv_rows}
 
 
 def _example(row: object, input_key: str, output_key: str, place: str, answer_after: str | None = None) -> Example:

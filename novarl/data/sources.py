@@ -41,6 +41,11 @@ class NotInCache(UserError):
     """A hub dataset whose split is in no local cache: `novarl train` downloads it."""
 
 
+class SplitMissing(UserError):
+    """The data has no such split, or none of its files are here (in a hub snapshot: not yet
+    downloaded)."""
+
+
 @dataclass(frozen=True)
 class Source:
     """The files that hold one split, and how to name them to a person."""
@@ -154,7 +159,7 @@ def split_files(names: list[str], card: str | None, split: str | None, subset: s
     name = _pick_split(list(splits), split, fallback_splits, where)
     files = [n for n in names if any(_glob(pattern).fullmatch(n) for pattern in splits[name])]
     if not files:
-        raise UserError(f"{where}: split '{name}' has no data file here ({', '.join(splits[name])}).")
+        raise SplitMissing(f"{where}: split '{name}' has no data file here ({', '.join(splits[name])}).")
     return name, files
 
 
@@ -225,12 +230,12 @@ def _splits_by_name(names: list[str]) -> dict[str, list[str]]:
 def _pick_split(splits: list[str], split: str | None, fallback_splits: tuple[str, ...], where: str) -> str:
     if split is not None:
         if split not in splits:
-            raise UserError(f"{where} has no split '{split}' (it has: {', '.join(splits) or 'none'}).")
+            raise SplitMissing(f"{where} has no split '{split}' (it has: {', '.join(splits) or 'none'}).")
         return split
     for name in fallback_splits:
         if name in splits:
             return name
-    raise UserError(f"{where} has no split {' or '.join(repr(s) for s in fallback_splits)} (it has: "
+    raise SplitMissing(f"{where} has no split {' or '.join(repr(s) for s in fallback_splits)} (it has: "
                     f"{', '.join(splits) or 'none'}): name one (data.train_split / data.val_split).")
 
 
@@ -275,11 +280,7 @@ def hub_source(repo_id: str, where: str, *, split: str | None, subset: str | Non
         try:
             source = folder_source(snapshot, where, split, subset, fallback_splits)
             return Source(source.files, source.label + " from the hub cache", source.arrow_stream)
-        except NotInCache as err:
-            problem = err
-        except UserError as err:
-            if split is None or f"no split '{split}'" not in str(err):
-                raise
+        except (NotInCache, SplitMissing) as err:  # a snapshot holds what was downloaded, maybe not this split
             problem = err
     prepared = prepared_source(repo_id, where, split=split, subset=subset, fallback_splits=fallback_splits)
     if prepared is not None:
