@@ -340,12 +340,13 @@ def translate(tree: dict[str, Any]) -> tuple[list[str], list[str]]:
             checkpointing["metric_name"] = "val_" + name.removeprefix("val:")
     data = tree.get("data")
     if isinstance(data, dict) and any(k in data for k in ("train", "validation", "default")):
-        refused.extend(_flatten_data(data, warnings))
+        seed = tree["grpo"].get("seed", 42) if isinstance(tree.get("grpo"), dict) else 42
+        refused.extend(_flatten_data(data, warnings, seed))
     refused.extend(_environments(tree, warnings))
     return refused, warnings
 
 
-def _flatten_data(data: dict[str, Any], warnings: list[str]) -> list[str]:
+def _flatten_data(data: dict[str, Any], warnings: list[str], grpo_seed: Any) -> list[str]:
     """NeMo RL's data.train / data.validation / data.default blocks as novarl's flat data keys."""
     train, validation, default = data.pop("train", None), data.pop("validation", None), data.pop("default", None)
     if isinstance(train, list):
@@ -397,6 +398,9 @@ def _flatten_data(data: dict[str, Any], warnings: list[str]) -> list[str]:
         env = values.get("env_name")
         if env is not None:
             data.setdefault("_env_names", set()).add(env)
+        if values.get("seed") not in (None, grpo_seed):
+            warnings.append(f"'{block}.seed' = {show_value(values['seed'])}: novarl draws the held-out split with "
+                            f"grpo.seed ({show_value(grpo_seed)})")
         if values.get("repeat", 1) != 1:
             refused.append(f"'{block}.repeat' = {show_value(values['repeat'])}: repeating a dataset is {ISSUE_DATA}.")
         unknown = set(values) - {*DATA_FIELDS, "data_path", "split", "subset", "processor", "env_name", "seed",
