@@ -108,6 +108,9 @@ def folder_source(folder: Path, where: str, split: str | None, subset: str | Non
             raise UserError(f"{where} is one saved Dataset, which has no split '{split}'.")
         return _saved_dataset(folder, where)
     names = sorted(p.relative_to(folder).as_posix() for p in _data_files(folder))
+    if not names:
+        raise SplitMissing(f"{where}: the folder has no data files ({', '.join(FORMATS)}) and is not one `datasets` "
+                        "saved (dataset_dict.json or state.json).")
     readme = folder / "README.md"
     card = readme.read_text(encoding="utf-8", errors="replace") if readme.is_file() else None
     name, files = split_files(names, card, split, subset, fallback_splits, where)
