@@ -286,7 +286,8 @@ def data_cases() -> list[Case]:
     cases = [Case(f"data:{name}", write("train.jsonl", text, train), 2) for name, text in bad_rows.items()]
     cases += [
         Case("data:missing", lambda f: [f"data.train_data_path={f / 'none.jsonl'}"], says="no such file"),
-        Case("data:folder", lambda f: [f"data.train_data_path={f}"], says="the folder has no data files"),
+        Case("data:folder", lambda f: [(f / "empty").mkdir(exist_ok=True) or f"data.train_data_path={f / 'empty'}"],
+             says="the folder has no data files"),
         Case("data:parquet-garbage", write("train.parquet", b"PAR1 not really", train), says="Parquet"),
         Case("data:txt", write("train.txt", "prompt,answer\n1+1=,2\n", train), says="unknown format"),
         Case("data:val-bad-row", write("val.jsonl", rows([1]), "data.val_data_path={file}"), says="val.jsonl:1"),
