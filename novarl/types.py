@@ -12,9 +12,9 @@ similar length, or padded in fixed rows) is the training backend's business
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -29,6 +29,8 @@ class Prompt:
     """Reference answer the reward function compares against, if any."""
     index: int = -1
     """Position of the example in its dataset (for logs and resume)."""
+    columns: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    """The data row's other fields, offered to the reward function by name."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 
 from novarl.cli import BUNDLED_RECIPE, main
 from novarl.errors import UserError
-from novarl.rewards.registry import RewardScorer
+from novarl.rewards.scorer import RewardScorer
 from novarl.types import Completion, Prompt
 from tests.helpers import HF, default_generation
 

@@ -199,7 +199,9 @@ def test_nemo_rl_data_blocks_become_novarl_data_keys():
     assert (data.dataset_name, data.train_data_path, data.input_key, data.output_key) == \
         ("ResponseDataset", "train.jsonl", "question", "solution")
     assert data.split_validation_size == 0.1
-    assert any(w.startswith("env.math: NeMo RL's math environment") for w in cfg.load_warnings)
+    assert "env.math: completions are scored by reward.function='math_verify' (math-verify, as NeMo RL's " \
+        "hf_math_verify); num_workers=8 is not used (the reward runs in the driver)" in cfg.load_warnings
+    assert cfg.reward.function == "math_verify"
     msg = error_of({"data": {"train": [{"data_path": "a.jsonl"}, {"data_path": "b.jsonl"}]}})
     assert "'data.train' is a list of 2 datasets" in msg
     msg = error_of({"data": {"train": {"data_path": "a.jsonl", "input_key": "q"},

@@ -36,7 +36,7 @@ from novarl.cli import BUNDLED_RECIPE, main
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import UserError
 from novarl.models.bundled import resolve_bundled
-from novarl.rewards.registry import RewardScorer
+from novarl.rewards.scorer import RewardScorer
 from novarl.types import Completion, Prompt
 
 TINY_MODEL = resolve_bundled("tiny-arith")

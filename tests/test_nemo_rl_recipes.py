@@ -86,7 +86,8 @@ REFUSED = {
         "'grpo.use_dynamic_sampling' = true: DAPO's dynamic sampling is not built yet",
         "'grpo.batch_multiplier' = 3: over-generation for dynamic sampling",
         "'grpo.reward_scaling' = {'enabled': True,", "'grpo.reward_shaping' = {'enabled': True,",
-        "'policy.hf_config_overrides' = {'max_position_embeddings': 16384}"],
+        "'policy.hf_config_overrides' = {'max_position_embeddings': 16384}",
+        "'env.math.math_verify_impl' = 'dapo_math_verify': DAPO's answer checker is not built"],
 }
 
 

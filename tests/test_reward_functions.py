@@ -68,12 +68,7 @@ def test_several_rewards_are_weighted_and_each_logged_with_extra_metrics():
     scorer = RewardScorer.from_spec([correct, short], weights=[1.0, 0.5])
     assert scorer.score([completion("4"), completion("skip"), completion("four")]) == [1.5, 0.0, 0.0]
     metrics = scorer.take_metrics()
-    assert metrics == {"reward/test_several_rewards_are_weighted_and_each_logged_with_extra_metrics.<locals>.correct":
-                       pytest.approx(1 / 3),
-                       "reward/test_several_rewards_are_weighted_and_each_logged_with_extra_metrics.<locals>.correct/"
-                       "length": pytest.approx(7 / 3),
-                       "reward/test_several_rewards_are_weighted_and_each_logged_with_extra_metrics.<locals>.short":
-                       pytest.approx(0.5)}
+    assert metrics == {"reward/correct": pytest.approx(1 / 3), "reward/correct/length": 3.0, "reward/short": 0.5}
     assert scorer.take_metrics() == {}
     with pytest.raises(UserError, match=r"reward.weights has 1 weight\(s\) for 2 reward function\(s\)"):
         RewardScorer.from_spec([correct, short], weights=[1.0])

@@ -14,7 +14,8 @@ import pytest
 
 from novarl.cli import main
 from novarl.errors import UserError
-from novarl.rewards.registry import RewardScorer, import_reward_fn
+from novarl.rewards.registry import import_reward_fn
+from novarl.rewards.scorer import RewardScorer
 from novarl.types import Completion, Prompt
 
 PROMPT = Prompt(text="1+1=", token_ids=[1, 2, 3], answer="2", index=0)

@@ -53,7 +53,8 @@ def test_a_roll_pipeline_config_becomes_novarls_sections(in_tmp):
     assert "actor_train (fsdp2_train on 2 device(s)) -> policy: dtensor" in became
     assert "actor_infer (hf_infer on 2 device(s)) -> policy.generation: hf, colocated on the training devices" in became
     assert "reference (hf_infer) -> the frozen reference, on the training backend (dtensor)" in became
-    assert any("rewards.math_rule (MathRuleRewardWorker)" in w for w in cfg.load_warnings)
+    assert "rewards.math_rule (MathRuleRewardWorker) -> reward.function='math_verify'" in became
+    assert cfg.reward.function == "math_verify"
 
 
 def test_validate_on_the_roll_config_lists_what_each_block_became(in_tmp, capsys):

@@ -410,8 +410,8 @@ def _flatten_data(data: dict[str, Any], warnings: list[str], grpo_seed: Any) -> 
 
 
 def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
-    """NeMo RL's environments: novarl scores with reward.function. The math environment
-    (math-verify) is the one novarl's recipes stand in for; it is said once in a warning."""
+    """NeMo RL's environments: novarl scores with reward.function. The math environment is
+    reward.function 'math_verify' (said once in a warning); the others are not built."""
     data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
     used = data.pop("_env_names", set()) if data else set()
     env = tree.get("env")
@@ -431,11 +431,30 @@ def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
             warnings.append(f"env.{name}: NeMo RL's '{name}' environment is not built; the block is not used "
                             "(novarl scores completions with reward.function)")
     if "math" in env:
-        function = (tree.get("reward") or {}).get("function", "exact_match")
-        warnings.append("env.math: NeMo RL's math environment (math-verify) is not built yet; rewards come from "
-                        f"reward.function='{function}'" + (" (the answer's text, compared after normalisation)"
-                                                           if function == "exact_match" else ""))
+        refused.extend(_math_environment(tree, env["math"], warnings))
     return refused
+
+
+def _math_environment(tree: dict[str, Any], block: Any, warnings: list[str]) -> list[str]:
+    """NeMo RL's math environment scores with math-verify (hf_math_verify): novarl's reward
+    function 'math_verify', unless the config names a reward function of its own."""
+    block = block if isinstance(block, dict) else {}
+    impl = block.get("math_verify_impl", "hf_math_verify")
+    if impl not in (None, "hf_math_verify"):
+        what = "DAPO's answer checker" if impl == "dapo_math_verify" else "that checker"
+        return [f"'env.math.math_verify_impl' = {show_value(impl)}: {what} is not built; 'hf_math_verify' "
+                "(reward.function: math_verify) is."]
+    reward = tree.setdefault("reward", {}) if isinstance(tree.get("reward", {}), dict) else {}
+    workers = f"; num_workers={block['num_workers']} is not used (the reward runs in the driver)" \
+        if block.get("num_workers", 1) != 1 else ""
+    if "function" in reward:
+        warnings.append(f"env.math is not used: reward.function={show_value(reward['function'])} scores the "
+                        "completions")
+    else:
+        reward["function"] = "math_verify"
+        warnings.append(f"env.math: completions are scored by reward.function='math_verify' (math-verify, as NeMo "
+                        f"RL's hf_math_verify){workers}")
+    return []
 
 
 VALUE_NOTES: dict[tuple[str, Any], str] = {

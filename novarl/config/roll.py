@@ -145,7 +145,7 @@ VLLM_OPERATIONAL = ("block_size", "load_format", "sleep_level", "distributed_exe
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "float32": "float32"}
 MATH_REWARDS = ("MathRuleRewardWorker",)
-"""ROLL's reward workers novarl stands in for with reward.function (said in a warning)."""
+"""ROLL's reward workers that are novarl's reward.function 'math_verify'."""
 
 
 def from_roll(tree: Mapping[str, Any]) -> Translation:
@@ -554,8 +554,10 @@ def _rewards(rewards: Any, out: Translation) -> None:
     for name, block in rewards.items():
         worker = str((block or {}).get("worker_cls", "")).rsplit(".", 1)[-1]
         if worker in MATH_REWARDS:
-            out.warnings.append(f"rewards.{name} ({worker}): ROLL's math rule reward is not built yet; rewards come "
-                                "from reward.function='exact_match' (the answer's text, compared after normalisation)")
+            out.tree.setdefault("reward", {}).setdefault("function", "math_verify")
+            out.became.append(f"rewards.{name} ({worker}) -> reward.function="
+                              f"{show_value(out.tree['reward']['function'])} (ROLL's math rule reward: math-verify, 1 "
+                              "when the answer is right, else 0)")
         else:
             out.refuse(f"rewards.{name}.worker_cls", worker or None, "only ROLL's math rule reward has a stand-in "
                                                                      "(reward.function); other reward workers "

@@ -546,9 +546,25 @@ class DataConfig(Section):
 
 
 class RewardConfig(Section):
-    function: PathText = "exact_match"
-    """A registered name (exact_match), an import path 'module:function' (also a module in the
-    working directory), or a file 'path/to/rewards.py:function' (relative to the working directory)."""
+    function: PathText | list[PathText] = "exact_match"
+    """A registered name (exact_match, math_verify, boxed_match, last_number, boxed_format), an import
+    path 'module:function' (also a module in the working directory), or a file
+    'path/to/rewards.py:function' (relative to the working directory); or a list of them, whose
+    rewards are added with `weights`. How each is called: novarl/rewards/scorer.py."""
+    weights: list[float] | None = None
+    """One weight per function when `function` is a list (TRL's reward_weights); None: 1.0 each."""
+
+    @model_validator(mode="after")
+    def _weights(self) -> "RewardConfig":
+        count = len(self.function) if isinstance(self.function, list) else 1
+        if not count:
+            raise ValueError("reward.function is an empty list: give at least one reward function")
+        if self.weights is not None and len(self.weights) != count:
+            raise ValueError(f"reward.weights has {len(self.weights)} weight(s) for {count} reward function(s): "
+                             "give one weight per function")
+        if self.weights is not None and not all(math.isfinite(w) for w in self.weights):
+            raise ValueError(f"reward.weights={self.weights}: weights are finite numbers")
+        return self
     timeout_s: float | None = Field(300.0, gt=0)
     """Seconds one call of the function (one completion) may take; past it the run stops with an
     error naming the function and the completion. None: no limit, and the function is called

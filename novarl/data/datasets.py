@@ -273,7 +273,7 @@ def to_prompts(examples: list[Example], tokenizer, *, template: str | None = Non
             text = f"{system_prompt}\n{text}" if system_prompt else text
             ids = tokenizer(text).input_ids
         if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
-            prompts.append(Prompt(text=text, token_ids=list(ids), answer=ex.answer, index=index))
+            prompts.append(Prompt(text=text, token_ids=list(ids), answer=ex.answer, index=index, columns=ex.columns))
     return prompts
 
 

@@ -91,6 +91,7 @@ def math_verify(completion: str, answer: str) -> float:
     docstring); 0.0 otherwise, also when either side does not parse."""
     try:
         from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+        from math_verify.errors import TimeoutException
     except ImportError:
         raise UserError("reward.function='math_verify' needs the math-verify package: "
                         "pip install 'novarl[math]'.") from None
@@ -102,5 +103,5 @@ def math_verify(completion: str, answer: str) -> float:
         given = parse(completion, extraction_config=(ExprExtractionConfig(), LatexExtractionConfig()),
                       parsing_timeout=timeout)
         return 1.0 if gold and given and verify(gold, given, timeout_seconds=timeout) else 0.0
-    except Exception:  # an expression sympy cannot handle is a wrong answer, as in NeMo RL
+    except (Exception, TimeoutException):  # what sympy cannot handle, or in time, is wrong, as in NeMo RL
         return 0.0

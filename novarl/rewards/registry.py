@@ -1,7 +1,8 @@
 """Reward functions: a registered name, an import path, or a Python file the config gives.
 
-``reward.function`` is one of
-- a registered name: ``exact_match``;
+``reward.function`` is one of (or a list of them: novarl/rewards/scorer.py)
+- a registered name: ``exact_match``, ``math_verify``, ``boxed_match``, ``last_number``,
+  ``boxed_format`` (novarl/rewards/math.py);
 - ``module:function``: ``module`` is imported from sys.path, else from the working
   directory (``myreward.py`` or a package folder there), which the ``novarl``
   console script does not put on sys.path; the folder is then appended to
@@ -12,14 +13,14 @@
   clash), with its folder appended to sys.path so it can import the files
   beside it.
 
-A reward function is called once per completion as
-``fn(completion: str, answer: str | None) -> float`` (plus ``prompt=`` when it
-has a parameter of that name). Only the names the config gives are imported.
-Every import failure, and a function that raises, or returns something that is
-not a number within +-REWARD_LIMIT (nan, inf, 1e308, a string, None), stops the
+How a function is called (per sample or batched, with the data's columns) and what
+it may return: novarl/rewards/scorer.py. Only the names the config gives are
+imported. Every import failure, and a function that raises, or returns something
+that is not a number within +-REWARD_LIMIT (nan, inf, 1e308, a string), stops the
 run with an error naming it (and the sample).
 
-``reward.timeout_s`` bounds each call (one completion). In the main thread (the
+``reward.timeout_s`` bounds each call (one completion; a batched call, that many
+seconds per completion). In the main thread (the
 command line) the call runs there under a SIGALRM timer: the handler raises
 inside the function, which interrupts sleeping, waiting on I/O, Python loops and
 regular expressions alike, and nothing is left running. Elsewhere (train()
@@ -37,9 +38,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import inspect
-import math
-import numbers
 import os
 import queue
 import re
@@ -48,16 +46,20 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 from novarl.errors import UserError
+from novarl.rewards.math import boxed_format, boxed_match, last_number_match, math_verify
 from novarl.rewards.verifiers import exact_match
-from novarl.types import Completion
 
-REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {"exact_match": exact_match}
+REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {
+    "exact_match": exact_match, "math_verify": math_verify, "boxed_match": boxed_match,
+    "last_number": last_number_match, "boxed_format": boxed_format}
+
+NEEDS: dict[str, tuple[str, str]] = {"math_verify": ("math_verify", "pip install 'novarl[math]'")}
+"""Registered rewards that need a package: (module, how to install it)."""
 
 DEFAULT_TIMEOUT_S = 300.0
 """reward.timeout_s's default: seconds one call may take."""
@@ -73,6 +75,9 @@ integers are not all distinct)."""
 def import_reward_fn(spec: str) -> Callable[..., float]:
     """'exact_match', 'package.module:function' or 'path/to/file.py:function' -> the function."""
     if spec in REWARD_FUNCTIONS:
+        if spec in NEEDS and importlib.util.find_spec(NEEDS[spec][0]) is None:
+            raise UserError(f"reward.function='{spec}' needs the {NEEDS[spec][0].replace('_', '-')} package: "
+                            f"{NEEDS[spec][1]}.")
         return REWARD_FUNCTIONS[spec]
     source, colon, attr = spec.rpartition(":")
     if not colon or not source or not attr:
@@ -169,72 +174,6 @@ def _import_failed(spec: str, doing: str, err: Exception, hint: str = "") -> Use
               if f.filename not in machinery and not f.filename.startswith("<frozen")]
     at = f" (raised at {frames[-1].filename}:{frames[-1].lineno})" if frames and not isinstance(err, SyntaxError) else ""
     return UserError(f"reward.function='{spec}': {doing} failed: {type(err).__name__}: {message}{at}{hint}.")
-
-
-@dataclass
-class RewardScorer:
-    """Scores completions with one reward function and checks what it returns."""
-
-    fn: Callable[..., float]
-    name: str
-    timeout_s: float | None = DEFAULT_TIMEOUT_S
-    """Seconds one call may take (see the module docstring); None: no limit."""
-
-    @classmethod
-    def from_spec(cls, spec: str | Callable[..., float], *,
-                  timeout_s: float | None = DEFAULT_TIMEOUT_S) -> "RewardScorer":
-        if callable(spec):
-            return cls(spec, getattr(spec, "__qualname__", repr(spec)), timeout_s)
-        return cls(import_reward_fn(spec), spec, timeout_s)
-
-    def __post_init__(self) -> None:
-        try:
-            self._wants_prompt = "prompt" in inspect.signature(self.fn).parameters
-        except (TypeError, ValueError):
-            self._wants_prompt = False
-
-    def score(self, completions: Sequence[Completion]) -> list[float]:
-        return [self._one(c) for c in completions]
-
-    def _one(self, completion: Completion) -> float:
-        kwargs = {"prompt": completion.prompt.text} if self._wants_prompt else {}
-
-        def sample() -> str:
-            return f"prompt {_clip(repr(completion.prompt.text))}, completion {_clip(repr(completion.text))}"
-
-        def expired() -> str:
-            return (f"Reward function '{self.name}' did not return within reward.timeout_s={self.timeout_s:g} s "
-                    f"(on {sample()}); the run stopped. Make it faster, or raise reward.timeout_s (null: no limit).")
-
-        try:
-            value = call_with_timeout(lambda: self.fn(completion.text, completion.prompt.answer, **kwargs),
-                                      self.timeout_s, error=expired)
-        except RewardTimeout:
-            raise UserError(expired()) from None
-        except (Exception, SystemExit) as err:  # a user's function may raise anything
-            raise UserError(f"Reward function '{self.name}' raised {type(err).__name__}: {_clip(str(err), 300)}"
-                            f"{_signal_hint(err)} (on {sample()}).") from None
-        return self._checked(value, sample)
-
-    def _checked(self, value: object, sample: Callable[[], str]) -> float:
-        """`value` as a float, if it is a real number within +-REWARD_LIMIT."""
-        problem = None
-        if not isinstance(value, numbers.Real):
-            problem = "not a finite number"
-        else:
-            try:
-                number = float(value)
-            except (OverflowError, ValueError, TypeError):
-                number = math.inf
-            if not math.isfinite(number):
-                problem = "not a finite number"
-            elif abs(number) > REWARD_LIMIT:
-                problem = (f"beyond +-{REWARD_LIMIT:.0e}, the largest reward taken: rewards are trained in float32, "
-                           "where such values overflow (inf, then NaN weights). Scale the reward down")
-        if problem:
-            raise UserError(f"Reward function '{self.name}' returned {_clip(repr(value))} "
-                            f"({type(value).__name__}), {problem} (on {sample()}).")
-        return number
 
 
 class RewardTimeout(BaseException):

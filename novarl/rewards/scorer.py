@@ -92,7 +92,7 @@ class RewardScorer:
         terms = []
         for one, weight in zip(specs, weights):
             fn = one if callable(one) else import_reward_fn(one)
-            name = one if isinstance(one, str) else getattr(one, "__qualname__", repr(one))
+            name = one if isinstance(one, str) else getattr(one, "__name__", repr(one))
             terms.append(RewardTerm.of(fn, name, float(weight)))
         return cls(terms, timeout_s)
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from novarl.backends.protocols import GenerationBackend
 from novarl.logging.console import info
-from novarl.rewards.registry import RewardScorer
+from novarl.rewards.scorer import RewardScorer
 from novarl.types import Prompt, SamplingConfig
 
 
@@ -19,10 +19,12 @@ def evaluate(generator: GenerationBackend, prompts: Sequence[Prompt], scorer: Re
                 for start in range(0, len(prompts), batch_size)]
     completions = [c for rollout in rollouts for c in rollout.result()]
     rewards = scorer.score(completions)
+    extras = scorer.take_metrics()  # the reward functions' own metrics, over the evaluation set
     for c, r in list(zip(completions, rewards))[:samples_to_print]:
         info(f"  {c.prompt.text!r} -> {c.text!r} (answer {c.prompt.answer!r}, reward {r:g})")
     return {
         "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
         "reward": sum(rewards) / len(rewards),
         "num_samples": float(len(rewards)),
+        **extras,
     }

@@ -140,7 +140,8 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
     with timer("weight_sync"):
         sync_metrics = roles.sync_weights(step)
     mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None else {}  # else the loss measured it
-    return {**rollout_metrics(completions, rewards, grpo.num_generations_per_prompt), **train_metrics,
+    return {**rollout_metrics(completions, rewards, grpo.num_generations_per_prompt), **inputs.scorer.take_metrics(),
+            **train_metrics,
             **sync_metrics, **mismatch, **timer.seconds, "time_step": time.perf_counter() - tic}
 
 

@@ -16,6 +16,7 @@ import torch
 
 from novarl.backends.protocols import (GenerationBackend, Offloadable, ReferenceBackend, Stoppable,
                                        TrainingBackend)
+from novarl.config.files import show_value
 from novarl.config.schema import NovaRLConfig
 from novarl.data.arithmetic import Example
 from novarl.data.datasets import PromptSampler, dataset_kind, load_examples, read_prompt_template, to_prompts
@@ -26,7 +27,7 @@ from novarl.models.locate import download_snapshot
 from novarl.plan.generation import generation_layout
 from novarl.plan.checks import ConfigReport, check_config, one_error
 from novarl.plan.resolve import BackendChoice, BatchPlan, world_size
-from novarl.rewards.registry import RewardScorer
+from novarl.rewards.scorer import RewardScorer
 from novarl.types import Completion, Prompt
 
 
@@ -108,12 +109,14 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
                             trust_remote_code=cfg.policy.trust_remote_code)
     if tokenizer is not None:
         attempt(check_stop_token_ids, cfg, tokenizer)
-    scorer = attempt(RewardScorer.from_spec, reward_fn or cfg.reward.function, timeout_s=cfg.reward.timeout_s)
+    scorer = attempt(RewardScorer.from_spec, reward_fn or cfg.reward.function,
+                     weights=None if reward_fn else cfg.reward.weights, timeout_s=cfg.reward.timeout_s)
     train = attempt(split_prompts, cfg, tokenizer, "train", train_examples, notes=notes) \
         if tokenizer is not None else None
     if scorer is not None and train:
-        attempt(check_reward, scorer, train[0], where=f"reward.function='{cfg.reward.function}'" if reward_fn is None
-                else f"the reward function given to the trainer ({scorer.name})")
+        where = f"reward.function={show_value(cfg.reward.function)}" if reward_fn is None else \
+            f"the reward function given to the trainer ({scorer.name})"
+        attempt(check_reward, scorer, train[0], where=where)
     gap = held_out_gap(cfg, train_examples)
     val = None
     if gap is None and tokenizer is not None:
@@ -295,10 +298,10 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
 
     model_path = resolve_model_path(model)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.policy.trust_remote_code)
-    scorer = RewardScorer.from_spec(cfg.reward.function, timeout_s=cfg.reward.timeout_s)
+    scorer = RewardScorer.from_spec(cfg.reward.function, weights=cfg.reward.weights, timeout_s=cfg.reward.timeout_s)
     gap = held_out_gap(cfg)
     prompts = split_prompts(cfg, tokenizer, "train" if gap else "validation")[:cfg.grpo.max_val_samples]
-    check_reward(scorer, prompts[0], where=f"reward.function='{cfg.reward.function}'")
+    check_reward(scorer, prompts[0], where=f"reward.function={show_value(cfg.reward.function)}")
     if gap:
         info(f"warning: evaluating on {len(prompts)} training prompts, not held-out ones ({gap})")
     engine = HFGeneration(model_path, tokenizer, device, precision=generation_precision(cfg, device),
