@@ -121,3 +121,13 @@ def test_nemo_rl_math_environment_scores_with_math_verify():
     with pytest.raises(UserError, match=r"'env.math.math_verify_impl' = 'dapo_math_verify': DAPO's answer checker "
                                         r"is not built"):
         load_config({"env": {"math": {"math_verify_impl": "dapo_math_verify"}}})
+
+
+def test_validate_says_when_a_registered_reward_lacks_its_package(monkeypatch):
+    from novarl.plan.checks import check_config
+    from novarl.rewards import registry
+
+    monkeypatch.setitem(registry.NEEDS, "math_verify", ("novarl_no_such_package", "pip install 'novarl[math]'"))
+    report = check_config(load_config({"reward": {"function": ["exact_match", "math_verify"]}}))
+    assert [str(p) for p in report.problems] == ["reward.function='math_verify' needs the novarl-no-such-package "
+                                                 "package: pip install 'novarl[math]'."]

@@ -76,10 +76,22 @@ def check_config(cfg: NovaRLConfig) -> ConfigReport:
             report.gpu_only.extend(transformer_engine_options(cfg))
     report.batches = report.attempt(plan_batches, cfg)
     report.attempt(check_output_dirs, cfg)
+    report.attempt(check_reward_packages, cfg)
     problems, notes = data_problems(cfg.data)
     report.problems.extend(problems)
     report.notes.extend(notes)
     return report
+
+
+def check_reward_packages(cfg: NovaRLConfig) -> None:
+    """A registered reward that needs a package (math_verify: math-verify) finds it. (A reward
+    from the user's own module is imported, and tried once, by `novarl train`'s pre-flight.)"""
+    from novarl.rewards.registry import NEEDS, import_reward_fn
+
+    functions = cfg.reward.function if isinstance(cfg.reward.function, list) else [cfg.reward.function]
+    for name in functions:
+        if name in NEEDS:
+            import_reward_fn(name)
 
 
 def dataset_kind(data: DataConfig) -> str:
