@@ -47,6 +47,8 @@ class RewardTerm:
     """It has **kwargs: every keyword is passed."""
     required: tuple[str, ...] = ()
     """Keyword parameters without defaults: each must be offered (prompt, a column)."""
+    metric: str = ""
+    """Its name in metrics (reward/<metric>): the function's own name."""
 
     @classmethod
     def of(cls, fn: Callable, name: str, weight: float = 1.0) -> "RewardTerm":
@@ -93,7 +95,11 @@ class RewardScorer:
         for one, weight in zip(specs, weights):
             fn = one if callable(one) else import_reward_fn(one)
             name = one if isinstance(one, str) else getattr(one, "__name__", repr(one))
-            terms.append(RewardTerm.of(fn, name, float(weight)))
+            term = RewardTerm.of(fn, name, float(weight))
+            term.metric = name.rpartition(":")[2]
+            if any(t.metric == term.metric for t in terms):  # two files' functions of one name: kept apart
+                term.metric = f"{term.metric}_{len(terms)}"
+            terms.append(term)
         return cls(terms, timeout_s)
 
     @property
@@ -114,9 +120,9 @@ class RewardScorer:
                     totals[i] += term.weight * reward
                     given.append(reward)
                 for key, number in extras.items():
-                    self._metrics.setdefault(f"reward/{term.name}/{key}", []).append(number)
+                    self._metrics.setdefault(f"reward/{term.metric or term.name}/{key}", []).append(number)
             if several and given:
-                self._metrics.setdefault(f"reward/{term.name}", []).extend(given)
+                self._metrics.setdefault(f"reward/{term.metric or term.name}", []).extend(given)
         return totals
 
     def take_metrics(self) -> dict[str, float]:
