@@ -166,7 +166,7 @@ RULES: tuple[Rule, ...] = (
         "cluster.master_port_range_low", "cluster.master_port_range_high", "cluster.segment_size",
         "checkpointing.save_optimizer", "data_plane",
         "data.num_workers",
-        "logger.swanlab", "logger.mlflow.tracking_uri", "logger.wandb.log_nemo_gym_full_result_tables",
+        "logger.swanlab", "logger.wandb.log_nemo_gym_full_result_tables",
         "policy.offload_optimizer_for_logprob", "policy.refit_buffer_size_gb",
         "policy.activation_checkpointing_enabled",
         "policy.tokenizer.use_fastokens",

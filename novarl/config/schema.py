@@ -593,11 +593,16 @@ class CheckpointingConfig(Section):
 class WandbConfig(Section):
     project: str = "novarl"
     name: str | None = None
+    entity: str | None = None
 
 
 class MlflowConfig(Section):
     experiment_name: str = "novarl"
     run_name: str | None = None
+    """None: the run folder's name (exp_001, ...)."""
+    tracking_uri: str | None = None
+    """None: $MLFLOW_TRACKING_URI, else MLflow's default."""
+    artifact_location: str | None = None
 
 
 class GpuMonitoringConfig(Section):

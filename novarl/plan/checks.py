@@ -77,6 +77,9 @@ def check_config(cfg: NovaRLConfig) -> ConfigReport:
     report.batches = report.attempt(plan_batches, cfg)
     report.attempt(check_output_dirs, cfg)
     report.attempt(check_reward_packages, cfg)
+    from novarl.logging.trackers import missing_packages
+
+    report.problems.extend(UserError(line + ".") for line in missing_packages(cfg.logger))
     problems, notes = data_problems(cfg.data)
     report.problems.extend(problems)
     report.notes.extend(notes)

@@ -170,9 +170,10 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
         missing.append("asynchronous GRPO (grpo.async_grpo.enabled)")
     if cfg.grpo.max_rollout_turns > 1:
         missing.append(f"multi-turn rollouts (grpo.max_rollout_turns={cfg.grpo.max_rollout_turns})")
-    for sink in ("wandb", "tensorboard", "mlflow", "swanlab"):
-        if getattr(cfg.logger, f"{sink}_enabled"):
-            warnings.append(f"logger.{sink}_enabled: not available yet; metrics go to the JSONL file")
+    if cfg.logger.swanlab_enabled:
+        warnings.append("logger.swanlab_enabled: SwanLab is not available yet; metrics go to metrics.jsonl and the "
+                        "other trackers")
+
     return Availability(tuple(missing), tuple(warnings), tuple(gpu_only))
 
 

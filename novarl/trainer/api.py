@@ -15,6 +15,7 @@ from novarl.data.arithmetic import Example
 from novarl.data.datasets import BUNDLED_DATASETS
 from novarl.errors import CheckpointLoadFailed, RunFailed, UserError
 from novarl.logging.metrics import JsonlSink, read_jsonl
+from novarl.logging.trackers import open_trackers
 from novarl.plan.resolve import world_size
 from novarl.trainer.checkpoint import POLICY_DIR, STATE_FILE, Checkpoint, Checkpointer, mark_finished
 
@@ -94,7 +95,14 @@ class GRPOTrainer:
         if self.checkpoints_in_run_folder and "checkpoint_dir" not in cfg.checkpointing.model_fields_set:
             cfg = cfg.model_copy(update={"checkpointing": cfg.checkpointing.model_copy(
                 update={"checkpoint_dir": str(run_dir / "checkpoints")})})
-        sink = JsonlSink(run_dir / "metrics.jsonl")
+        try:
+            trackers = open_trackers(cfg.logger, run_dir, cfg.model_dump(mode="json", by_alias=True))
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        for tracker in trackers:
+            info(f"tracker: {tracker.where}")
+        sink = JsonlSink(run_dir / "metrics.jsonl", trackers)
         try:
             return self._run(cfg, inputs, run_dir, sink, resume)
         except BaseException:
@@ -123,9 +131,10 @@ class GRPOTrainer:
             where = (f"the newest good checkpoint is {newest.path}; `novarl train` with the same config "
                      "resumes from it" if newest else "no checkpoint was written (checkpointing.enabled)")
             raise RunFailed(f"{err} Metrics so far are in {run_dir}; {where}.") from None
-        sink.close()
         plot = plot_reward_curve(read_jsonl(sink.path), run_dir / "reward_curve.png",
                                  title=f"GRPO on {cfg.policy.model_name}")
+        sink.log_image(plot, "reward_curve")
+        sink.close()
         if checkpointer is not None:
             finish_checkpoints(checkpointer, int(summary.get("steps", 0)), run_dir=run_dir, model_dir=model_dir)
         info(f"saved the policy to {model_dir} and the reward curve to {plot}")
