@@ -121,10 +121,11 @@ def test_validate_refuses_what_train_cannot_run_yet(capsys, log_dir):
 
 
 def test_validate_prints_the_warnings_plan_prints(capsys):
-    code, out, err = run_cli(capsys, "validate", "logger.wandb_enabled=true", "policy.deepspeed_cfg.enabled=true")
+    code, out, err = run_cli(capsys, "validate", "logger.swanlab_enabled=true", "policy.deepspeed_cfg.enabled=true")
     assert code == 0, err
     assert f"# note: policy.generation.backend not set: using '{DEFAULT_GENERATION}' (" in out
-    assert "# warning: logger.wandb_enabled: not available yet; metrics go to the JSONL file\n" in out
+    assert "# warning: logger.swanlab_enabled: SwanLab is not available yet; metrics go to metrics.jsonl and the " \
+           "other trackers\n" in out
     assert "# valid. training backend: deepspeed (also enabled, ignored by precedence" in out
 
 
@@ -245,7 +246,7 @@ def test_unknown_dataset_name(capsys, log_dir, command):
     ("novarl.rewards.verifiers:no_such_function",
      "module 'novarl.rewards.verifiers' has no function 'no_such_function'"),
     ("no_such_module_for_novarl_tests:score", "importing module 'no_such_module_for_novarl_tests' failed: ModuleNotFoundError"),
-    ("exact_mtch", "neither a registered reward (exact_match) nor an import path 'module:function'"),
+    ("exact_mtch", "neither a registered reward (exact_match, math_verify, boxed_match, last_number, boxed_format) nor an import path 'module:function'"),
 ])
 @BOTH
 def test_reward_function_that_does_not_exist(capsys, log_dir, spec, expected, command):

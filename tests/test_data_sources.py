@@ -168,9 +168,9 @@ def test_nemo_rl_named_datasets_read_their_hub_fields(hub_cache, tmp_path):
     gsm8k_card = (b"---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train-*\n"
                   b"  - split: test\n    path: main/test-*\n- config_name: socratic\n  data_files:\n"
                   b"  - split: train\n    path: socratic/train-*\n---\n")
-    cache_snapshot(hub_cache, "openai/gsm8k", {"README.md": gsm8k_card, "main/train-00000-of-00001.parquet":
-                                              parquet_bytes([{"question": "2+2?", "answer": "2 and 2 make 4.\n#### 4"}])},
-                   repo_type="dataset")
+    gsm8k_rows = parquet_bytes([{"question": "2+2?", "answer": "2 and 2 make 4.\n#### 4"}])
+    cache_snapshot(hub_cache, "openai/gsm8k",
+                   {"README.md": gsm8k_card, "main/train-00000-of-00001.parquet": gsm8k_rows}, repo_type="dataset")
     # NeMo RL's blocks: the DAPO recipe trains on DAPOMath17K and evaluates on AIME2024
     cfg = load_config({"data": {"train": {"dataset_name": "DAPOMath17K"}, "validation": {"dataset_name": "AIME2024"}}})
     assert (cfg.data.dataset_name, cfg.data.val_dataset_name) == ("DAPOMath17K", "AIME2024")

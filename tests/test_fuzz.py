@@ -414,7 +414,8 @@ def big_int(completion, answer): return 10 ** 400
 def string(completion, answer): return "1.0"
 def none(completion, answer): return None
 def listed(completion, answer): return [1.0]
-def mapping(completion, answer): return {"reward": 1.0}
+def mapping(completion, answer): return {"score": 1.0}
+def reward_dict(completion, answer): return {"reward": 1.0, "length": len(completion)}
 def complex_number(completion, answer): return 1j
 def exits(completion, answer): sys.exit(3)
 def sleeps(completion, answer): time.sleep(3600)
@@ -451,7 +452,8 @@ def reward_cases() -> list[Case]:
     bad = ["raises", "nan", "inf", "minus_inf", "huge", "over_float32", "over_limit", "big_int", "string", "none",
            "listed", "mapping", "complex_number", "exits", "sleeps", "spins", "backtracks", "not_callable", "absent"]
     cases = [Case(f"reward:{fn}", reward(fn), 2, limit_s=20, says="reward.function=") for fn in bad]
-    cases += [Case(f"reward-valid:{fn}", reward(fn), 0) for fn in ("ok", "boolean", "fraction", "at_limit")]
+    cases += [Case(f"reward-valid:{fn}", reward(fn), 0) for fn in ("ok", "boolean", "fraction", "at_limit",
+                                                                   "reward_dict")]
     cases += [
         Case("reward:syntax-error", write("bad.py", "def f(:\n", "reward.function={file}:f"), says="SyntaxError"),
         Case("reward:import-raises", write("bad.py", "raise ImportError('no gpu')\n", "reward.function={file}:f"),

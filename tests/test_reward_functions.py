@@ -50,7 +50,8 @@ def test_wrong_signatures_and_returns_say_what_novarl_calls():
     with pytest.raises(UserError, match=r"needs 'difficulty', which is neither 'prompt' nor a column of the data "
                                         r"\(columns: level\)"):
         RewardScorer.from_spec(lambda completion, answer, difficulty: 1.0).score([completion("4", level=1)])
-    with pytest.raises(UserError, match=r"must return a list of 2 rewards, one per completion; it returned a list of 1"):
+    with pytest.raises(UserError, match=r"must return a list of 2 rewards, one per completion; it returned a list "
+                                        r"of 1"):
         RewardScorer.from_spec(lambda completions, **kw: [1.0]).score([completion("4"), completion("5")])
     with pytest.raises(UserError, match=r"returned a dict without 'reward'"):
         RewardScorer.from_spec(lambda completion, answer: {"score": 1.0}).score([completion("4")])

@@ -163,7 +163,8 @@ class MlflowTracker:
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
                 cfg.experiment_name, artifact_location=cfg.artifact_location)
             self.run_id = self.client.create_run(experiment_id, run_name=cfg.run_name or run_dir.name).info.run_id
-            self.where = f"MLflow: run {self.run_id} of experiment '{cfg.experiment_name}' at {self.client.tracking_uri}"
+            self.where = (f"MLflow: run {self.run_id} of experiment '{cfg.experiment_name}' at "
+                          f"{self.client.tracking_uri}")
         except Exception as err:  # a tracking server that does not answer, a store MLflow refuses
             raise UserError(f"logger.mlflow_enabled: MLflow did not start ({type(err).__name__}: "
                             f"{str(err).splitlines()[0] if str(err) else ''}); check logger.mlflow.tracking_uri "

@@ -171,9 +171,10 @@ class RewardScorer:
     def _call(self, term: RewardTerm, call: Callable[[], object], timeout_s: float | None,
               sample: Callable[[], str]) -> object:
         def expired() -> str:
-            return (f"Reward function '{term.name}' did not return within {timeout_s:g} s (reward.timeout_s="
-                    f"{self.timeout_s:g}, on {sample()}); the run stopped. Make it faster, or raise "
-                    "reward.timeout_s (null: no limit).")
+            limit = f"reward.timeout_s={self.timeout_s:g} s (on " if timeout_s == self.timeout_s else \
+                f"{timeout_s:g} s (reward.timeout_s={self.timeout_s:g} s per completion, on "
+            return (f"Reward function '{term.name}' did not return within {limit}{sample()}); the run stopped. "
+                    "Make it faster, or raise reward.timeout_s (null: no limit).")
 
         try:
             return call_with_timeout(call, timeout_s, error=expired)
