@@ -126,3 +126,55 @@ def test_resume_refuses_another_run_or_a_finished_one(tmp_path):
         GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=other_model)).train()
     with pytest.raises(UserError, match="already at step 2, and grpo.max_num_steps=2: nothing left to train"):
         GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path, 2))).train()
+
+
+def test_convert_reads_the_weights_only_and_writes_the_runs_precision_and_format(tmp_path):
+    """A checkpoint converts in the run's precision (bf16: half the bytes) and file format, sharded
+    past the shard size; the optimizer's state is not read."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from novarl.backends.training.dtensor import DTensorPolicy
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.loading import ExportFormat, load_tokenizer, resolve_model_path, save_hf_folder
+    from novarl.trainer.checkpoint import POLICY_DIR
+
+    GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path, 2))).train()
+    step = tmp_path / "ckpt" / "step_2"
+    cfg = load_config(step / "config.yaml")
+    ensure_single_process_group()
+    policy = DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=1,
+                           temperature=1.0)
+    policy.load_weights(step / POLICY_DIR)
+    assert policy.optimizer.state_dict()["state"] == {}  # nothing of the optimizer was read
+    fp32 = tmp_path / "fp32"
+    assert main(["convert", str(step), str(fp32)]) == 0
+    weights = AutoModelForCausalLM.from_pretrained(fp32).state_dict()
+    assert all(torch.equal(weights[k], v) for k, v in policy.full_state_dict().items())
+
+    tokenizer = load_tokenizer(resolve_model_path("tiny-arith"))
+    bf16 = tmp_path / "bf16"
+    save_hf_folder(bf16, policy.model.config, policy.full_state_dict(), tokenizer,
+                   ExportFormat(dtype="bfloat16", max_shard_size="200KB"))
+    index = json.loads((bf16 / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2 and json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(bf16 / shards[0]), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    loaded = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16).state_dict()
+    assert all(torch.equal(loaded[k], weights[k].to(torch.bfloat16)) for k in weights)
+    pickled = tmp_path / "torch_save"
+    save_hf_folder(pickled, policy.model.config, policy.full_state_dict(), tokenizer, ExportFormat(safetensors=False))
+    assert (pickled / "pytorch_model.bin").is_file() and not list(pickled.glob("*.safetensors"))
+    reloaded = AutoModelForCausalLM.from_pretrained(pickled).state_dict()
+    assert all(torch.equal(reloaded[k], weights[k]) for k in weights)
+
+
+def test_the_export_format_follows_precision_and_model_save_format():
+    from novarl.models.loading import ExportFormat, export_format
+
+    assert export_format(None, "safetensors", on_gpu=True) == ExportFormat(dtype="bfloat16")
+    assert export_format(None, None, on_gpu=False) == ExportFormat(dtype="float32")
+    assert export_format("float16", "torch_save", on_gpu=True) == ExportFormat(dtype="float16", safetensors=False)

@@ -296,9 +296,9 @@ def test_unbuilt_settings_are_refused_and_operational_ones_warned():
     cfg = load_config({"policy": {"logprob_chunk_size": 1024, "dtensor_cfg": {"_v2": False},
                                   "megatron_cfg": {"enabled": True,
                                                    "distributed_data_parallel_config": {"overlap_param_gather": True}}},
-                       "checkpointing": {"model_save_format": "torch_save"}})
+                       "checkpointing": {"save_consolidated": True}})
     warned = "\n".join(cfg.load_warnings)
-    for key in ("policy.logprob_chunk_size", "policy.dtensor_cfg._v2", "checkpointing.model_save_format",
+    for key in ("policy.logprob_chunk_size", "policy.dtensor_cfg._v2", "checkpointing.save_consolidated",
                 "distributed_data_parallel_config.overlap_param_gather"):
         assert key in warned
     assert load_config({}).load_warnings == ()

@@ -49,7 +49,9 @@ class TrainingBackend(ReferenceBackend, Protocol):
 
     def load(self, path: Path) -> None: ...
 
-    def save_hf(self, path: Path, tokenizer) -> None: ...
+    def save_hf(self, path: Path, tokenizer, fmt=None) -> None:
+        """A Hugging Face folder of the full weights; `fmt` an ExportFormat (models/loading.py),
+        None: fp32 safetensors."""
 
 
 class WeightSender(Protocol):

@@ -587,6 +587,8 @@ class CheckpointingConfig(Section):
     save_period: int = Field(10, ge=1)
     checkpoint_must_save_by: str | None = None
     model_save_format: Literal["safetensors", "torch_save"] | None = "safetensors"
+    """The Hugging Face folders' file format (the run's policy/ and `novarl convert`): safetensors,
+    or torch_save (pytorch_model.bin); None: safetensors."""
     save_consolidated: bool = False
 
 

@@ -45,8 +45,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("policy.generation.vllm_cfg.use_deep_gemm", _off, False, "DeepGEMM kernels are for FP8 generation"),
     Setting("policy.generation.vllm_cfg.num_last_layers_in_bf16", _off, False, "it applies to FP8 generation"),
     Setting("policy.generation.vllm_cfg.num_first_layers_in_bf16", _off, False, "it applies to FP8 generation"),
-    Setting("checkpointing.model_save_format", lambda v: v in (None, "safetensors"), False,
-            "novarl writes safetensors"),
     Setting("checkpointing.save_consolidated", _off, False,
             "checkpoints hold the training shards; `novarl convert` (and the end of every run) writes the Hugging "
             "Face folder"),

@@ -40,8 +40,8 @@ class RemotePolicy:
     def load(self, path: Path) -> None:
         self.group.call("load", path)
 
-    def save_hf(self, path: Path, tokenizer) -> None:
-        self.group.call("save_hf", path, tokenizer)
+    def save_hf(self, path: Path, tokenizer, fmt=None) -> None:
+        self.group.call("save_hf", path, tokenizer, fmt)
 
     def sample_tokens(self, prompts: list[list[int]], sampling, stop_ids: list[int], max_seq_length: int,
                       config) -> list[tuple[list[int], list[float]]]:

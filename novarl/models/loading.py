@@ -13,6 +13,8 @@ which folder.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import json
 from pathlib import Path
 
@@ -198,18 +200,48 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return torch.nn.functional.pad(logprobs, (1, 0))
 
 
-def save_hf_folder(path, model_config, state: dict, tokenizer) -> None:
-    """Write full weights `state` (Hugging Face names) as a Hugging Face folder, fp32
-    safetensors, with the tokenizer: what transformers and vLLM load as is."""
+@dataclass(frozen=True)
+class ExportFormat:
+    """How a Hugging Face folder is written."""
+
+    dtype: str = "float32"
+    """The weights' dtype: the run's precision (a bf16 policy is a bf16 folder, half the size)."""
+    safetensors: bool = True
+    """False: PyTorch's pickle format, one pytorch_model.bin (checkpointing.model_save_format: torch_save)."""
+    max_shard_size: str = "5GB"
+    """Larger models are written in shards of at most this size, with an index."""
+
+
+def export_format(policy_precision: str | None, model_save_format: str | None, *, on_gpu: bool) -> ExportFormat:
+    """The format of exported folders: policy.precision (unset: bf16 on a CUDA host, fp32 on CPU,
+    as training runs), checkpointing.model_save_format (safetensors unless torch_save)."""
+    return ExportFormat(dtype=policy_precision or ("bfloat16" if on_gpu else "float32"),
+                        safetensors=model_save_format != "torch_save")
+
+
+def save_hf_folder(path, model_config, state: dict, tokenizer, fmt: ExportFormat | None = None) -> None:
+    """Write full weights `state` (Hugging Face names) as a Hugging Face folder in `fmt` (fp32
+    safetensors by default; shards with an index past fmt.max_shard_size), with the tokenizer:
+    what transformers and vLLM load as is."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    fmt = fmt or ExportFormat()
+    dtype = getattr(torch, fmt.dtype)
     with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    missing, unexpected = plain.load_state_dict({k: v.float() for k, v in state.items()}, strict=False, assign=True)
+        plain = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+    missing, unexpected = plain.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     plain.tie_weights()  # a tied copy (lm_head.weight) may be absent: it is the embedding
     tied = plain._tied_weights_keys or ()
     if unexpected or any(key not in tied for key in missing):
         raise RuntimeError(f"weights do not match {type(plain).__name__}: missing {missing}, unexpected {unexpected}")
-    plain.save_pretrained(path, safe_serialization=True)
+    plain.config.dtype = dtype
+    if fmt.safetensors:
+        plain.save_pretrained(path, max_shard_size=fmt.max_shard_size)
+    else:  # transformers 5 writes safetensors only: PyTorch's format, one file, as transformers reads it
+        Path(path).mkdir(parents=True, exist_ok=True)
+        plain.config.save_pretrained(path)
+        if plain.generation_config is not None:
+            plain.generation_config.save_pretrained(path)
+        torch.save({k: v.contiguous() for k, v in plain.state_dict().items()}, Path(path) / "pytorch_model.bin")
     tokenizer.save_pretrained(path)

@@ -157,6 +157,7 @@ class GRPOTrainer:
 
         from novarl.distributed.local import default_device
         from novarl.logging.console import info
+        from novarl.models.loading import export_format
         from novarl.trainer.grpo import run_grpo
         from novarl.trainer.setup import build_roles
 
@@ -167,7 +168,9 @@ class GRPOTrainer:
             roles = self.roles = build_roles(cfg, inputs, default_device())
             try:
                 summary = run_grpo(without_done_evaluation(cfg, start), inputs, roles, sink, checkpointer, start)
-                save_atomically(model_dir, lambda tmp: roles.policy.save_hf(tmp, inputs.tokenizer))
+                fmt = export_format(cfg.policy.precision, cfg.checkpointing.model_save_format,
+                                    on_gpu=default_device().type == "cuda")
+                save_atomically(model_dir, lambda tmp: roles.policy.save_hf(tmp, inputs.tokenizer, fmt))
                 return summary
             except CheckpointLoadFailed as err:
                 if checkpointer is None:

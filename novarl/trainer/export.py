@@ -43,10 +43,12 @@ def export_checkpoint(checkpoint: Path, output: Path) -> Path:
     The checkpoint is verified first (sizes and checksums against its manifest). DTensor and
     Megatron checkpoints load with weights_only=True (DCP's `.metadata` pickle read through a
     restricted unpickler first); DeepSpeed's zero_to_fp32 unpickles without restriction, so its
-    files are scanned for foreign globals first (checkpoint_files.check_deepspeed_pickles)."""
+    files are scanned for foreign globals first (checkpoint_files.check_deepspeed_pickles).
+    The folder is written in the run's precision and checkpointing.model_save_format (see
+    models.loading.export_format); a DTensor checkpoint's optimizer state is not read."""
     from novarl.backends.training.dtensor import DTensorPolicy
     from novarl.distributed.local import default_device, ensure_single_process_group
-    from novarl.models.loading import load_tokenizer, resolve_model_path
+    from novarl.models.loading import export_format, load_tokenizer, resolve_model_path
     from novarl.trainer.api import save_atomically
 
     checkpoint = find_checkpoint(checkpoint)
@@ -56,16 +58,18 @@ def export_checkpoint(checkpoint: Path, output: Path) -> Path:
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = load_tokenizer(cfg.policy.tokenizer.name or model_path,
                                trust_remote_code=cfg.policy.trust_remote_code)
+    fmt = export_format(cfg.policy.precision, cfg.checkpointing.model_save_format,
+                        on_gpu=default_device().type == "cuda")
     if (checkpoint / POLICY_DIR / "deepspeed").is_dir():
-        return _export_deepspeed(checkpoint / POLICY_DIR, model_path, tokenizer, output)
+        return _export_deepspeed(checkpoint / POLICY_DIR, model_path, tokenizer, output, fmt)
     if (checkpoint / POLICY_DIR / "megatron").is_dir():
-        return _export_megatron(checkpoint / POLICY_DIR / "megatron", model_path, tokenizer, output)
+        return _export_megatron(checkpoint / POLICY_DIR / "megatron", model_path, tokenizer, output, fmt)
     ensure_single_process_group()
     policy = DTensorPolicy(cfg.policy, model_path, default_device(), total_steps=1,
                            temperature=cfg.policy.generation.temperature)
     with loading(checkpoint):
-        policy.load(checkpoint / POLICY_DIR)
-    save_atomically(output, lambda tmp: policy.save_hf(tmp, tokenizer))
+        policy.load_weights(checkpoint / POLICY_DIR)  # the model's weights only, not the optimizer's state
+    save_atomically(output, lambda tmp: policy.save_hf(tmp, tokenizer, fmt))
     return output
 
 
@@ -84,7 +88,7 @@ def loading(checkpoint: Path) -> Iterator[None]:
                         "or backend version?).") from err
 
 
-def _export_deepspeed(policy_dir: Path, model_path: str, tokenizer, output: Path) -> Path:
+def _export_deepspeed(policy_dir: Path, model_path: str, tokenizer, output: Path, fmt) -> Path:
     """DeepSpeed's fp32 master weights, merged from every rank's partition offline (no
     process group, any number of ranks wrote them)."""
     from transformers import AutoConfig
@@ -99,11 +103,11 @@ def _export_deepspeed(policy_dir: Path, model_path: str, tokenizer, output: Path
     with loading(policy_dir.parent):
         state = get_fp32_state_dict_from_zero_checkpoint(str(policy_dir), tag="deepspeed")
     model_config = AutoConfig.from_pretrained(model_path)
-    save_atomically(output, lambda tmp: save_hf_folder(tmp, model_config, state, tokenizer))
+    save_atomically(output, lambda tmp: save_hf_folder(tmp, model_config, state, tokenizer, fmt))
     return output
 
 
-def _export_megatron(folder: Path, model_path: str, tokenizer, output: Path) -> Path:
+def _export_megatron(folder: Path, model_path: str, tokenizer, output: Path, fmt) -> Path:
     """The Megatron model shards (every tensor-parallel rank of every pipeline stage, and every
     expert-parallel rank's experts), joined offline with the conversion's name mapping; no
     process group, no megatron-core."""
@@ -128,6 +132,5 @@ def _export_megatron(folder: Path, model_path: str, tokenizer, output: Path) -> 
     model_config = AutoConfig.from_pretrained(model_path)
     state = shards_to_hf(parts, LayerShape.from_hf_config(model_config), tensor_parallel_size=tp,
                          fused_norms=layout["fused_norms"], experts=experts)
-    save_atomically(output, lambda tmp: save_hf_folder(tmp, model_config, {k: v.float() for k, v in state.items()},
-                                                       tokenizer))
+    save_atomically(output, lambda tmp: save_hf_folder(tmp, model_config, state, tokenizer, fmt))
     return output

@@ -39,7 +39,7 @@ from novarl.config.schema import PolicyConfig
 from novarl.distributed.weight_sync import bucketed, in_dtype
 from novarl.errors import ConfigError
 from novarl.models.attention import use_varlen_attention
-from novarl.models.loading import load_causal_lm, save_hf_folder
+from novarl.models.loading import ExportFormat, load_causal_lm, save_hf_folder
 
 CHECKPOINT_TAG = "deepspeed"
 """The engine's files go to <checkpoint>/deepspeed/ (no `latest` file beside them)."""
@@ -236,11 +236,11 @@ class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows):
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {path / CHECKPOINT_TAG}")
 
-    def save_hf(self, path: Path, tokenizer) -> None:
-        """A consolidated Hugging Face folder (fp32 weights), from any ZeRO stage."""
+    def save_hf(self, path: Path, tokenizer, fmt: ExportFormat | None = None) -> None:
+        """A consolidated Hugging Face folder (in `fmt`: fp32 by default), from any ZeRO stage."""
         state = self.full_state_dict()
         if self.dp_rank == 0:
-            save_hf_folder(path, self.engine.module.config, state, tokenizer)
+            save_hf_folder(path, self.engine.module.config, state, tokenizer, fmt)
 
 
 class DeepSpeedReference(DeepSpeedModel):

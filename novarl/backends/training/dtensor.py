@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,7 +41,7 @@ from novarl.backends.training.parallelize import (
 from novarl.config.schema import PolicyConfig
 from novarl.distributed.weight_sync import bucketed, full_weights
 from novarl.models.attention import use_varlen_attention
-from novarl.models.loading import DTYPES, load_causal_lm, save_hf_folder
+from novarl.models.loading import DTYPES, ExportFormat, load_causal_lm, save_hf_folder
 
 
 class ShardedModel(DataParallelRows):
@@ -134,11 +135,19 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
                        optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(torch.load(Path(path) / "scheduler.pt", weights_only=True))
 
-    def save_hf(self, path: Path, tokenizer) -> None:
+    def load_weights(self, path: Path) -> None:
+        """The model weights of a checkpoint written by `save`, and nothing else (no optimizer
+        state is read): what `novarl convert` needs."""
+        model_state = get_model_state_dict(self.model)
+        state = {"model": model_state}
+        dcp.load(state, checkpoint_id=str(path), planner=WeightsOnlyLoadPlanner())
+        set_model_state_dict(self.model, state["model"])
+
+    def save_hf(self, path: Path, tokenizer, fmt: ExportFormat | None = None) -> None:
         """A consolidated Hugging Face folder that transformers and vLLM load as is."""
         state = self.full_state_dict()
         if dist.get_rank() == 0:
-            save_hf_folder(path, self.model.config, state, tokenizer)
+            save_hf_folder(path, self.model.config, state, tokenizer, fmt)
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):

@@ -471,13 +471,14 @@ class MegatronPolicy(MegatronModel):
                 "vocab_size": self.shape.vocab_size, "experts": self.shape.num_experts, "fused_norms": self.fused_norms,
                 "distributed_optimizer": self.distributed_optimizer}
 
-    def save_hf(self, path: Path, tokenizer) -> None:
-        """A consolidated Hugging Face folder (fp32 weights) from every rank's shard."""
+    def save_hf(self, path: Path, tokenizer, fmt=None) -> None:
+        """A consolidated Hugging Face folder (in `fmt`, an ExportFormat: fp32 by default) from
+        every rank's shard."""
         from novarl.models.loading import save_hf_folder
 
         state = self.full_state_dict()
         if dist.get_rank() == 0:
-            save_hf_folder(path, self.hf_config, {k: v.float() for k, v in state.items()}, tokenizer)
+            save_hf_folder(path, self.hf_config, state, tokenizer, fmt)
 
 
 class MegatronReference(MegatronModel):
