@@ -202,8 +202,13 @@ def test_nemo_rl_data_blocks_become_novarl_data_keys():
     assert "env.math: completions are scored by reward.function='math_verify' (math-verify, as NeMo RL's " \
         "hf_math_verify); num_workers=8 is not used (the reward runs in the driver)" in cfg.load_warnings
     assert cfg.reward.function == "math_verify"
-    msg = error_of({"data": {"train": [{"data_path": "a.jsonl"}, {"data_path": "b.jsonl"}]}})
-    assert "'data.train' is a list of 2 datasets" in msg
+    # the list form: several datasets, data.default under each block
+    cfg = load_config({"data": {"train": [{"data_path": "a.jsonl"}, {"data_path": "b.jsonl", "input_key": "q"}],
+                                "default": {"input_key": "p", "processor": "math_hf_data_processor"}}})
+    assert [(b.data_path, b.input_key) for b in cfg.data.train] == [("a.jsonl", "p"), ("b.jsonl", "q")]
+    msg = error_of({"data": {"train": [{"data_path": "a.jsonl", "prompt_file": "other.txt"}, "b.jsonl"]}})
+    assert "'data.train[0].prompt_file' = 'other.txt' differs from data.default's null" in msg
+    assert "'data.train[1]' = 'b.jsonl': a dataset block is a mapping" in msg
     msg = error_of({"data": {"train": {"data_path": "a.jsonl", "input_key": "q"},
                              "validation": {"data_path": "b.jsonl", "input_key": "other", "processor": "x"}}})
     assert "'data.validation.input_key' = 'other' differs from the training data's 'q'" in msg

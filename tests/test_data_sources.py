@@ -183,3 +183,52 @@ def test_nemo_rl_named_datasets_read_their_hub_fields(hub_cache, tmp_path):
     # a named dataset and a path for the same split are one source too many
     with pytest.raises(Exception, match="names a dataset, but data.train_data_path is also set"):
         load_config({"data": {"dataset_name": "DAPOMath17K", "train_data_path": str(tmp_path / "x.jsonl")}})
+
+
+def test_several_datasets_train_as_one_pool_and_evaluate_on_held_out_parts_and_their_own(tmp_path):
+    def rows(name: str, start: int, count: int, key: str = "prompt") -> str:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({key: f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                                for i in range(start, start + count)))
+        return str(path)
+
+    a, b, v = rows("a.jsonl", 0, 10), rows("b.jsonl", 100, 4, key="question"), rows("v.jsonl", 500, 2)
+    cfg = load_config({"data": {"train": [{"data_path": a, "split_validation_size": 0.2},
+                                          {"data_path": b, "input_key": "question"}],
+                                "validation": [{"data_path": v}]}}).data
+    train, val = load_examples(cfg, "train", seed=3), load_examples(cfg, "validation", seed=3)
+    assert len(train) == 8 + 4 and len(val) == 2 + 2
+    assert {e.answer for e in train} & {e.answer for e in val} == set()  # a's held-out rows are not trained on
+    assert {"101", "104"} <= {e.answer for e in train} and {"501", "502"} <= {e.answer for e in val}
+    with pytest.raises(Exception, match="data.train lists the datasets, and data.train_data_path names one too"):
+        load_config({"data": {"train": [{"data_path": a}], "train_data_path": a}})
+    with pytest.raises(Exception, match="names its data with dataset_name .* or data_path, one of them"):
+        load_config({"data": {"train": [{"input_key": "q"}]}})
+
+
+def test_nemo_rl_multiple_datasets_config_validates_as_written(hub_cache, capsys, monkeypatch):
+    from pathlib import Path
+
+    from novarl.cli import main
+
+    monkeypatch.chdir(hub_cache)
+    recipe = Path(__file__).parent / "data" / "nemo_rl" / "2026-08" / "grpo_multiple_datasets.yaml"
+    cfg = load_config(recipe)
+    assert [b.dataset_name for b in cfg.data.train] == ["OpenMathInstruct-2", "DeepScaler"]
+    assert cfg.data.train[0].split_validation_size == 0.05 and cfg.data.validation[0].repeat == 16
+    assert cfg.reward.function == "math_verify"
+    assert main(["validate", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    assert "data.validation[0].repeat=16: novarl evaluates greedily" in out
+    assert "data.train[1].dataset_name='DeepScaler' (hub dataset 'agentica-org/DeepScaleR-Preview-Dataset'): " \
+           "it is in no local cache" in out
+
+
+def test_roll_several_files_are_one_pool_and_domain_sampling_is_refused():
+    from novarl.config.roll import from_roll
+
+    base = {"actor_train": {"strategy_args": {"strategy_name": "fsdp2_train"},
+                            "data_args": {"file_name": ["a.jsonl", "b.jsonl"], "messages": "messages"}}}
+    assert from_roll(base).tree["data"]["train"] == [{"data_path": "a.jsonl"}, {"data_path": "b.jsonl"}]
+    base["actor_train"]["data_args"]["domain_interleave_probs"] = {"math": 0.6, "code": 0.4}
+    assert any("sampling the files' domains by probability is not built yet" in r for r in from_roll(base).refused)

@@ -66,7 +66,7 @@ def test_validate_on_the_roll_config_lists_what_each_block_became(in_tmp, capsys
 
 @pytest.mark.parametrize("name, expected", [
     ("qwen3-8B-rlvr_fsdp2.yaml", ["'adv_estimator' = 'reinforce'", "'whiten_advantages' = true",
-                                  "'difficulty_mask' = true", "'actor_train.data_args.file_name' = [",
+                                  "'difficulty_mask' = true", "'actor_train.data_args.domain_interleave_probs' = {",
                                   "'rewards.code_sandbox.worker_cls' = 'CodeSandboxRewardWorker'",
                                   "'rewards.llm_judge.worker_cls' = 'LLMJudgeRewardWorker'"]),
     ("qwen2.5-7B-rlvr_megatron.yaml", ["'adv_estimator' = 'reinforce'", "'rewards.ifeval.worker_cls'",

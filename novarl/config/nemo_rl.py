@@ -97,7 +97,8 @@ RULES: tuple[Rule, ...] = (
     off("grpo.use_dynamic_sampling", _is(False), f"DAPO's dynamic sampling is {ISSUE_ALGORITHMS}"),
     off("grpo.batch_multiplier", _is(1, 1.0), f"over-generation for dynamic sampling is {ISSUE_ALGORITHMS}"),
     *governed("grpo.dynamic_sampling_max_gen_batches", "grpo.stop_at_validation_threshold",
-              "data.num_prompts_per_dataloader", "policy.megatron_cfg.optimizer.optimizer_offload_fraction",
+              "data.num_prompts_per_dataloader", "data.custom_dataloader",
+              "policy.megatron_cfg.optimizer.optimizer_offload_fraction",
               "policy.megatron_cfg.optimizer.overlap_cpu_optimizer_d2h_h2d", "policy.generation.sglang_cfg",
               "policy.generation.trtllm_cfg", "policy.generation.trtllm_kwargs", "policy.generation.dynamo_cfg",
               "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
@@ -159,7 +160,6 @@ RULES: tuple[Rule, ...] = (
     off("policy.generation.vllm_cfg.logprobs_mode", _is("processed_logprobs", None),
         "novarl's vLLM engines return processed logprobs (after temperature and top-p/top-k)"),
     off("data.use_multiple_dataloader", _is(False), f"several dataloaders are {ISSUE_DATA}"),
-    off("data.custom_dataloader", _empty, f"custom dataloaders are {ISSUE_DATA}"),
     off("data.add_system_prompt", _is(False), "set data.system_prompt_file for a system prompt"),
     # ---------------------------------------------------------------- operational
     *operational(
@@ -349,9 +349,8 @@ def translate(tree: dict[str, Any]) -> tuple[list[str], list[str]]:
 def _flatten_data(data: dict[str, Any], warnings: list[str], grpo_seed: Any) -> list[str]:
     """NeMo RL's data.train / data.validation / data.default blocks as novarl's flat data keys."""
     train, validation, default = data.pop("train", None), data.pop("validation", None), data.pop("default", None)
-    if isinstance(train, list):
-        return [f"'data.train' is a list of {len(train)} datasets: several training datasets are {ISSUE_DATA}; "
-                "give one."]
+    if isinstance(train, list) or isinstance(validation, list):
+        return _dataset_lists(data, train, validation, default, warnings, grpo_seed)
     blocks = {"data.train": train, "data.validation": validation, "data.default": default}
     bad = [f"'{k}' = {show_value(v)}: a dataset block is a mapping of dataset_name, data_path, input_key, ..."
            for k, v in blocks.items() if v is not None and not isinstance(v, dict)]
@@ -406,6 +405,60 @@ def _flatten_data(data: dict[str, Any], warnings: list[str], grpo_seed: Any) -> 
         unknown = set(values) - {*DATA_FIELDS, "data_path", "split", "subset", "processor", "env_name", "seed",
                                  "repeat"}
         refused.extend(f"unknown key '{block}.{k}'." for k in sorted(unknown))
+    return refused
+
+
+BLOCK_KEYS = {"train": ("dataset_name", "data_path", "input_key", "output_key", "subset", "split",
+                        "split_validation_size"),
+              "validation": ("dataset_name", "data_path", "input_key", "output_key", "subset", "split", "repeat")}
+"""What novarl's data.train / data.validation list blocks hold (config/schema.py DatasetBlock)."""
+
+
+def _dataset_lists(data: dict[str, Any], train: Any, validation: Any, default: Any, warnings: list[str],
+                   grpo_seed: Any) -> list[str]:
+    """NeMo RL's list form (several datasets): data.default's keys under each block, as NeMo RL
+    merges them; the prompt files, processor and environment are one for all datasets in novarl."""
+    from novarl.data.named import NAMED_DATASETS
+
+    default = default if isinstance(default, dict) else {}
+    refused: list[str] = []
+    for key in ("input_key", "output_key", "prompt_file", "system_prompt_file"):
+        if default.get(key) is not None:
+            data.setdefault(key, default[key])
+    for role, value in (("train", train), ("validation", validation)):
+        if value is None:
+            continue
+        blocks = value if isinstance(value, list) else [value]
+        out = []
+        for i, block in enumerate(blocks):
+            where = f"data.{role}[{i}]"
+            if not isinstance(block, dict):
+                refused.append(f"'{where}' = {show_value(block)}: a dataset block is a mapping of dataset_name, "
+                               "data_path, input_key, ...")
+                continue
+            merged = {**default, **block}
+            if merged.get("dataset_name") in NAMED_DATASETS:  # NeMo RL's named datasets read their own fields
+                merged = {k: v for k, v in merged.items() if k not in ("input_key", "output_key") or k in block}
+            for key in ("prompt_file", "system_prompt_file"):
+                if merged.get(key) != data.get(key):
+                    refused.append(f"'{where}.{key}' = {show_value(merged.get(key))} differs from data.default's "
+                                   f"{show_value(data.get(key))}: novarl reads every dataset with one {key}.")
+            if merged.get("processor") not in PROCESSORS:
+                refused.append(f"'{where}.processor' = {show_value(merged['processor'])}: novarl formats prompts as "
+                               f"{PROCESSORS[1]} does; other processors are {ISSUE_DATA}.")
+            if merged.get("env_name") is not None:
+                data.setdefault("_env_names", set()).add(merged["env_name"])
+            if merged.get("seed") not in (None, grpo_seed):
+                warnings.append(f"'{where}.seed' = {show_value(merged['seed'])}: novarl draws the held-out split "
+                                f"with grpo.seed ({show_value(grpo_seed)})")
+            unknown = set(merged) - {*BLOCK_KEYS[role], "processor", "env_name", "seed", "prompt_file",
+                                     "system_prompt_file", *(("repeat",) if role == "train" else ())}
+            refused.extend(f"unknown key '{where}.{k}'." for k in sorted(unknown))
+            if role == "train" and merged.get("repeat", 1) != 1:
+                refused.append(f"'{where}.repeat' = {show_value(merged['repeat'])}: repeating a training dataset is "
+                               f"{ISSUE_DATA}.")
+            out.append({k: v for k, v in merged.items() if k in BLOCK_KEYS[role] and v is not None})
+        data.setdefault(role, out)
     return refused
 
 

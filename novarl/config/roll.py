@@ -473,9 +473,13 @@ def _training_args(args: Mapping[str, Any], out: Translation, training: str, pla
 def _data_args(args: Mapping[str, Any], out: Translation) -> None:
     files = args.get("file_name")
     files = [files] if isinstance(files, str) else list(files or [])
-    if len(files) > 1:
-        out.refuse("actor_train.data_args.file_name", files, "several training files (with domain interleaving) "
-                                                             "are not built yet (the bring-your-own-data issue)")
+    mixing = args.get("domain_interleave_probs") or args.get("interleave_probs")
+    if len(files) > 1 and mixing:
+        out.refuse("actor_train.data_args.domain_interleave_probs", mixing,
+                   "sampling the files' domains by probability is not built yet (the bring-your-own-data issue); "
+                   "without it the files are read as one shuffled pool")
+    elif len(files) > 1:
+        out.set("data.train", [{"data_path": f} for f in files])
     elif files:
         out.set("data.train_data_path", files[0])
     if args.get("messages"):  # ROLL's rows: chat messages in this field, the answer in ground_truth

@@ -500,6 +500,32 @@ class LossConfig(Section):
 
 
 # ------------------------------------------------------------------ data, reward
+class DatasetBlock(Section):
+    """One of several datasets (NeMo RL's list form of data.train / data.validation). A key left
+    unset takes data's own (data.input_key, ...), as NeMo RL's data.default does."""
+
+    dataset_name: str | None = None
+    """A named dataset, or 'ResponseDataset' / None for data_path."""
+    data_path: PathText | None = None
+    input_key: str | None = None
+    output_key: str | None = None
+    subset: str | None = None
+    split: str | None = None
+    split_validation_size: float | None = Field(None, ge=0, lt=1)
+    """Training blocks: this fraction is held out for evaluation (drawn with grpo.seed); None:
+    data.split_validation_size."""
+    repeat: int = Field(1, ge=1)
+    """Validation blocks: each example this many times (NeMo RL: AIME x16, averaged over samples)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DatasetBlock":
+        named = self.dataset_name not in (None, "ResponseDataset")
+        if named == bool(self.data_path):
+            raise ValueError("a dataset block names its data with dataset_name (a named dataset) or data_path, "
+                             f"one of them (got dataset_name={self.dataset_name!r}, data_path={self.data_path!r})")
+        return self
+
+
 class DataConfig(Section):
     dataset_name: str | None = None
     """'arithmetic' or 'repeat' (bundled); 'ResponseDataset' (data.train_data_path: a file, a
@@ -530,9 +556,21 @@ class DataConfig(Section):
     split_validation_size: float = Field(0.0, ge=0, lt=1)
     """With no held-out split given: this fraction of the training examples (drawn with grpo.seed)
     is held out for evaluation and not trained on (NeMo RL's data.train.split_validation_size)."""
+    train: list[DatasetBlock] | None = None
+    """Several training datasets (NeMo RL's list form), read one after the other into one shuffled
+    pool; instead of dataset_name / train_data_path."""
+    validation: list[DatasetBlock] | None = None
+    """Several evaluation datasets, instead of val_dataset_name / val_data_path."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "DataConfig":
+        for blocks, flat in (("train", ("dataset_name", "train_data_path", "train_split")),
+                             ("validation", ("val_dataset_name", "val_data_path", "val_split"))):
+            given = [k for k in flat if getattr(self, k) not in (None, "ResponseDataset")]
+            if getattr(self, blocks) is not None and given:
+                raise ValueError(f"data.{blocks} lists the datasets, and data.{given[0]} names one too: give one form")
+            if getattr(self, blocks) == []:
+                raise ValueError(f"data.{blocks} is an empty list: name at least one dataset")
         given = [k for k in ("train_data_path", "val_data_path") if getattr(self, k)]
         if self.dataset_name in BUNDLED_TASKS and given:
             raise ValueError(f"data.dataset_name='{self.dataset_name}' is a bundled task, but data.{given[0]} "

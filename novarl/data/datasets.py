@@ -19,7 +19,7 @@ from novarl.config.schema import DataConfig
 from novarl.data.arithmetic import Example, arithmetic_examples
 from novarl.data.repeat import repeat_examples
 from novarl.errors import UserError
-from novarl.data.named import SplitSpec, prompt_file, split_spec
+from novarl.data.named import SplitSpec, prompt_file, split_specs
 from novarl.data.sources import FORMATS, Source, locate
 from novarl.plan.checks import check_data_source, dataset_kind  # noqa: F401 (dataset_kind re-exported)
 from novarl.types import Prompt
@@ -28,23 +28,34 @@ BUNDLED_DATASETS = {"arithmetic": arithmetic_examples, "repeat": repeat_examples
 
 
 def load_examples(cfg: DataConfig, split: str, *, seed: int = 0) -> list[Example]:
-    """The examples of `split` ("train" or "validation"), from a bundled task or the source
-    `split_spec` names (downloading a hub dataset's split no local cache holds). Without a
-    held-out source and with data.split_validation_size > 0 the training examples are split
-    in two: that fraction (at least one example), drawn with `seed`, is the validation split
-    and is left out of the training one."""
+    """The examples of `split` ("train" or "validation"), from a bundled task or the sources
+    `split_specs` names (downloading a hub dataset's split no local cache holds). A training
+    source with a held-out fraction (data.split_validation_size, or its block's) gives that
+    fraction (at least one example, drawn with `seed`) to the validation split and trains on
+    the rest."""
     check_data_source(cfg)
     kind = dataset_kind(cfg)
     if kind in BUNDLED_DATASETS:
         return BUNDLED_DATASETS[kind](split)
-    if cfg.split_validation_size > 0 and not (cfg.val_data_path or cfg.val_dataset_name):
-        examples = spec_examples(split_spec(cfg, "train"))
-        held_out = held_out_indices(len(examples), cfg.split_validation_size, seed)
-        if len(held_out) >= len(examples):
-            raise UserError(f"data.split_validation_size={cfg.split_validation_size} leaves no training example of "
-                            f"the {len(examples)} in {split_spec(cfg, 'train').text}.")
-        return [e for i, e in enumerate(examples) if (i in held_out) == (split == "validation")]
-    return spec_examples(split_spec(cfg, split))
+    examples = []
+    for spec in split_specs(cfg, "train"):
+        if split == "train" or spec.held_out:
+            examples.extend(_part(spec_examples(spec), spec, seed, split))
+    if split == "validation":
+        examples.extend(e for spec in split_specs(cfg, "validation") for e in spec_examples(spec))
+    return examples
+
+
+def _part(examples: list[Example], spec: SplitSpec, seed: int, split: str) -> list[Example]:
+    """A training source's examples for `split`: without a held-out fraction, all of them for
+    training; with one, the fraction for validation and the rest for training."""
+    if not spec.held_out:
+        return examples if split == "train" else []
+    held_out = held_out_indices(len(examples), spec.held_out, seed)
+    if len(held_out) >= len(examples):
+        raise UserError(f"{spec.where}: a held-out fraction of {spec.held_out} (split_validation_size) leaves no "
+                        f"training example of the {len(examples)}.")
+    return [e for i, e in enumerate(examples) if (i in held_out) == (split == "validation")]
 
 
 def spec_examples(spec: SplitSpec) -> list[Example]:

@@ -103,6 +103,8 @@ def dataset_kind(data: DataConfig) -> str:
     A bundled name together with a data file is refused when the config is
     validated (see DataConfig), so a file is never silently ignored.
     """
+    if data.train is not None:
+        return "ResponseDataset"
     if data.dataset_name is not None:
         return data.dataset_name
     return "ResponseDataset" if data.train_data_path else "arithmetic"
@@ -143,6 +145,10 @@ def _data_problems(data: DataConfig) -> tuple[list[UserError], list[str]]:
                                   "'ResponseDataset' with data.train_data_path: a data file, a `datasets` folder or "
                                   "a hub dataset id.")
     problems, notes = [], []
+    for i, block in enumerate(data.validation or []):
+        if block.repeat > 1:
+            notes.append(f"data.validation[{i}].repeat={block.repeat}: novarl evaluates greedily, so repeated examples "
+                         "would get the same completion; each is evaluated once")
     for key in ("prompt_file", "system_prompt_file"):
         given = getattr(data, key)
         path, note = prompt_file(given, f"data.{key}") if given else (None, None)
@@ -151,7 +157,7 @@ def _data_problems(data: DataConfig) -> tuple[list[UserError], list[str]]:
             problems.append(UserError(f"data.{key}='{path}': no such file."))
     if kind in BUNDLED_TASKS:
         return problems, notes
-    if kind == "ResponseDataset" and data.train_data_path is None:
+    if kind == "ResponseDataset" and data.train_data_path is None and data.train is None:
         raise UserError("data.train_data_path is not set: ResponseDataset reads a data file, a `datasets` folder or "
                         "a hub dataset id.")
     notes.extend(_check_sources(data, problems))
@@ -160,14 +166,13 @@ def _data_problems(data: DataConfig) -> tuple[list[UserError], list[str]]:
 
 def _check_sources(data: DataConfig, problems: list[UserError]) -> list[str]:
     """Each split's source located without the network (problems appended; notes returned)."""
-    from novarl.data.named import split_spec
+    from novarl.data.named import split_specs
     from novarl.data.sources import NotInCache, locate as locate_source
     from novarl.models.locate import hub_offline
 
     found: dict[str, UserError | None] = {}
     notes = []
-    for split in ("train", "validation"):
-        spec = split_spec(data, split)
+    for spec in split_specs(data, "train") + split_specs(data, "validation"):
         for subset in spec.subsets:
             try:
                 locate_source(spec.text, spec.where, split=spec.split, subset=subset,

@@ -170,26 +170,23 @@ def prepare_inputs(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | No
 def held_out_gap(cfg: NovaRLConfig, train_examples: list[Example] | None = None) -> str | None:
     """None when the configured data has a held-out split to evaluate on; otherwise why
     not (the evaluation prompts are then training prompts)."""
-    from novarl.config.schema import BUNDLED_TASKS
-    from novarl.data.named import split_spec
+    from novarl.data.named import split_specs
     from novarl.data.sources import locate
 
     if train_examples is not None:
         return "train_examples were given in memory, with no held-out split"
-    data = cfg.data
-    if dataset_kind(data) in BUNDLED_TASKS or data.val_data_path or data.val_dataset_name \
-            or data.split_validation_size:
-        return None
-    train, val = split_spec(data, "train"), split_spec(data, "validation")
+    val = split_specs(cfg.data, "validation")
+    if not val or not val[0].from_training:
+        return None  # a bundled task, sources of its own, or held-out fractions
     try:
-        same = all(locate(val.text, val.where, split=val.split, subset=subset, fallback_splits=val.fallback_splits)
-                   == locate(train.text, train.where, split=train.split, subset=subset,
-                             fallback_splits=train.fallback_splits) for subset in train.subsets)
+        same = all(locate(v.text, v.where, split=v.split, subset=subset, fallback_splits=v.fallback_splits)
+                   == locate(t.text, t.where, split=t.split, subset=subset, fallback_splits=t.fallback_splits)
+                   for v, t in zip(val, split_specs(cfg.data, "train")) for subset in t.subsets)
     except UserError:
         return None  # reading the split reports it
     if not same:
         return None
-    return "data.val_data_path is not set" + ("" if Path(train.text).is_file() else
+    return "data.val_data_path is not set" + ("" if all(Path(t.text).is_file() for t in val) else
                                               ", and the training data has no validation or test split")
 
 
