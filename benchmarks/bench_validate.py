@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/bench_validate.py [--repeats 5] [--out benchmarks/results/validate_cpu.md]
 
-Runs `novarl validate FILE` (a fresh process each time, HF_HUB_OFFLINE=1) on NeMo RL's
-GRPO configs and recipes in tests/data/nemo_rl and on the ROLL-format config in
-tests/data/roll, with the data given as a file (NeMo RL's named datasets are not read
-yet), and reports the median and the worst wall time of `--repeats` runs, the exit code,
+Runs `novarl validate FILE` (a fresh process each time, with an empty Hugging Face cache:
+HF_HOME a new temporary folder) on NeMo RL's GRPO configs and recipes in tests/data/nemo_rl
+as written (their named datasets and hub models are then notes: `novarl train` downloads
+them; validate touches no network) and on the ROLL-format config in tests/data/roll, and
+reports the median and the worst wall time of `--repeats` runs, the exit code,
 and the heavy modules the process imported (`-X importtime`). The target (issue 16):
 under 1 s for a config whose model is not local, with no torch import. The bundled
 recipe, whose model is local, is measured beside them: it also loads the tokenizer,
@@ -30,13 +31,11 @@ from models import cpu_name  # noqa: E402 -- run from this folder or as a script
 ROOT = Path(__file__).resolve().parent.parent
 NEMO_RL = ROOT / "tests" / "data" / "nemo_rl"
 HEAVY = ("torch", "transformers", "megatron", "vllm", "deepspeed", "ray")
-FILE_DATA = ["data.dataset_name=ResponseDataset", "data.train_data_path=train.jsonl",
-             "data.input_key=prompt", "data.output_key=answer"]
 
 
 def configs() -> list[tuple[str, list[str]]]:
     """(config, its extra overrides): NeMo RL's loadable GRPO files, the ROLL-format one, the bundled recipe."""
-    found = [(str(p.relative_to(ROOT)), FILE_DATA) for p in sorted(NEMO_RL.rglob("*.yaml"))
+    found = [(str(p.relative_to(ROOT)), []) for p in sorted(NEMO_RL.rglob("*.yaml"))
              if not any(bad in p.name for bad in ("sglang", "fp8", "dapo"))]
     found.append(("tests/data/roll/tiny_grpo_fsdp2.yaml", []))
     found.append(("novarl/config/recipes/tiny_arith.yaml", []))
@@ -48,7 +47,8 @@ def run(config: str, extra: list[str], work: Path) -> tuple[float, int, list[str
             f"print('HEAVY', [m for m in {HEAVY!r} if m in sys.modules]); sys.exit(rc)")
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], cwd=work, capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                          env={**{k: v for k, v in os.environ.items() if not k.startswith("HF_")},
+                               "HF_HOME": str(work / "hf_home")})
     seconds = time.perf_counter() - start
     heavy = next((line[len("HEAVY "):] for line in proc.stdout.splitlines() if line.startswith("HEAVY ")), "?")
     return seconds, proc.returncode, json.loads(heavy.replace("'", '"')) if heavy != "?" else ["?"]
@@ -74,9 +74,9 @@ def main() -> None:
                   f"heavy {rows[-1][4]}", flush=True)
     lines = [f"# `novarl validate` wall time ({date.today()}, {cpu_name()}, {os.cpu_count()} cores)", "",
              f"`{' '.join(['.venv/bin/python', 'benchmarks/bench_validate.py', f'--repeats {args.repeats}'])}`: "
-             "a fresh `novarl validate` process per run, HF_HUB_OFFLINE=1, median and worst of "
-             f"{args.repeats}. NeMo RL files with `{' '.join(FILE_DATA)}` (their named datasets are not read "
-             "yet); their models are hub ids that are not cached, so only the torch-free checks run. "
+             "a fresh `novarl validate` process per run, an empty Hugging Face cache, median and worst of "
+             f"{args.repeats}. NeMo RL files as written: their named datasets and models are hub ids that are "
+             "not cached (notes: `novarl train` downloads them), so only the torch-free checks run. "
              "Target (issue 16): under 1 s without a local model, no torch import.", "",
              "| config | median s | worst s | exit | heavy modules imported |", "|---|---:|---:|---:|---|"]
     for config, median, worst, code, heavy in rows:
