@@ -400,8 +400,12 @@ def _flatten_data(data: dict[str, Any], warnings: list[str], grpo_seed: Any) -> 
         if values.get("seed") not in (None, grpo_seed):
             warnings.append(f"'{block}.seed' = {show_value(values['seed'])}: novarl draws the held-out split with "
                             f"grpo.seed ({show_value(grpo_seed)})")
-        if values.get("repeat", 1) != 1:
-            refused.append(f"'{block}.repeat' = {show_value(values['repeat'])}: repeating a dataset is {ISSUE_DATA}.")
+        if values.get("repeat", 1) != 1 and block == "data.validation":
+            warnings.append(f"'{block}.repeat' = {show_value(values['repeat'])}: novarl evaluates greedily, so repeated "
+                            "examples would get the same completion; each is evaluated once")
+        elif values.get("repeat", 1) != 1:
+            refused.append(f"'{block}.repeat' = {show_value(values['repeat'])}: repeating a training dataset is "
+                           f"{ISSUE_DATA}.")
         unknown = set(values) - {*DATA_FIELDS, "data_path", "split", "subset", "processor", "env_name", "seed",
                                  "repeat"}
         refused.extend(f"unknown key '{block}.{k}'." for k in sorted(unknown))

@@ -471,7 +471,8 @@ class GRPOConfig(Section):
     val_at_start: bool = True
     val_at_end: bool = True
     overlong_filtering: bool = False
-    max_val_samples: int = Field(256, ge=1)
+    max_val_samples: int | None = Field(256, ge=1)
+    """At most this many evaluation prompts; None: all of the held-out split (NeMo RL's null)."""
     val_batch_size: int = Field(256, ge=1)
     seed: int = 42
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
