@@ -134,7 +134,6 @@ RULES: tuple[Rule, ...] = (
     off("policy.draft", _disabled, "draft models (speculative decoding heads) are not built"),
     off("policy.router_replay", _disabled, "MoE router replay is not built"),
     off("policy.hf_config_overrides", _empty, "overriding the model's config.json is not built"),
-    off("policy.dtensor_cfg.lora_cfg", _disabled, f"LoRA is {ISSUE_DATA}"),
     off("policy.dtensor_cfg.expert_parallel_size", _is(1, None), "expert parallelism on DTensor is not built "
         "(use megatron_cfg.expert_model_parallel_size)"),
     off("policy.megatron_cfg.peft", _disabled, f"LoRA is {ISSUE_DATA}"),

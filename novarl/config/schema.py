@@ -143,6 +143,36 @@ class GenerationConfig(Section):
 
 
 # -------------------------------------------------------------------- training
+class LoraConfig(Section):
+    """LoRA adapters (NeMo RL's policy.dtensor_cfg.lora_cfg): the base weights frozen, rank-`dim`
+    adapters trained; generation and the export get the merged weights."""
+
+    enabled: bool = False
+    target_modules: list[str] = []
+    """Module names to adapt (PEFT's matching: a name's suffix, or a regular expression)."""
+    exclude_modules: list[str] = []
+    match_all_linear: bool = True
+    """Every linear layer but the output head (overrides target_modules)."""
+    dim: int = Field(8, ge=1)
+    """The rank r."""
+    alpha: float = Field(32, gt=0)
+    """Scaling: the adapter's output is multiplied by alpha / dim."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout_position: Literal["pre", "post"] = "post"
+    """Where dropout applies; PEFT's layers drop the input (pre): post with dropout > 0 is refused."""
+    lora_A_init: Literal["xavier", "uniform"] = "xavier"
+    use_triton: bool = True
+    """NeMo RL's Triton kernels; novarl runs PEFT's layers (said in a warning when LoRA is on)."""
+
+    @model_validator(mode="after")
+    def _post_dropout(self) -> "LoraConfig":
+        if self.enabled and self.dropout > 0 and self.dropout_position == "post":
+            raise ValueError(f"policy.dtensor_cfg.lora_cfg.dropout={self.dropout} with dropout_position 'post': "
+                             "novarl's LoRA layers (PEFT's) drop the adapter's input; set dropout_position: pre, "
+                             "or dropout: 0")
+        return self
+
+
 class DTensorConfig(Section):
     v2: bool = Field(True, alias="_v2")
     """Accepted for NeMo RL compatibility; novarl has one DTensor worker."""
@@ -154,6 +184,7 @@ class DTensorConfig(Section):
     sequence_parallel: bool = False
     custom_parallel_plan: str | None = None
     """Import path `module:object` of a parallel plan for tensor parallelism."""
+    lora_cfg: LoraConfig = Field(default_factory=LoraConfig)
 
 
 class MegatronOptimizerConfig(Section):

@@ -143,6 +143,19 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     if choice.training == "deepspeed" and not installed("deepspeed"):
         missing.append("DeepSpeed, for policy.deepspeed_cfg.enabled: pip install 'novarl[deepspeed]' "
                        "(the Makefile shows how on a CPU-only host)")
+    lora = policy.dtensor_cfg.lora_cfg
+    if lora.enabled:
+        if choice.training != "dtensor":
+            missing.append(f"LoRA on the {choice.training} training backend (policy.dtensor_cfg.lora_cfg; DTensor "
+                           "has it)")
+        elif policy.dtensor_cfg.tensor_parallel_size > 1:
+            missing.append("LoRA with tensor parallelism (policy.dtensor_cfg.tensor_parallel_size > 1; data "
+                           "parallelism with FSDP2 has it)")
+        if not installed("peft"):
+            missing.append("the peft package, for LoRA (policy.dtensor_cfg.lora_cfg): pip install 'novarl[lora]'")
+        if lora.use_triton:
+            warnings.append("policy.dtensor_cfg.lora_cfg.use_triton: novarl runs PEFT's LoRA layers, not Triton "
+                            "kernels")
     if choice.generation not in BUILT_GENERATION_BACKENDS:
         missing.append(f"generation backend '{choice.generation}' (policy.generation.backend); "
                        "'hf', 'vllm' and 'megatron' work today")

@@ -39,7 +39,7 @@ from novarl.backends.training.parallelize import (
     dp_group,
 )
 from novarl.config.schema import PolicyConfig
-from novarl.distributed.weight_sync import bucketed, full_weights
+from novarl.distributed.weight_sync import bucketed, full_weights, in_dtype
 from novarl.models.attention import use_varlen_attention
 from novarl.models.loading import DTYPES, ExportFormat, load_causal_lm, save_hf_folder
 
@@ -68,6 +68,15 @@ class ShardedModel(DataParallelRows):
         self.train_batching = MicroBatching.from_policy(policy, training=True, sequence_multiple=multiple)
         self.logprob_batching = MicroBatching.from_policy(policy, training=False, sequence_multiple=multiple)
         check_packing(model, self.attention, self.logprob_batching, self.device)  # before sharding
+        self.lora = dt.lora_cfg if trainable and dt.lora_cfg.enabled else None
+        if self.lora is not None:  # adapters in place, before sharding: the layers keep their paths
+            from novarl.models.lora import inject, trainable_summary
+
+            adapted = inject(model, self.lora)
+            if dist.get_rank() == 0:
+                from novarl.logging.console import info
+
+                info(trainable_summary(model, adapted, self.lora))
         if dims.tensor_parallel > 1:
             apply_tp(model, self.mesh["tp"], dt)
         if trainable and dt.activation_checkpointing:
@@ -75,8 +84,18 @@ class ShardedModel(DataParallelRows):
         dp_mesh = self.mesh["dp"] if dims.tensor_parallel > 1 else self.mesh
         apply_fsdp(model, dp_mesh, param_dtype=DTYPES[precision], cpu_offload=dt.cpu_offload)
         model.train(trainable)
-        model.requires_grad_(trainable)
+        if self.lora is None:
+            model.requires_grad_(trainable)
         self.model = model
+
+    def hf_items(self, items):
+        """The model's own (Hugging Face) tensors from full ones: LoRA layers merged."""
+        if self.lora is None:
+            yield from items
+            return
+        from novarl.models.lora import merged, scaling
+
+        yield from merged(items, scaling(self.lora))
 
 class DTensorPolicy(ShardedModel, AccumulatingRows):
     """The trainable policy on the DTensor backend (implements TrainingBackend)."""
@@ -85,7 +104,7 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
                  *, total_steps: int, temperature: float) -> None:
         super().__init__(policy, model_path, device, trainable=True, temperature=temperature)
         self.policy = policy
-        self.optimizer = build_optimizer(policy.optimizer, self.model.parameters())
+        self.optimizer = build_optimizer(policy.optimizer, [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(policy.scheduler, self.optimizer, total_steps)
 
     def accumulation_boundary(self, last: bool) -> None:
@@ -111,14 +130,19 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
         alone (the others take part in the gathers). Floating tensors cast to dtype if given."""
         state = get_model_state_dict(self.model)  # this rank's shards, under the model's own names
         keep = everywhere or dist.get_rank() == 0
-        yield from bucketed(full_weights(state.items(), keep, dtype), bucket_bytes)
+        full = self.hf_items(full_weights(state.items(), keep))  # LoRA merged in float32, then cast
+        yield from bucketed(((name, in_dtype(t, dtype)) for name, t in full), bucket_bytes)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the full CPU tensors, the others {}."""
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
+    def _state_options(self) -> StateDictOptions:
+        """With LoRA, the adapters only: the frozen base weights come from the model folder."""
+        return StateDictOptions(ignore_frozen_params=self.lora is not None)
+
     def save(self, path: Path) -> None:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
         if dist.get_rank() == 0:
             torch.save(self.scheduler.state_dict(), Path(path) / "scheduler.pt")
@@ -128,26 +152,31 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
         """Load a checkpoint written by `save` with any number of ranks (DCP reshards). Nothing is
         unpickled with weights_only=False (DCP's `.metadata` pickle is checked before: see
         novarl/trainer/checkpoint.py)."""
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        options = self._state_options()
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=str(path), planner=WeightsOnlyLoadPlanner())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=options)
         self.scheduler.load_state_dict(torch.load(Path(path) / "scheduler.pt", weights_only=True))
 
     def load_weights(self, path: Path) -> None:
         """The model weights of a checkpoint written by `save`, and nothing else (no optimizer
         state is read): what `novarl convert` needs."""
-        model_state = get_model_state_dict(self.model)
-        state = {"model": model_state}
+        options = self._state_options()
+        state = {"model": get_model_state_dict(self.model, options=options)}
         dcp.load(state, checkpoint_id=str(path), planner=WeightsOnlyLoadPlanner())
-        set_model_state_dict(self.model, state["model"])
+        set_model_state_dict(self.model, state["model"], options=options)
 
     def save_hf(self, path: Path, tokenizer, fmt: ExportFormat | None = None) -> None:
         """A consolidated Hugging Face folder that transformers and vLLM load as is."""
         state = self.full_state_dict()
         if dist.get_rank() == 0:
-            save_hf_folder(path, self.model.config, state, tokenizer, fmt)
+            save_hf_folder(path, self.model.config, dict(self.hf_items(state.items())), tokenizer, fmt)
+            if self.lora is not None:  # the adapter alone too, as PEFT saves it
+                from novarl.models.lora import save_adapter
+
+                save_adapter(Path(path) / "adapter", state, self.lora, self.model.config.name_or_path)
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):

@@ -1,0 +1,108 @@
+"""LoRA adapters (NeMo RL's `policy.dtensor_cfg.lora_cfg`), built from PEFT's LoRA layers.
+
+The adapters are injected into the Hugging Face model in place (module paths stay as they
+are, so tensor and data parallelism still find the decoder layers); the base weights are
+frozen, so the optimizer and the checkpoints hold the adapters alone. What leaves training
+is the merged model, W + (alpha / r) x B A per adapted layer: the weight sync to the
+generation engines (streamed, one layer at a time) and the Hugging Face export; the export
+also writes the adapter as a PEFT folder (`adapter/`) that `PeftModel.from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from novarl.config.schema import LoraConfig
+
+ADAPTER = "default"
+"""PEFT's adapter name (the one adapter novarl trains)."""
+
+
+def peft_config(cfg: LoraConfig, base_model: str | None = None):
+    from novarl.backends.training.ops import deepspeed_environment
+
+    deepspeed_environment()  # peft may import deepspeed, which warns about the accelerator unless told it
+    from peft import LoraConfig as PeftLoraConfig
+
+    targets = "all-linear" if cfg.match_all_linear or not cfg.target_modules else list(cfg.target_modules)
+    return PeftLoraConfig(r=cfg.dim, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                          exclude_modules=list(cfg.exclude_modules) or None, bias="none",
+                          base_model_name_or_path=base_model)
+
+
+def inject(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
+    """Add LoRA layers to `model` in place and freeze everything else; the adapted modules' names.
+    lora_A starts as NeMo RL's `lora_A_init` says (xavier: Xavier-normal; uniform: Kaiming-uniform,
+    PEFT's own), lora_B at zero, so the model starts as the base model."""
+    config = peft_config(cfg)
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    model.requires_grad_(False)
+    adapted = []
+    for name, module in model.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if isinstance(lora_a, torch.nn.ModuleDict) and ADAPTER in lora_a:
+            adapted.append(name)
+            if cfg.lora_A_init == "xavier":
+                torch.nn.init.xavier_normal_(lora_a[ADAPTER].weight)
+            lora_a[ADAPTER].weight.requires_grad_(True)
+            module.lora_B[ADAPTER].weight.requires_grad_(True)
+    if not adapted:
+        raise ValueError("no module of the model matched policy.dtensor_cfg.lora_cfg's target_modules")
+    return adapted
+
+
+def scaling(cfg: LoraConfig) -> float:
+    return cfg.alpha / cfg.dim
+
+
+def merged(items: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's own (Hugging Face) weights from a LoRA model's full tensors, in order: each
+    adapted layer's `x.base_layer.weight` comes back as `x.weight` + scale x B @ A (in float32,
+    then the base weight's dtype) once its lora_A and lora_B have passed; other tensors as they
+    are. Only one layer's tensors are held at a time (a layer's base, A and B come together)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in items:
+        if ".base_layer." in name:
+            prefix, _, leaf = name.partition(".base_layer.")
+            if leaf != "weight":
+                yield f"{prefix}.{leaf}", tensor
+                continue
+            pending[prefix] = {"base": tensor}
+        elif f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name:
+            prefix = name.split(".lora_")[0]
+            pending[prefix]["A" if f".lora_A.{ADAPTER}." in name else "B"] = tensor
+            if len(pending[prefix]) == 3:
+                parts = pending.pop(prefix)
+                delta = scale * (parts["B"].float() @ parts["A"].float())
+                yield f"{prefix}.weight", (parts["base"].float() + delta).to(parts["base"].dtype)
+        else:
+            yield name, tensor
+    if pending:
+        raise RuntimeError(f"LoRA layers without both adapters: {sorted(pending)[:3]}")
+
+
+def adapter_state(items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The adapters under PEFT's saved names (base_model.model.<path>.lora_A.weight)."""
+    return {f"base_model.model.{name.replace(f'.{ADAPTER}.', '.')}": tensor.contiguous()
+            for name, tensor in items if f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name}
+
+
+def save_adapter(folder: Path, state: dict[str, torch.Tensor], cfg: LoraConfig, base_model: str) -> None:
+    """A PEFT adapter folder: adapter_config.json and adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    peft_config(cfg, base_model).save_pretrained(str(folder))
+    save_file(adapter_state(state.items()), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def trainable_summary(model: torch.nn.Module, adapted: list[str], cfg: LoraConfig) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return (f"LoRA r={cfg.dim}, alpha={cfg.alpha:g} on {len(adapted)} linear layers: {trainable:,} trainable "
+            f"parameters of {total:,} ({trainable / total:.2%}); the optimizer state and checkpoints hold these only")
