@@ -139,10 +139,16 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
 
     def _state_options(self) -> StateDictOptions:
         """With LoRA, the adapters only: the frozen base weights come from the model folder."""
-        return StateDictOptions(ignore_frozen_params=self.lora is not None)
+        return StateDictOptions(ignore_frozen_params=self.lora is not None, strict=self.lora is None)
+
+    def _checkpointed(self, model_state: dict) -> dict:
+        """The model tensors a checkpoint holds: all, or with LoRA the adapters (a tied output head
+        is a frozen weight that torch's state dict still lists)."""
+        return model_state if self.lora is None else {k: v for k, v in model_state.items() if ".lora_" in k}
 
     def save(self, path: Path) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
+        model_state = self._checkpointed(model_state)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
         if dist.get_rank() == 0:
             torch.save(self.scheduler.state_dict(), Path(path) / "scheduler.pt")
@@ -154,7 +160,7 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
         novarl/trainer/checkpoint.py)."""
         options = self._state_options()
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
-        state = {"model": model_state, "optim": optim_state}
+        state = {"model": self._checkpointed(model_state), "optim": optim_state}
         dcp.load(state, checkpoint_id=str(path), planner=WeightsOnlyLoadPlanner())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=options)
@@ -164,7 +170,7 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
         """The model weights of a checkpoint written by `save`, and nothing else (no optimizer
         state is read): what `novarl convert` needs."""
         options = self._state_options()
-        state = {"model": get_model_state_dict(self.model, options=options)}
+        state = {"model": self._checkpointed(get_model_state_dict(self.model, options=options))}
         dcp.load(state, checkpoint_id=str(path), planner=WeightsOnlyLoadPlanner())
         set_model_state_dict(self.model, state["model"], options=options)
 
