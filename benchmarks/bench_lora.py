@@ -75,7 +75,8 @@ def main() -> None:
                      f"{r['step_s']:.3f} |")
     lines += ["", f"Best gain: full {100 * (best['full']['after'] - best['full']['before']):+.1f} points "
               f"(lr {best['full']['lr']:g}), LoRA {100 * (best['lora']['after'] - best['lora']['before']):+.1f} "
-              f"points (lr {best['lora']['lr']:g}): LoRA is {100 * gap:.1f} points behind (target: within 5).", ""]
+              f"points (lr {best['lora']['lr']:g}): LoRA is {abs(100 * gap):.1f} points "
+              f"{'behind' if gap > 0 else 'ahead'} (target: within 5 points of full fine-tuning).", ""]
     args.out.write_text("\n".join(lines))
     print(f"wrote {args.out}")
 

@@ -142,15 +142,15 @@ def test_feature_switches_are_refused_when_on_and_accepted_when_off():
                                 "use_dynamic_sampling": False, "dynamic_sampling_max_gen_batches": 10},
                        "policy": {"dtensor_cfg": {"lora_cfg": {"enabled": False, "dim": 8}}}})
     assert off.load_warnings == ()  # off is what novarl does: nothing to warn about
-    msg = error_of({"loss_fn": {"use_cispo": True},
+    msg = error_of({"loss_fn": {"use_cispo": True, "force_on_policy_ratio": True},
                     "grpo": {"reward_shaping": {"enabled": True}, "use_dynamic_sampling": True},
-                    "policy": {"dtensor_cfg": {"lora_cfg": {"enabled": True}}, "precision": "float64"}})
+                    "policy": {"precision": "float64"}})
     lines = msg.splitlines()
     assert lines[0] == "Invalid config (the config): 5 problem(s):"  # with the schema's own error, all at once
     assert "  - 'loss_fn.use_cispo' = true: CISPO is not built; remove it or turn it off." in lines
     assert any(line.startswith("  - 'grpo.reward_shaping' = {'enabled': True}: reward shaping") for line in lines)
     assert any(line.startswith("  - 'grpo.use_dynamic_sampling' = true: DAPO's dynamic sampling") for line in lines)
-    assert any(line.startswith("  - 'policy.dtensor_cfg.lora_cfg' = {'enabled': True}: LoRA") for line in lines)
+    assert any(line.startswith("  - 'loss_fn.force_on_policy_ratio' = true: forcing the ratio") for line in lines)
     assert any(line.startswith("  - 'policy.precision' = 'float64'") for line in lines)
 
 

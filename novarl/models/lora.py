@@ -28,7 +28,9 @@ def peft_config(cfg: LoraConfig, base_model: str | None = None):
     from peft import LoraConfig as PeftLoraConfig
 
     targets = "all-linear" if cfg.match_all_linear or not cfg.target_modules else list(cfg.target_modules)
-    return PeftLoraConfig(r=cfg.dim, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+    # PEFT drops the adapter's input ("pre"); "post" with dropout is refused by the schema
+    dropout = cfg.dropout if cfg.dropout_position == "pre" else 0.0
+    return PeftLoraConfig(r=cfg.dim, lora_alpha=cfg.alpha, lora_dropout=dropout, target_modules=targets,
                           exclude_modules=list(cfg.exclude_modules) or None, bias="none",
                           base_model_name_or_path=base_model)
 
