@@ -1,4 +1,6 @@
-"""Build the bundled `tiny-arith` model (novarl/models/tiny_arith/) from scratch.
+"""Build a bundled model from scratch: `tiny-arith` (novarl/models/tiny_arith/, `--task arith`, the
+default) or `tiny-math` (novarl/models/tiny_math/, `--task math`: the word problems of
+novarl.data.word_problems, answered as `\\boxed{N}`).
 
 A ~300k-parameter Llama (2 layers, hidden 128, head_dim 64) with a
 character-level tokenizer is trained by supervised learning on the train
@@ -30,6 +32,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,11 +43,37 @@ if str(REPO) not in sys.path:  # runnable from a checkout without installing
     sys.path.insert(0, str(REPO))
 
 from novarl.data.arithmetic import Example, arithmetic_examples  # noqa: E402
-from novarl.models.char_tokenizer import build_char_tokenizer  # noqa: E402
+from novarl.data.word_problems import alphabet, word_problem_examples  # noqa: E402
+from novarl.models.char_tokenizer import DEFAULT_ALPHABET, build_char_tokenizer  # noqa: E402
+from novarl.rewards.math import boxed_match  # noqa: E402
 from novarl.rewards.verifiers import exact_match  # noqa: E402
 
-DEFAULT_OUT = REPO / "novarl" / "models" / "tiny_arith"
-MAX_POSITIONS = 64
+@dataclass(frozen=True)
+class Task:
+    examples: Callable[[str], list[Example]]
+    alphabet: Callable[[], str]
+    completion: Callable[[str], str]
+    """The trained completion of an answer ("95", or "\\boxed{95}")."""
+    reward: Callable[[str, str], float]
+    new_tokens: int
+    positions: int
+    folder: str
+    name: str
+    described: str
+    """For the README: what the model was trained on."""
+
+
+TASKS = {
+    "arith": Task(arithmetic_examples, lambda: DEFAULT_ALPHABET, lambda a: a, exact_match, 4, 64, "tiny_arith",
+                  "tiny-arith", "the train split of two-digit addition (`novarl.data.arithmetic`: prompt "
+                  "`\"37+58=\"`, answer `\"95\"`)"),
+    "math": Task(word_problem_examples, alphabet, lambda a: "\\boxed{" + a + "}", boxed_match, 12, 128, "tiny_math",
+                 "tiny-math", "the train split of the bundled word problems (`novarl.data.word_problems`: "
+                 "\"Ann has 37 pens and gets 58 more. ... Put the answer in \\boxed{}.\", completion "
+                 "`\\boxed{95}`)"),
+}
+TASK = TASKS["arith"]
+DEFAULT_OUT = REPO / "novarl" / "models" / TASK.folder
 
 
 def build_model(vocab_size: int):
@@ -52,7 +82,7 @@ def build_model(vocab_size: int):
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64,  # head_dim 64: vLLM CPU attention
-        max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
+        max_position_embeddings=TASK.positions, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-5,
     )
     return LlamaForCausalLM(config).to(torch.float32)
@@ -63,7 +93,8 @@ def training_tensors(tokenizer, examples: list[Example]) -> tuple[torch.Tensor, 
     rows, label_rows = [], []
     for ex in examples:
         prompt_ids = tokenizer(ex.prompt).input_ids  # starts with <s>
-        answer_ids = tokenizer(ex.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        answer_ids = tokenizer(TASK.completion(ex.answer), add_special_tokens=False).input_ids
+        answer_ids.append(tokenizer.eos_token_id)
         rows.append(prompt_ids + answer_ids)
         label_rows.append([-100] * len(prompt_ids) + answer_ids)
     length = max(len(r) for r in rows)
@@ -87,10 +118,10 @@ def greedy_accuracy(model, tokenizer, examples: list[Example], batch_size: int =
             chunk = examples[start:start + batch_size]
             batch = tokenizer([ex.prompt for ex in chunk], return_tensors="pt", padding=True)
             out = model.generate(
-                **batch, do_sample=False, max_new_tokens=4,
+                **batch, do_sample=False, max_new_tokens=TASK.new_tokens,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
             texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
-            correct += sum(exact_match(text, ex.answer) for text, ex in zip(texts, chunk))
+            correct += sum(TASK.reward(text, ex.answer) for text, ex in zip(texts, chunk))
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
@@ -107,18 +138,18 @@ def sampled_reward(model, tokenizer, examples: list[Example], samples: int = 8) 
         prompts = [ex.prompt for ex in examples for _ in range(samples)]
         batch = tokenizer(prompts, return_tensors="pt", padding=True)
         out = model.generate(
-            **batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=4,
+            **batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=TASK.new_tokens,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side
     answers = [ex.answer for ex in examples for _ in range(samples)]
-    return sum(exact_match(t, a) for t, a in zip(texts, answers)) / len(texts)
+    return sum(TASK.reward(t, a) for t, a in zip(texts, answers)) / len(texts)
 
 
 def write_readme(out: Path, *, params: int, accuracy: float, reward: float, step: int,
                  args: argparse.Namespace, vocab: dict[str, int]) -> None:
-    command = "python scripts/build_tiny_model.py"
+    command = "python scripts/build_tiny_model.py" + ("" if args.task == "arith" else f" --task {args.task}")
     if Path(args.out).resolve() != DEFAULT_OUT.resolve():
         command += f" --out {args.out}"
     for flag in DEFAULTS:
@@ -127,23 +158,22 @@ def write_readme(out: Path, *, params: int, accuracy: float, reward: float, step
             command += f" --{flag.replace('_', '-')} {value}"
     ids = ", ".join(f"`{tok!r}`={i}" if tok == " " else f"`{tok}`={i}"
                     for tok, i in sorted(vocab.items(), key=lambda kv: kv[1]))
-    (out / "README.md").write_text(f"""# tiny-arith
+    (out / "README.md").write_text(f"""# {TASK.name}
 
 A deliberately weak starting policy for RL tests and examples: a
 {params:,}-parameter Llama (`LlamaForCausalLM`: 2 layers, hidden 128,
 intermediate 256, 2 attention heads of dim 64, 1 KV head, tied embeddings,
 float32) with a character-level tokenizer, trained by supervised learning on
-the train split of two-digit addition (`novarl.data.arithmetic`: prompt
-`"37+58="`, answer `"95"`), stopped early at step {step}.
+{TASK.described}, stopped early at step {step}.
 
-- Held-out greedy accuracy (exact match, all 1,000 validation examples,
-  `max_new_tokens=4`): **{accuracy:.1%}**. GRPO is expected to raise it.
+- Held-out greedy accuracy (all 1,000 validation examples, `max_new_tokens={TASK.new_tokens}`):
+  **{accuracy:.1%}**. GRPO is expected to raise it.
 - Sampling at temperature 1.0 (8 samples on each of the first 64 validation
   prompts), the mean exact-match reward is {reward:.3f}: RL has signal.
 - Tokenizer ids: {ids}.
   Every encoded text starts with `<s>`; the model ends its answer with `</s>`.
 - Loads with `AutoTokenizer.from_pretrained` / `AutoModelForCausalLM.from_pretrained`
-  on this folder (no remote code), or as `tiny-arith` in novarl.
+  on this folder (no remote code), or as `{TASK.name}` in novarl.
 
 Rebuilt (seed {args.seed}, lr {args.lr}, batch {args.batch_size}; repeat runs on one machine give
 identical weights) with:
@@ -159,8 +189,9 @@ DEFAULTS = dict(seed=0, target_min=0.25, target_max=0.35, lr=1e-3, batch_size=12
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(DEFAULT_OUT),
-                        help="output folder (default: the package's novarl/models/tiny_arith)")
+    parser.add_argument("--task", choices=sorted(TASKS), default="arith")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default: the package's novarl/models/tiny_arith or tiny_math)")
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     parser.add_argument("--target-min", type=float, default=DEFAULTS["target_min"],
                         help="stop at the first held-out greedy accuracy in [target-min, target-max]")
@@ -171,18 +202,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=DEFAULTS["eval_every"])
     parser.add_argument("--max-steps", type=int, default=DEFAULTS["max_steps"])
     args = parser.parse_args(argv)
+    global TASK, DEFAULT_OUT
+    TASK = TASKS[args.task]
+    DEFAULT_OUT = REPO / "novarl" / "models" / TASK.folder
+    args.out = args.out or str(DEFAULT_OUT)
     if not 0.0 < args.target_min <= args.target_max < 1.0:
         parser.error("need 0 < --target-min <= --target-max < 1")
 
     started = time.perf_counter()
     torch.manual_seed(args.seed)
-    tokenizer = build_char_tokenizer()
-    tokenizer.model_max_length = MAX_POSITIONS
+    tokenizer = build_char_tokenizer(TASK.alphabet())
+    tokenizer.model_max_length = TASK.positions
     model = build_model(len(tokenizer))
     params = sum(p.numel() for p in model.parameters())
     print(f"vocab {len(tokenizer)}, parameters {params:,}", flush=True)
 
-    train, validation = arithmetic_examples("train"), arithmetic_examples("validation")
+    train, validation = TASK.examples("train"), TASK.examples("validation")
     input_ids, mask, labels = training_tensors(tokenizer, train)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     generator = torch.Generator().manual_seed(args.seed)

@@ -24,7 +24,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Fiel
                       model_validator)
 
 Precision = Literal["float32", "bfloat16", "float16"]
-BUNDLED_TASKS = ("arithmetic", "repeat")
+BUNDLED_TASKS = ("arithmetic", "repeat", "word_problems")
 """Tasks shipped with novarl (novarl.data.datasets.BUNDLED_DATASETS implements them)."""
 
 NAME_MAX_BYTES = 255
@@ -560,7 +560,7 @@ class DatasetBlock(Section):
 
 class DataConfig(Section):
     dataset_name: str | None = None
-    """'arithmetic' or 'repeat' (bundled); 'ResponseDataset' (data.train_data_path: a file, a
+    """'arithmetic', 'repeat' or 'word_problems' (bundled); 'ResponseDataset' (data.train_data_path: a file, a
     `datasets` folder or a hub dataset id); a NeMo RL named dataset ('OpenMathInstruct-2',
     'DAPOMath17K', 'DeepScaler', 'AIME2024', ...: novarl/data/named.py); None: from the paths."""
     train_data_path: PathText | None = None

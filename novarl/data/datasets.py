@@ -1,4 +1,4 @@
-"""Prompt datasets: the bundled tasks (arithmetic, repeat), or rows from data files, `datasets`
+"""Prompt datasets: the bundled tasks (arithmetic, repeat, word_problems), or rows from data files, `datasets`
 folders and hub datasets (novarl/data/sources.py says which files a split reads).
 
 A row has a prompt field (`data.input_key`, default "prompt") and an answer field
@@ -18,13 +18,15 @@ from novarl.config.files import show_value
 from novarl.config.schema import DataConfig
 from novarl.data.arithmetic import Example, arithmetic_examples
 from novarl.data.repeat import repeat_examples
+from novarl.data.word_problems import word_problem_examples
 from novarl.errors import UserError
 from novarl.data.named import SplitSpec, prompt_file, split_specs
 from novarl.data.sources import FORMATS, Source, locate
 from novarl.plan.checks import check_data_source, dataset_kind  # noqa: F401 (dataset_kind re-exported)
 from novarl.types import Prompt
 
-BUNDLED_DATASETS = {"arithmetic": arithmetic_examples, "repeat": repeat_examples}
+BUNDLED_DATASETS = {"arithmetic": arithmetic_examples, "repeat": repeat_examples,
+                    "word_problems": word_problem_examples}
 
 
 def load_examples(cfg: DataConfig, split: str, *, seed: int = 0) -> list[Example]:

@@ -140,10 +140,10 @@ def _data_problems(data: DataConfig) -> tuple[list[UserError], list[str]]:
     for key in ("dataset_name", "val_dataset_name"):
         name = getattr(data, key)
         if name is not None and name not in (*BUNDLED_TASKS, "ResponseDataset", *NAMED_DATASETS):
-            raise NotAvailableYet(f"data.{key}='{name}' is not a dataset novarl has. Use 'arithmetic' or 'repeat' "
-                                  "(bundled), a named dataset (" + ", ".join(sorted(set(NAMED_DATASETS))) + "), or "
-                                  "'ResponseDataset' with data.train_data_path: a data file, a `datasets` folder or "
-                                  "a hub dataset id.")
+            raise NotAvailableYet(f"data.{key}='{name}' is not a dataset novarl has. Use a bundled task ("
+                                  + ", ".join(f"'{t}'" for t in BUNDLED_TASKS) + "), a named dataset ("
+                                  + ", ".join(sorted(set(NAMED_DATASETS))) + "), or 'ResponseDataset' with "
+                                  "data.train_data_path: a data file, a `datasets` folder or a hub dataset id.")
     problems, notes = [], []
     for i, block in enumerate(data.validation or []):
         if block.repeat > 1:
