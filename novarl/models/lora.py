@@ -74,16 +74,17 @@ def merged(items: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[
             if leaf != "weight":
                 yield f"{prefix}.{leaf}", tensor
                 continue
-            pending[prefix] = {"base": tensor}
+            pending.setdefault(prefix, {})["base"] = tensor
         elif f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name:
             prefix = name.split(".lora_")[0]
-            pending[prefix]["A" if f".lora_A.{ADAPTER}." in name else "B"] = tensor
-            if len(pending[prefix]) == 3:
-                parts = pending.pop(prefix)
-                delta = scale * (parts["B"].float() @ parts["A"].float())
-                yield f"{prefix}.weight", (parts["base"].float() + delta).to(parts["base"].dtype)
+            pending.setdefault(prefix, {})["A" if f".lora_A.{ADAPTER}." in name else "B"] = tensor
         else:
             yield name, tensor
+            continue
+        if len(pending[prefix]) == 3:
+            parts = pending.pop(prefix)
+            delta = scale * (parts["B"].float() @ parts["A"].float())
+            yield f"{prefix}.weight", (parts["base"].float() + delta).to(parts["base"].dtype)
     if pending:
         raise RuntimeError(f"LoRA layers without both adapters: {sorted(pending)[:3]}")
 
