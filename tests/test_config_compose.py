@@ -266,8 +266,6 @@ def test_every_schema_setting_is_read_or_refused_or_warned_about():
         "logger.swanlab_enabled": "the same",
         "logger.mlflow.experiment_name": "logger.mlflow_enabled is warned about",
         "logger.mlflow.run_name": "logger.mlflow_enabled is warned about",
-        "logger.gpu_monitoring.collection_interval": "logger.monitor_gpus is warned about",
-        "logger.gpu_monitoring.flush_interval": "logger.monitor_gpus is warned about",
         "env.num_workers": "env.math is warned about (config/nemo_rl.py)",
         "env.math_verify_impl": "env.math is warned about (config/nemo_rl.py)",
     }

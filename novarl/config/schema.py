@@ -693,6 +693,8 @@ class LoggerConfig(Section):
     mlflow_enabled: bool = False
     swanlab_enabled: bool = False
     monitor_gpus: bool = False
+    """Each step's GPU memory (allocated, peak, reserved; GB) and utilisation (%), the maximum over
+    the training ranks, in the step's metrics (novarl/distributed/gpu_monitor.py); none without CUDA."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     tensorboard: dict[str, Any] = {}
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)

@@ -48,7 +48,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("checkpointing.save_consolidated", _off, False,
             "checkpoints hold the training shards; `novarl convert` (and the end of every run) writes the Hugging "
             "Face folder"),
-    Setting("logger.monitor_gpus", _off, False, "GPU monitoring is not available yet"),
+    Setting("logger.gpu_monitoring.collection_interval", lambda v: v == 10, False,
+            "the GPUs are read once per training step"),
+    Setting("logger.gpu_monitoring.flush_interval", lambda v: v == 10, False,
+            "GPU readings go out with each step's metrics"),
 )
 
 

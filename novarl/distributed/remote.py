@@ -31,6 +31,9 @@ class RemotePolicy:
     def optim_step(self) -> dict[str, float]:
         return self.group.call("optim_step")
 
+    def gpu_stats(self) -> dict[str, float]:
+        return self.group.call("gpu_stats")
+
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.group.call("logprobs", batch)
 

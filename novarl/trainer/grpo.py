@@ -140,8 +140,9 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
     with timer("weight_sync"):
         sync_metrics = roles.sync_weights(step)
     mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None else {}  # else the loss measured it
+    gpus = roles.policy.gpu_stats() if cfg.logger.monitor_gpus else {}
     return {**rollout_metrics(completions, rewards, grpo.num_generations_per_prompt), **inputs.scorer.take_metrics(),
-            **train_metrics,
+            **train_metrics, **gpus,
             **sync_metrics, **mismatch, **timer.seconds, "time_step": time.perf_counter() - tic}
 
 

@@ -19,7 +19,7 @@ from novarl.backends.protocols import (GenerationBackend, Offloadable, Reference
 from novarl.config.files import show_value
 from novarl.config.schema import NovaRLConfig
 from novarl.data.arithmetic import Example
-from novarl.data.datasets import PromptSampler, dataset_kind, load_examples, read_prompt_template, to_prompts
+from novarl.data.datasets import PromptSampler, load_examples, read_prompt_template, to_prompts
 from novarl.errors import NotAvailableYet, UserError
 from novarl.logging.console import info
 from novarl.models.loading import check_model_folder, load_tokenizer, resolve_model_path

@@ -186,6 +186,12 @@ class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows):
         # the loss is already the step's mean: no division by the accumulation steps
         self.engine.backward(loss, scale_wrt_gas=False)
 
+    def gpu_stats(self) -> dict[str, float]:
+        """Collective: this step's GPU memory (and utilisation) over the training ranks; {} without CUDA."""
+        from novarl.distributed.gpu_monitor import gpu_stats
+
+        return gpu_stats()
+
     def optim_step(self) -> dict[str, float]:
         """Clip (gradient_clipping), step the optimizer and the schedule, zero the gradients."""
         lr = self.optimizer.param_groups[0]["lr"]

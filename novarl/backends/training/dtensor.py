@@ -113,6 +113,12 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def gpu_stats(self) -> dict[str, float]:
+        """Collective: this step's GPU memory (and utilisation) over the training ranks; {} without CUDA."""
+        from novarl.distributed.gpu_monitor import gpu_stats
+
+        return gpu_stats()
+
     def optim_step(self) -> dict[str, float]:
         """Clip, step the optimizer and scheduler, zero the gradients."""
         grad_norm = clip_grad_norm(list(self.model.parameters()), self.policy.max_grad_norm)

@@ -377,6 +377,12 @@ class MegatronPolicy(MegatronModel):
             dist.broadcast(summed, src=self._last_stage_rank(), group=self.pp_group)
         return all_reduce_metrics(dict(zip(names, summed)), self.dp_group)
 
+    def gpu_stats(self) -> dict[str, float]:
+        """Collective: this step's GPU memory (and utilisation) over the training ranks; {} without CUDA."""
+        from novarl.distributed.gpu_monitor import gpu_stats
+
+        return gpu_stats()
+
     def optim_step(self) -> dict[str, float]:
         """Clip (optimizer.clip_grad), step the optimizer and the schedule, zero the gradients."""
         lr = self.optimizer.param_groups[0]["lr"]
