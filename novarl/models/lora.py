@@ -22,9 +22,6 @@ ADAPTER = "default"
 
 
 def peft_config(cfg: LoraConfig, base_model: str | None = None):
-    from novarl.backends.training.ops import deepspeed_environment
-
-    deepspeed_environment()  # peft may import deepspeed, which warns about the accelerator unless told it
     from peft import LoraConfig as PeftLoraConfig
 
     targets = "all-linear" if cfg.match_all_linear or not cfg.target_modules else list(cfg.target_modules)
@@ -39,10 +36,9 @@ def inject(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
     """Add LoRA layers to `model` in place and freeze everything else; the adapted modules' names.
     lora_A starts as NeMo RL's `lora_A_init` says (xavier: Xavier-normal; uniform: Kaiming-uniform,
     PEFT's own), lora_B at zero, so the model starts as the base model."""
-    config = peft_config(cfg)
     from peft import inject_adapter_in_model
 
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER)
     model.requires_grad_(False)
     adapted = []
     for name, module in model.named_modules():
