@@ -10,6 +10,7 @@ also writes the adapter as a PEFT folder (`adapter/`) that `PeftModel.from_pretr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -32,22 +33,30 @@ def peft_config(cfg: LoraConfig, base_model: str | None = None):
                           base_model_name_or_path=base_model)
 
 
-def inject(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
+def inject(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> list[str]:
     """Add LoRA layers to `model` in place and freeze everything else; the adapted modules' names.
     lora_A starts as NeMo RL's `lora_A_init` says (xavier: Xavier-normal; uniform: Kaiming-uniform,
-    PEFT's own), lora_B at zero, so the model starts as the base model."""
+    PEFT's own), drawn from `seed` alone, so every rank and every layout starts from the same
+    adapters; lora_B at zero, so the model starts as the base model."""
     from peft import inject_adapter_in_model
 
     inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER)
     model.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)
     adapted = []
     for name, module in model.named_modules():
         lora_a = getattr(module, "lora_A", None)
         if isinstance(lora_a, torch.nn.ModuleDict) and ADAPTER in lora_a:
             adapted.append(name)
+            weight = lora_a[ADAPTER].weight
+            values = torch.empty(weight.shape, dtype=torch.float32)  # drawn on the CPU: one stream anywhere
             if cfg.lora_A_init == "xavier":
-                torch.nn.init.xavier_normal_(lora_a[ADAPTER].weight)
-            lora_a[ADAPTER].weight.requires_grad_(True)
+                torch.nn.init.xavier_normal_(values, generator=generator)
+            else:
+                torch.nn.init.kaiming_uniform_(values, a=math.sqrt(5), generator=generator)
+            with torch.no_grad():
+                weight.copy_(values)
+            weight.requires_grad_(True)
             module.lora_B[ADAPTER].weight.requires_grad_(True)
     if not adapted:
         raise ValueError("no module of the model matched policy.dtensor_cfg.lora_cfg's target_modules")
@@ -105,3 +114,21 @@ def trainable_summary(model: torch.nn.Module, adapted: list[str], cfg: LoraConfi
     total = sum(p.numel() for p in model.parameters())
     return (f"LoRA r={cfg.dim}, alpha={cfg.alpha:g} on {len(adapted)} linear layers: {trainable:,} trainable "
             f"parameters of {total:,} ({trainable / total:.2%}); the optimizer state and checkpoints hold these only")
+
+
+def hf_weights(items: Iterable[tuple[str, torch.Tensor]], cfg: LoraConfig | None
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's own (Hugging Face) tensors from a training model's full ones: as they are
+    without LoRA (cfg None), merged with it (see `merged`)."""
+    return iter(items) if cfg is None else merged(items, scaling(cfg))
+
+
+def save_hf(path: Path, model_config, state: dict[str, torch.Tensor], tokenizer, fmt, cfg: LoraConfig | None
+            ) -> None:
+    """The Hugging Face folder of a training model's full state: with LoRA the merged model, and
+    the adapter alone, as PEFT saves it, in `adapter/`."""
+    from novarl.models.loading import save_hf_folder
+
+    save_hf_folder(path, model_config, dict(hf_weights(state.items(), cfg)), tokenizer, fmt)
+    if cfg is not None:
+        save_adapter(Path(path) / "adapter", state, cfg, model_config.name_or_path)

@@ -145,12 +145,9 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
                        "(the Makefile shows how on a CPU-only host)")
     lora = policy.dtensor_cfg.lora_cfg
     if lora.enabled:
-        if choice.training != "dtensor":
-            missing.append(f"LoRA on the {choice.training} training backend (policy.dtensor_cfg.lora_cfg; DTensor "
-                           "has it)")
-        elif policy.dtensor_cfg.tensor_parallel_size > 1:
-            missing.append("LoRA with tensor parallelism (policy.dtensor_cfg.tensor_parallel_size > 1; data "
-                           "parallelism with FSDP2 has it)")
+        if choice.training == "megatron":
+            missing.append("LoRA on the megatron training backend (policy.dtensor_cfg.lora_cfg; DTensor and "
+                           "DeepSpeed have it)")
         if not installed("peft"):
             missing.append("the peft package, for LoRA (policy.dtensor_cfg.lora_cfg): pip install 'novarl[lora]'")
         if lora.use_triton:

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from novarl.config import load_config
-from novarl.config.schema import CheckpointingConfig
+from novarl.config.schema import CheckpointingConfig, LoraConfig
 from novarl.errors import CheckpointLoadFailed, UserError
 from novarl.trainer.checkpoint import POLICY_DIR, STATE_FILE, Checkpointer, check_checkpoint
 
@@ -61,7 +61,9 @@ def export_checkpoint(checkpoint: Path, output: Path) -> Path:
     fmt = export_format(cfg.policy.precision, cfg.checkpointing.model_save_format,
                         on_gpu=default_device().type == "cuda")
     if (checkpoint / POLICY_DIR / "deepspeed").is_dir():
-        return _export_deepspeed(checkpoint / POLICY_DIR, model_path, tokenizer, output, fmt)
+        lora = cfg.policy.dtensor_cfg.lora_cfg
+        return _export_deepspeed(checkpoint / POLICY_DIR, model_path, tokenizer, output, fmt,
+                                 lora if lora.enabled else None, cfg.policy.trust_remote_code)
     if (checkpoint / POLICY_DIR / "megatron").is_dir():
         return _export_megatron(checkpoint / POLICY_DIR / "megatron", model_path, tokenizer, output, fmt)
     ensure_single_process_group()
@@ -88,13 +90,15 @@ def loading(checkpoint: Path) -> Iterator[None]:
                         "or backend version?).") from err
 
 
-def _export_deepspeed(policy_dir: Path, model_path: str, tokenizer, output: Path, fmt) -> Path:
+def _export_deepspeed(policy_dir: Path, model_path: str, tokenizer, output: Path, fmt,
+                      lora: LoraConfig | None, trust_remote_code: bool) -> Path:
     """DeepSpeed's fp32 master weights, merged from every rank's partition offline (no
-    process group, any number of ranks wrote them)."""
+    process group, any number of ranks wrote them). A LoRA checkpoint holds the adapters alone:
+    the frozen base comes from the model folder, and the folder holds the merged model."""
     from transformers import AutoConfig
 
     from novarl.backends.training.ops import deepspeed_environment
-    from novarl.models.loading import save_hf_folder
+    from novarl.models.lora import save_hf
     from novarl.trainer.api import save_atomically
 
     deepspeed_environment()
@@ -102,9 +106,23 @@ def _export_deepspeed(policy_dir: Path, model_path: str, tokenizer, output: Path
 
     with loading(policy_dir.parent):
         state = get_fp32_state_dict_from_zero_checkpoint(str(policy_dir), tag="deepspeed")
+    if lora is not None:
+        state = {**_lora_base_state(model_path, lora, trust_remote_code), **state}
     model_config = AutoConfig.from_pretrained(model_path)
-    save_atomically(output, lambda tmp: save_hf_folder(tmp, model_config, state, tokenizer, fmt))
+    save_atomically(output, lambda tmp: save_hf(tmp, model_config, state, tokenizer, fmt, lora))
     return output
+
+
+def _lora_base_state(model_path: str, lora: LoraConfig, trust_remote_code: bool) -> dict:
+    """The base model's tensors under the names they have with LoRA's layers in place."""
+    import torch
+
+    from novarl.models.loading import load_causal_lm
+    from novarl.models.lora import inject
+
+    model = load_causal_lm(model_path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    inject(model, lora)
+    return dict(model.state_dict())
 
 
 def _export_megatron(folder: Path, model_path: str, tokenizer, output: Path, fmt) -> Path:

@@ -412,13 +412,12 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
     temperature = cfg.policy.generation.temperature
     total_steps = (inputs.max_steps or cfg.grpo.max_num_steps) * inputs.batches.optimizer_steps_per_step
     common = dict(policy=cfg.policy, model_path=inputs.model_path, temperature=temperature)
-    policy_only: dict = dict(total_steps=total_steps)
+    policy_only: dict = dict(total_steps=total_steps, seed=cfg.grpo.seed)  # seeds what starts at random (LoRA's A)
     Policy, Reference = training_classes(inputs.choice.training)
     if inputs.choice.training == "deepspeed":
         policy_only["accumulation_steps"] = inputs.batches.gradient_accumulation_steps
     elif inputs.choice.training == "megatron":
         common["emulate_cuda"] = _megatron_on_cpu(inputs)  # the ranks' processes may not see the variable
-        policy_only["seed"] = cfg.grpo.seed
     policy_args, reference_args = {**common, **policy_only}, common
     with_reference = cfg.loss_fn.reference_policy_kl_penalty > 0
     ranks = world_size(cfg)

@@ -39,7 +39,8 @@ from novarl.config.schema import PolicyConfig
 from novarl.distributed.weight_sync import bucketed, in_dtype
 from novarl.errors import ConfigError
 from novarl.models.attention import use_varlen_attention
-from novarl.models.loading import ExportFormat, load_causal_lm, save_hf_folder
+from novarl.models.loading import ExportFormat, load_causal_lm
+from novarl.models.lora import hf_weights, save_hf
 
 CHECKPOINT_TAG = "deepspeed"
 """The engine's files go to <checkpoint>/deepspeed/ (no `latest` file beside them)."""
@@ -94,7 +95,7 @@ class DeepSpeedModel(DataParallelRows):
     """A Hugging Face causal LM in a DeepSpeed engine, one data-parallel rank of it."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None, *, trainable: bool,
-                 temperature: float, accumulation_steps: int = 1, total_steps: int = 1) -> None:
+                 temperature: float, accumulation_steps: int = 1, total_steps: int = 1, seed: int = 0) -> None:
         from novarl.backends.training.ops import deepspeed_environment, first_build
         from novarl.distributed.local import default_device
 
@@ -122,13 +123,24 @@ class DeepSpeedModel(DataParallelRows):
                                   on_gpu=self.device.type == "cuda",
                                   hidden_size=getattr(model.config, "hidden_size", None) or 4096)
         check_packing(model, self.attention, self.logprob_batching, torch.device("cpu"))  # before the engine
+        lora = policy.dtensor_cfg.lora_cfg
+        self.lora = lora if trainable and lora.enabled else None
+        if self.lora is not None:  # adapters in place, before the engine: the optimizer gets them alone
+            from novarl.models.lora import inject, trainable_summary
+
+            adapted = inject(model, self.lora, seed)
+            if self.dp_rank == 0:
+                from novarl.logging.console import info
+
+                info(trainable_summary(model, adapted, self.lora))
+        else:
+            model.requires_grad_(trainable)
         if trainable and policy.deepspeed_cfg.activation_checkpointing:
             apply_activation_checkpointing(model)
         model.train(trainable)
-        model.requires_grad_(trainable)
         self.optimizer = self.scheduler = None
         if trainable:
-            self.optimizer = build_deepspeed_optimizer(policy, model.parameters())
+            self.optimizer = build_deepspeed_optimizer(policy, [p for p in model.parameters() if p.requires_grad])
             self.scheduler = build_scheduler(policy.scheduler, self.optimizer, total_steps)
         elif self.zero_stage != 3:  # a frozen copy needs no engine unless its parameters are partitioned
             config = None
@@ -143,6 +155,8 @@ class DeepSpeedModel(DataParallelRows):
             raise ConfigError(f"DeepSpeed refused its config (policy.deepspeed_cfg, with deepspeed_cfg.config "
                               f"merged over it): {err}") from None
         self.model = self.engine  # called like the module; ZeRO-3 gathers parameters on the way
+        if self.lora is not None:
+            _drop_every_frozen_name(self.engine)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the full CPU tensors (Hugging Face
@@ -175,9 +189,9 @@ class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows):
     """The trainable policy on DeepSpeed ZeRO (implements TrainingBackend)."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
-                 total_steps: int, temperature: float, accumulation_steps: int = 1) -> None:
+                 total_steps: int, temperature: float, accumulation_steps: int = 1, seed: int = 0) -> None:
         super().__init__(policy, model_path, device, trainable=True, temperature=temperature,
-                         accumulation_steps=accumulation_steps, total_steps=total_steps)
+                         accumulation_steps=accumulation_steps, total_steps=total_steps, seed=seed)
 
     def accumulation_boundary(self, last: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last)
@@ -205,13 +219,20 @@ class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows):
         """Implements WeightSender. Collective over the ranks: full tensors (Hugging Face names)
         in buckets of at most bucket_bytes, on every rank (everywhere) or on rank 0 alone.
         Stage 3 gathers one bucket's partitioned parameters at a time; below stage 3 every
-        rank holds them whole already. Floating tensors cast to dtype if given."""
-        module = self.engine.module if self.engine is not None else self.model
+        rank holds them whole already. LoRA layers merged (in float32), then floating tensors
+        cast to dtype if given."""
         keep = everywhere or self.dp_rank == 0
+        full = hf_weights(self._full_tensors(bucket_bytes, keep), self.lora)
+        yield from bucketed(((name, in_dtype(tensor, dtype)) for name, tensor in full), bucket_bytes)
+
+    def _full_tensors(self, bucket_bytes: int, keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: the module's full tensors in order (on this rank if keep); under stage 3
+        gathered a bucket's worth of parameters at a time, and copied out before release."""
+        module = self.engine.module if self.engine is not None else self.model
         state = module.state_dict(keep_vars=True)  # tied weights: one parameter under two names
         if not (self.zero_stage == 3 and self.engine is not None):
             if keep:
-                yield from bucketed(((n, in_dtype(t.detach(), dtype)) for n, t in state.items()), bucket_bytes)
+                yield from ((name, tensor.detach()) for name, tensor in state.items())
             return
         import deepspeed
 
@@ -226,19 +247,21 @@ class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows):
                 size += nbytes(state[chunk[-1]])
             params = list({id(state[n]): state[n] for n in chunk if hasattr(state[n], "ds_id")}.values())
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                if keep:
-                    yield from bucketed([(n, in_dtype(state[n].detach(), dtype).clone()) for n in chunk],
-                                        bucket_bytes)
+                gathered = [(name, state[name].detach().clone()) for name in chunk] if keep else []
+            yield from gathered
 
     def save(self, path: Path) -> None:
-        """The engine's partitioned state (weights, optimizer, schedule) under path/deepspeed/.
-        Resuming needs the same number of ranks."""
-        self.engine.save_checkpoint(str(path), tag=CHECKPOINT_TAG, save_latest=False)
+        """The engine's partitioned state (weights, optimizer, schedule) under path/deepspeed/;
+        with LoRA the adapters alone (the frozen base comes from the model folder). Resuming
+        needs the same number of ranks."""
+        self.engine.save_checkpoint(str(path), tag=CHECKPOINT_TAG, save_latest=False,
+                                    exclude_frozen_parameters=self.lora is not None)
         dist.barrier()
 
     def load(self, path: Path) -> None:
         load_path, _ = self.engine.load_checkpoint(str(path), tag=CHECKPOINT_TAG, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+                                                   load_lr_scheduler_states=True,
+                                                   load_module_strict=self.lora is None)
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {path / CHECKPOINT_TAG}")
 
@@ -246,7 +269,7 @@ class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows):
         """A consolidated Hugging Face folder (in `fmt`: fp32 by default), from any ZeRO stage."""
         state = self.full_state_dict()
         if self.dp_rank == 0:
-            save_hf_folder(path, self.engine.module.config, state, tokenizer, fmt)
+            save_hf(path, self.engine.module.config, state, tokenizer, fmt, self.lora)
 
 
 class DeepSpeedReference(DeepSpeedModel):
@@ -256,6 +279,23 @@ class DeepSpeedReference(DeepSpeedModel):
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
                  temperature: float) -> None:
         super().__init__(policy, model_path, device, trainable=False, temperature=temperature)
+
+
+def _drop_every_frozen_name(engine) -> None:
+    """Make the engine's checkpoints leave out every name of a frozen parameter. DeepSpeed's
+    exclude_frozen_parameters drops each by its first name only, so a tied head (lm_head.weight,
+    the embeddings under a second name) would be saved whole in every LoRA checkpoint."""
+    own = engine.module_state_dict
+
+    def module_state_dict(*args, exclude_frozen_parameters: bool = False, **kwargs):
+        state = own(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
+        if exclude_frozen_parameters:
+            for name, param in engine.module.named_parameters(remove_duplicate=False):
+                if not param.requires_grad:
+                    state.pop(name, None)
+        return state
+
+    engine.module_state_dict = module_state_dict
 
 
 def build_deepspeed_optimizer(policy: PolicyConfig, params) -> torch.optim.Optimizer:

@@ -41,14 +41,15 @@ from novarl.backends.training.parallelize import (
 from novarl.config.schema import PolicyConfig
 from novarl.distributed.weight_sync import bucketed, full_weights, in_dtype
 from novarl.models.attention import use_varlen_attention
-from novarl.models.loading import DTYPES, ExportFormat, load_causal_lm, save_hf_folder
+from novarl.models.loading import DTYPES, ExportFormat, load_causal_lm
+from novarl.models.lora import hf_weights, save_hf
 
 
 class ShardedModel(DataParallelRows):
     """A Hugging Face causal LM parallelised on a device mesh, and its data-parallel place."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None,
-                 *, trainable: bool, temperature: float) -> None:
+                 *, trainable: bool, temperature: float, seed: int = 0) -> None:
         from novarl.distributed.local import default_device
 
         self.device = device or default_device()
@@ -72,7 +73,7 @@ class ShardedModel(DataParallelRows):
         if self.lora is not None:  # adapters in place, before sharding: the layers keep their paths
             from novarl.models.lora import inject, trainable_summary
 
-            adapted = inject(model, self.lora)
+            adapted = inject(model, self.lora, seed)
             if dist.get_rank() == 0:
                 from novarl.logging.console import info
 
@@ -88,21 +89,12 @@ class ShardedModel(DataParallelRows):
             model.requires_grad_(trainable)
         self.model = model
 
-    def hf_items(self, items):
-        """The model's own (Hugging Face) tensors from full ones: LoRA layers merged."""
-        if self.lora is None:
-            yield from items
-            return
-        from novarl.models.lora import merged, scaling
-
-        yield from merged(items, scaling(self.lora))
-
 class DTensorPolicy(ShardedModel, AccumulatingRows):
     """The trainable policy on the DTensor backend (implements TrainingBackend)."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None,
-                 *, total_steps: int, temperature: float) -> None:
-        super().__init__(policy, model_path, device, trainable=True, temperature=temperature)
+                 *, total_steps: int, temperature: float, seed: int = 0) -> None:
+        super().__init__(policy, model_path, device, trainable=True, temperature=temperature, seed=seed)
         self.policy = policy
         self.optimizer = build_optimizer(policy.optimizer, [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(policy.scheduler, self.optimizer, total_steps)
@@ -136,7 +128,7 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
         alone (the others take part in the gathers). Floating tensors cast to dtype if given."""
         state = get_model_state_dict(self.model)  # this rank's shards, under the model's own names
         keep = everywhere or dist.get_rank() == 0
-        full = self.hf_items(full_weights(state.items(), keep))  # LoRA merged in float32, then cast
+        full = hf_weights(full_weights(state.items(), keep), self.lora)  # LoRA merged in float32, then cast
         yield from bucketed(((name, in_dtype(t, dtype)) for name, t in full), bucket_bytes)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -184,11 +176,7 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
         """A consolidated Hugging Face folder that transformers and vLLM load as is."""
         state = self.full_state_dict()
         if dist.get_rank() == 0:
-            save_hf_folder(path, self.model.config, dict(self.hf_items(state.items())), tokenizer, fmt)
-            if self.lora is not None:  # the adapter alone too, as PEFT saves it
-                from novarl.models.lora import save_adapter
-
-                save_adapter(Path(path) / "adapter", state, self.lora, self.model.config.name_or_path)
+            save_hf(path, self.model.config, state, tokenizer, fmt, self.lora)
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -108,14 +108,22 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) ->
         if value is not None and value % size:
             raise UserError(f"policy.dtensor_cfg.tensor_parallel_size={size} must divide the model's "
                             f"{name}={value}.")
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     default = LLAMA_LAYER_PLAN_SP if cfg.sequence_parallel else LLAMA_LAYER_PLAN
     plan = load_custom_plan(cfg.custom_parallel_plan) if cfg.custom_parallel_plan else default
     if callable(plan):
+        if any(hasattr(module, "lora_A") for module in model.modules()):
+            raise UserError(f"policy.dtensor_cfg.custom_parallel_plan='{cfg.custom_parallel_plan}' is a function, "
+                            "and LoRA is on: give a dict plan, whose adapted layers novarl splits with their "
+                            "adapters.")
         plan(model, tp_mesh)
     else:
         apply_plan(model, tp_mesh, plan)
     if cfg.sequence_parallel and not cfg.custom_parallel_plan:
         apply_sequence_parallel_ends(model, tp_mesh)
+    for name, param in model.named_parameters():  # torch's SequenceParallel makes the norms' weights trainable
+        if name in frozen:
+            param.requires_grad_(False)
     # DTensor warns that (dp, tp) norms take two all-reduces; on these sizes that is fine.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
@@ -129,7 +137,65 @@ def apply_plan(model: torch.nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Para
         if unmatched:
             raise UserError(f"parallel plan keys {unmatched} match no module of a decoder layer "
                             f"(modules: {', '.join(names[:12])}, ...).")
-        parallelize_module(layer, tp_mesh, resolved)
+        parallelize_module(layer, tp_mesh, with_lora_adapters(layer, resolved))
+
+
+class ReplicatedAdapter(ParallelStyle):
+    """A LoRA adapter's small matrix kept whole on every tensor-parallel rank: its parameters
+    Replicate DTensors, its input taken as `input_layout` (a local tensor in, a local tensor out).
+    Its gradient may come out Partial (the input split along the sequence): FSDP2 reduces it to
+    the parameter's placement before the optimizer sees it."""
+
+    def __init__(self, input_layout: Placement) -> None:
+        super().__init__()
+        self.input_layout = input_layout
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        layout = self.input_layout
+
+        def to_dtensor(_module, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, (layout,), run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+        def to_local(_module, output, _mesh):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def with_lora_adapters(layer: torch.nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """The plan for a decoder layer whose linear layers may carry LoRA adapters (PEFT's wrappers,
+    see novarl/models/lora.py). A wrapped layer's base is split as the plan says, and its
+    adapter so that it adds to the base's output shard with no extra communication but one
+    all-reduce of rank-r activations where the base has one:
+    - column-wise (output split): A (r x in) whole on every rank, B (out x r) split by rows
+      like the base;
+    - row-wise (input split): A split by columns like the base (its r outputs reduced the way
+      the base's are), B whole on every rank, reading A's output in the base's output layout."""
+    from novarl.models.lora import ADAPTER
+
+    expanded: dict[str, ParallelStyle] = {}
+    for name, style in plan.items():
+        module = layer.get_submodule(name)
+        lora_a = getattr(module, "lora_A", None)
+        if not (isinstance(lora_a, torch.nn.ModuleDict) and ADAPTER in lora_a):
+            expanded[name] = style
+            continue
+        a, b = f"{name}.lora_A.{ADAPTER}", f"{name}.lora_B.{ADAPTER}"
+        if not getattr(style, "use_local_output", False):
+            raise UserError(f"the parallel plan's style for '{name}' returns DTensors (use_local_output=False); "
+                            "LoRA adapters add local tensors to a layer's output.")
+        if isinstance(style, ColwiseParallel):
+            expanded[a] = ReplicatedAdapter(Replicate())
+            expanded[b] = ColwiseParallel(output_layouts=style.output_layouts[0])
+        elif isinstance(style, RowwiseParallel):
+            expanded[a] = RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0])
+            expanded[b] = ReplicatedAdapter(style.output_layouts[0])
+        else:
+            raise UserError(f"LoRA adapts '{name}', which the parallel plan gives {type(style).__name__}; "
+                            "an adapted layer must be ColwiseParallel or RowwiseParallel.")
+        expanded[f"{name}.base_layer"] = style
+    return expanded
 
 
 def apply_sequence_parallel_ends(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
