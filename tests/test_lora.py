@@ -23,7 +23,7 @@ LORA = ["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg
         "policy.dtensor_cfg.lora_cfg.dim=4", "policy.dtensor_cfg.lora_cfg.alpha=8"]
 COMMON = ["logger.progress_bar=false", "grpo.max_train_seconds=null", "grpo.val_at_start=false",
           "grpo.val_at_end=false", "checkpointing.enabled=true", "checkpointing.save_period=2",
-          "checkpointing.keep_top_k=10", HF, *LORA]
+          "checkpointing.keep_top_k=10", "loss_fn.reference_policy_kl_penalty=0.05", HF, *LORA]
 
 
 def overrides(tmp_path, steps, *extra):
@@ -60,6 +60,31 @@ def test_merged_weights_and_the_peft_adapter_compute_what_the_adapted_model_does
     assert torch.allclose(peft(ids).logits, expected, atol=1e-5)
 
 
+def test_the_reference_is_the_base_model_with_the_adapters_off():
+    """A LoRA run's KL reference is its own frozen base: no second copy, the same logprobs a
+    separate frozen model gives, whatever the adapters have learned."""
+    from novarl.backends.training.dtensor import DTensorPolicy, DTensorReference
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.lora import BaseReference
+    from novarl.models.loading import resolve_model_path
+    from tests.helpers.packing import mixed_batch
+
+    ensure_single_process_group()
+    cfg = load_config(None, overrides=LORA)
+    path = resolve_model_path("tiny-arith")
+    policy = DTensorPolicy(cfg.policy, path, torch.device("cpu"), total_steps=1, temperature=0.7)
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)  # trained adapters
+    batch = mixed_batch(rows=6, longest=9)
+    separate = DTensorReference(cfg.policy, path, torch.device("cpu"), temperature=0.7).logprobs(batch)
+    base = BaseReference(policy).logprobs(batch)
+    assert torch.allclose(base, separate, atol=1e-6)
+    assert not torch.allclose(policy.logprobs(batch), separate, atol=1e-3)  # the adapters are back on after
+    assert all(p.requires_grad == ("lora_" in n) for n, p in policy.model.named_parameters())
+
+
 def test_checkpoints_hold_the_adapters_only_resume_exactly_and_convert_merged(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -76,6 +101,8 @@ def test_checkpoints_hold_the_adapters_only_resume_exactly_and_convert_merged(tm
         assert got[step]["reward_mean"] == expected[step]["reward_mean"]
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-7)
         assert got[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=1e-6)
+        assert got[step]["kl_to_reference"] == pytest.approx(expected[step]["kl_to_reference"], rel=1e-5)
+    assert got[4]["kl_to_reference"] > 0  # the adapted policy has moved from its base
     out = tmp_path / "converted"
     assert main(["convert", str(run / "ckpt" / "step_4"), str(out)]) == 0
     from safetensors.torch import load_file
@@ -99,5 +126,11 @@ def test_lora_is_refused_where_it_is_not_built():  # Megatron; DTensor (FSDP2, T
     assert "LoRA" not in problems({"dtensor_cfg": {"tensor_parallel_size": 2}}, cluster={"gpus_per_node": 2})
     assert problems({"deepspeed_cfg": {"enabled": True}}) == ""
     assert "LoRA on the megatron training backend" in problems({"megatron_cfg": {"enabled": True}})
+    # the adapters alone go to vLLM's LoRA support, not to Hugging Face engines
+    assert "adapters sent to hf generation" in problems({"generation": {"backend": "hf", "lora_sync": "adapter"}})
+    assert "vLLM LoRA of rank 600" in problems({"generation": {"backend": "vllm", "lora_sync": "adapter"},
+                                                "dtensor_cfg": {"lora_cfg": {"enabled": True, "dim": 600}}})
+    report = check_config(load_config({"policy": {"generation": {"backend": "hf", "lora_sync": "adapter"}}}))
+    assert not report.problems and any("lora_sync: adapter applies with LoRA" in w for w in report.warnings)
     with pytest.raises(Exception, match="dropout_position 'post'"):
         load_config({"policy": {"dtensor_cfg": {"lora_cfg": {"enabled": True, "dropout": 0.1}}}})

@@ -172,3 +172,24 @@ def test_bad_roll_values_are_refused_naming_the_key(change, expected):
             "actor_train": {"strategy_args": {"strategy_name": "fsdp2_train"}, "device_mapping": "list(range(0,2))"},
             **change}
     assert expected in error_of(tree)
+
+
+def test_rolls_lora_arguments_become_lora_cfg():
+    def lora_of(**model_args):
+        tree = {"pretrain": "tiny-arith", "adv_estimator": "grpo", "response_length": 8,
+                "actor_train": {"strategy_args": {"strategy_name": "fsdp2_train"}, "device_mapping": [0],
+                                "model_args": model_args}}
+        return load_config(tree).policy.dtensor_cfg.lora_cfg
+
+    assert not lora_of(lora_rank=16).enabled  # ROLL turns LoRA on with lora_target
+    lora = lora_of(lora_target="all", lora_rank=16)
+    assert lora.enabled and lora.match_all_linear and (lora.dim, lora.alpha, lora.dropout) == (16, 32, 0)
+    lora = lora_of(lora_target="q_proj, v_proj", lora_alpha=8, lora_dropout=0.05)
+    assert not lora.match_all_linear and lora.target_modules == ["q_proj", "v_proj"]
+    assert (lora.dim, lora.alpha, lora.dropout, lora.dropout_position) == (8, 8, 0.05, "pre")
+    tree = {"pretrain": "tiny-arith", "adv_estimator": "grpo", "response_length": 8,
+            "actor_train": {"strategy_args": {"strategy_name": "fsdp2_train"}, "device_mapping": [0],
+                            "model_args": {"lora_target": ".*proj$", "adapter_name_or_path": "x"}}}
+    message = error_of(tree)
+    assert "'actor_train.model_args.lora_target' = '.*proj$'" in message
+    assert "'actor_train.model_args.adapter_name_or_path' = 'x'" in message

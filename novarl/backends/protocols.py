@@ -66,7 +66,9 @@ class WeightSender(Protocol):
                        ) -> Iterator[Bucket]:
         """Collective over the training ranks: the full weights bucket by bucket, gathered from
         the shards as each bucket's turn comes; on every rank (everywhere: each feeds its own
-        engine) or on rank 0 alone (which sends them to dedicated engines)."""
+        engine) or on rank 0 alone (which sends them to dedicated engines). With LoRA: the
+        merged weights, or the adapters alone under the training model's names
+        (`...q_proj.lora_A.default.weight`) when policy.generation.lora_sync is 'adapter'."""
         ...
 
 
@@ -75,7 +77,8 @@ class WeightReceiver(Protocol):
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load full tensors (Hugging Face names) as they come -- `weights` may be a stream that
-        receives them bucket by bucket -- then serve `version`."""
+        receives them bucket by bucket -- then serve `version`. An engine built for adapters
+        (lora_sync 'adapter') takes the adapters alone and applies them over its base weights."""
         ...
 
 

@@ -84,7 +84,7 @@ def governed(*paths: str) -> list[Rule]:
 
 ISSUE_ALGORITHMS = "not built yet (the PPO-family issue)"
 ISSUE_ASYNC = "not built yet (asynchronous GRPO is a later issue)"
-ISSUE_DATA = "not built yet (the bring-your-own-data issue)"
+ISSUE_DATA = "not built yet"
 
 RULES: tuple[Rule, ...] = (
     # ---------------------------------------------------------------- grpo
@@ -136,7 +136,8 @@ RULES: tuple[Rule, ...] = (
     off("policy.hf_config_overrides", _empty, "overriding the model's config.json is not built"),
     off("policy.dtensor_cfg.expert_parallel_size", _is(1, None), "expert parallelism on DTensor is not built "
         "(use megatron_cfg.expert_model_parallel_size)"),
-    off("policy.megatron_cfg.peft", _disabled, f"LoRA is {ISSUE_DATA}"),
+    off("policy.megatron_cfg.peft", _disabled, "LoRA on Megatron is not built yet (DTensor and DeepSpeed have it: "
+        "policy.dtensor_cfg.lora_cfg)"),
     off("policy.megatron_cfg.model_overrides", _empty, "overriding the Megatron model provider is not built"),
     off("policy.megatron_cfg.mtp_num_layers", _is(0, None), "multi-token prediction is not built"),
     off("policy.megatron_cfg.mtp_loss_scaling_factor", _is(0, 0.0, None), "multi-token prediction is not built"),

@@ -423,15 +423,45 @@ def _model_args(model: Mapping[str, Any], role: str, out: Translation) -> None:
             out.refuse(f"{role}.model_args.dtype", dtype, "novarl's precisions are bf16, fp16 and fp32")
         elif role == "actor_train":
             out.set("policy.precision", DTYPES[dtype])
-    for key in ("lora_target", "lora_rank", "lora_alpha"):
-        if model.get(key) is not None:
-            out.refuse(f"{role}.model_args.{key}", model[key], "LoRA is not built yet (the bring-your-own-data issue)")
+    _lora(model, role, out)
     if model.get("ulysses_size", 1) not in (1, None):
         out.refuse(f"{role}.model_args.ulysses_size", model["ulysses_size"], "sequence parallelism over attention "
                                                                              "heads (Ulysses) is not built")
     if model.get("freeze_module_prefix"):
         out.refuse(f"{role}.model_args.freeze_module_prefix", model["freeze_module_prefix"],
                    "freezing parts of the model is not built")
+
+
+def _lora(model: Mapping[str, Any], role: str, out: Translation) -> None:
+    """ROLL's LoRA (model_args: on when lora_target is set; lora_rank 8, lora_alpha 2 x rank and
+    lora_dropout 0 by default; targets a comma list, or `all` for every linear layer) onto
+    policy.dtensor_cfg.lora_cfg."""
+    where = f"{role}.model_args."
+    for key in ("adapter_name_or_path", "additional_target"):
+        if model.get(key):
+            out.refuse(where + key, model[key], "starting from a saved adapter and training modules beside LoRA's "
+                                               "are not built")
+    target = model.get("lora_target")
+    if target is None:
+        return
+    if not isinstance(target, str) or any(c in target for c in "*$|("):
+        out.refuse(where + "lora_target", target, "give module names separated by commas, or 'all' (a regular "
+                                                  "expression is not read)")
+        return
+    names = [name.strip() for name in target.split(",") if name.strip()]
+    lora = "policy.dtensor_cfg.lora_cfg."
+    out.set(lora + "enabled", True)
+    out.set(lora + "use_triton", False)
+    out.set(lora + "match_all_linear", names in (["all"], ["all-linear"]))
+    if names not in (["all"], ["all-linear"]):
+        out.set(lora + "target_modules", names)
+    rank = _number(model, "lora_rank", out, where, integer=True) or 8
+    out.set(lora + "dim", rank)
+    out.set(lora + "alpha", _number(model, "lora_alpha", out, where) or 2 * rank)
+    dropout = _number(model, "lora_dropout", out, where, positive=False)
+    if dropout:
+        out.set(lora + "dropout", dropout)
+        out.set(lora + "dropout_position", "pre")  # PEFT's (and ROLL's) LoRA drops the adapter's input
 
 
 def _training_args(args: Mapping[str, Any], out: Translation, training: str, placement: Placement | None,
@@ -476,7 +506,7 @@ def _data_args(args: Mapping[str, Any], out: Translation) -> None:
     mixing = args.get("domain_interleave_probs") or args.get("interleave_probs")
     if len(files) > 1 and mixing:
         out.refuse("actor_train.data_args.domain_interleave_probs", mixing,
-                   "sampling the files' domains by probability is not built yet (the bring-your-own-data issue); "
+                   "sampling the files' domains by probability is not built yet; "
                    "without it the files are read as one shuffled pool")
     elif len(files) > 1:
         out.set("data.train", [{"data_path": f} for f in files])

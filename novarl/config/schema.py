@@ -121,6 +121,10 @@ class McoreGenerationConfig(Section):
     enable_chunked_prefill: bool = True
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's max_lora_rank accepts (policy.generation.lora_sync: adapter)."""
+
+
 class GenerationConfig(Section):
     backend: Literal["vllm", "hf", "megatron"] | None = None
     """None: the one measured faster for the model and host (plan/resolve.py: default_generation_backend)."""
@@ -140,6 +144,12 @@ class GenerationConfig(Section):
     weight_sync_bucket_mb: float = Field(512, gt=0)
     """The weight sync's bound on one bucket (MB): the extra memory a rank holds beyond its own
     shards while the engines take new weights."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """With LoRA (policy.dtensor_cfg.lora_cfg), what the engines get at each weight sync. merged:
+    every adapted layer's merged weight (W + alpha/r B A) and the other tensors, the whole model,
+    for any engine; adapter: the adapters alone (two rank-r matrices a layer), which vLLM applies
+    with its LoRA kernels over the base weights it loaded at start (backend vllm): a sync moves
+    megabytes instead of the model, generation pays for the LoRA kernels."""
 
 
 # -------------------------------------------------------------------- training

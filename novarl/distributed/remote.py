@@ -37,6 +37,10 @@ class RemotePolicy:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.group.call("logprobs", batch)
 
+    def base_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """A LoRA policy's base model, its adapters off (models/lora.py BaseReference)."""
+        return self.group.call("base_logprobs", batch)
+
     def save(self, path: Path) -> None:
         self.group.call("save", path)
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from novarl.config.schema import LoraConfig
+from novarl.config.schema import VLLM_LORA_RANKS, LoraConfig
 
 ADAPTER = "default"
 """PEFT's adapter name (the one adapter novarl trains)."""
@@ -80,7 +81,7 @@ def merged(items: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[
                 yield f"{prefix}.{leaf}", tensor
                 continue
             pending.setdefault(prefix, {})["base"] = tensor
-        elif f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name:
+        elif is_adapter(name):
             prefix = name.split(".lora_")[0]
             pending.setdefault(prefix, {})["A" if f".lora_A.{ADAPTER}." in name else "B"] = tensor
         else:
@@ -94,19 +95,27 @@ def merged(items: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[
         raise RuntimeError(f"LoRA layers without both adapters: {sorted(pending)[:3]}")
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a training model's tensor name is one of the adapters' (lora_A or lora_B)."""
+    return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+
+
 def adapter_state(items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The adapters under PEFT's saved names (base_model.model.<path>.lora_A.weight)."""
     return {f"base_model.model.{name.replace(f'.{ADAPTER}.', '.')}": tensor.contiguous()
-            for name, tensor in items if f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name}
+            for name, tensor in items if is_adapter(name)}
 
 
-def save_adapter(folder: Path, state: dict[str, torch.Tensor], cfg: LoraConfig, base_model: str) -> None:
-    """A PEFT adapter folder: adapter_config.json and adapter_model.safetensors."""
+def save_adapter(folder: Path, state: dict[str, torch.Tensor], cfg: LoraConfig, base_model: str) -> int:
+    """A PEFT adapter folder: adapter_config.json and adapter_model.safetensors. The number of
+    adapter tensors written."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     peft_config(cfg, base_model).save_pretrained(str(folder))
-    save_file(adapter_state(state.items()), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    tensors = adapter_state(state.items())
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return len(tensors)
 
 
 def trainable_summary(model: torch.nn.Module, adapted: list[str], cfg: LoraConfig) -> str:
@@ -123,6 +132,20 @@ def hf_weights(items: Iterable[tuple[str, torch.Tensor]], cfg: LoraConfig | None
     return iter(items) if cfg is None else merged(items, scaling(cfg))
 
 
+def sends_adapter(policy) -> bool:
+    """Whether a policy's weight syncs carry its adapters alone (policy.generation.lora_sync:
+    adapter, with LoRA on): see WeightSender in backends/protocols.py."""
+    return policy.dtensor_cfg.lora_cfg.enabled and policy.generation.lora_sync == "adapter"
+
+
+def vllm_max_lora_rank(cfg: LoraConfig) -> int:
+    fitting = [rank for rank in VLLM_LORA_RANKS if rank >= cfg.dim]
+    if not fitting:
+        raise ValueError(f"policy.dtensor_cfg.lora_cfg.dim={cfg.dim} is above vLLM's largest LoRA rank "
+                         f"({VLLM_LORA_RANKS[-1]}); set policy.generation.lora_sync: merged")
+    return fitting[0]
+
+
 def save_hf(path: Path, model_config, state: dict[str, torch.Tensor], tokenizer, fmt, cfg: LoraConfig | None
             ) -> None:
     """The Hugging Face folder of a training model's full state: with LoRA the merged model, and
@@ -132,3 +155,42 @@ def save_hf(path: Path, model_config, state: dict[str, torch.Tensor], tokenizer,
     save_hf_folder(path, model_config, dict(hf_weights(state.items(), cfg)), tokenizer, fmt)
     if cfg is not None:
         save_adapter(Path(path) / "adapter", state, cfg, model_config.name_or_path)
+
+
+@contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """Run `model` as its frozen base: every LoRA layer computes its base layer alone. PEFT's
+    own switch (enable_adapters) would also flip the adapters' requires_grad, which the sharded
+    parameters' owners (FSDP2, ZeRO) set up once; its flag alone is what the forward reads."""
+    layers = [module for module in model.modules() if hasattr(module, "_disable_adapters")
+              and isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict)]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
+
+
+class BaseModelLogprobs:
+    """Mixin for a LoRA policy on DTensor or DeepSpeed (needs `.model` and `.logprobs`): the
+    base model's logprobs, the adapters off -- the reference policy of a LoRA run, with no
+    second copy of the model (see BaseReference)."""
+
+    def base_logprobs(self, batch) -> torch.Tensor:
+        """Collective, like logprobs: [N] per-token logprobs of the frozen base model."""
+        with adapters_off(self.model):
+            return self.logprobs(batch)
+
+
+class BaseReference:
+    """Implements ReferenceBackend for a LoRA run: the policy's own base model (its adapters off),
+    in the policy's processes, on its devices and shards; the base never trains, so it is the
+    model the run started from."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+
+    def logprobs(self, batch) -> torch.Tensor:
+        return self.policy.base_logprobs(batch)

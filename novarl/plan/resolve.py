@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from novarl.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
-from novarl.config.schema import NovaRLConfig
+from novarl.config.schema import VLLM_LORA_RANKS, NovaRLConfig
 from novarl.errors import ConfigError, NotAvailableYet, UserError
 from novarl.models.bundled import resolve_bundled
 from novarl.plan.generation import generation_layout, layout_missing, training_devices
@@ -153,6 +153,17 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
         if lora.use_triton:
             warnings.append("policy.dtensor_cfg.lora_cfg.use_triton: novarl runs PEFT's LoRA layers, not Triton "
                             "kernels")
+        if policy.generation.lora_sync == "adapter":
+            if choice.generation != "vllm":
+                missing.append(f"adapters sent to {choice.generation} generation (policy.generation.lora_sync: "
+                               "adapter); vLLM's LoRA support takes them (backend: vllm), every engine takes "
+                               "lora_sync: merged")
+            elif lora.dim > VLLM_LORA_RANKS[-1]:
+                missing.append(f"vLLM LoRA of rank {lora.dim} (policy.dtensor_cfg.lora_cfg.dim; vLLM's largest is "
+                               f"{VLLM_LORA_RANKS[-1]}): set policy.generation.lora_sync: merged")
+    elif policy.generation.lora_sync == "adapter":
+        warnings.append("policy.generation.lora_sync: adapter applies with LoRA (policy.dtensor_cfg.lora_cfg."
+                        "enabled), which is off: the engines get the full weights")
     if choice.generation not in BUILT_GENERATION_BACKENDS:
         missing.append(f"generation backend '{choice.generation}' (policy.generation.backend); "
                        "'hf', 'vllm' and 'megatron' work today")

@@ -408,6 +408,7 @@ def check_capacity(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -
 def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
                    ) -> tuple[TrainingBackend, ReferenceBackend | None]:
     from novarl.backends.registry import training_classes
+    from novarl.models.lora import BaseReference
 
     temperature = cfg.policy.generation.temperature
     total_steps = (inputs.max_steps or cfg.grpo.max_num_steps) * inputs.batches.optimizer_steps_per_step
@@ -420,13 +421,19 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
         common["emulate_cuda"] = _megatron_on_cpu(inputs)  # the ranks' processes may not see the variable
     policy_args, reference_args = {**common, **policy_only}, common
     with_reference = cfg.loss_fn.reference_policy_kl_penalty > 0
+    # LoRA's base is frozen: the reference is the policy with its adapters off, no model of its own
+    lora_base = with_reference and cfg.policy.dtensor_cfg.lora_cfg.enabled
+    if lora_base:
+        info("reference policy: the policy's own base model with its LoRA adapters off (no second copy)")
+        with_reference = False
     ranks = world_size(cfg)
     if ranks == 1 and cfg.policy.generation.colocated.enabled and not _megatron_on_cpu(inputs):
         from novarl.distributed.local import ensure_single_process_group
 
         ensure_single_process_group()
         policy = Policy(device=device, **policy_args)
-        return policy, Reference(device=device, **reference_args) if with_reference else None
+        reference = Reference(device=device, **reference_args) if with_reference else None
+        return policy, BaseReference(policy) if lora_base else reference
     from novarl.distributed.ray_group import RayWorkerGroup
     from novarl.distributed.remote import RemotePolicy, RemoteReference
 
@@ -435,7 +442,7 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
     group = RayWorkerGroup(Policy, policy_args, world_size=ranks, gpus_per_rank=gpus, name="policy")
     policy = RemotePolicy(group)
     if not with_reference:
-        return policy, None
+        return policy, BaseReference(policy) if lora_base else None
     try:
         group.add_role(RemoteReference.ROLE, Reference, reference_args)  # on the policy's ranks
         return policy, RemoteReference(group)

@@ -17,14 +17,17 @@ vLLM is imported here only. On CUDA hosts install `vllm`; on CPU-only hosts
 
 from __future__ import annotations
 
+import itertools
 import os
+import shutil
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import torch
 
 from novarl.backends.generation.hf import sample_seed
-from novarl.config.schema import GenerationConfig
-from novarl.errors import UserError
+from novarl.config.schema import GenerationConfig, LoraConfig
+from novarl.errors import RunFailed, UserError
 from novarl.logging.quiet import quiet_third_party
 from novarl.types import Completion, Prompt, SamplingConfig
 
@@ -50,12 +53,18 @@ class VllmGeneration:
     @staticmethod
     def engine_kwargs(cfg, *, model_path: str, tokenizer, precision: str) -> dict:
         """The constructor's arguments for a run's config (built where the engine runs)."""
+        from novarl.models.lora import sends_adapter
+
         return dict(model_path=model_path, tokenizer=tokenizer, cfg=cfg.policy.generation, precision=precision,
                     max_seq_length=cfg.policy.max_seq_length, seed=cfg.grpo.seed,
-                    trust_remote_code=cfg.policy.trust_remote_code)
+                    trust_remote_code=cfg.policy.trust_remote_code,
+                    lora=cfg.policy.dtensor_cfg.lora_cfg if sends_adapter(cfg.policy) else None)
 
     def __init__(self, model_path: str, tokenizer, cfg: GenerationConfig, *, precision: str,
-                 max_seq_length: int, seed: int = 0, trust_remote_code: bool = False) -> None:
+                 max_seq_length: int, seed: int = 0, trust_remote_code: bool = False,
+                 lora: LoraConfig | None = None) -> None:
+        """`lora`: the engine takes adapters at each sync (lora_sync 'adapter') and generates
+        with them through vLLM's LoRA support, over the base weights of `model_path`."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, on CPU hosts
         quiet_third_party()  # vLLM at ERROR unless the user raised it; also on a dedicated generator's actor
@@ -79,6 +88,9 @@ class VllmGeneration:
             # traceback without one); prompts still go in as token ids, and detokenize=False below.
             enable_sleep_mode=self.sleep_mode, use_tqdm_on_load=False,
         )
+        self.adapters = AdapterFolders(lora, model_path) if lora is not None else None
+        if self.adapters is not None:
+            engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=self.adapters.max_rank)
         engine_args.update(cfg.vllm_kwargs)
         try:
             self.llm = vllm.LLM(**engine_args)
@@ -107,7 +119,8 @@ class VllmGeneration:
             seed=None if sampling.seed is None else sample_seed(sampling.seed, sampling.seed_offset + position),
         ) for (prompt, count), position in zip(groups, _starts(groups), strict=True)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p.token_ids)) for p, _ in groups],
-                                    params, use_tqdm=False)
+                                    params, use_tqdm=False,
+                                    lora_request=self.adapters.request if self.adapters is not None else None)
         return [self._completion(prompt, sample)
                 for (prompt, _), out in zip(groups, outputs) for sample in out.outputs]
 
@@ -124,8 +137,12 @@ class VllmGeneration:
         weights wake for this: the KV cache is allocated when it next generates, so the
         optimizer's memory and the KV cache are never on the device at once."""
         self._wake("weights")
-        # a stream: vLLM loads each tensor as it comes, so a bucket at a time is held here
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        if self.adapters is not None:
+            self.llm.llm_engine.add_lora(self.adapters.write(weights, version))  # loaded now; the last one evicted
+            self.adapters.drop_previous()
+        else:
+            # a stream: vLLM loads each tensor as it comes, so a bucket at a time is held here
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
         self.version = version
 
@@ -147,8 +164,53 @@ class VllmGeneration:
             self.sleeping -= set(asleep)
 
     def shutdown(self) -> None:
-        """Drop the engine (and its KV cache); safe to call twice."""
+        """Drop the engine (and its KV cache) and its adapter folders; safe to call twice."""
         self.__dict__.pop("llm", None)
+        if self.adapters is not None:
+            self.adapters.remove()
+
+
+class AdapterFolders:
+    """The adapters an engine generates with, one PEFT folder per weight sync in a temporary
+    folder of the engine's process (vLLM's LoRA support loads adapters from folders; a few
+    milliseconds for megabytes). Each sync gets a new LoRA id: vLLM keeps an id's weights
+    cached, so a new version under an old id would not be read."""
+
+    def __init__(self, cfg: LoraConfig, base_model: str) -> None:
+        import tempfile
+
+        from novarl.models.lora import vllm_max_lora_rank
+
+        self.cfg, self.base_model = cfg, base_model
+        self.max_rank = vllm_max_lora_rank(cfg)
+        self.root = Path(tempfile.mkdtemp(prefix="novarl_lora_"))
+        self.request = None
+        """The LoRARequest of the newest adapter (None before the first sync: the base model,
+        which is where LoRA starts: lora_B is zero)."""
+        self._ids = itertools.count(1)
+        self._previous: Path | None = None
+
+    def write(self, weights: Iterable[tuple[str, torch.Tensor]], version: int):
+        """The adapters of `weights` (training names) as a folder; its LoRARequest."""
+        from vllm.lora.request import LoRARequest
+
+        from novarl.models.lora import save_adapter
+
+        lora_id = next(self._ids)
+        folder = self.root / f"v{version}_{lora_id}"
+        if not save_adapter(folder, dict(weights), self.cfg, self.base_model):
+            raise RunFailed("a weight sync with policy.generation.lora_sync=adapter carried no LoRA adapter")
+        previous, self.request = self.request, LoRARequest(f"novarl_v{version}", lora_id, str(folder))
+        self._previous = Path(previous.lora_path) if previous is not None else None
+        return self.request
+
+    def drop_previous(self) -> None:
+        if self._previous is not None:
+            shutil.rmtree(self._previous, ignore_errors=True)
+            self._previous = None
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _quiet_rotary_reload_warning() -> None:

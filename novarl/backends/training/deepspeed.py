@@ -40,7 +40,7 @@ from novarl.distributed.weight_sync import bucketed, in_dtype
 from novarl.errors import ConfigError
 from novarl.models.attention import use_varlen_attention
 from novarl.models.loading import ExportFormat, load_causal_lm
-from novarl.models.lora import hf_weights, save_hf
+from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf, sends_adapter
 
 CHECKPOINT_TAG = "deepspeed"
 """The engine's files go to <checkpoint>/deepspeed/ (no `latest` file beside them)."""
@@ -125,6 +125,7 @@ class DeepSpeedModel(DataParallelRows):
         check_packing(model, self.attention, self.logprob_batching, torch.device("cpu"))  # before the engine
         lora = policy.dtensor_cfg.lora_cfg
         self.lora = lora if trainable and lora.enabled else None
+        self.adapter_sync = trainable and sends_adapter(policy)
         if self.lora is not None:  # adapters in place, before the engine: the optimizer gets them alone
             from novarl.models.lora import inject, trainable_summary
 
@@ -185,7 +186,7 @@ class DeepSpeedModel(DataParallelRows):
         return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
 
 
-class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows):
+class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows, BaseModelLogprobs):
     """The trainable policy on DeepSpeed ZeRO (implements TrainingBackend)."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
@@ -222,14 +223,19 @@ class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows):
         rank holds them whole already. LoRA layers merged (in float32), then floating tensors
         cast to dtype if given."""
         keep = everywhere or self.dp_rank == 0
-        full = hf_weights(self._full_tensors(bucket_bytes, keep), self.lora)
+        if self.adapter_sync:  # the adapters alone: the engines hold the frozen base already
+            full = self._full_tensors(bucket_bytes, keep, wanted=is_adapter)
+        else:
+            full = hf_weights(self._full_tensors(bucket_bytes, keep), self.lora)
         yield from bucketed(((name, in_dtype(tensor, dtype)) for name, tensor in full), bucket_bytes)
 
-    def _full_tensors(self, bucket_bytes: int, keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective: the module's full tensors in order (on this rank if keep); under stage 3
-        gathered a bucket's worth of parameters at a time, and copied out before release."""
+    def _full_tensors(self, bucket_bytes: int, keep: bool, wanted=lambda name: True
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: the module's full tensors in order (the `wanted` names; on this rank if
+        keep); under stage 3 gathered a bucket's worth of parameters at a time, and copied out
+        before release."""
         module = self.engine.module if self.engine is not None else self.model
-        state = module.state_dict(keep_vars=True)  # tied weights: one parameter under two names
+        state = {name: tensor for name, tensor in module.state_dict(keep_vars=True).items() if wanted(name)}
         if not (self.zero_stage == 3 and self.engine is not None):
             if keep:
                 yield from ((name, tensor.detach()) for name, tensor in state.items())

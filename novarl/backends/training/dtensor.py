@@ -42,7 +42,7 @@ from novarl.config.schema import PolicyConfig
 from novarl.distributed.weight_sync import bucketed, full_weights, in_dtype
 from novarl.models.attention import use_varlen_attention
 from novarl.models.loading import DTYPES, ExportFormat, load_causal_lm
-from novarl.models.lora import hf_weights, save_hf
+from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf, sends_adapter
 
 
 class ShardedModel(DataParallelRows):
@@ -70,6 +70,7 @@ class ShardedModel(DataParallelRows):
         self.logprob_batching = MicroBatching.from_policy(policy, training=False, sequence_multiple=multiple)
         check_packing(model, self.attention, self.logprob_batching, self.device)  # before sharding
         self.lora = dt.lora_cfg if trainable and dt.lora_cfg.enabled else None
+        self.adapter_sync = trainable and sends_adapter(policy)
         if self.lora is not None:  # adapters in place, before sharding: the layers keep their paths
             from novarl.models.lora import inject, trainable_summary
 
@@ -89,7 +90,7 @@ class ShardedModel(DataParallelRows):
             model.requires_grad_(trainable)
         self.model = model
 
-class DTensorPolicy(ShardedModel, AccumulatingRows):
+class DTensorPolicy(ShardedModel, AccumulatingRows, BaseModelLogprobs):
     """The trainable policy on the DTensor backend (implements TrainingBackend)."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None,
@@ -128,7 +129,10 @@ class DTensorPolicy(ShardedModel, AccumulatingRows):
         alone (the others take part in the gathers). Floating tensors cast to dtype if given."""
         state = get_model_state_dict(self.model)  # this rank's shards, under the model's own names
         keep = everywhere or dist.get_rank() == 0
-        full = hf_weights(full_weights(state.items(), keep), self.lora)  # LoRA merged in float32, then cast
+        if self.adapter_sync:  # the adapters alone: the engines hold the frozen base already
+            full = full_weights(((n, t) for n, t in state.items() if is_adapter(n)), keep)
+        else:
+            full = hf_weights(full_weights(state.items(), keep), self.lora)  # LoRA merged in float32, then cast
         yield from bucketed(((name, in_dtype(t, dtype)) for name, t in full), bucket_bytes)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
