@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from novarl.algorithms.advantages import ADVANTAGE_ESTIMATORS, grpo_advantages
+from novarl.algorithms.advantages import (ADVANTAGE_ESTIMATORS, AdvantageSettings, grpo_advantages,
+                                          reinforce_plus_plus_advantages, rloo_advantages)
 from novarl.algorithms.kl import KL_ESTIMATORS
 from novarl.algorithms.losses import ClippedPGSettings, clipped_pg_loss, make_loss
 from novarl.config.schema import LossConfig
@@ -22,8 +23,8 @@ def test_grpo_advantages_normalised_by_group_std():
 
 
 def test_grpo_advantages_leave_one_out_without_normalisation():
-    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4, normalize_rewards=False,
-                          use_leave_one_out_baseline=True)
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4,
+                          AdvantageSettings(normalize_rewards=False, use_leave_one_out_baseline=True))
     # r=1: others average 1/3 -> 2/3; r=0: others average 2/3 -> -2/3.
     assert adv.tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
 
@@ -34,8 +35,67 @@ def test_grpo_advantages_reject_ragged_groups():
 
 
 def test_registry_unknown_name_names_the_key():
-    with pytest.raises(ConfigError, match="grpo.advantage_estimator='nope'.*known: grpo"):
+    with pytest.raises(ConfigError, match="grpo.adv_estimator.name='nope'.*known: grpo, reinforce_plus_plus, rloo"):
         ADVANTAGE_ESTIMATORS.get("nope")
+
+
+def test_rloo_is_leave_one_out_without_normalisation():
+    adv = rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0]), 3)
+    # group 1: 1 - 0 = 1, 0 - 1/2, 0 - 1/2; group 2: 0 - 2, 2 - 1, 2 - 1
+    assert adv.tolist() == pytest.approx([1.0, -0.5, -0.5, -2.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="at least 2 generations"):
+        rloo_advantages(torch.ones(3), 1)
+
+
+def test_reinforce_plus_plus_normalises_over_the_step_by_tokens():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    # minus_baseline: group means 0.5 and 1 -> [0.5, -0.5, 0, 0]; token counts 1, 1, 2, 0:
+    # token-weighted mean (0.5 - 0.5 + 0) / 4 = 0, variance (0.25 + 0.25 + 0) / 4 = 0.125
+    adv = reinforce_plus_plus_advantages(rewards, 2, AdvantageSettings(), torch.tensor([1, 1, 2, 0]))
+    assert adv.tolist() == pytest.approx([0.5 / 0.125**0.5, -0.5 / 0.125**0.5, 0.0, 0.0], abs=1e-6)
+    # without the baseline, each sequence weighing 1: mean 0.75, variance 0.1875
+    plain = reinforce_plus_plus_advantages(rewards, 2, AdvantageSettings(minus_baseline=False))
+    assert plain.tolist() == pytest.approx([(r - 0.75) / 0.1875**0.5 for r in rewards.tolist()], abs=1e-6)
+    # a step whose rewards are all equal: 0, not a division by 0
+    assert reinforce_plus_plus_advantages(torch.ones(4), 2).tolist() == [0.0] * 4
+
+
+def test_reward_scaling_and_dapo_shaping_by_hand():
+    from novarl.algorithms.shaping import groups_with_signal, scale_rewards, shape_rewards
+    from novarl.config.schema import RewardScalingConfig, RewardShapingConfig
+
+    scaled = scale_rewards(torch.tensor([-1.0, 0.0, 0.5, 2.0]),
+                           RewardScalingConfig(enabled=True, source_max=1.0, target_min=-1.0, target_max=1.0))
+    assert scaled.tolist() == pytest.approx([-1.0, -1.0, 0.0, 1.0])  # clamped to [0, 1], then onto [-1, 1]
+    lengths, cut = torch.tensor([10, 13, 16, 20]), torch.tensor([False, False, False, True])
+    dapo = RewardShapingConfig(enabled=True, overlong_buffer_length=4, overlong_buffer_penalty=1.0)
+    # expected length 16 - 4 = 12: excess -2, 1, 4, 8 -> penalties 0, -0.25, -1, -2
+    shaped = shape_rewards(torch.ones(4), lengths, cut, dapo, max_new_tokens=16)
+    assert shaped.tolist() == pytest.approx([1.0, 0.75, 0.0, -1.0])
+    stop = RewardShapingConfig(enabled=True, stop_properly_penalty_coef=0.5)
+    assert shape_rewards(torch.ones(4), lengths, cut, stop, 16).tolist() == [1.0, 1.0, 1.0, 0.5]
+    assert groups_with_signal(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2).tolist() == [False, True, False]
+    with pytest.raises(Exception, match="overlong_buffer_length"):
+        RewardShapingConfig(enabled=True)
+
+
+def test_loss_aggregations_and_the_reinforce_surrogate_by_hand():
+    """Two sequences of 1 and 3 loss tokens, ratio 1 everywhere (old = new logprobs)."""
+    mask = torch.tensor([[False, True, False, False], [False, True, True, True]])
+    batch = TrainBatch.from_rows(torch.zeros((2, 4), dtype=torch.long), torch.ones((2, 4), dtype=torch.bool), mask,
+                                 torch.tensor([1.0, -1.0]))
+    logprobs = torch.full((8,), -0.5, requires_grad=True)
+    batch.old_logprobs = logprobs.detach().clone()
+    token_loss = {"token-mean": (-1 + 3) / 4, "seq-mean-token-mean": (-1 + 1) / 2,
+                  "seq-mean-token-sum": (-1 + 3) / 2, "seq-mean-token-sum-norm": (-1 / 5 + 3 / 5) / 2}
+    for mode, expected in token_loss.items():  # -A per token at ratio 1
+        loss, _ = clipped_pg_loss(logprobs, batch, ClippedPGSettings(aggregation=mode, aggregation_norm=5))
+        assert float(loss.detach()) == pytest.approx(expected), mode
+    # REINFORCE: -A log p, token-mean: (-(1)(-0.5) - 3 (-1)(-0.5)) / 4 = (0.5 - 1.5) / 4
+    loss, _ = clipped_pg_loss(logprobs, batch, ClippedPGSettings(disable_ppo_ratio=True))
+    assert float(loss.detach()) == pytest.approx(-0.25)
+    loss.backward()  # d/dlogp = -A / 4 on each loss token
+    assert logprobs.grad.tolist() == pytest.approx([0, -0.25, 0, 0, 0, 0.25, 0.25, 0.25])
 
 
 def _batch(logprobs_new, old, advantage, ref=None, tokens=None):
@@ -86,8 +146,8 @@ def test_micro_batch_losses_sum_to_the_full_batch_loss():
                                  torch.ones((size, length), dtype=torch.bool), mask, torch.randn(size))
     batch.old_logprobs = -torch.rand(batch.num_tokens)
     logprobs = -torch.rand(batch.num_tokens)
-    for token_level in (True, False):
-        settings = ClippedPGSettings(token_level_loss=token_level)
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        settings = ClippedPGSettings(aggregation=mode, aggregation_norm=7)
         full, _ = clipped_pg_loss(logprobs, batch, settings)
         parts = sum(float(clipped_pg_loss(logprobs[batch.token_index(range(i, i + 2))], batch.slice(i, i + 2),
                                           settings)[0])
@@ -152,7 +212,8 @@ def test_old_logprobs_from_the_training_forward_give_the_same_loss_and_gradient(
     the logprob mismatch is measured from them."""
     from novarl.trainer.rollout import logprob_mismatch
 
-    settings = ClippedPGSettings(reference_policy_kl_penalty=0.05, token_level_loss=token_level,
+    settings = ClippedPGSettings(reference_policy_kl_penalty=0.05,
+                                 aggregation="token-mean" if token_level else "seq-mean-token-mean",
                                  use_importance_sampling_correction=True, use_on_policy_kl_approximation=True)
     batch = _random_batch()
     logits = torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(1)) - 2

@@ -143,13 +143,13 @@ def test_feature_switches_are_refused_when_on_and_accepted_when_off():
                        "policy": {"dtensor_cfg": {"lora_cfg": {"enabled": False, "dim": 8}}}})
     assert off.load_warnings == ()  # off is what novarl does: nothing to warn about
     msg = error_of({"loss_fn": {"use_cispo": True, "force_on_policy_ratio": True},
-                    "grpo": {"reward_shaping": {"enabled": True}, "use_dynamic_sampling": True},
+                    "grpo": {"seq_logprob_error_threshold": 0.5, "stop_at_validation_metric": "val:accuracy"},
                     "policy": {"precision": "float64"}})
     lines = msg.splitlines()
     assert lines[0] == "Invalid config (the config): 5 problem(s):"  # with the schema's own error, all at once
     assert "  - 'loss_fn.use_cispo' = true: CISPO is not built; remove it or turn it off." in lines
-    assert any(line.startswith("  - 'grpo.reward_shaping' = {'enabled': True}: reward shaping") for line in lines)
-    assert any(line.startswith("  - 'grpo.use_dynamic_sampling' = true: DAPO's dynamic sampling") for line in lines)
+    assert any(line.startswith("  - 'grpo.seq_logprob_error_threshold' = 0.5: masking") for line in lines)
+    assert any(line.startswith("  - 'grpo.stop_at_validation_metric' = 'val:accuracy': stopping") for line in lines)
     assert any(line.startswith("  - 'loss_fn.force_on_policy_ratio' = true: forcing the ratio") for line in lines)
     assert any(line.startswith("  - 'policy.precision' = 'float64'") for line in lines)
 
@@ -185,7 +185,8 @@ def test_renamed_nemo_rl_spellings_land_on_novarl_keys():
     assert cfg.policy.sequence_packing.algorithm == "modified_first_fit_decreasing"
     assert cfg.policy.optimizer.name == "torch.optim.AdamW"
     assert any("runs as torch.optim.AdamW" in w for w in cfg.load_warnings)
-    assert "advantage estimators other than 'grpo'" in error_of({"grpo": {"adv_estimator": {"name": "rloo"}}})
+    assert load_config({"grpo": {"adv_estimator": {"name": "rloo"}}}).grpo.adv_estimator.name == "rloo"
+    assert "'grpo', 'reinforce_plus_plus' or 'rloo'" in error_of({"grpo": {"adv_estimator": {"name": "gdpo"}}})
 
 
 def test_nemo_rl_data_blocks_become_novarl_data_keys():

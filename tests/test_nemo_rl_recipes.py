@@ -82,10 +82,7 @@ REFUSED = {
     "2026-08/grpo_math_1B_sglang.yaml": ["'policy.generation.backend' = 'sglang': SGLang generation is not built"],
     "2026-08/grpo_math_8B_megatron_fp8.yaml": ["'policy.generation.vllm_cfg.precision' = 'fp8': FP8 generation is "
                                                "not built"],
-    "2026-08/recipes/llm/dapo-qwen2.5-7b.v2.yaml": [
-        "'grpo.use_dynamic_sampling' = true: DAPO's dynamic sampling is not built yet",
-        "'grpo.batch_multiplier' = 3: over-generation for dynamic sampling",
-        "'grpo.reward_scaling' = {'enabled': True,", "'grpo.reward_shaping' = {'enabled': True,",
+    "2026-08/recipes/llm/dapo-qwen2.5-7b.v2.yaml": [  # dynamic sampling, reward scaling and shaping are read
         "'policy.hf_config_overrides' = {'max_position_embeddings': 16384}",
         "'env.math.math_verify_impl' = 'dapo_math_verify': DAPO's answer checker is not built"],
 }

@@ -45,7 +45,7 @@ def test_a_roll_pipeline_config_becomes_novarls_sections(in_tmp):
     assert policy.optimizer.kwargs["lr"] == 1e-4 and policy.scheduler[0].name.endswith("LinearLR")
     assert (loss.ratio_clip_min, loss.ratio_clip_max, loss.ratio_clip_c) == (0.2, 0.2, pytest.approx(1.4))
     assert (loss.reference_policy_kl_penalty, loss.kl_estimator, loss.kl_output_clamp_value) == (1e-3, "k3", 10.0)
-    assert loss.token_level_loss and grpo.overlong_filtering
+    assert loss.loss_agg_mode == "token-mean" and grpo.overlong_filtering
     assert (grpo.advantage_clip_low, grpo.advantage_clip_high, grpo.reward_clip) == (-2.0, 2.0, 10)
     assert cfg.data.train_data_path == "data/train.jsonl"
     assert cfg.checkpointing.checkpoint_dir == "./output/checkpoints/tiny-grpo-fsdp2"

@@ -1,27 +1,55 @@
 """Advantage estimators: rewards of a step -> one advantage per sequence.
 
-Rewards arrive flat, [N] with N = prompts x generations, grouped by prompt:
-sequences g*G .. g*G+G-1 answer prompt g. Each estimator returns [N] float32.
+Rewards arrive flat, [S] with S = prompts x generations, grouped by prompt:
+sequences g*G .. g*G+G-1 answer prompt g. Each estimator takes the rewards, the
+group size and `AdvantageSettings` (NeMo RL's `grpo.adv_estimator` keys), and the
+number of loss tokens of each sequence ([S], for estimators that weigh sequences by
+their tokens), and returns [S] float32 advantages, each repeated over its sequence's
+tokens by the trainer.
+
+Names are NeMo RL's (`grpo`, `reinforce_plus_plus`) where it has them, verl's
+(`rloo`) where it does not.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from novarl.algorithms.registry import Registry
 
-ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator", "grpo.advantage_estimator")
+ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator", "grpo.adv_estimator.name")
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    normalize_rewards: bool = True
+    """grpo: divide group-centred rewards by the group's standard deviation."""
+    use_leave_one_out_baseline: bool = False
+    """grpo: the baseline of a sample is the mean of the other G-1 rewards of its group."""
+    minus_baseline: bool = True
+    """reinforce_plus_plus: subtract the group's mean reward before normalising over the batch."""
+    eps: float = 1e-6
+
+
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if rewards.ndim != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
+    return rewards.float().view(-1, group_size)
+
+
+def group_baseline(grouped: torch.Tensor, leave_one_out: bool) -> torch.Tensor:
+    """[P, G] per-sample baselines: the group's mean, or the mean of the other G-1 rewards."""
+    group_size = grouped.shape[1]
+    if leave_one_out and group_size > 1:
+        return (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return grouped.mean(dim=1, keepdim=True).expand_as(grouped)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
-def grpo_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    normalize_rewards: bool = True,
-    use_leave_one_out_baseline: bool = False,
-    eps: float = 1e-6,
-) -> torch.Tensor:
+def grpo_advantages(rewards: torch.Tensor, group_size: int, settings: AdvantageSettings = AdvantageSettings(),
+                    token_counts: torch.Tensor | None = None) -> torch.Tensor:
     """Group-relative advantages (GRPO).
 
     baseline: the group's mean reward, or with `use_leave_one_out_baseline` the
@@ -29,14 +57,37 @@ def grpo_advantages(
     reward is divided by the group's standard deviation (unbiased, + eps). A group
     whose rewards are all equal gets advantage 0: it carries no signal.
     """
-    if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
-    grouped = rewards.float().view(-1, group_size)
-    if use_leave_one_out_baseline and group_size > 1:
-        baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
-    else:
-        baseline = grouped.mean(dim=1, keepdim=True)
-    centred = grouped - baseline
-    if normalize_rewards and group_size > 1:
-        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    grouped = _grouped(rewards, group_size)
+    centred = grouped - group_baseline(grouped, settings.use_leave_one_out_baseline)
+    if settings.normalize_rewards and group_size > 1:
+        centred = centred / (grouped.std(dim=1, keepdim=True) + settings.eps)
     return centred.reshape(-1)
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo_advantages(rewards: torch.Tensor, group_size: int, settings: AdvantageSettings = AdvantageSettings(),
+                    token_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """REINFORCE leave-one-out (verl's `rloo`): each reward minus the mean of the other G-1
+    rewards of its group, not normalised."""
+    grouped = _grouped(rewards, group_size)
+    if group_size < 2:
+        raise ValueError("rloo needs at least 2 generations per prompt (grpo.num_generations_per_prompt)")
+    return (grouped - group_baseline(grouped, leave_one_out=True)).reshape(-1)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
+def reinforce_plus_plus_advantages(rewards: torch.Tensor, group_size: int,
+                                   settings: AdvantageSettings = AdvantageSettings(),
+                                   token_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """REINFORCE++ (NeMo RL's `reinforce_plus_plus`): the reward, minus the group's mean with
+    `minus_baseline` (REINFORCE++-baseline), then normalised over the whole step: zero mean and
+    unit variance over its loss tokens (each sequence weighs as many tokens as it trains;
+    token_counts [S], all 1 when not given), the variance floored at 1e-8."""
+    grouped = _grouped(rewards, group_size)
+    advantages = grouped - group_baseline(grouped, False) if settings.minus_baseline else grouped
+    advantages = advantages.reshape(-1)
+    weights = torch.ones_like(advantages) if token_counts is None else token_counts.float()
+    total = weights.sum().clamp(min=1)
+    mean = (advantages * weights).sum() / total
+    variance = ((advantages - mean) ** 2 * weights).sum() / total
+    return (advantages - mean) * variance.clamp(min=1e-8).rsqrt()

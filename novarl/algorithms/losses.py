@@ -36,7 +36,11 @@ class ClippedPGSettings:
     ratio_clip_c: float | None = None
     reference_policy_kl_penalty: float = 0.0
     kl_estimator: str = "k3"
-    token_level_loss: bool = True
+    aggregation: str = "token-mean"
+    """loss_fn.loss_agg_mode (see `_reduce`)."""
+    aggregation_norm: int = 1
+    """seq-mean-token-sum-norm's constant divisor (policy.generation.max_new_tokens)."""
+    disable_ppo_ratio: bool = False
     use_importance_sampling_correction: bool = False
     sequence_level_importance_ratios: bool = False
     use_on_policy_kl_approximation: bool = False
@@ -54,9 +58,9 @@ def clipped_pg_loss(
     ratio r = exp(logprobs - old_logprobs) and its advantage A (per token):
         loss_t = -min(r A, clip(r, 1 - ratio_clip_min, 1 + ratio_clip_max) A)
     with dual clipping (A < 0): loss_t = min(loss_t, -ratio_clip_c A); plus
-    reference_policy_kl_penalty * KL_t when a reference is given. Averaged over
-    all loss tokens of the step (token_level_loss) or per sequence, then over
-    the step's sequences.
+    reference_policy_kl_penalty * KL_t when a reference is given. With
+    disable_ppo_ratio (REINFORCE, NeMo RL's key) loss_t = -A log p_t, no ratio, no clip.
+    Aggregated over the step as `settings.aggregation` says (see `_reduce`).
     """
     mask = batch.loss_mask.float()
     # None: the policy has not changed since generation and this is the batch's only optimizer
@@ -69,7 +73,10 @@ def clipped_pg_loss(
         log_ratio = per_seq[batch.sequence_index.to(per_seq.device)]
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1 - settings.ratio_clip_min, 1 + settings.ratio_clip_max)
-    token_loss = -torch.minimum(ratio * advantages, clipped * advantages)
+    if settings.disable_ppo_ratio:
+        token_loss = -advantages * logprobs
+    else:
+        token_loss = -torch.minimum(ratio * advantages, clipped * advantages)
     if settings.ratio_clip_c is not None:
         dual = torch.minimum(token_loss, -settings.ratio_clip_c * advantages)
         token_loss = torch.where(advantages < 0, dual, token_loss)
@@ -84,7 +91,7 @@ def clipped_pg_loss(
             kl = kl * torch.exp(logprobs - old_logprobs).detach()
         token_loss = token_loss + settings.reference_policy_kl_penalty * kl
 
-    reduce = partial(_reduce, mask=mask, batch=batch, token_level=settings.token_level_loss)
+    reduce = partial(_reduce, mask=mask, batch=batch, mode=settings.aggregation, norm=settings.aggregation_norm)
     with torch.no_grad():
         clipped_out = ((ratio - clipped).abs() > 1e-8).float()
         metrics = {
@@ -122,23 +129,42 @@ def mismatch_metrics(trainer_logprobs: torch.Tensor, batch: TrainBatch) -> dict[
             "logprob_mismatch_max": error.max() if error.numel() else error.sum()}
 
 
-def _reduce(values: torch.Tensor, *, mask: torch.Tensor, batch: TrainBatch, token_level: bool) -> torch.Tensor:
-    """This micro-batch's share of the step mean (see the module docstring)."""
-    if token_level:
+def _reduce(values: torch.Tensor, *, mask: torch.Tensor, batch: TrainBatch, mode: str = "token-mean",
+            norm: int = 1) -> torch.Tensor:
+    """This micro-batch's share of the step's loss (see the module docstring), by loss_agg_mode:
+    token-mean: over all loss tokens of the step; seq-mean-token-mean: each sequence's mean, then
+    over the step's sequences; seq-mean-token-sum: each sequence's sum, then over sequences;
+    seq-mean-token-sum-norm (Dr. GRPO): each sequence's sum / `norm`, then over sequences."""
+    if mode == "token-mean":
         return (values * mask).sum() / max(batch.global_valid_tokens, 1)
-    per_sequence = batch.sequence_sum(values * mask) / batch.sequence_sum(mask).clamp(min=1)
+    per_sequence = batch.sequence_sum(values * mask)
+    if mode == "seq-mean-token-mean":
+        per_sequence = per_sequence / batch.sequence_sum(mask).clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        per_sequence = per_sequence / norm
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"loss_fn.loss_agg_mode='{mode}' is not a known aggregation")
     return per_sequence.sum() / max(batch.global_valid_sequences, 1)
 
 
-def make_loss(loss_cfg) -> LossFn:
-    """The configured loss (a `novarl.config.schema.LossConfig`) as a LossFn."""
+def aggregation(loss_cfg) -> str:
+    """loss_fn.loss_agg_mode, or what NeMo RL's token_level_loss means (token-mean, or
+    seq-mean-token-mean)."""
+    return loss_cfg.loss_agg_mode or ("token-mean" if loss_cfg.token_level_loss else "seq-mean-token-mean")
+
+
+def make_loss(loss_cfg, max_new_tokens: int = 1) -> LossFn:
+    """The configured loss (a `novarl.config.schema.LossConfig`) as a LossFn; max_new_tokens:
+    the constant seq-mean-token-sum-norm divides by."""
     settings = ClippedPGSettings(
         ratio_clip_min=loss_cfg.ratio_clip_min,
         ratio_clip_max=loss_cfg.ratio_clip_max,
         ratio_clip_c=loss_cfg.ratio_clip_c,
         reference_policy_kl_penalty=loss_cfg.reference_policy_kl_penalty,
         kl_estimator=loss_cfg.kl_estimator,
-        token_level_loss=loss_cfg.token_level_loss,
+        aggregation=aggregation(loss_cfg),
+        aggregation_norm=max_new_tokens,
+        disable_ppo_ratio=loss_cfg.disable_ppo_ratio,
         use_importance_sampling_correction=loss_cfg.use_importance_sampling_correction,
         sequence_level_importance_ratios=loss_cfg.sequence_level_importance_ratios,
         use_on_policy_kl_approximation=loss_cfg.use_on_policy_kl_approximation,

@@ -88,23 +88,17 @@ ISSUE_DATA = "not built yet"
 
 RULES: tuple[Rule, ...] = (
     # ---------------------------------------------------------------- grpo
-    off("grpo.adv_estimator", lambda v, t: v is None or isinstance(v, Mapping) and v.get("name", "grpo") == "grpo",
-        f"advantage estimators other than 'grpo' are {ISSUE_ALGORITHMS}"),
     off("grpo.async_grpo.in_flight_weight_updates", _is(False), f"in-flight weight updates are {ISSUE_ASYNC}"),
     off("grpo.async_grpo.max_generation_failures", _is(0), f"tolerated generation failures are {ISSUE_ASYNC}"),
     off("grpo.async_grpo.recompute_kv_cache_after_weight_updates", _is(False),
         f"KV-cache recomputation is {ISSUE_ASYNC}"),
-    off("grpo.use_dynamic_sampling", _is(False), f"DAPO's dynamic sampling is {ISSUE_ALGORITHMS}"),
-    off("grpo.batch_multiplier", _is(1, 1.0), f"over-generation for dynamic sampling is {ISSUE_ALGORITHMS}"),
-    *governed("grpo.dynamic_sampling_max_gen_batches", "grpo.stop_at_validation_threshold",
+    *governed("grpo.stop_at_validation_threshold",
               "data.num_prompts_per_dataloader", "data.custom_dataloader",
               "policy.megatron_cfg.optimizer.optimizer_offload_fraction",
               "policy.megatron_cfg.optimizer.overlap_cpu_optimizer_d2h_h2d", "policy.generation.sglang_cfg",
               "policy.generation.trtllm_cfg", "policy.generation.trtllm_kwargs", "policy.generation.dynamo_cfg",
               "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
               "policy.megatron_cfg.fused_linear_logprobs_chunk_size"),
-    off("grpo.reward_scaling", _disabled, f"reward scaling is {ISSUE_ALGORITHMS}"),
-    off("grpo.reward_shaping", _disabled, f"reward shaping (DAPO's overlong penalty) is {ISSUE_ALGORITHMS}"),
     off("grpo.seq_logprob_error_threshold", _is(None), "masking sequences by logprob error is not built"),
     off("grpo.invalid_tool_call_advantage", _is(None), "tool calls are not built (single-turn rollouts)"),
     off("grpo.malformed_thinking_advantage", _is(None), "<think>-tag checks are not built"),
@@ -121,7 +115,6 @@ RULES: tuple[Rule, ...] = (
     off("on_policy_distillation", _disabled, "on-policy distillation is not built"),
     off("reward_penalties", _all_off, "NeMo-Gym reward penalties are not built"),
     # ---------------------------------------------------------------- loss
-    off("loss_fn.disable_ppo_ratio", _is(False), f"the REINFORCE surrogate is {ISSUE_ALGORITHMS}"),
     off("loss_fn.force_on_policy_ratio", _is(False), "forcing the ratio to 1 is not built"),
     off("loss_fn.positive_example_nll_weight", _is(0, 0.0), "VAPO's NLL term is not built"),
     off("loss_fn.truncated_importance_sampling_type", _is(None), f"truncated importance sampling is {ISSUE_ASYNC}"),
@@ -314,8 +307,7 @@ def translate(tree: dict[str, Any]) -> tuple[list[str], list[str]]:
             for key in ("normalize_rewards", "use_leave_one_out_baseline"):
                 if key in estimator:  # NeMo RL reads the estimator's copy (by default ${grpo.<key>})
                     grpo[key] = estimator.pop(key)
-            estimator.pop("minus_baseline", None)  # REINFORCE++ only (refused with the name)
-            if not estimator or estimator == {"name": "grpo"}:
+            if not estimator:
                 grpo.pop("adv_estimator")
     policy = tree.get("policy")
     if isinstance(policy, dict):

@@ -205,10 +205,11 @@ def _algorithm(tree: Mapping[str, Any], out: Translation) -> None:
         out.set("loss_fn.kl_estimator", "k3")
         out.set("loss_fn.kl_output_clamp_value", 10.0)
     mode = tree.get("loss_agg_mode", "seq-mean-token-mean")
-    if mode not in ("token-mean", "seq-mean-token-mean"):
-        out.refuse("loss_agg_mode", mode, "novarl averages over tokens (token-mean) or per sequence, then over "
-                                          "sequences (seq-mean-token-mean)")
-    out.set("loss_fn.token_level_loss", mode == "token-mean")
+    if mode not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        out.refuse("loss_agg_mode", mode, "novarl aggregates token-mean, seq-mean-token-mean, seq-mean-token-sum or "
+                                          "seq-mean-token-sum-norm")
+    else:
+        out.set("loss_fn.loss_agg_mode", mode)
 
 
 def _lengths(tree: Mapping[str, Any], out: Translation) -> None:

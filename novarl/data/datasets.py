@@ -380,12 +380,15 @@ class PromptSampler:
             random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
         return order
 
-    def next_batch(self) -> list[Prompt]:
-        if self.position + self.batch_size > len(self._order):
+    def next_batch(self, count: int | None = None) -> list[Prompt]:
+        """The next `count` prompts (batch_size by default; at most the dataset's size): a
+        new shuffled epoch starts when the current one has fewer left."""
+        count = min(count or self.batch_size, len(self._order))
+        if self.position + count > len(self._order):
             self.epoch, self.position = self.epoch + 1, 0
             self._order = self._permutation()
-        picked = self._order[self.position:self.position + self.batch_size]
-        self.position += self.batch_size
+        picked = self._order[self.position:self.position + count]
+        self.position += count
         return [self.prompts[i] for i in picked]
 
     def state_dict(self) -> dict[str, int]:

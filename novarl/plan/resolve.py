@@ -371,7 +371,7 @@ def _micro_batching_problems(policy, training: str) -> list[str]:
 def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> list[str]:
     grpo, policy, gen = cfg.grpo, cfg.policy, cfg.policy.generation
     problems = []
-    if grpo.num_generations_per_prompt < 2 and grpo.advantage_estimator == "grpo":
+    if grpo.num_generations_per_prompt < 2 and grpo.adv_estimator.name in ("grpo", "rloo"):
         problems.append(f"grpo.num_generations_per_prompt={grpo.num_generations_per_prompt}: GRPO compares "
                         "samples within a prompt's group, so every advantage would be 0; use 2 or more.")
     backend = resolve_backends(cfg).generation

@@ -16,23 +16,18 @@ from contextlib import contextmanager
 
 import torch
 
-from novarl.algorithms.advantages import ADVANTAGE_ESTIMATORS
-from novarl.algorithms.losses import LossFn, make_loss
+from novarl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings
+from novarl.algorithms.losses import LossFn, aggregation, make_loss
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import CheckpointLoadFailed, UserError
 from novarl.logging.console import Progress, info
 from novarl.logging.metrics import JsonlSink
 from novarl.trainer.checkpoint import POLICY_DIR, Checkpoint, Checkpointer, restore_rng
 from novarl.trainer.evaluate import evaluate
-from novarl.trainer.rollout import (
-    MISMATCH_WARNING,
-    build_train_batch,
-    logprob_mismatch,
-    mismatch_advice,
-    rollout_metrics,
-)
+from novarl.trainer.collect import collect
+from novarl.trainer.rollout import MISMATCH_WARNING, build_train_batch, logprob_mismatch, mismatch_advice
 from novarl.trainer.setup import Roles, RunInputs
-from novarl.types import SamplingConfig, TrainBatch
+from novarl.types import TrainBatch
 
 
 class StepTimer:
@@ -55,8 +50,8 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
     and the loop continues as the uninterrupted run would have.
     """
     grpo, gen = cfg.grpo, cfg.policy.generation
-    loss_fn = make_loss(cfg.loss_fn)
-    estimate_advantages = ADVANTAGE_ESTIMATORS.get(grpo.advantage_estimator)
+    loss_fn = make_loss(cfg.loss_fn, gen.max_new_tokens)
+    estimate_advantages = ADVANTAGE_ESTIMATORS.get(grpo.adv_estimator.name)
     step = resume_from(resume, inputs, roles, sink) if resume else 0
     max_steps = inputs.max_steps or grpo.max_num_steps  # fewer when grpo.max_num_epochs ends first
     progress = Progress(max_steps, enabled=cfg.logger.progress_bar,
@@ -116,17 +111,13 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
 def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossFn, estimate_advantages,
               step: int) -> dict[str, float]:
     """One synchronous GRPO step: generate, reward, advantages, logprobs, update, weight sync."""
-    grpo, gen = cfg.grpo, cfg.policy.generation
+    grpo = cfg.grpo
     timer, tic = StepTimer(), time.perf_counter()
-    prompts = [p for p in inputs.sampler.next_batch() for _ in range(grpo.num_generations_per_prompt)]
-    sampling = SamplingConfig(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
-                              top_k=gen.top_k, stop_token_ids=tuple(gen.stop_token_ids or ()),
-                              seed=grpo.seed + step)
-    with timer("generation"):
-        completions = roles.generator.submit(prompts, sampling).result()
-        roles.release_generator()
-    rewards = torch.tensor(inputs.scorer.score(completions))
-    advantages = clipped_advantages(rewards, grpo, estimate_advantages)
+    rollouts = collect(cfg, inputs, roles, step, timer)
+    completions = rollouts.completions
+    trained = torch.tensor([0 if grpo.overlong_filtering and c.finish_reason == "length" else len(c.token_ids)
+                            for c in completions])
+    advantages = clipped_advantages(rollouts.rewards, grpo, estimate_advantages, trained)
     batch = build_train_batch(completions, advantages, overlong_filtering=grpo.overlong_filtering)
     with timer("logprobs"):
         if not one_forward_fewer(inputs):
@@ -136,24 +127,27 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
     with timer("training"):
         train_metrics = train_on_batch(roles.policy, batch, loss_fn, inputs.batches.global_batch_size,
                                        skip_zero_advantage=zero_advantage_trains_nothing(cfg),
-                                       token_level=cfg.loss_fn.token_level_loss)
+                                       token_level=aggregation(cfg.loss_fn) == "token-mean")
     with timer("weight_sync"):
         sync_metrics = roles.sync_weights(step)
     mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None else {}  # else the loss measured it
     gpus = roles.policy.gpu_stats() if cfg.logger.monitor_gpus else {}
-    return {**rollout_metrics(completions, rewards, grpo.num_generations_per_prompt), **inputs.scorer.take_metrics(),
+    return {**rollouts.metrics, **inputs.scorer.take_metrics(),
             **train_metrics, **gpus,
             **sync_metrics, **mismatch, **timer.seconds, "time_step": time.perf_counter() - tic}
 
 
-def clipped_advantages(rewards: torch.Tensor, grpo, estimate_advantages) -> torch.Tensor:
+def clipped_advantages(rewards: torch.Tensor, grpo, estimate_advantages, token_counts: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """The step's advantages: rewards clipped to +-grpo.reward_clip (ROLL), the estimator over
-    each group, then advantages clipped to [advantage_clip_low, advantage_clip_high] (NeMo RL)."""
+    each group (token_counts [S]: the loss tokens of each sample, for estimators that weigh by
+    them), then advantages clipped to [advantage_clip_low, advantage_clip_high] (NeMo RL)."""
     if grpo.reward_clip is not None:
         rewards = rewards.clamp(-grpo.reward_clip, grpo.reward_clip)
-    advantages = estimate_advantages(rewards, grpo.num_generations_per_prompt,
-                                     normalize_rewards=grpo.normalize_rewards,
-                                     use_leave_one_out_baseline=grpo.use_leave_one_out_baseline)
+    settings = AdvantageSettings(normalize_rewards=grpo.normalize_rewards,
+                                 use_leave_one_out_baseline=grpo.use_leave_one_out_baseline,
+                                 minus_baseline=grpo.adv_estimator.minus_baseline)
+    advantages = estimate_advantages(rewards, grpo.num_generations_per_prompt, settings, token_counts)
     if grpo.advantage_clip_low is not None or grpo.advantage_clip_high is not None:
         advantages = advantages.clamp(min=grpo.advantage_clip_low, max=grpo.advantage_clip_high)
     return advantages

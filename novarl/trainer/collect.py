@@ -1,0 +1,99 @@
+"""A step's rollouts: prompts -> completions -> rewards, scaled and shaped (NeMo RL's order),
+and with DAPO's dynamic sampling, the groups that carry a signal gathered over several
+generation rounds until the step is full."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from novarl.algorithms.shaping import groups_with_signal, scale_rewards, shape_rewards
+from novarl.config.schema import NovaRLConfig
+from novarl.errors import RunFailed
+from novarl.trainer.rollout import rollout_metrics
+from novarl.types import Completion, SamplingConfig
+
+ROUND_SEED_STRIDE = 1_000_003
+"""Round r of a step samples with seed grpo.seed + step + r x this (round 0: as without rounds)."""
+
+
+@dataclass
+class Rollouts:
+    completions: list[Completion]
+    """[S] the samples to train on, GRPO groups whole and consecutive."""
+    rewards: torch.Tensor
+    """[S] float32 their rewards, scaled and shaped: what the advantages are computed from."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Over everything generated this step: the task's rewards (reward_mean, ...), lengths,
+    reward_shaped_mean when scaling or shaping is on, and dynamic sampling's counts."""
+
+
+class DynamicSamplingExhausted(RunFailed):
+    """Dynamic sampling did not find enough groups with a signal within its rounds."""
+
+
+def collect(cfg: NovaRLConfig, inputs, roles, step: int, timer) -> Rollouts:
+    """Generate and score the step's samples. Without dynamic sampling: one round of
+    grpo.num_prompts_per_step prompts. With it: rounds of num_prompts_per_step x batch_multiplier
+    prompts, keeping the groups whose (unshaped) rewards differ, until num_prompts_per_step are
+    kept (the first ones, in order); more than dynamic_sampling_max_gen_batches rounds stop the run."""
+    grpo = cfg.grpo
+    group, wanted = grpo.num_generations_per_prompt, grpo.num_prompts_per_step
+    if not grpo.use_dynamic_sampling:
+        completions, raw, _, shaped = _round(cfg, inputs, roles, step, 0, wanted, timer)
+        return Rollouts(completions, shaped, _metrics(cfg, completions, raw, shaped))
+    kept: list[Completion] = []
+    kept_rewards: list[torch.Tensor] = []
+    generated: list[Completion] = []
+    generated_rewards: dict[str, list[torch.Tensor]] = {"raw": [], "shaped": []}
+    per_round = math.ceil(wanted * grpo.batch_multiplier)
+    rounds = 0
+    while len(kept) < wanted * group:
+        if rounds == grpo.dynamic_sampling_max_gen_batches:
+            raise DynamicSamplingExhausted(
+                f"dynamic sampling found {len(kept) // group} of the {wanted} prompt groups it needs (groups whose "
+                f"rewards are not all equal) in {rounds} generation rounds of {per_round} prompts at step {step} "
+                "(grpo.dynamic_sampling_max_gen_batches). The task may be too easy or too hard for the model: "
+                "raise dynamic_sampling_max_gen_batches or batch_multiplier, or turn grpo.use_dynamic_sampling off.")
+        completions, raw, scaled, shaped = _round(cfg, inputs, roles, step, rounds, per_round, timer)
+        rounds += 1
+        generated += completions
+        generated_rewards["raw"].append(raw)
+        generated_rewards["shaped"].append(shaped)
+        # the signal is judged before shaping (NeMo RL's rule): a length penalty alone is not a task signal
+        for g in groups_with_signal(scaled, group).nonzero().view(-1).tolist():
+            kept += completions[g * group:(g + 1) * group]
+            kept_rewards.append(shaped[g * group:(g + 1) * group])
+    metrics = _metrics(cfg, generated, torch.cat(generated_rewards["raw"]), torch.cat(generated_rewards["shaped"]))
+    metrics.update(dynamic_sampling_rounds=float(rounds), groups_kept=float(len(kept) // group),
+                   samples_discarded=float(len(kept) - wanted * group))
+    return Rollouts(kept[:wanted * group], torch.cat(kept_rewards)[:wanted * group], metrics)
+
+
+def _metrics(cfg: NovaRLConfig, completions: list[Completion], raw: torch.Tensor, shaped: torch.Tensor
+             ) -> dict[str, float]:
+    metrics = rollout_metrics(completions, raw, cfg.grpo.num_generations_per_prompt)
+    if cfg.grpo.reward_scaling.enabled or cfg.grpo.reward_shaping.enabled:
+        metrics["reward_shaped_mean"] = float(shaped.mean())
+    return metrics
+
+
+def _round(cfg: NovaRLConfig, inputs, roles, step: int, round_index: int, prompts_count: int, timer
+           ) -> tuple[list[Completion], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One generation round: (completions, the task's rewards, scaled, scaled and shaped)."""
+    grpo, gen = cfg.grpo, cfg.policy.generation
+    prompts = [p for p in inputs.sampler.next_batch(prompts_count) for _ in range(grpo.num_generations_per_prompt)]
+    sampling = SamplingConfig(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
+                              top_k=gen.top_k, stop_token_ids=tuple(gen.stop_token_ids or ()),
+                              seed=grpo.seed + step + round_index * ROUND_SEED_STRIDE)
+    with timer("generation"):
+        completions = roles.generator.submit(prompts, sampling).result()
+        roles.release_generator()
+    raw = torch.tensor(inputs.scorer.score(completions), dtype=torch.float32)
+    scaled = scale_rewards(raw, grpo.reward_scaling)
+    lengths = torch.tensor([len(c.token_ids) for c in completions])
+    truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+    shaped = shape_rewards(scaled, lengths, truncated, grpo.reward_shaping, gen.max_new_tokens)
+    return completions, raw, scaled, shaped
