@@ -65,14 +65,13 @@ def test_validate_on_the_roll_config_lists_what_each_block_became(in_tmp, capsys
 
 
 @pytest.mark.parametrize("name, expected", [
-    ("qwen3-8B-rlvr_fsdp2.yaml", ["'adv_estimator' = 'reinforce'", "'whiten_advantages' = true",
-                                  "'difficulty_mask' = true", "'actor_train.data_args.domain_interleave_probs' = {",
+    # their estimator (reinforce, whitened: REINFORCE++ without a baseline) is read now
+    ("qwen3-8B-rlvr_fsdp2.yaml", ["'difficulty_mask' = true", "'actor_train.data_args.domain_interleave_probs' = {",
                                   "'rewards.code_sandbox.worker_cls' = 'CodeSandboxRewardWorker'",
                                   "'rewards.llm_judge.worker_cls' = 'LLMJudgeRewardWorker'"]),
-    ("qwen2.5-7B-rlvr_megatron.yaml", ["'adv_estimator' = 'reinforce'", "'rewards.ifeval.worker_cls'",
-                                       "'difficulty_mask' = true", "'whiten_advantages' = true"]),
-    ("qwen3-30BA3B-rlvr_megatron.yaml", ["'adv_estimator' = 'reinforce'"]),
-    ("qwen2.5-7B-rlvr_megatron_separate.yaml", ["'adv_estimator' = 'reinforce'",
+    ("qwen2.5-7B-rlvr_megatron.yaml", ["'rewards.ifeval.worker_cls'", "'difficulty_mask' = true"]),
+    ("qwen3-30BA3B-rlvr_megatron.yaml", ["'difficulty_mask' = true"]),
+    ("qwen2.5-7B-rlvr_megatron_separate.yaml", ["'difficulty_mask' = true",
                                                 "'actor_infer.device_mapping': 4 devices on a 2-node cluster"]),
 ])
 def test_rolls_own_examples_are_read_and_refused_one_line_per_missing_feature(name, expected):
@@ -193,3 +192,21 @@ def test_rolls_lora_arguments_become_lora_cfg():
     message = error_of(tree)
     assert "'actor_train.model_args.lora_target' = '.*proj$'" in message
     assert "'actor_train.model_args.adapter_name_or_path' = 'x'" in message
+
+
+@pytest.mark.parametrize("keys, estimator, normalize", [
+    ({"adv_estimator": "reinforce", "whiten_advantages": True}, ("reinforce_plus_plus", False), True),
+    ({"adv_estimator": "reinforce", "whiten_advantages": True, "norm_mean_type": "group"},
+     ("reinforce_plus_plus", True), True),
+    ({"adv_estimator": "reinforce", "norm_mean_type": "group", "norm_std_type": "group"}, ("grpo", True), True),
+    ({"adv_estimator": "reinforce", "norm_mean_type": "group"}, ("grpo", True), False),
+    ({"adv_estimator": "grpo"}, ("grpo", True), True),
+])
+def test_rolls_advantage_settings_become_an_estimator(keys, estimator, normalize):
+    tree = {"pretrain": "tiny-arith", "response_length": 8, **keys,
+            "actor_train": {"strategy_args": {"strategy_name": "fsdp2_train"}, "device_mapping": [0]}}
+    grpo = load_config(tree).grpo
+    assert (grpo.adv_estimator.name, grpo.adv_estimator.minus_baseline) == estimator
+    assert grpo.normalize_rewards is normalize
+    batch_mean = {**tree, "adv_estimator": "reinforce", "norm_mean_type": "batch"}
+    assert "'norm_mean_type' = 'batch'" in error_of(batch_mean)

@@ -100,7 +100,6 @@ COPIED = {
 }
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "ppo_epochs": ((1,), f"several PPO epochs per batch are {ISSUE_ALGORITHMS}"),
-    "whiten_advantages": ((False,), f"whitening advantages over the batch (REINFORCE++) is {ISSUE_ALGORITHMS}"),
     "whiten_rewards": ((False,), f"whitening rewards is {ISSUE_ALGORITHMS}"),
     "use_reward_scaling": ((False,), f"reward scaling is {ISSUE_ALGORITHMS}"),
     "use_reward_norm": ((False,), f"reward normalisation over the batch is {ISSUE_ALGORITHMS}"),
@@ -122,6 +121,7 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
 GOVERNED = ("difficulty_low_threshold", "difficulty_high_threshold", "value_clip", "lambd", "gamma", "target_kl",
             "kl_horizon", "kl_penalty", "critic_warmup", "reward_pretrain", "pg_clip", "pg_clip_low", "pg_clip_high",
             "dual_clip_loss", "use_kl_loss", "kl_loss_coef", "norm_mean_type", "norm_std_type", "adv_estimator",
+            "whiten_advantages",
             "advantage_clip", "loss_agg_mode", "prompt_length", "response_length", "sequence_length",
             "output_dir", "checkpoint_config", "track_with", "validation", "rewards", "num_nodes", "enable_reference",
             *ROLES)
@@ -181,12 +181,7 @@ def from_roll(tree: Mapping[str, Any]) -> Translation:
 
 # ------------------------------------------------------------------ algorithm
 def _algorithm(tree: Mapping[str, Any], out: Translation) -> None:
-    estimator = tree.get("adv_estimator", "gae")
-    if estimator != "grpo":
-        out.refuse("adv_estimator", estimator, f"advantage estimators other than 'grpo' are {ISSUE_ALGORITHMS}")
-    for key in ("norm_mean_type", "norm_std_type"):  # ROLL's grpo normalises within the group itself
-        if tree.get(key) not in (None, "group"):
-            out.refuse(key, tree[key], "novarl normalises a GRPO group's rewards within the group")
+    _estimator(tree, out)
     clip, low, high, advantage, kl = (_number(tree, k, out) for k in ("pg_clip", "pg_clip_low", "pg_clip_high",
                                                                      "advantage_clip", "kl_loss_coef"))
     if tree.get("use_pg_clip_range"):
@@ -210,6 +205,37 @@ def _algorithm(tree: Mapping[str, Any], out: Translation) -> None:
                                           "seq-mean-token-sum-norm")
     else:
         out.set("loss_fn.loss_agg_mode", mode)
+
+
+def _estimator(tree: Mapping[str, Any], out: Translation) -> None:
+    """ROLL's advantage: rewards normalised by norm_mean_type / norm_std_type (grpo: both 'group'),
+    the return (gamma 1: the reward on every token), then whitened over the step's tokens with
+    whiten_advantages. In novarl's estimators: grpo is ROLL's grpo, and ROLL's reinforce with a
+    group mean (or none) and whitening is reinforce_plus_plus (with or without minus_baseline);
+    without whitening it is grpo with a group mean, normalised by the group's std or not."""
+    estimator = tree.get("adv_estimator", "gae")
+    mean, std, whiten = tree.get("norm_mean_type"), tree.get("norm_std_type"), bool(tree.get("whiten_advantages"))
+    if estimator == "grpo":
+        mean, std = "group", "group"
+    elif estimator != "reinforce":
+        out.refuse("adv_estimator", estimator, f"advantage estimators other than 'grpo' and 'reinforce' are "
+                                               f"{ISSUE_ALGORITHMS}")
+        return
+    for key, value in (("norm_mean_type", mean), ("norm_std_type", std)):
+        if value not in (None, "group"):
+            out.refuse(key, value, "novarl normalises rewards within each GRPO group, or (REINFORCE++) whitens "
+                                   "advantages over the step")
+    if whiten and std is None:
+        out.set("grpo.adv_estimator", {"name": "reinforce_plus_plus", "minus_baseline": mean == "group"})
+    elif not whiten and mean == "group":
+        out.set("grpo.adv_estimator", {"name": "grpo"})
+        out.set("grpo.normalize_rewards", std == "group")
+    elif estimator == "reinforce":
+        out.refuse("adv_estimator", estimator, f"with norm_mean_type={mean!r}, norm_std_type={std!r} and "
+                   f"whiten_advantages={whiten}: novarl's REINFORCE estimators subtract a group mean or whiten over "
+                   "the step (reinforce_plus_plus)")
+    elif whiten:
+        out.refuse("whiten_advantages", True, "whitening GRPO's group-normalised advantages again is not built")
 
 
 def _lengths(tree: Mapping[str, Any], out: Translation) -> None:

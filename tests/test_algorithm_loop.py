@@ -1,0 +1,64 @@
+"""The GRPO family through the real loop (one in-process rank, Hugging Face generation): DAPO's
+dynamic sampling trains on groups with a signal only and stops after its cap with a clear
+message; every estimator and loss setting runs a step; reward shaping reaches the advantages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from novarl.cli import BUNDLED_RECIPE, main
+from novarl.config import load_config
+from novarl.trainer.api import GRPOTrainer
+from tests.helpers import HF, train_steps
+
+REPO = Path(__file__).parents[1]
+SMALL = ["logger.progress_bar=false", "grpo.val_at_start=false", "grpo.val_at_end=false",
+         "grpo.num_prompts_per_step=16", "policy.train_micro_batch_size=128", "grpo.max_train_seconds=null", HF]
+
+
+def run(tmp_path, steps: int, *overrides: str) -> dict:
+    cfg = load_config(BUNDLED_RECIPE, overrides=[f"logger.log_dir={tmp_path}", f"grpo.max_num_steps={steps}",
+                                                 *SMALL, *overrides])
+    return train_steps(GRPOTrainer(cfg).train().output_dir)
+
+
+def test_dynamic_sampling_trains_only_on_groups_with_a_signal(tmp_path):
+    plain = run(tmp_path / "plain", 2)
+    dynamic = run(tmp_path / "dynamic", 2, "grpo.use_dynamic_sampling=true", "grpo.batch_multiplier=2")
+    # the model gets about 1 sum in 4 right: many groups of 8 are all wrong, and without dynamic
+    # sampling their samples are left out of the update
+    assert any(s["samples_trained_fraction"] < 1 for s in plain.values())
+    for step in dynamic.values():
+        # binary rewards in a mixed group: no sample sits at the group's mean, every one trains
+        assert step["samples_trained_fraction"] == 1.0
+        assert step["groups_kept"] >= 16 and step["dynamic_sampling_rounds"] >= 1
+        assert step["samples_discarded"] == (step["groups_kept"] - 16) * 8
+
+
+def test_dynamic_sampling_stops_after_its_cap_naming_the_setting(tmp_path, capsys):
+    code = main(["train", f"logger.log_dir={tmp_path}", "grpo.max_num_steps=3", *SMALL,
+                 f"reward.function={REPO / 'tests' / 'helpers' / 'rewards.py'}:constant",
+                 "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=3"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert "dynamic sampling found 0 of the 16 prompt groups it needs" in err
+    assert "in 3 generation rounds of 16 prompts at step 1 (grpo.dynamic_sampling_max_gen_batches)" in err
+
+
+@pytest.mark.parametrize("overrides", [
+    ["grpo.adv_estimator.name=reinforce_plus_plus"],
+    ["grpo.adv_estimator.name=reinforce_plus_plus", "grpo.adv_estimator.minus_baseline=false"],
+    ["grpo.adv_estimator.name=rloo", "loss_fn.disable_ppo_ratio=true"],
+    ["grpo.normalize_rewards=false", "loss_fn.loss_agg_mode=seq-mean-token-sum-norm"],
+    ["loss_fn.loss_agg_mode=seq-mean-token-sum", "loss_fn.sequence_level_importance_ratios=true"],
+    ["grpo.reward_scaling.enabled=true", "grpo.reward_scaling.target_min=-1",
+     "grpo.reward_shaping.enabled=true", "grpo.reward_shaping.stop_properly_penalty_coef=0.5"],
+], ids=["reinforce++", "reinforce++-no-baseline", "reinforce-rloo", "dr-grpo", "gspo-token-sum", "scaled-shaped"])
+def test_every_estimator_and_aggregation_trains_a_step(tmp_path, overrides):
+    (step,) = run(tmp_path, 1, *overrides).values()
+    assert step["grad_norm"] > 0 and step["loss"] == step["loss"]  # a gradient, and a finite loss
+    if "grpo.reward_scaling.enabled=true" in overrides:
+        # exact match's 0/1 onto -1/1, truncated ones halved: logged beside the task's own mean
+        assert -1 <= step["reward_shaped_mean"] < 1 and step["reward_shaped_mean"] != step["reward_mean"]
