@@ -55,10 +55,25 @@ def test_dynamic_sampling_stops_after_its_cap_naming_the_setting(tmp_path, capsy
     ["loss_fn.loss_agg_mode=seq-mean-token-sum", "loss_fn.sequence_level_importance_ratios=true"],
     ["grpo.reward_scaling.enabled=true", "grpo.reward_scaling.target_min=-1",
      "grpo.reward_shaping.enabled=true", "grpo.reward_shaping.stop_properly_penalty_coef=0.5"],
-], ids=["reinforce++", "reinforce++-no-baseline", "reinforce-rloo", "dr-grpo", "gspo-token-sum", "scaled-shaped"])
+    ["grpo.adv_estimator.name=reinforce_plus_plus", "loss_fn.use_kl_in_reward=true",
+     "loss_fn.reference_policy_kl_penalty=0.1"],
+], ids=["reinforce++", "reinforce++-no-baseline", "reinforce-rloo", "dr-grpo", "gspo-token-sum", "scaled-shaped",
+        "reinforce++-kl-in-reward"])
 def test_every_estimator_and_aggregation_trains_a_step(tmp_path, overrides):
-    (step,) = run(tmp_path, 1, *overrides).values()
+    first, step = run(tmp_path, 2, *overrides).values()
     assert step["grad_norm"] > 0 and step["loss"] == step["loss"]  # a gradient, and a finite loss
     if "grpo.reward_scaling.enabled=true" in overrides:
         # exact match's 0/1 onto -1/1, truncated ones halved: logged beside the task's own mean
         assert -1 <= step["reward_shaped_mean"] < 1 and step["reward_shaped_mean"] != step["reward_mean"]
+    if "loss_fn.use_kl_in_reward=true" in overrides:  # the first step's policy is the reference, then it moves
+        assert first["kl_to_reference"] == pytest.approx(0, abs=1e-6) and step["kl_to_reference"] > 1e-6
+        assert step["logprob_mismatch"] < 1e-3
+
+
+def test_the_kl_in_the_reward_is_refused_without_reinforce_plus_plus():
+    from novarl.plan.checks import check_config
+
+    cfg = load_config(BUNDLED_RECIPE, overrides=["loss_fn.use_kl_in_reward=true",
+                                                 "loss_fn.reference_policy_kl_penalty=0.1"])
+    assert "loss_fn.use_kl_in_reward puts the KL in REINFORCE++'s advantages" in \
+        " ".join(str(p) for p in check_config(cfg).problems)

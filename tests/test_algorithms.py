@@ -60,6 +60,21 @@ def test_reinforce_plus_plus_normalises_over_the_step_by_tokens():
     assert reinforce_plus_plus_advantages(torch.ones(4), 2).tolist() == [0.0] * 4
 
 
+def test_reinforce_plus_plus_with_the_kl_in_the_reward_by_hand():
+    from novarl.algorithms.advantages import reinforce_plus_plus_with_kl
+
+    # two sequences of one group: rewards 1 and 0 -> returns 0.5 and -0.5 (minus the group mean);
+    # tokens: [prompt, a, b] and [prompt, c]; KL 0.2 on b, 0.4 on c, coefficient 0.5
+    sequence = torch.tensor([0, 0, 0, 1, 1])
+    mask = torch.tensor([False, True, True, False, True])
+    kl = torch.tensor([0.0, 0.0, 0.2, 0.0, 0.4])
+    adv = reinforce_plus_plus_with_kl(torch.tensor([1.0, 0.0]), 2, AdvantageSettings(), kl, sequence, mask, 0.5)
+    returns = torch.tensor([0.5, 0.4, -0.7])  # a, b, c: 0.5, 0.5 - 0.1, -0.5 - 0.2
+    expected = (returns - returns.mean()) / returns.var(unbiased=False).sqrt()
+    assert adv[mask].tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+    assert adv[~mask].tolist() == [0.0, 0.0]
+
+
 def test_reward_scaling_and_dapo_shaping_by_hand():
     from novarl.algorithms.shaping import groups_with_signal, scale_rewards, shape_rewards
     from novarl.config.schema import RewardScalingConfig, RewardShapingConfig

@@ -83,11 +83,32 @@ def reinforce_plus_plus_advantages(rewards: torch.Tensor, group_size: int,
     `minus_baseline` (REINFORCE++-baseline), then normalised over the whole step: zero mean and
     unit variance over its loss tokens (each sequence weighs as many tokens as it trains;
     token_counts [S], all 1 when not given), the variance floored at 1e-8."""
+    advantages = reinforce_returns(rewards, group_size, settings)
+    return whiten(advantages, torch.ones_like(advantages) if token_counts is None else token_counts.float())
+
+
+def reinforce_returns(rewards: torch.Tensor, group_size: int, settings: AdvantageSettings) -> torch.Tensor:
+    """[S] REINFORCE++'s returns before the step's normalisation: the reward, minus its group's
+    mean with minus_baseline."""
     grouped = _grouped(rewards, group_size)
-    advantages = grouped - group_baseline(grouped, False) if settings.minus_baseline else grouped
-    advantages = advantages.reshape(-1)
-    weights = torch.ones_like(advantages) if token_counts is None else token_counts.float()
+    return (grouped - group_baseline(grouped, False) if settings.minus_baseline else grouped).reshape(-1)
+
+
+def whiten(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Zero mean and unit variance under `weights` (a count or a 0/1 mask per value), the variance
+    floored at 1e-8: all equal values become 0."""
     total = weights.sum().clamp(min=1)
-    mean = (advantages * weights).sum() / total
-    variance = ((advantages - mean) ** 2 * weights).sum() / total
-    return (advantages - mean) * variance.clamp(min=1e-8).rsqrt()
+    mean = (values * weights).sum() / total
+    variance = ((values - mean) ** 2 * weights).sum() / total
+    return (values - mean) * variance.clamp(min=1e-8).rsqrt()
+
+
+def reinforce_plus_plus_with_kl(rewards: torch.Tensor, group_size: int, settings: AdvantageSettings,
+                                token_kl: torch.Tensor, sequence_index: torch.Tensor, loss_mask: torch.Tensor,
+                                kl_coef: float) -> torch.Tensor:
+    """[N] per-token REINFORCE++ advantages with the KL in the reward (loss_fn.use_kl_in_reward):
+    each token's return (its sequence's, see reinforce_returns) minus kl_coef x its KL to the
+    reference (token_kl [N]), whitened over the step's loss tokens (loss_mask [N]).
+    sequence_index [N]: the sequence of each token."""
+    returns = reinforce_returns(rewards, group_size, settings)[sequence_index] - kl_coef * token_kl
+    return whiten(returns, loss_mask.float()) * loss_mask

@@ -160,7 +160,8 @@ def make_loss(loss_cfg, max_new_tokens: int = 1) -> LossFn:
         ratio_clip_min=loss_cfg.ratio_clip_min,
         ratio_clip_max=loss_cfg.ratio_clip_max,
         ratio_clip_c=loss_cfg.ratio_clip_c,
-        reference_policy_kl_penalty=loss_cfg.reference_policy_kl_penalty,
+        # with the KL in the reward (REINFORCE++), it is in the advantages, not the loss
+        reference_policy_kl_penalty=0.0 if loss_cfg.use_kl_in_reward else loss_cfg.reference_policy_kl_penalty,
         kl_estimator=loss_cfg.kl_estimator,
         aggregation=aggregation(loss_cfg),
         aggregation_norm=max_new_tokens,

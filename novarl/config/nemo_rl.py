@@ -122,7 +122,6 @@ RULES: tuple[Rule, ...] = (
     off("loss_fn.truncated_importance_sampling_ratio_min", _is(None),
         f"truncated importance sampling is {ISSUE_ASYNC}"),
     off("loss_fn.use_cispo", _is(False), "CISPO is not built"),
-    off("loss_fn.use_kl_in_reward", _is(False), f"the KL penalty in the reward (REINFORCE++) is {ISSUE_ALGORITHMS}"),
     # ---------------------------------------------------------------- policy
     off("policy.draft", _disabled, "draft models (speculative decoding heads) are not built"),
     off("policy.router_replay", _disabled, "MoE router replay is not built"),

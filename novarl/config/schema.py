@@ -602,6 +602,10 @@ class LossConfig(Section):
     use_on_policy_kl_approximation: bool = False
     disable_ppo_ratio: bool = False
     """REINFORCE's surrogate, -A log p per token: no ratio, no clipping (NeMo RL's key)."""
+    use_kl_in_reward: bool = False
+    """REINFORCE++ (grpo.adv_estimator.name: reinforce_plus_plus): reference_policy_kl_penalty x each
+    token's KL (the policy before the update against the reference) is subtracted from its
+    advantage before the step's normalisation, instead of being a term of the loss."""
     use_importance_sampling_correction: bool = False
     sequence_level_importance_ratios: bool = False
     token_level_loss: bool = True

@@ -374,6 +374,14 @@ def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> 
     if grpo.num_generations_per_prompt < 2 and grpo.adv_estimator.name in ("grpo", "rloo"):
         problems.append(f"grpo.num_generations_per_prompt={grpo.num_generations_per_prompt}: GRPO compares "
                         "samples within a prompt's group, so every advantage would be 0; use 2 or more.")
+    loss = cfg.loss_fn
+    if loss.use_kl_in_reward and grpo.adv_estimator.name != "reinforce_plus_plus":
+        problems.append(f"loss_fn.use_kl_in_reward puts the KL in REINFORCE++'s advantages "
+                        f"(grpo.adv_estimator.name: reinforce_plus_plus); with '{grpo.adv_estimator.name}' the KL "
+                        "would be in neither the advantages nor the loss. Set it false to keep the KL in the loss.")
+    if grpo.use_dynamic_sampling and grpo.num_generations_per_prompt < 2:
+        problems.append("grpo.use_dynamic_sampling keeps groups whose rewards differ: it needs "
+                        "grpo.num_generations_per_prompt of 2 or more.")
     backend = resolve_backends(cfg).generation
     try:
         generation_layout(cfg, backend)

@@ -75,7 +75,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         summary.update({f"val_{k}": v for k, v in result.items()}, val_step=step)
         summary.setdefault("initial_accuracy", result["accuracy"])
 
-    info(old_logprobs_source(inputs))
+    info(old_logprobs_source(cfg, inputs))
     if zero_advantage_trains_nothing(cfg):
         info("samples with an advantage of 0 (GRPO groups whose rewards are all equal) are left out of the update: "
              "without a KL penalty their loss and gradient are 0 (the loss still divides by every token)")
@@ -120,10 +120,11 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
     advantages = clipped_advantages(rollouts.rewards, grpo, estimate_advantages, trained)
     batch = build_train_batch(completions, advantages, overlong_filtering=grpo.overlong_filtering)
     with timer("logprobs"):
-        if not one_forward_fewer(inputs):
+        if not one_forward_fewer(cfg, inputs):
             batch.old_logprobs = roles.policy.logprobs(batch)
         if roles.reference is not None:
             batch.reference_logprobs = roles.reference.logprobs(batch)
+    kl_metrics = kl_in_reward(cfg, batch, rollouts.rewards) if cfg.loss_fn.use_kl_in_reward else {}
     with timer("training"):
         train_metrics = train_on_batch(roles.policy, batch, loss_fn, inputs.batches.global_batch_size,
                                        skip_zero_advantage=zero_advantage_trains_nothing(cfg),
@@ -133,7 +134,7 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
     mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None else {}  # else the loss measured it
     gpus = roles.policy.gpu_stats() if cfg.logger.monitor_gpus else {}
     return {**rollouts.metrics, **inputs.scorer.take_metrics(),
-            **train_metrics, **gpus,
+            **train_metrics, **kl_metrics, **gpus,
             **sync_metrics, **mismatch, **timer.seconds, "time_step": time.perf_counter() - tic}
 
 
@@ -153,19 +154,44 @@ def clipped_advantages(rewards: torch.Tensor, grpo, estimate_advantages, token_c
     return advantages
 
 
-def one_forward_fewer(inputs: RunInputs) -> bool:
+def one_forward_fewer(cfg: NovaRLConfig, inputs: RunInputs) -> bool:
     """The old logprobs come from the training forward (detached) when the generated batch gets
     exactly one optimizer step: the policy has not changed since it generated (synchronous
-    GRPO), so a separate forward before training would compute the same numbers."""
-    return inputs.batches.optimizer_steps_per_step == 1
+    GRPO), so a separate forward before training would compute the same numbers. Not with the
+    KL in the reward: the advantages need them before training."""
+    return inputs.batches.optimizer_steps_per_step == 1 and not cfg.loss_fn.use_kl_in_reward
 
 
-def old_logprobs_source(inputs: RunInputs) -> str:
-    if one_forward_fewer(inputs):
+def old_logprobs_source(cfg: NovaRLConfig, inputs: RunInputs) -> str:
+    if one_forward_fewer(cfg, inputs):
         return ("old logprobs: from the training forward, detached (1 optimizer step per generated batch: "
                 "one policy forward fewer per step)")
+    if cfg.loss_fn.use_kl_in_reward:
+        return "old logprobs: a policy forward before training (the KL in the reward needs them first)"
     return (f"old logprobs: a policy forward before training ({inputs.batches.optimizer_steps_per_step} "
             "optimizer steps per generated batch, the policy changes between them)")
+
+
+def kl_in_reward(cfg: NovaRLConfig, batch: TrainBatch, rewards: torch.Tensor) -> dict[str, float]:
+    """REINFORCE++'s KL in the reward: the batch's advantages become per-token ones, each token's
+    KL to the reference (old logprobs against the reference's) subtracted before the step's
+    normalisation; then NeMo RL's advantage clip. The mean per-token KL as kl_to_reference."""
+    from novarl.algorithms.advantages import reinforce_plus_plus_with_kl
+    from novarl.algorithms.losses import ClippedPGSettings, clamped_kl
+
+    grpo, loss = cfg.grpo, cfg.loss_fn
+    settings = ClippedPGSettings(kl_estimator=loss.kl_estimator, kl_input_clamp_value=loss.kl_input_clamp_value,
+                                 kl_output_clamp_value=loss.kl_output_clamp_value)
+    token_kl = clamped_kl(batch.old_logprobs, batch.reference_logprobs, settings) * batch.loss_mask
+    if grpo.reward_clip is not None:
+        rewards = rewards.clamp(-grpo.reward_clip, grpo.reward_clip)
+    advantages = reinforce_plus_plus_with_kl(
+        rewards, grpo.num_generations_per_prompt, AdvantageSettings(minus_baseline=grpo.adv_estimator.minus_baseline),
+        token_kl, batch.sequence_index, batch.loss_mask, loss.reference_policy_kl_penalty)
+    if grpo.advantage_clip_low is not None or grpo.advantage_clip_high is not None:
+        advantages = advantages.clamp(min=grpo.advantage_clip_low, max=grpo.advantage_clip_high)
+    batch.advantages = advantages
+    return {"kl_to_reference": float(token_kl.sum() / batch.loss_mask.sum().clamp(min=1))}
 
 
 def time_budget_message(step: int, max_num_steps: int, seconds: float) -> str:
