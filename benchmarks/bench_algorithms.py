@@ -26,6 +26,8 @@ ALGORITHMS: dict[str, list[str]] = {
     "GRPO": [],
     "RLOO": ["grpo.adv_estimator.name=rloo"],
     "REINFORCE++ (baseline)": ["grpo.adv_estimator.name=reinforce_plus_plus"],
+    "REINFORCE++ (KL in the reward)": ["grpo.adv_estimator.name=reinforce_plus_plus", "loss_fn.use_kl_in_reward=true",
+                                       "loss_fn.reference_policy_kl_penalty=0.01"],
     "REINFORCE (no ratio)": ["loss_fn.disable_ppo_ratio=true", "grpo.adv_estimator.name=rloo"],
     "Dr. GRPO": ["grpo.normalize_rewards=false", "loss_fn.loss_agg_mode=seq-mean-token-sum-norm"],
     "GSPO": ["loss_fn.sequence_level_importance_ratios=true", "loss_fn.token_level_loss=false"],
@@ -50,6 +52,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--only", nargs="*", help="names from ALGORITHMS (default: all)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "algorithms_cpu.md")
+    parser.add_argument("--append", action="store_true", help="add the rows to --out's table instead of rewriting it")
     args = parser.parse_args()
     import tempfile
 
@@ -60,6 +63,11 @@ def main() -> None:
             r = rows[-1]
             print(f"{name}: {r['before']:.1%} -> {r['after']:.1%} ({100 * (r['after'] - r['before']):+.1f} points) "
                   f"in {r['seconds']:.0f} s", flush=True)
+    if args.append and args.out.exists():
+        table = args.out.read_text().rstrip("\n").splitlines()
+        args.out.write_text("\n".join([*table, *(row_line(r) for r in rows), ""]))
+        print(f"added {len(rows)} row(s) to {args.out}")
+        return
     lines = [f"# Algorithms on the bundled task ({date.today()}, {cpu_name()}, {os.cpu_count()} cores)", "",
              f"`.venv/bin/python benchmarks/bench_algorithms.py --steps {args.steps}`: the bundled recipe (tiny-arith, "
              "64 prompts x 8 samples a step, Hugging Face generation, one process, fp32, lr 4e-4 with warm-up and "
@@ -68,13 +76,16 @@ def main() -> None:
              "seconds include the two evaluations. Each row is one run with the recipe's seed. The bar: +20 points.",
              "", "| algorithm | overrides | before | after | gain (points) | steps | seconds |",
              "|---|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        overrides = " ".join(f"`{o}`" for o in r["overrides"]) or "(the recipe as it is)"
-        lines.append(f"| {r['name']} | {overrides} | {r['before']:.1%} | {r['after']:.1%} | "
-                     f"{100 * (r['after'] - r['before']):+.1f} | {r['steps']} | {r['seconds']:.0f} |")
+    lines += [row_line(r) for r in rows]
     lines.append("")
     args.out.write_text("\n".join(lines))
     print(f"wrote {args.out}")
+
+
+def row_line(r: dict) -> str:
+    overrides = " ".join(f"`{o}`" for o in r["overrides"]) or "(the recipe as it is)"
+    return (f"| {r['name']} | {overrides} | {r['before']:.1%} | {r['after']:.1%} | "
+            f"{100 * (r['after'] - r['before']):+.1f} | {r['steps']} | {r['seconds']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -75,6 +75,36 @@ def test_reinforce_plus_plus_with_the_kl_in_the_reward_by_hand():
     assert adv[~mask].tolist() == [0.0, 0.0]
 
 
+def test_gae_by_hand():
+    from novarl.algorithms.advantages import gae
+
+    # one row of 3 completion tokens (reward 1 on the last) and a shorter row of 2 (reward 0)
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7], [0.2, 0.4, 9.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    adv, returns = gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    # row 1: deltas 0 + 0.9*0.6 - 0.5 = 0.04, 0 + 0.9*0.7 - 0.6 = 0.03, 1 - 0.7 = 0.3
+    #        A3 = 0.3, A2 = 0.03 + 0.45*0.3 = 0.165, A1 = 0.04 + 0.45*0.165 = 0.11425
+    # row 2 (its third slot masked): deltas 0.9*0.4 - 0.2 = 0.16, 0 - 0.4 = -0.4; A2 = -0.4, A1 = 0.16 - 0.18
+    assert adv.flatten().tolist() == pytest.approx([0.11425, 0.165, 0.3, -0.02, -0.4, 0.0], abs=1e-6)
+    assert returns.flatten().tolist() == pytest.approx([0.61425, 0.765, 1.0, 0.18, 0.0, 0.0], abs=1e-6)
+    # gamma = lambda = 1: every token's advantage is the final reward minus its value
+    adv, _ = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    assert adv[0].tolist() == pytest.approx([0.5, 0.4, 0.3])
+    with pytest.raises(ValueError, match="lambda"):
+        gae(rewards, values, mask, lam=1.5)
+
+
+def test_clipped_value_loss_by_hand():
+    from novarl.algorithms.advantages import clipped_value_loss
+
+    values, old, returns = torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5]), torch.tensor([2.0, 0.5])
+    # token 1: (1 - 2)^2 = 1, clipped 0.5 + 0.2 = 0.7: (0.7 - 2)^2 = 1.69 -> 0.845
+    # token 2: (0 - 0.5)^2 = 0.25, clipped 0.3: (0.3 - 0.5)^2 = 0.04 -> max 0.25 -> 0.125
+    assert clipped_value_loss(values, old, returns, 0.2).tolist() == pytest.approx([0.845, 0.125])
+    assert clipped_value_loss(values, old, returns, None).tolist() == pytest.approx([0.5, 0.125])
+
+
 def test_reward_scaling_and_dapo_shaping_by_hand():
     from novarl.algorithms.shaping import groups_with_signal, scale_rewards, shape_rewards
     from novarl.config.schema import RewardScalingConfig, RewardShapingConfig

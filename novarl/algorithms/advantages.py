@@ -112,3 +112,38 @@ def reinforce_plus_plus_with_kl(rewards: torch.Tensor, group_size: int, settings
     sequence_index [N]: the sequence of each token."""
     returns = reinforce_returns(rewards, group_size, settings)[sequence_index] - kl_coef * token_kl
     return whiten(returns, loss_mask.float()) * loss_mask
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over rows of completion tokens (PPO with a critic).
+
+    token_rewards, values, mask: [S, T], a row per sequence, its completion's tokens from the left
+    (mask False after the end). values[s, t]: the critic's estimate before token t. Per row:
+        delta_t = r_t + gamma v_{t+1} - v_t   (v after the last token: 0)
+        A_t = delta_t + gamma lam A_{t+1}
+    Returns (advantages, returns = advantages + values), [S, T] float32, 0 where mask is False."""
+    if not 0 <= lam <= 1 or not 0 <= gamma <= 1:
+        raise ValueError(f"GAE needs gamma and lambda in [0, 1] (gamma={gamma}, lambda={lam})")
+    mask = mask.float()
+    rewards, values = token_rewards.float() * mask, values.float() * mask
+    advantages = torch.zeros_like(values)
+    running = torch.zeros(values.shape[0], dtype=values.dtype, device=values.device)
+    next_value = torch.zeros_like(running)
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * running) * mask[:, t]
+        advantages[:, t] = running
+        next_value = values[:, t]
+    return advantages, (advantages + values) * mask
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       clip: float | None) -> torch.Tensor:
+    """[...] per-token PPO value loss: 0.5 max((v - R)^2, (v_clipped - R)^2), v_clipped = old_values
+    + clip(v - old_values, -clip, clip); without `clip`, 0.5 (v - R)^2."""
+    loss = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        loss = torch.maximum(loss, (clipped - returns) ** 2)
+    return 0.5 * loss
