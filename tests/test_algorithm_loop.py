@@ -77,3 +77,18 @@ def test_the_kl_in_the_reward_is_refused_without_reinforce_plus_plus():
                                                  "loss_fn.reference_policy_kl_penalty=0.1"])
     assert "loss_fn.use_kl_in_reward puts the KL in REINFORCE++'s advantages" in \
         " ".join(str(p) for p in check_config(cfg).problems)
+
+
+def test_dynamic_sampling_resumes_exactly(tmp_path):
+    """A resumed run draws the prompts, rounds and samples the uninterrupted run drew: the data
+    position saved with each checkpoint counts every round's prompts."""
+    ckpt = ["checkpointing.enabled=true", "checkpointing.save_period=2", "grpo.use_dynamic_sampling=true",
+            "grpo.batch_multiplier=1.5"]
+    whole = run(tmp_path / "whole", 4, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c1'}")
+    run(tmp_path / "first", 2, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c2'}")
+    resumed = run(tmp_path / "second", 4, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c2'}")
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        for key in ("reward_mean", "dynamic_sampling_rounds", "groups_kept", "completion_length_mean"):
+            assert resumed[step][key] == whole[step][key], key
+        assert resumed[step]["loss"] == pytest.approx(whole[step]["loss"], abs=1e-7)
