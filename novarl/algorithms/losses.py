@@ -173,3 +173,34 @@ def make_loss(loss_cfg, max_new_tokens: int = 1) -> LossFn:
         kl_output_clamp_value=loss_cfg.kl_output_clamp_value,
     )
     return partial(POLICY_LOSSES.get(loss_cfg.loss), settings=settings)
+
+
+@dataclass(frozen=True)
+class ValueLossSettings:
+    """NeMo RL's value_loss_fn keys."""
+
+    scale: float = 1.0
+    """The value loss's weight."""
+    cliprange: float | None = 0.2
+    """Values move at most this far from the values the batch was generated with; None: no clip."""
+
+
+def value_loss(values: torch.Tensor, batch: TrainBatch, settings: ValueLossSettings = ValueLossSettings()
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A critic's loss (a LossFn): scale x the clipped value loss (algorithms/advantages.py
+    clipped_value_loss) averaged over the step's loss tokens. values [n]: the critic's now;
+    batch.extras["returns"] and ["old_values"] [n]: the GAE returns and the values before the
+    update."""
+    from novarl.algorithms.advantages import clipped_value_loss
+
+    mask = batch.loss_mask.float()
+    returns, old_values = batch.extras["returns"].float(), batch.extras["old_values"].float()
+    token_loss = clipped_value_loss(values, old_values, returns, settings.cliprange)
+    reduce = partial(_reduce, mask=mask, batch=batch)
+    loss = settings.scale * reduce(token_loss)
+    with torch.no_grad():
+        clipped = ((values - old_values).abs() > settings.cliprange).float() if settings.cliprange is not None \
+            else torch.zeros_like(values)
+        metrics = {"value_loss": loss.detach(), "value_clip_fraction": reduce(clipped), "value_mean": reduce(values),
+                   "value_error": reduce((values - returns).abs())}
+    return loss, metrics

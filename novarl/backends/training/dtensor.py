@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from novarl.backends.training.batching import MicroBatching
-from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing
+from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing, model_values
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.parallelize import (
     ParallelDims,
@@ -49,7 +49,8 @@ class ShardedModel(DataParallelRows):
     """A Hugging Face causal LM parallelised on a device mesh, and its data-parallel place."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None,
-                 *, trainable: bool, temperature: float, seed: int = 0) -> None:
+                 *, trainable: bool, temperature: float, seed: int = 0, value_head: bool = False) -> None:
+        """value_head: the output head replaced by a scalar one before sharding (a critic)."""
         from novarl.distributed.local import default_device
 
         self.device = device or default_device()
@@ -69,7 +70,11 @@ class ShardedModel(DataParallelRows):
         self.train_batching = MicroBatching.from_policy(policy, training=True, sequence_multiple=multiple)
         self.logprob_batching = MicroBatching.from_policy(policy, training=False, sequence_multiple=multiple)
         check_packing(model, self.attention, self.logprob_batching, self.device)  # before sharding
-        self.lora = dt.lora_cfg if trainable and dt.lora_cfg.enabled else None
+        if value_head:
+            from novarl.models.critic import add_value_head
+
+            add_value_head(model)
+        self.lora = dt.lora_cfg if trainable and dt.lora_cfg.enabled and not value_head else None
         self.adapter_sync = trainable and sends_adapter(policy)
         if self.lora is not None:  # adapters in place, before sharding: the layers keep their paths
             from novarl.models.lora import inject, trainable_summary
@@ -90,12 +95,15 @@ class ShardedModel(DataParallelRows):
             model.requires_grad_(trainable)
         self.model = model
 
-class DTensorPolicy(ShardedModel, AccumulatingRows, BaseModelLogprobs):
-    """The trainable policy on the DTensor backend (implements TrainingBackend)."""
+
+class TrainableShardedModel(ShardedModel, AccumulatingRows):
+    """A sharded model that trains: its optimizer and schedule, accumulation, clipping, and its
+    resumable state (DCP). The policy and the critic are each one."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None,
-                 *, total_steps: int, temperature: float, seed: int = 0) -> None:
-        super().__init__(policy, model_path, device, trainable=True, temperature=temperature, seed=seed)
+                 *, total_steps: int, temperature: float, seed: int = 0, value_head: bool = False) -> None:
+        super().__init__(policy, model_path, device, trainable=True, temperature=temperature, seed=seed,
+                         value_head=value_head)
         self.policy = policy
         self.optimizer = build_optimizer(policy.optimizer, [p for p in self.model.parameters() if p.requires_grad])
         self.scheduler = build_scheduler(policy.scheduler, self.optimizer, total_steps)
@@ -120,20 +128,6 @@ class DTensorPolicy(ShardedModel, AccumulatingRows, BaseModelLogprobs):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": lr}
-
-    def weight_buckets(self, bucket_bytes: int, *, everywhere: bool, dtype: torch.dtype | None = None
-                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Implements WeightSender. Collective over the training ranks: full tensors under their
-        Hugging Face names, on this rank's device, in buckets of at most bucket_bytes, each
-        gathered from the shards when its turn comes; on every rank (everywhere) or on rank 0
-        alone (the others take part in the gathers). Floating tensors cast to dtype if given."""
-        state = get_model_state_dict(self.model)  # this rank's shards, under the model's own names
-        keep = everywhere or dist.get_rank() == 0
-        if self.adapter_sync:  # the adapters alone: the engines hold the frozen base already
-            full = full_weights(((n, t) for n, t in state.items() if is_adapter(n)), keep)
-        else:
-            full = hf_weights(full_weights(state.items(), keep), self.lora)  # LoRA merged in float32, then cast
-        yield from bucketed(((name, in_dtype(t, dtype)) for name, t in full), bucket_bytes)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the full CPU tensors, the others {}."""
@@ -176,11 +170,46 @@ class DTensorPolicy(ShardedModel, AccumulatingRows, BaseModelLogprobs):
         dcp.load(state, checkpoint_id=str(path), planner=WeightsOnlyLoadPlanner())
         set_model_state_dict(self.model, state["model"], options=options)
 
+
+class DTensorPolicy(TrainableShardedModel, BaseModelLogprobs):
+    """The trainable policy on the DTensor backend (implements TrainingBackend)."""
+
+    def weight_buckets(self, bucket_bytes: int, *, everywhere: bool, dtype: torch.dtype | None = None
+                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Implements WeightSender. Collective over the training ranks: full tensors under their
+        Hugging Face names, on this rank's device, in buckets of at most bucket_bytes, each
+        gathered from the shards when its turn comes; on every rank (everywhere) or on rank 0
+        alone (the others take part in the gathers). Floating tensors cast to dtype if given."""
+        state = get_model_state_dict(self.model)  # this rank's shards, under the model's own names
+        keep = everywhere or dist.get_rank() == 0
+        if self.adapter_sync:  # the adapters alone: the engines hold the frozen base already
+            full = full_weights(((n, t) for n, t in state.items() if is_adapter(n)), keep)
+        else:
+            full = hf_weights(full_weights(state.items(), keep), self.lora)  # LoRA merged in float32, then cast
+        yield from bucketed(((name, in_dtype(t, dtype)) for name, t in full), bucket_bytes)
+
     def save_hf(self, path: Path, tokenizer, fmt: ExportFormat | None = None) -> None:
         """A consolidated Hugging Face folder that transformers and vLLM load as is."""
         state = self.full_state_dict()
         if dist.get_rank() == 0:
             save_hf(path, self.model.config, state, tokenizer, fmt, self.lora)
+
+
+class DTensorCritic(TrainableShardedModel):
+    """The value model of PPO (its critic) on the DTensor backend: a causal LM whose output head is
+    a zero-initialised scalar (models/critic.py), sharded like the policy. Its forward reads
+    per-token values where the policy's reads logprobs, so `logprobs(batch)` here is the
+    batch's values: [N], each token's from its predecessor's hidden state (the state it is
+    emitted from), 0 at each sequence's first token; `forward_backward` trains them with a
+    value loss (algorithms/losses.py value_loss)."""
+
+    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None,
+                 *, total_steps: int, seed: int = 0) -> None:
+        super().__init__(policy, model_path, device, total_steps=total_steps, temperature=1.0, seed=seed,
+                         value_head=True)
+
+    def forward_logprobs(self, mb, batching) -> tuple[torch.Tensor, int]:
+        return model_values(self.model, self.attention, mb, batching)
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):

@@ -89,6 +89,23 @@ def model_logprobs(model, attention: str | None, mb: TrainBatch, batching: Micro
     """[n] logprobs of the micro-batch's tokens from a Hugging Face causal LM laid out as
     `batching` says, and the tokens it computed (padding included). attention: the model's
     implementation when it reads packed boundaries (models/attention.py), else None."""
+    logits, inputs = model_outputs(model, attention, mb, batching)
+    return picked_logprobs(logits, inputs, mb, temperature), inputs.tokens_computed
+
+
+def model_values(model, attention: str | None, mb: TrainBatch, batching: MicroBatching) -> tuple[torch.Tensor, int]:
+    """[n] float32 values of the micro-batch's tokens from a model with a scalar head (a critic:
+    models/critic.py), each read at its predecessor's position like a logprob; 0 at each
+    sequence's first token. And the tokens computed (padding included)."""
+    outputs, inputs = model_outputs(model, attention, mb, batching)
+    previous = inputs.previous
+    values = outputs.reshape(-1).index_select(0, previous.clamp(min=0)).float()
+    return values * (previous >= 0), inputs.tokens_computed
+
+
+def model_outputs(model, attention: str | None, mb: TrainBatch, batching: MicroBatching):
+    """The model's output head [R, W, V] over the micro-batch laid out as `batching` says, and the
+    layout (batching.ModelInputs)."""
     inputs = lay_out(mb, batching.layout, batching.length_multiple,
                      share_prompts=batching.share_prompts and attention == VARLEN)
     boundaries = {}
@@ -101,7 +118,7 @@ def model_logprobs(model, attention: str | None, mb: TrainBatch, batching: Micro
     # sequence boundaries (and a training forward has no use for it)
     logits = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
                    attention_mask=None if attention else inputs.attention_mask, use_cache=False, **boundaries).logits
-    return picked_logprobs(logits, inputs, mb, temperature), inputs.tokens_computed
+    return logits, inputs
 
 
 @torch.no_grad()

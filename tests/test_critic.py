@@ -1,0 +1,84 @@
+"""PPO's critic on the DTensor backend, one in-process rank: a scalar head on the policy's
+architecture, values read like logprobs (each token's from its predecessor's state), trained by
+the clipped value loss, and its state resumable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from novarl.algorithms.losses import ValueLossSettings, value_loss
+from novarl.config import load_config
+from tests.helpers.packing import mixed_batch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def critic():
+    from novarl.backends.training.dtensor import DTensorCritic
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.loading import resolve_model_path
+
+    ensure_single_process_group()
+    cfg = load_config(None, overrides=["policy.train_micro_batch_size=4", "policy.logprob_batch_size=4",
+                                       "policy.scheduler=[]", "policy.optimizer.kwargs={lr: 1.0e-2}"])
+    return DTensorCritic(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=100)
+
+
+def test_values_start_at_zero_and_read_each_tokens_predecessor(critic):
+    batch = mixed_batch(rows=6, longest=9)
+    assert torch.equal(critic.logprobs(batch), torch.zeros(batch.num_tokens))
+    with torch.no_grad():  # a head that reads the hidden state: the values must come from position t-1
+        critic.model.lm_head.weight.normal_(0, 0.1)
+        critic.model.lm_head.bias.fill_(0.25)
+    values = critic.logprobs(batch)
+    from torch.distributed.tensor import DTensor
+
+    head = critic.model.lm_head
+    weight, bias = (t.full_tensor() if isinstance(t, DTensor) else t for t in (head.weight, head.bias))
+    for s in range(len(batch)):
+        tokens = batch.token_index([s])
+        ids = batch.input_ids[tokens][None]
+        with torch.no_grad():
+            hidden = critic.model.model(input_ids=ids).last_hidden_state[0]
+        expected = torch.cat([torch.zeros(1), (hidden[:-1] @ weight.T + bias).squeeze(-1)])
+        assert torch.allclose(values[tokens], expected, atol=1e-5)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+
+
+def test_the_value_loss_trains_the_values_towards_the_returns_and_resumes(critic, tmp_path):
+    batch = mixed_batch(rows=8, longest=9)
+    returns = torch.where(batch.loss_mask, torch.linspace(-1, 1, batch.num_tokens), torch.zeros(batch.num_tokens))
+    batch.extras = {"returns": returns, "old_values": critic.logprobs(batch)}
+    settings = ValueLossSettings(scale=0.5, cliprange=None)
+    losses = []
+    for _ in range(30):
+        losses.append(critic.forward_backward(batch, lambda v, mb: value_loss(v, mb, settings))["value_loss"])
+        critic.optim_step()
+    assert losses[-1] < 0.5 * losses[0]
+    critic.save(tmp_path / "critic")
+    trained = critic.logprobs(batch)
+    critic.forward_backward(batch, lambda v, mb: value_loss(v, mb, settings))
+    critic.optim_step()
+    assert not torch.equal(critic.logprobs(batch), trained)
+    critic.load(tmp_path / "critic")
+    assert torch.equal(critic.logprobs(batch), trained)
+
+
+def test_the_clipped_value_loss_holds_values_near_the_old_ones():
+    mask = torch.tensor([[False, True, True]])
+    from novarl.types import TrainBatch
+
+    batch = TrainBatch.from_rows(torch.zeros((1, 3), dtype=torch.long), torch.ones((1, 3), dtype=torch.bool), mask,
+                                 torch.zeros(1))
+    batch.extras = {"returns": torch.tensor([0.0, 1.0, 1.0]), "old_values": torch.tensor([0.0, 0.0, 0.0])}
+    values = torch.tensor([0.0, 0.5, 0.1], requires_grad=True)
+    loss, metrics = value_loss(values, batch, ValueLossSettings(scale=2.0, cliprange=0.2))
+    # token 1: max((0.5-1)^2, (0.2-1)^2) = 0.64; token 2: max(0.81, 0.81) = 0.81 -> 2 x 0.5 x (0.64 + 0.81) / 2
+    assert float(loss.detach()) == pytest.approx(0.725)
+    assert float(metrics["value_clip_fraction"]) == pytest.approx(0.5)
+    loss.backward()  # the clipped branch has no gradient: token 1's value is held
+    assert values.grad.tolist() == pytest.approx([0.0, 0.0, 2 * 0.5 * 2 * (0.1 - 1) / 2])
