@@ -186,7 +186,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from novarl.plan.auto import apply_auto
     from novarl.plan.model_shape import ModelShape, parse_parameter_count
     from novarl.plan.resolve import (check_available, describe_layout, micro_batch_shape, plan_batches,
-                                     resolve_backends)
+                                     resolve_backends, separate_reference)
 
     model_only = args.model is not None and args.config is None
     # With only --model, the workload comes from the schema defaults (and the overrides,
@@ -226,7 +226,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
                         gpu_memory_gb=args.gpu_memory_gb, **micro_batch_shape(cfg.policy),
                         precision=cfg.policy.precision or "bfloat16",
-                        with_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
+                        with_reference=separate_reference(cfg))
     if args.json:
         print(json.dumps(advice.to_dict() if advice else {"skipped": skipped}, indent=2))
     else:

@@ -96,7 +96,7 @@ def test_gae_by_hand():
 
 
 def test_clipped_value_loss_by_hand():
-    from novarl.algorithms.advantages import clipped_value_loss
+    from novarl.algorithms.losses import clipped_value_loss
 
     values, old, returns = torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5]), torch.tensor([2.0, 0.5])
     # token 1: (1 - 2)^2 = 1, clipped 0.5 + 0.2 = 0.7: (0.7 - 2)^2 = 1.69 -> 0.845

@@ -210,3 +210,4 @@ def test_rolls_advantage_settings_become_an_estimator(keys, estimator, normalize
     assert grpo.normalize_rewards is normalize
     batch_mean = {**tree, "adv_estimator": "reinforce", "norm_mean_type": "batch"}
     assert "'norm_mean_type' = 'batch'" in error_of(batch_mean)
+    assert "'gamma' = 0.99: novarl's returns are undiscounted" in error_of({**tree, "gamma": 0.99})

@@ -136,14 +136,3 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
         advantages[:, t] = running
         next_value = values[:, t]
     return advantages, (advantages + values) * mask
-
-
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                       clip: float | None) -> torch.Tensor:
-    """[...] per-token PPO value loss: 0.5 max((v - R)^2, (v_clipped - R)^2), v_clipped = old_values
-    + clip(v - old_values, -clip, clip); without `clip`, 0.5 (v - R)^2."""
-    loss = (values - returns) ** 2
-    if clip is not None:
-        clipped = old_values + (values - old_values).clamp(-clip, clip)
-        loss = torch.maximum(loss, (clipped - returns) ** 2)
-    return 0.5 * loss

@@ -92,13 +92,16 @@ def clipped_pg_loss(
         token_loss = token_loss + settings.reference_policy_kl_penalty * kl
 
     reduce = partial(_reduce, mask=mask, batch=batch, mode=settings.aggregation, norm=settings.aggregation_norm)
+    # the metrics are means (over tokens, or per sequence then over sequences), whatever the loss sums
+    mean = partial(_reduce, mask=mask, batch=batch,
+                   mode="token-mean" if settings.aggregation == "token-mean" else "seq-mean-token-mean")
     with torch.no_grad():
         clipped_out = ((ratio - clipped).abs() > 1e-8).float()
         metrics = {
-            "clip_fraction": reduce(clipped_out),
-            "ratio_mean": reduce(ratio),
-            "kl_to_old": reduce(-log_ratio),
-            "kl_to_reference": reduce(kl),
+            "clip_fraction": mean(clipped_out),
+            "ratio_mean": mean(ratio),
+            "kl_to_old": mean(-log_ratio),
+            "kl_to_reference": mean(kl),
         }
         if batch.old_logprobs is None:  # the generator-vs-trainer check, from this forward
             metrics.update(mismatch_metrics(old_logprobs, batch))
@@ -187,12 +190,10 @@ class ValueLossSettings:
 
 def value_loss(values: torch.Tensor, batch: TrainBatch, settings: ValueLossSettings = ValueLossSettings()
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A critic's loss (a LossFn): scale x the clipped value loss (algorithms/advantages.py
-    clipped_value_loss) averaged over the step's loss tokens. values [n]: the critic's now;
+    """A critic's loss (a LossFn): scale x the clipped value loss (clipped_value_loss) averaged over
+    the step's loss tokens. values [n]: the critic's now;
     batch.extras["returns"] and ["old_values"] [n]: the GAE returns and the values before the
     update."""
-    from novarl.algorithms.advantages import clipped_value_loss
-
     mask = batch.loss_mask.float()
     returns, old_values = batch.extras["returns"].float(), batch.extras["old_values"].float()
     token_loss = clipped_value_loss(values, old_values, returns, settings.cliprange)
@@ -204,3 +205,14 @@ def value_loss(values: torch.Tensor, batch: TrainBatch, settings: ValueLossSetti
         metrics = {"value_loss": loss.detach(), "value_clip_fraction": reduce(clipped), "value_mean": reduce(values),
                    "value_error": reduce((values - returns).abs())}
     return loss, metrics
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       clip: float | None) -> torch.Tensor:
+    """[...] per-token PPO value loss: 0.5 max((v - R)^2, (v_clipped - R)^2), v_clipped = old_values
+    + clip(v - old_values, -clip, clip); without `clip`, 0.5 (v - R)^2."""
+    loss = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        loss = torch.maximum(loss, (clipped - returns) ** 2)
+    return 0.5 * loss

@@ -301,6 +301,13 @@ def translate(tree: dict[str, Any]) -> tuple[list[str], list[str]]:
             grpo["async_grpo"] = {}
         if grpo.get("val_period") == -1 and grpo["val_period"] is not True:
             grpo["val_period"] = 0  # NeMo RL: -1 turns periodic evaluation off; novarl: 0
+        if "advantage_estimator" in grpo:  # novarl's own name before NeMo RL's (checkpoints keep their config)
+            name = grpo.pop("advantage_estimator")
+            if isinstance(grpo.get("adv_estimator"), dict) and "name" in grpo["adv_estimator"]:
+                refused.append(f"'grpo.advantage_estimator' = {show_value(name)} and grpo.adv_estimator.name name "
+                               "the same setting; give only grpo.adv_estimator.name.")
+            elif isinstance(grpo.get("adv_estimator", {}), dict):
+                grpo["adv_estimator"] = {**grpo.get("adv_estimator", {}), "name": name}
         estimator = grpo.get("adv_estimator")
         if isinstance(estimator, dict):
             for key in ("normalize_rewards", "use_leave_one_out_baseline"):

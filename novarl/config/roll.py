@@ -214,6 +214,9 @@ def _estimator(tree: Mapping[str, Any], out: Translation) -> None:
     group mean (or none) and whitening is reinforce_plus_plus (with or without minus_baseline);
     without whitening it is grpo with a group mean, normalised by the group's std or not."""
     estimator = tree.get("adv_estimator", "gae")
+    if tree.get("gamma", 1) not in (1, 1.0) and estimator in ("grpo", "reinforce"):
+        out.refuse("gamma", tree["gamma"], "novarl's returns are undiscounted (gamma 1): the reward counts "
+                                           "on every token of its completion")
     mean, std, whiten = tree.get("norm_mean_type"), tree.get("norm_std_type"), bool(tree.get("whiten_advantages"))
     if estimator == "grpo":
         mean, std = "group", "group"

@@ -59,13 +59,13 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
     from novarl.models.loading import resolve_model_path
     from novarl.plan.advisor import advise
     from novarl.plan.model_shape import ModelShape
-    from novarl.plan.resolve import micro_batch_shape
+    from novarl.plan.resolve import micro_batch_shape, separate_reference
 
     shape = ModelShape.from_name(resolve_model_path(cfg.policy.model_name, download=False))
     advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
                     gpu_memory_gb=gpu_memory_gb, **micro_batch_shape(cfg.policy),
                     precision=cfg.policy.precision or "bfloat16",
-                    with_reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
+                    with_reference=separate_reference(cfg))
     runnable = [c for c in advice.candidates if c.fits and c.built]
     if not runnable:
         raise UserError(f"policy.backend=auto: no layout novarl can run today fits {cfg.policy.model_name} on "

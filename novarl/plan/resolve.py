@@ -153,6 +153,10 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
         if lora.use_triton:
             warnings.append("policy.dtensor_cfg.lora_cfg.use_triton: novarl runs PEFT's LoRA layers, not Triton "
                             "kernels")
+        if lora.dropout > 0 and policy.dtensor_cfg.tensor_parallel_size > 1:
+            missing.append("LoRA dropout with tensor parallelism (policy.dtensor_cfg.lora_cfg.dropout > 0 and "
+                           "tensor_parallel_size > 1: the ranks would drop different inputs of their shared "
+                           "adapters); set dropout: 0")
         if policy.generation.lora_sync == "adapter":
             if choice.generation != "vllm":
                 missing.append(f"adapters sent to {choice.generation} generation (policy.generation.lora_sync: "
@@ -164,6 +168,7 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     elif policy.generation.lora_sync == "adapter":
         warnings.append("policy.generation.lora_sync: adapter applies with LoRA (policy.dtensor_cfg.lora_cfg."
                         "enabled), which is off: the engines get the full weights")
+    warnings.extend(algorithm_warnings(cfg))
     if choice.generation not in BUILT_GENERATION_BACKENDS:
         missing.append(f"generation backend '{choice.generation}' (policy.generation.backend); "
                        "'hf', 'vllm' and 'megatron' work today")
@@ -368,17 +373,52 @@ def _micro_batching_problems(policy, training: str) -> list[str]:
     return problems
 
 
+def algorithm_warnings(cfg: NovaRLConfig) -> list[str]:
+    """Settings given explicitly that the chosen estimator or loss does not read (said, not refused)."""
+    grpo, loss, out = cfg.grpo, cfg.loss_fn, []
+    if loss.loss_agg_mode is not None and "token_level_loss" in loss.model_fields_set \
+            and loss.token_level_loss != (loss.loss_agg_mode == "token-mean"):
+        out.append(f"loss_fn.token_level_loss={str(loss.token_level_loss).lower()} is not used: "
+                   f"loss_fn.loss_agg_mode={loss.loss_agg_mode} decides how the loss is aggregated")
+    if grpo.adv_estimator.name != "grpo":
+        unused = [f"grpo.{key}={str(getattr(grpo, key)).lower()}" for key, default in
+                  (("normalize_rewards", True), ("use_leave_one_out_baseline", False))
+                  if getattr(grpo, key) != default]
+        if unused:
+            out.append(f"{', '.join(unused)}: not read by grpo.adv_estimator.name={grpo.adv_estimator.name}")
+    if grpo.use_dynamic_sampling and grpo.max_num_epochs is not None:
+        out.append("grpo.max_num_epochs with dynamic sampling: the steps are counted as if each drew "
+                   "num_prompts_per_step prompts; its rounds draw more, so the run passes over the data more often "
+                   "than max_num_epochs says")
+    return out
+
+
+def separate_reference(cfg: NovaRLConfig) -> bool:
+    """Whether the run holds a reference model of its own: a KL penalty, and no LoRA (a LoRA run's
+    reference is its own base with the adapters off)."""
+    return cfg.loss_fn.reference_policy_kl_penalty > 0 and not cfg.policy.dtensor_cfg.lora_cfg.enabled
+
+
 def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> list[str]:
     grpo, policy, gen = cfg.grpo, cfg.policy, cfg.policy.generation
     problems = []
     if grpo.num_generations_per_prompt < 2 and grpo.adv_estimator.name in ("grpo", "rloo"):
         problems.append(f"grpo.num_generations_per_prompt={grpo.num_generations_per_prompt}: GRPO compares "
                         "samples within a prompt's group, so every advantage would be 0; use 2 or more.")
-    loss = cfg.loss_fn
-    if loss.use_kl_in_reward and grpo.adv_estimator.name != "reinforce_plus_plus":
+    loss, estimator = cfg.loss_fn, grpo.adv_estimator
+    if loss.use_kl_in_reward and estimator.name != "reinforce_plus_plus":
         problems.append(f"loss_fn.use_kl_in_reward puts the KL in REINFORCE++'s advantages "
-                        f"(grpo.adv_estimator.name: reinforce_plus_plus); with '{grpo.adv_estimator.name}' the KL "
+                        f"(grpo.adv_estimator.name: reinforce_plus_plus); with '{estimator.name}' the KL "
                         "would be in neither the advantages nor the loss. Set it false to keep the KL in the loss.")
+    if loss.use_kl_in_reward and loss.reference_policy_kl_penalty == 0:
+        problems.append("loss_fn.use_kl_in_reward with loss_fn.reference_policy_kl_penalty=0: there is no KL to put "
+                        "in the reward (and no reference to measure it against); set the penalty above 0, or "
+                        "use_kl_in_reward false.")
+    if estimator.name == "reinforce_plus_plus" and estimator.minus_baseline and grpo.num_generations_per_prompt < 2:
+        problems.append(f"grpo.adv_estimator.minus_baseline with grpo.num_generations_per_prompt="
+                        f"{grpo.num_generations_per_prompt}: a group of one minus its own mean is 0, so nothing "
+                        "would train; set grpo.adv_estimator.minus_baseline: false (REINFORCE++ without a baseline) "
+                        "or 2 or more generations per prompt.")
     if grpo.use_dynamic_sampling and grpo.num_generations_per_prompt < 2:
         problems.append("grpo.use_dynamic_sampling keeps groups whose rewards differ: it needs "
                         "grpo.num_generations_per_prompt of 2 or more.")

@@ -16,8 +16,8 @@ from contextlib import contextmanager
 
 import torch
 
-from novarl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings
-from novarl.algorithms.losses import LossFn, aggregation, make_loss
+from novarl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings, reinforce_plus_plus_with_kl
+from novarl.algorithms.losses import ClippedPGSettings, LossFn, aggregation, clamped_kl, make_loss
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import CheckpointLoadFailed, UserError
 from novarl.logging.console import Progress, info
@@ -114,17 +114,21 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
     grpo = cfg.grpo
     timer, tic = StepTimer(), time.perf_counter()
     rollouts = collect(cfg, inputs, roles, step, timer)
-    completions = rollouts.completions
-    trained = torch.tensor([0 if grpo.overlong_filtering and c.finish_reason == "length" else len(c.token_ids)
-                            for c in completions])
-    advantages = clipped_advantages(rollouts.rewards, grpo, estimate_advantages, trained)
-    batch = build_train_batch(completions, advantages, overlong_filtering=grpo.overlong_filtering)
+    batch = build_train_batch(rollouts.completions, torch.zeros(len(rollouts.completions)),
+                              overlong_filtering=grpo.overlong_filtering)
+    kl_in_reward = cfg.loss_fn.use_kl_in_reward  # REINFORCE++: the advantages need the logprobs first
+    if not kl_in_reward:
+        batch.advantages = step_advantages(cfg, batch, rollouts.rewards, estimate_advantages)
     with timer("logprobs"):
         if not one_forward_fewer(cfg, inputs):
             batch.old_logprobs = roles.policy.logprobs(batch)
         if roles.reference is not None:
             batch.reference_logprobs = roles.reference.logprobs(batch)
-    kl_metrics = kl_in_reward(cfg, batch, rollouts.rewards) if cfg.loss_fn.use_kl_in_reward else {}
+    kl_metrics = {}
+    if kl_in_reward:
+        token_kl = reference_kl(cfg, batch)
+        batch.advantages = step_advantages(cfg, batch, rollouts.rewards, estimate_advantages, token_kl)
+        kl_metrics["kl_to_reference"] = float(token_kl.sum() / batch.loss_mask.sum().clamp(min=1))
     with timer("training"):
         train_metrics = train_on_batch(roles.policy, batch, loss_fn, inputs.batches.global_batch_size,
                                        skip_zero_advantage=zero_advantage_trains_nothing(cfg),
@@ -138,20 +142,39 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
             **sync_metrics, **mismatch, **timer.seconds, "time_step": time.perf_counter() - tic}
 
 
-def clipped_advantages(rewards: torch.Tensor, grpo, estimate_advantages, token_counts: torch.Tensor | None = None
-                       ) -> torch.Tensor:
-    """The step's advantages: rewards clipped to +-grpo.reward_clip (ROLL), the estimator over
-    each group (token_counts [S]: the loss tokens of each sample, for estimators that weigh by
-    them), then advantages clipped to [advantage_clip_low, advantage_clip_high] (NeMo RL)."""
+def step_advantages(cfg: NovaRLConfig, batch: TrainBatch, rewards: torch.Tensor, estimate_advantages,
+                    token_kl: torch.Tensor | None = None) -> torch.Tensor:
+    """[N] the step's per-token advantages: rewards [S] clipped to +-grpo.reward_clip (ROLL), the
+    estimator over each group (weighing each sample by its loss tokens where it does), each
+    sequence's advantage on its tokens, then clipped to [advantage_clip_low, advantage_clip_high]
+    (NeMo RL). With token_kl [N] (REINFORCE++'s KL in the reward, loss_fn.use_kl_in_reward),
+    reference_policy_kl_penalty x each token's KL comes off its return before the normalisation."""
+    grpo = cfg.grpo
     if grpo.reward_clip is not None:
         rewards = rewards.clamp(-grpo.reward_clip, grpo.reward_clip)
     settings = AdvantageSettings(normalize_rewards=grpo.normalize_rewards,
                                  use_leave_one_out_baseline=grpo.use_leave_one_out_baseline,
                                  minus_baseline=grpo.adv_estimator.minus_baseline)
-    advantages = estimate_advantages(rewards, grpo.num_generations_per_prompt, settings, token_counts)
+    if token_kl is None:
+        token_counts = batch.sequence_sum(batch.loss_mask.long())
+        advantages = estimate_advantages(rewards, grpo.num_generations_per_prompt, settings, token_counts)
+        advantages = advantages[batch.sequence_index]
+    else:
+        advantages = reinforce_plus_plus_with_kl(rewards, grpo.num_generations_per_prompt, settings, token_kl,
+                                                 batch.sequence_index, batch.loss_mask,
+                                                 cfg.loss_fn.reference_policy_kl_penalty)
     if grpo.advantage_clip_low is not None or grpo.advantage_clip_high is not None:
         advantages = advantages.clamp(min=grpo.advantage_clip_low, max=grpo.advantage_clip_high)
     return advantages
+
+
+def reference_kl(cfg: NovaRLConfig, batch: TrainBatch) -> torch.Tensor:
+    """[N] each loss token's KL of the policy before the update (old logprobs) to the reference,
+    by loss_fn's estimator and clamps; 0 elsewhere."""
+    loss = cfg.loss_fn
+    settings = ClippedPGSettings(kl_estimator=loss.kl_estimator, kl_input_clamp_value=loss.kl_input_clamp_value,
+                                 kl_output_clamp_value=loss.kl_output_clamp_value)
+    return clamped_kl(batch.old_logprobs, batch.reference_logprobs, settings) * batch.loss_mask
 
 
 def one_forward_fewer(cfg: NovaRLConfig, inputs: RunInputs) -> bool:
@@ -170,28 +193,6 @@ def old_logprobs_source(cfg: NovaRLConfig, inputs: RunInputs) -> str:
         return "old logprobs: a policy forward before training (the KL in the reward needs them first)"
     return (f"old logprobs: a policy forward before training ({inputs.batches.optimizer_steps_per_step} "
             "optimizer steps per generated batch, the policy changes between them)")
-
-
-def kl_in_reward(cfg: NovaRLConfig, batch: TrainBatch, rewards: torch.Tensor) -> dict[str, float]:
-    """REINFORCE++'s KL in the reward: the batch's advantages become per-token ones, each token's
-    KL to the reference (old logprobs against the reference's) subtracted before the step's
-    normalisation; then NeMo RL's advantage clip. The mean per-token KL as kl_to_reference."""
-    from novarl.algorithms.advantages import reinforce_plus_plus_with_kl
-    from novarl.algorithms.losses import ClippedPGSettings, clamped_kl
-
-    grpo, loss = cfg.grpo, cfg.loss_fn
-    settings = ClippedPGSettings(kl_estimator=loss.kl_estimator, kl_input_clamp_value=loss.kl_input_clamp_value,
-                                 kl_output_clamp_value=loss.kl_output_clamp_value)
-    token_kl = clamped_kl(batch.old_logprobs, batch.reference_logprobs, settings) * batch.loss_mask
-    if grpo.reward_clip is not None:
-        rewards = rewards.clamp(-grpo.reward_clip, grpo.reward_clip)
-    advantages = reinforce_plus_plus_with_kl(
-        rewards, grpo.num_generations_per_prompt, AdvantageSettings(minus_baseline=grpo.adv_estimator.minus_baseline),
-        token_kl, batch.sequence_index, batch.loss_mask, loss.reference_policy_kl_penalty)
-    if grpo.advantage_clip_low is not None or grpo.advantage_clip_high is not None:
-        advantages = advantages.clamp(min=grpo.advantage_clip_low, max=grpo.advantage_clip_high)
-    batch.advantages = advantages
-    return {"kl_to_reference": float(token_kl.sum() / batch.loss_mask.sum().clamp(min=1))}
 
 
 def time_budget_message(step: int, max_num_steps: int, seconds: float) -> str:
@@ -241,7 +242,8 @@ def zero_advantage_trains_nothing(cfg: NovaRLConfig) -> bool:
     """A sample whose every advantage is 0 (a GRPO group whose rewards are all equal) adds 0 to
     the clipped policy loss and to its gradient, whatever its ratio, unless a KL penalty
     (which does not depend on the advantage) is part of the loss."""
-    return cfg.loss_fn.loss == "clipped_pg" and cfg.loss_fn.reference_policy_kl_penalty == 0
+    loss = cfg.loss_fn
+    return loss.loss == "clipped_pg" and (loss.reference_policy_kl_penalty == 0 or loss.use_kl_in_reward)
 
 
 def with_signal(chunk: TrainBatch, token_level: bool = True) -> tuple[TrainBatch, float]:
