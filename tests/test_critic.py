@@ -83,3 +83,47 @@ def test_the_clipped_value_loss_holds_values_near_the_old_ones():
     assert float(metrics["value_clip_fraction"]) == pytest.approx(0.5)
     loss.backward()  # the clipped branch has no gradient: token 1's value is held
     assert values.grad.tolist() == pytest.approx([0.0, 0.0, 2 * 0.5 * 2 * (0.1 - 1) / 2])
+
+
+def test_the_critic_on_zero3_over_two_ranks_trains_like_one_dtensor_rank(tmp_path):
+    """The same values, trained the same way, on DeepSpeed ZeRO-3 over 2 Ray ranks (gloo) as on
+    one DTensor rank; and its partitioned state resumes to the same next step."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("deepspeed")
+    import os
+    from functools import partial
+
+    from novarl.backends.training.deepspeed import DeepSpeedCritic
+    from novarl.backends.training.dtensor import DTensorCritic
+    from novarl.distributed.ray_group import RayWorkerGroup
+    from novarl.models.loading import resolve_model_path
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    overrides = ["policy.train_micro_batch_size=4", "policy.logprob_batch_size=4", "policy.scheduler=[]",
+                 "policy.optimizer.kwargs={lr: 1.0e-2}"]
+    path = resolve_model_path("tiny-arith")
+    batch = mixed_batch(rows=8, longest=9)
+    batch.extras = {"returns": torch.where(batch.loss_mask, torch.linspace(-1, 1, batch.num_tokens), 0.0),
+                    "old_values": torch.zeros(batch.num_tokens)}
+    loss = partial(value_loss, settings=ValueLossSettings(scale=0.5, cliprange=0.5))
+
+    def train(call, steps: int) -> torch.Tensor:
+        for _ in range(steps):
+            call("forward_backward", batch, loss)
+            call("optim_step")
+        return call("logprobs", batch)
+
+    one = DTensorCritic(load_config(None, overrides=overrides).policy, path, torch.device("cpu"), total_steps=100)
+    expected = train(lambda method, *args: getattr(one, method)(*args), 4)
+    cfg = load_config(None, overrides=[*overrides, "cluster.gpus_per_node=2", "policy.deepspeed_cfg.enabled=true",
+                                       "policy.deepspeed_cfg.zero_stage=3"])
+    group = RayWorkerGroup(DeepSpeedCritic, dict(policy=cfg.policy, model_path=path, total_steps=100), world_size=2)
+    try:
+        assert torch.allclose(train(group.call, 4), expected, atol=1e-5)
+        group.call("save", tmp_path / "critic")
+        after_one_more = train(group.call, 1)
+        group.call("load", tmp_path / "critic")
+        assert torch.allclose(train(group.call, 1), after_one_more, atol=1e-7)
+    finally:
+        group.shutdown()
+        ray.shutdown()

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.batching import MicroBatching
-from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing
+from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing, model_values
 from novarl.backends.training.parallelize import apply_activation_checkpointing
 from novarl.config.schema import PolicyConfig
 from novarl.distributed.weight_sync import bucketed, in_dtype
@@ -95,7 +95,9 @@ class DeepSpeedModel(DataParallelRows):
     """A Hugging Face causal LM in a DeepSpeed engine, one data-parallel rank of it."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None, *, trainable: bool,
-                 temperature: float, accumulation_steps: int = 1, total_steps: int = 1, seed: int = 0) -> None:
+                 temperature: float, accumulation_steps: int = 1, total_steps: int = 1, seed: int = 0,
+                 value_head: bool = False) -> None:
+        """value_head: the output head replaced by a scalar one before the engine (a critic)."""
         from novarl.backends.training.ops import deepspeed_environment, first_build
         from novarl.distributed.local import default_device
 
@@ -123,8 +125,12 @@ class DeepSpeedModel(DataParallelRows):
                                   on_gpu=self.device.type == "cuda",
                                   hidden_size=getattr(model.config, "hidden_size", None) or 4096)
         check_packing(model, self.attention, self.logprob_batching, torch.device("cpu"))  # before the engine
+        if value_head:
+            from novarl.models.critic import add_value_head
+
+            add_value_head(model)
         lora = policy.dtensor_cfg.lora_cfg
-        self.lora = lora if trainable and lora.enabled else None
+        self.lora = lora if trainable and lora.enabled and not value_head else None
         self.adapter_sync = trainable and sends_adapter(policy)
         if self.lora is not None:  # adapters in place, before the engine: the optimizer gets them alone
             from novarl.models.lora import inject, trainable_summary
@@ -186,13 +192,16 @@ class DeepSpeedModel(DataParallelRows):
         return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
 
 
-class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows, BaseModelLogprobs):
-    """The trainable policy on DeepSpeed ZeRO (implements TrainingBackend)."""
+class TrainableDeepSpeedModel(DeepSpeedModel, AccumulatingRows):
+    """A DeepSpeed engine that trains: accumulation, clipping, the optimizer's step and the
+    engine's resumable state. The policy and the critic are each one."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
-                 total_steps: int, temperature: float, accumulation_steps: int = 1, seed: int = 0) -> None:
+                 total_steps: int, temperature: float, accumulation_steps: int = 1, seed: int = 0,
+                 value_head: bool = False) -> None:
         super().__init__(policy, model_path, device, trainable=True, temperature=temperature,
-                         accumulation_steps=accumulation_steps, total_steps=total_steps, seed=seed)
+                         accumulation_steps=accumulation_steps, total_steps=total_steps, seed=seed,
+                         value_head=value_head)
 
     def accumulation_boundary(self, last: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last)
@@ -214,6 +223,25 @@ class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows, BaseModelLogprobs):
         grad_norm = self.engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else math.nan
         return {"grad_norm": grad_norm, "lr": lr}
+
+    def save(self, path: Path) -> None:
+        """The engine's partitioned state (weights, optimizer, schedule) under path/deepspeed/;
+        with LoRA the adapters alone (the frozen base comes from the model folder). Resuming
+        needs the same number of ranks."""
+        self.engine.save_checkpoint(str(path), tag=CHECKPOINT_TAG, save_latest=False,
+                                    exclude_frozen_parameters=self.lora is not None)
+        dist.barrier()
+
+    def load(self, path: Path) -> None:
+        load_path, _ = self.engine.load_checkpoint(str(path), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True,
+                                                   load_module_strict=self.lora is None)
+        if load_path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {path / CHECKPOINT_TAG}")
+
+
+class DeepSpeedPolicy(TrainableDeepSpeedModel, BaseModelLogprobs):
+    """The trainable policy on DeepSpeed ZeRO (implements TrainingBackend)."""
 
     def weight_buckets(self, bucket_bytes: int, *, everywhere: bool, dtype: torch.dtype | None = None
                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -256,26 +284,25 @@ class DeepSpeedPolicy(DeepSpeedModel, AccumulatingRows, BaseModelLogprobs):
                 gathered = [(name, state[name].detach().clone()) for name in chunk] if keep else []
             yield from gathered
 
-    def save(self, path: Path) -> None:
-        """The engine's partitioned state (weights, optimizer, schedule) under path/deepspeed/;
-        with LoRA the adapters alone (the frozen base comes from the model folder). Resuming
-        needs the same number of ranks."""
-        self.engine.save_checkpoint(str(path), tag=CHECKPOINT_TAG, save_latest=False,
-                                    exclude_frozen_parameters=self.lora is not None)
-        dist.barrier()
-
-    def load(self, path: Path) -> None:
-        load_path, _ = self.engine.load_checkpoint(str(path), tag=CHECKPOINT_TAG, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True,
-                                                   load_module_strict=self.lora is None)
-        if load_path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint in {path / CHECKPOINT_TAG}")
-
     def save_hf(self, path: Path, tokenizer, fmt: ExportFormat | None = None) -> None:
         """A consolidated Hugging Face folder (in `fmt`: fp32 by default), from any ZeRO stage."""
         state = self.full_state_dict()
         if self.dp_rank == 0:
             save_hf(path, self.engine.module.config, state, tokenizer, fmt, self.lora)
+
+
+class DeepSpeedCritic(TrainableDeepSpeedModel):
+    """PPO's value model on DeepSpeed ZeRO: a causal LM with a zero-initialised scalar head
+    (models/critic.py) in its own engine, partitioned like the policy. As on DTensor
+    (dtensor.py DTensorCritic), `logprobs(batch)` here is the batch's per-token values."""
+
+    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
+                 total_steps: int, accumulation_steps: int = 1, seed: int = 0) -> None:
+        super().__init__(policy, model_path, device, total_steps=total_steps, temperature=1.0,
+                         accumulation_steps=accumulation_steps, seed=seed, value_head=True)
+
+    def forward_logprobs(self, mb, batching) -> tuple[torch.Tensor, int]:
+        return model_values(self.model, self.attention, mb, batching)
 
 
 class DeepSpeedReference(DeepSpeedModel):
