@@ -283,8 +283,8 @@ def test_every_schema_setting_is_read_or_refused_or_warned_about():
                 yield path, name
 
     root = Path(__file__).parent.parent / "novarl"
-    source = "\n".join(p.read_text() for p in root.rglob("*.py")
-                       if p.name not in ("schema.py", "nemo_rl.py", "unused.py"))
+    source = "\n".join(p.read_text() for p in root.rglob("*.py")  # where the settings are defined is no use
+                       if p.name not in ("schema.py", "nemo_rl.py", "unused.py") and p.parent.name != "sections")
     named = {s.path for s in SETTINGS}
     unread = [path for path, name in leaves(NovaRLConfig)
               if not re.search(rf"\b{re.escape(name)}\b", source) and path not in named and path not in governed]

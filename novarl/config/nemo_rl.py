@@ -4,7 +4,7 @@ The contract follows NeMo RL at commit 7ea279a (NVIDIA-NeMo/RL, 2026-08-22): its
 `examples/configs/grpo_*.yaml` and `examples/configs/recipes/llm/grpo-*.yaml`, and the
 September-2025 files before them. Every key those files hold is either
 
-- in novarl's schema (config/schema.py) and used there, or renamed to a key that is
+- in novarl's schema (config/schema.py and config/sections/) and used there, or renamed to a key that is
   (`translate`: NeMo RL's `data.train` / `data.validation` / `data.default` blocks, the
   advantage estimator's copies of grpo's flags, `val_period: -1`);
 - a **feature switch** (`off`): accepted while it leaves the feature off, which is what novarl
@@ -413,7 +413,7 @@ def _flatten_data(data: dict[str, Any], warnings: list[str], grpo_seed: Any) -> 
 BLOCK_KEYS = {"train": ("dataset_name", "data_path", "input_key", "output_key", "subset", "split",
                         "split_validation_size"),
               "validation": ("dataset_name", "data_path", "input_key", "output_key", "subset", "split", "repeat")}
-"""What novarl's data.train / data.validation list blocks hold (config/schema.py DatasetBlock)."""
+"""What novarl's data.train / data.validation list blocks hold (config/sections/data.py DatasetBlock)."""
 
 
 def _dataset_lists(data: dict[str, Any], train: Any, validation: Any, default: Any, warnings: list[str],

@@ -1,0 +1,1 @@
+"""Config sections, by subject; novarl.config.schema puts them together (and re-exports them)."""

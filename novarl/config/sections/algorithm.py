@@ -1,0 +1,152 @@
+"""The algorithm's sections: grpo (NeMo RL's, with its estimator, reward scaling and shaping,
+dynamic sampling) and loss_fn. Re-exported by novarl.config.schema."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from novarl.config.sections.base import Section
+
+
+class AsyncGRPOConfig(Section):
+    enabled: bool = False
+    max_trajectory_age_steps: int = Field(1, ge=1)
+
+
+class AdvEstimatorConfig(Section):
+    """NeMo RL's grpo.adv_estimator (its normalize_rewards and use_leave_one_out_baseline are
+    grpo.normalize_rewards and grpo.use_leave_one_out_baseline here, which NeMo RL's files
+    interpolate into it)."""
+
+    name: Literal["grpo", "reinforce_plus_plus", "rloo"] = "grpo"
+    """The estimator (novarl.algorithms.advantages): grpo (group baseline, optionally leave-one-out,
+    normalised by the group's std with grpo.normalize_rewards), reinforce_plus_plus (REINFORCE++:
+    normalised over the whole step), rloo (leave-one-out baseline, not normalised)."""
+    minus_baseline: bool = True
+    """reinforce_plus_plus: subtract each group's mean reward before normalising over the step."""
+
+
+class RewardScalingConfig(Section):
+    """NeMo RL's grpo.reward_scaling: rewards clamped to [source_min, source_max], then mapped
+    linearly onto [target_min, target_max], before shaping and advantages."""
+
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+    @model_validator(mode="after")
+    def _a_range(self) -> "RewardScalingConfig":
+        if self.enabled and not self.source_max > self.source_min:
+            raise ValueError(f"grpo.reward_scaling: source_max ({self.source_max}) must be above source_min "
+                             f"({self.source_min})")
+        return self
+
+
+class RewardShapingConfig(Section):
+    """NeMo RL's grpo.reward_shaping (DAPO's overlong reward shaping): a completion longer than
+    max_response_length - overlong_buffer_length tokens loses overlong_buffer_penalty x (its
+    excess / overlong_buffer_length); or, with stop_properly_penalty_coef set, a completion cut
+    by the length limit has its reward multiplied by that coefficient (and the overlong keys
+    are not used)."""
+
+    enabled: bool = False
+    overlong_buffer_length: int | None = Field(None, ge=1)
+    overlong_buffer_penalty: float | None = Field(None, ge=0)
+    max_response_length: int | None = Field(None, ge=1)
+    """None: policy.generation.max_new_tokens."""
+    stop_properly_penalty_coef: float | None = Field(None, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _dapo_keys(self) -> "RewardShapingConfig":
+        if self.enabled and self.stop_properly_penalty_coef is None:
+            missing = [k for k in ("overlong_buffer_length", "overlong_buffer_penalty")
+                       if getattr(self, k) is None]
+            if missing:
+                raise ValueError(f"grpo.reward_shaping is enabled without {' and '.join(missing)} (DAPO's "
+                                 "overlong penalty needs them), and stop_properly_penalty_coef is not set")
+        return self
+
+
+class GRPOConfig(Section):
+    num_prompts_per_step: int = Field(32, ge=1)
+    """Prompts drawn per step (alias: algorithm.batch_size)."""
+    num_generations_per_prompt: int = Field(16, ge=1)
+    """Completions sampled per prompt: the group advantages are normalised in."""
+    max_rollout_turns: int = Field(1, ge=1)
+    max_num_epochs: int | None = Field(None, ge=1)
+    """Passes over the training prompts, at most: the run ends at max_num_steps or here,
+    whichever comes first (NeMo RL's rule; its configs set 1). None: max_num_steps decides."""
+    max_num_steps: int = Field(1000, ge=1)
+    max_train_seconds: float | None = Field(None, gt=0)
+    """Stop after this much wall time in the loop (evaluation excluded); None: no limit."""
+    gradient_accumulation_steps: int | None = Field(None, ge=1)
+    """Micro-batches per optimizer step; None: derived from the batch sizes."""
+    normalize_rewards: bool = True
+    """Divide group-centred rewards by the group's standard deviation."""
+    use_leave_one_out_baseline: bool = False
+    advantage_clip_low: float | None = None
+    """Advantages below it are raised to it (NeMo RL's key); None: no lower bound."""
+    advantage_clip_high: float | None = None
+    """Advantages above it are lowered to it; None: no upper bound."""
+    reward_clip: float | None = Field(None, gt=0)
+    """Rewards are clipped to [-reward_clip, reward_clip] before the advantages (ROLL's key; the
+    logged rewards are the unclipped ones); None: not clipped."""
+    adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)
+    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    use_dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal are dropped and more prompts
+    are generated until num_prompts_per_step groups with signal are gathered."""
+    batch_multiplier: float = Field(1, ge=1)
+    """With dynamic sampling: prompts generated per round = num_prompts_per_step x this."""
+    dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
+    """With dynamic sampling: generation rounds allowed per step before the run stops with an error."""
+    val_period: int = Field(0, ge=0)
+    """Evaluate every N steps; 0: only at start (if val_at_start) and end."""
+    val_at_start: bool = True
+    val_at_end: bool = True
+    overlong_filtering: bool = False
+    max_val_samples: int | None = Field(256, ge=1)
+    """At most this many evaluation prompts; None: all of the held-out split (NeMo RL's null)."""
+    val_batch_size: int = Field(256, ge=1)
+    seed: int = 42
+    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
+
+
+class LossConfig(Section):
+    loss: str = "clipped_pg"
+    """Policy loss in the registry (novarl.algorithms.losses)."""
+    reference_policy_kl_penalty: float = Field(0.0, ge=0)
+    """KL coefficient to the frozen reference; 0 loads no reference."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Alias: NeMo RL's reference_policy_kl_type."""
+    kl_input_clamp_value: float | None = Field(None, gt=0)
+    """The log-ratio log q - log p is clamped to [-v, v] before the KL estimator; None: not clamped."""
+    kl_output_clamp_value: float | None = Field(None, gt=0)
+    """The per-token KL estimate is clamped to [-v, v]; None: not clamped."""
+    ratio_clip_min: float = Field(0.2, ge=0)
+    ratio_clip_max: float = Field(0.2, ge=0)
+    ratio_clip_c: float | None = Field(None, gt=1)
+    """Dual-clip constant (> 1) for negative advantages; None: off."""
+    use_on_policy_kl_approximation: bool = False
+    disable_ppo_ratio: bool = False
+    """REINFORCE's surrogate, -A log p per token: no ratio, no clipping (NeMo RL's key)."""
+    use_kl_in_reward: bool = False
+    """REINFORCE++ (grpo.adv_estimator.name: reinforce_plus_plus): reference_policy_kl_penalty x each
+    token's KL (the policy before the update against the reference) is subtracted from its
+    advantage before the step's normalisation, instead of being a term of the loss."""
+    use_importance_sampling_correction: bool = False
+    sequence_level_importance_ratios: bool = False
+    token_level_loss: bool = True
+    """True: average over all tokens of the step; False: per sequence, then over sequences."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                           "seq-mean-token-sum-norm"] | None = None
+    """How token losses become the step's loss (verl's and ROLL's key): token-mean (all tokens of
+    the step), seq-mean-token-mean (each sequence's mean, then over sequences), seq-mean-token-sum
+    (each sequence's sum, then over sequences), seq-mean-token-sum-norm (Dr. GRPO: each sequence's
+    sum divided by policy.generation.max_new_tokens, then over sequences: no length bias). None:
+    token_level_loss decides (token-mean or seq-mean-token-mean)."""

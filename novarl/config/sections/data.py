@@ -1,0 +1,126 @@
+"""The data and reward sections. Re-exported by novarl.config.schema."""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import Field, model_validator
+
+from novarl.config.sections.base import PathText, Section
+
+BUNDLED_TASKS = ("arithmetic", "repeat", "word_problems")
+"""Tasks shipped with novarl (novarl.data.datasets.BUNDLED_DATASETS implements them)."""
+
+
+class DatasetBlock(Section):
+    """One of several datasets (NeMo RL's list form of data.train / data.validation). A key left
+    unset takes data's own (data.input_key, ...), as NeMo RL's data.default does."""
+
+    dataset_name: str | None = None
+    """A named dataset, or 'ResponseDataset' / None for data_path."""
+    data_path: PathText | None = None
+    input_key: str | None = None
+    output_key: str | None = None
+    subset: str | None = None
+    split: str | None = None
+    split_validation_size: float | None = Field(None, ge=0, lt=1)
+    """Training blocks: this fraction is held out for evaluation (drawn with grpo.seed); None:
+    data.split_validation_size."""
+    repeat: int = Field(1, ge=1)
+    """Validation blocks: each example this many times (NeMo RL: AIME x16, averaged over samples)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DatasetBlock":
+        named = self.dataset_name not in (None, "ResponseDataset")
+        if named == bool(self.data_path):
+            raise ValueError("a dataset block names its data with dataset_name (a named dataset) or data_path, "
+                             f"one of them (got dataset_name={self.dataset_name!r}, data_path={self.data_path!r})")
+        return self
+
+
+class DataConfig(Section):
+    dataset_name: str | None = None
+    """'arithmetic', 'repeat' or 'word_problems' (bundled); 'ResponseDataset' (data.train_data_path: a file, a
+    `datasets` folder or a hub dataset id); a NeMo RL named dataset ('OpenMathInstruct-2',
+    'DAPOMath17K', 'DeepScaler', 'AIME2024', ...: novarl/data/named.py); None: from the paths."""
+    train_data_path: PathText | None = None
+    """A data file (.jsonl, .json, .parquet, .arrow, .csv), a folder `datasets` saved or laid out as
+    a hub dataset repository, or a hub dataset id 'org/name' (read from the local caches;
+    `novarl train` downloads the split when no cache holds it)."""
+    val_data_path: PathText | None = None
+    """As train_data_path, for evaluation; None: the training source's validation or test split
+    when it has one (else the training split, and the log says so)."""
+    val_dataset_name: str | None = None
+    """A named dataset to evaluate on (NeMo RL's data.validation.dataset_name: 'AIME2024', ...)."""
+    input_key: str = "prompt"
+    output_key: str = "answer"
+    subset: str | None = None
+    """The subset (configuration) of a hub dataset or folder with several (NeMo RL's `subset`)."""
+    train_split: str | None = None
+    """The split to train on; None: 'train' (a named dataset's own split)."""
+    val_split: str | None = None
+    """The split to evaluate on; None: 'validation', else 'test', else the training split."""
+    prompt_file: PathText | None = None
+    """A text file with one '{}' where the prompt goes (other braces doubled: '{{', '}}')."""
+    system_prompt_file: PathText | None = None
+    shuffle: bool = True
+    max_input_seq_length: int | None = Field(None, ge=1)
+    split_validation_size: float = Field(0.0, ge=0, lt=1)
+    """With no held-out split given: this fraction of the training examples (drawn with grpo.seed)
+    is held out for evaluation and not trained on (NeMo RL's data.train.split_validation_size)."""
+    train: list[DatasetBlock] | None = None
+    """Several training datasets (NeMo RL's list form), read one after the other into one shuffled
+    pool; instead of dataset_name / train_data_path."""
+    validation: list[DatasetBlock] | None = None
+    """Several evaluation datasets, instead of val_dataset_name / val_data_path."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataConfig":
+        for blocks, flat in (("train", ("dataset_name", "train_data_path", "train_split")),
+                             ("validation", ("val_dataset_name", "val_data_path", "val_split"))):
+            given = [k for k in flat if getattr(self, k) not in (None, "ResponseDataset")]
+            if getattr(self, blocks) is not None and given:
+                raise ValueError(f"data.{blocks} lists the datasets, and data.{given[0]} names one too: give one form")
+            if getattr(self, blocks) == []:
+                raise ValueError(f"data.{blocks} is an empty list: name at least one dataset")
+        given = [k for k in ("train_data_path", "val_data_path") if getattr(self, k)]
+        if self.dataset_name in BUNDLED_TASKS and given:
+            raise ValueError(f"data.dataset_name='{self.dataset_name}' is a bundled task, but data.{given[0]} "
+                             "is also set: drop dataset_name (or set it to 'ResponseDataset') to train on the file")
+        if self.dataset_name not in (None, "ResponseDataset", *BUNDLED_TASKS) and self.train_data_path:
+            raise ValueError(f"data.dataset_name='{self.dataset_name}' names a dataset, but data.train_data_path is "
+                             "also set: drop dataset_name (or set it to 'ResponseDataset') to train on the path")
+        if self.val_dataset_name is not None and self.val_data_path:
+            raise ValueError("data.val_dataset_name and data.val_data_path both name the evaluation data: set one")
+        return self
+
+
+class RewardConfig(Section):
+    function: PathText | list[PathText] = "exact_match"
+    """A registered name (exact_match, math_verify, boxed_match, last_number, boxed_format), an import
+    path 'module:function' (also a module in the working directory), or a file
+    'path/to/rewards.py:function' (relative to the working directory); or a list of them, whose
+    rewards are added with `weights`. How each is called: novarl/rewards/scorer.py."""
+    weights: list[float] | None = None
+    """One weight per function when `function` is a list (TRL's reward_weights); None: 1.0 each."""
+
+    @model_validator(mode="after")
+    def _weights(self) -> "RewardConfig":
+        count = len(self.function) if isinstance(self.function, list) else 1
+        if not count:
+            raise ValueError("reward.function is an empty list: give at least one reward function")
+        if self.weights is not None and len(self.weights) != count:
+            raise ValueError(f"reward.weights has {len(self.weights)} weight(s) for {count} reward function(s): "
+                             "give one weight per function")
+        if self.weights is not None and not all(math.isfinite(w) for w in self.weights):
+            raise ValueError(f"reward.weights={self.weights}: weights are finite numbers")
+        return self
+    timeout_s: float | None = Field(300.0, gt=0)
+    """Seconds one call of the function (one completion) may take; past it the run stops with an
+    error naming the function and the completion. None: no limit, and the function is called
+    as it is (see novarl.rewards.registry for how the limit is enforced)."""
+
+
+class MathEnvConfig(Section):
+    num_workers: int = Field(8, ge=1)
+    math_verify_impl: str = "hf_math_verify"
