@@ -111,6 +111,10 @@ RULES: tuple[Rule, ...] = (
         "a KL penalty without reference logprobs cannot be computed (novarl skips them when "
         "loss_fn.reference_policy_kl_penalty is 0)"),
     # ---------------------------------------------------------------- top level
+    off("ppo", lambda v, t: v is None, f"NeMo RL's PPO with a critic (its ppo, value and value_loss_fn sections) is "
+        f"{ISSUE_ALGORITHMS}; the critic, GAE and the value loss exist, not yet in the loop. GRPO's estimators run "
+        "today (grpo.adv_estimator: grpo, reinforce_plus_plus, rloo)"),
+    *governed("value", "value_loss_fn"),
     off("async_rl", _is(None), f"the single-controller asynchronous loop is {ISSUE_ASYNC}"),
     off("on_policy_distillation", _disabled, "on-policy distillation is not built"),
     off("reward_penalties", _all_off, "NeMo-Gym reward penalties are not built"),
