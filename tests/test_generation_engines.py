@@ -150,7 +150,7 @@ def test_a_groups_prompt_is_computed_once_with_the_same_samples():
     assert [c.token_ids for c in grouped] == [c.token_ids for c in alone]
     for g, a in zip(grouped, alone):
         assert g.logprobs == pytest.approx(a.logprobs, abs=1e-5)
-    ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]])
+    ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]], device=engine.model.device)
     cache = shared_prompt_cache(engine.model, ids, (ids != 0).long())
     assert cache.get_seq_length() == 2 and cache.layers[0].keys.shape[0] == 3  # 2 prompts computed, 3 rows
     assert shared_prompt_cache(engine.model, ids[1:], (ids[1:] != 0).long()) is None  # nothing repeats

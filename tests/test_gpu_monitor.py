@@ -32,8 +32,8 @@ def test_monitoring_gpus_adds_their_readings_to_each_step_where_cuda_exists(tmp_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_peak_is_the_steps_own():
     x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # 256 MiB
-    first = gpu_stats()
-    del x
+    del x  # gone before the first reading, but within its interval
     torch.cuda.empty_cache()
-    second = gpu_stats()
+    first = gpu_stats()
+    second = gpu_stats()  # an interval without the 256 MiB
     assert first["gpu_memory_peak_gb"] >= 0.26 and second["gpu_memory_peak_gb"] < first["gpu_memory_peak_gb"]

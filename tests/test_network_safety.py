@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from novarl.config import load_config
 from novarl.config.loading import BUNDLED_RECIPE
@@ -186,12 +187,12 @@ def test_a_receiver_refuses_a_pickled_header_sent_over_the_bridge(tmp_path):
     marker = tmp_path / "pwned"
 
     def sender() -> None:
-        bridge = WeightBridge("127.0.0.1", port, 0, 2, listener)
+        bridge = WeightBridge("127.0.0.1", port, 0, 2, listener, device=torch.device("cpu"))
         bridge._broadcast_bytes(pickle.dumps(WritesAFile(marker)))
 
     thread = threading.Thread(target=sender)
     thread.start()
-    receiver = WeightBridge("127.0.0.1", port, 1, 2)
+    receiver = WeightBridge("127.0.0.1", port, 1, 2, device=torch.device("cpu"))  # gloo: one GPU holds no 2 NCCL ranks
     with pytest.raises(MalformedHeader, match="not JSON"):
         next(receiver.receive())
     thread.join(timeout=60)

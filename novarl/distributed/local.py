@@ -15,6 +15,13 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def collective_device(group=None) -> torch.device:
+    """Where a collective over `group` (the default group if None) takes its tensors: the
+    current GPU under NCCL, else the CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+
+
 def ensure_single_process_group() -> None:
     """Join a world-size-1 process group unless one exists already."""
     if dist.is_initialized():

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from novarl.distributed.local import collective_device, default_device
 from novarl.errors import NotAvailableYet, RunFailed
 
 BUCKET_BYTES = 512 * 2**20
@@ -137,13 +138,14 @@ class WeightBridge(Channel):
     engines (ranks 1..n) receive.
 
     Rank 0 serves the group's store at host:port, on `listener` if given (a socket from
-    `listen_on(host)`), else on a socket it opens there itself."""
+    `listen_on(host)`), else on a socket it opens there itself. The group is NCCL on `device`'s
+    GPU (default: this process's GPU where there is one; each rank its own GPU, as NCCL needs),
+    else gloo (a CPU `device`)."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int,
-                 listener: socket.socket | None = None) -> None:
+                 listener: socket.socket | None = None, device: torch.device | None = None) -> None:
         self.rank = rank
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        self.device = device or default_device()
         if rank == 0 and listener is None:
             listener = listen_on(host, port)
         store = tcp_store(host, port, world_size, listener if rank == 0 else None)
@@ -167,8 +169,7 @@ class GroupChannel(Channel):
 
     def __init__(self) -> None:
         self.rank = dist.get_rank()
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend() == "nccl" else torch.device("cpu")
+        self.device = collective_device()
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=0)

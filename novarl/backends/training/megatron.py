@@ -372,7 +372,7 @@ class MegatronPolicy(MegatronModel):
             box = [names]
             dist.broadcast_object_list(box, src=self._last_stage_rank(), group=self.pp_group)
             names = box[0]
-        summed = torch.stack([totals[n] for n in names]) if kept else torch.zeros(len(names), device=self.device)
+        summed = torch.stack([totals[n].to(self.device) for n in names]) if kept else torch.zeros(len(names), device=self.device)
         if self.pp_size > 1:
             dist.broadcast(summed, src=self._last_stage_rank(), group=self.pp_group)
         return all_reduce_metrics(dict(zip(names, summed)), self.dp_group)

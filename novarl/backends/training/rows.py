@@ -21,6 +21,7 @@ from novarl.backends.training.batching import (
     picked_logprobs,
     plan_for,
 )
+from novarl.distributed.local import collective_device
 from novarl.models.attention import VARLEN
 from novarl.errors import UserError
 from novarl.types import TrainBatch
@@ -163,10 +164,11 @@ def all_reduce_metrics(totals: dict[str, torch.Tensor], group) -> dict[str, floa
     """The totals over the group's ranks (every rank gets them): summed, or the largest for a
     name ending in "_max". Every rank must hold the same names."""
     out: dict[str, float] = {}
+    device = collective_device(group)
     for op, wanted in ((dist.ReduceOp.SUM, False), (dist.ReduceOp.MAX, True)):
         names = sorted(n for n in totals if n.endswith("_max") == wanted)
         if names:
-            values = torch.stack([totals[n] for n in names])
+            values = torch.stack([totals[n].to(device) for n in names])
             dist.all_reduce(values, op=op, group=group)
             out.update(zip(names, values.tolist()))
     return out
