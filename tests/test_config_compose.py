@@ -186,7 +186,7 @@ def test_renamed_nemo_rl_spellings_land_on_novarl_keys():
     assert cfg.policy.optimizer.name == "torch.optim.AdamW"
     assert any("runs as torch.optim.AdamW" in w for w in cfg.load_warnings)
     assert load_config({"grpo": {"adv_estimator": {"name": "rloo"}}}).grpo.adv_estimator.name == "rloo"
-    assert "'grpo', 'reinforce_plus_plus' or 'rloo'" in error_of({"grpo": {"adv_estimator": {"name": "gdpo"}}})
+    assert "'grpo', 'reinforce_plus_plus', 'rloo' or 'gae'" in error_of({"grpo": {"adv_estimator": {"name": "gdpo"}}})
 
 
 def test_nemo_rl_data_blocks_become_novarl_data_keys():

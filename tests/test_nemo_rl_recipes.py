@@ -82,8 +82,7 @@ REFUSED = {
     "2026-08/grpo_math_1B_sglang.yaml": ["'policy.generation.backend' = 'sglang': SGLang generation is not built"],
     "2026-08/grpo_math_8B_megatron_fp8.yaml": ["'policy.generation.vllm_cfg.precision' = 'fp8': FP8 generation is "
                                                "not built"],
-    "2026-08/ppo_math_1B.yaml": [  # value and value_loss_fn go with ppo: one line for the three
-        "'ppo' = {'num_prompts_per_step': 32, 'num_generations_per_prompt': 1",
+    "2026-08/ppo_math_1B.yaml": [  # its ppo, value and value_loss_fn sections are read (PPO with a critic)
         "'env.math.math_verify_impl' = 'dapo_math_verify'"],
     "2026-08/recipes/llm/dapo-qwen2.5-7b.v2.yaml": [  # dynamic sampling, reward scaling and shaping are read
         "'policy.hf_config_overrides' = {'max_position_embeddings': 16384}",
@@ -127,8 +126,13 @@ def test_nemo_rl_features_novarl_does_not_build_are_refused_one_line_each(capsys
     assert lines[0].startswith(f"novarl: error: Invalid config ({NEMO_RL / name}): {len(REFUSED[name])} problem(s):")
     for expected in REFUSED[name]:
         assert sum(line.startswith(f"  - {expected}") for line in lines) == 1, (expected, err)
-    if name.endswith("ppo_math_1B.yaml"):
-        assert "NeMo RL's PPO with a critic (its ppo, value and value_loss_fn sections) is not built yet" in err
+    if name.endswith("ppo_math_1B.yaml"):  # with NeMo RL's other answer checker, it loads as PPO with a critic
+        cfg = load_config(NEMO_RL / name, overrides=["env.math.math_verify_impl=hf_math_verify"])
+        estimator = cfg.grpo.adv_estimator
+        assert (estimator.name, estimator.gae_lambda, estimator.gae_gamma, cfg.grpo.ppo_epochs) == ("gae", 0.95, 1, 4)
+        assert (cfg.value_loss_fn.scale, cfg.value_loss_fn.cliprange) == (0.4, 0.2)
+        assert cfg.value.model_name == cfg.policy.model_name and cfg.value.optimizer.kwargs["lr"] == 1e-5
+        assert cfg.policy.optimizer.kwargs["lr"] == 1e-6 and cfg.value.precision == "bfloat16"
 
 
 def test_validate_on_a_nemo_rl_recipe_names_what_is_left(capsys, tmp_path, hub_cache, monkeypatch):

@@ -115,16 +115,19 @@ def reinforce_plus_plus_with_kl(rewards: torch.Tensor, group_size: int, settings
 
 
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+        lam: float | torch.Tensor = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation over rows of completion tokens (PPO with a critic).
 
-    token_rewards, values, mask: [S, T], a row per sequence, its completion's tokens from the left
-    (mask False after the end). values[s, t]: the critic's estimate before token t. Per row:
+    token_rewards, values, mask: [S, T], a row per sequence, its completion's tokens contiguous
+    (mask False before and after them: a prompt, padding). values[s, t]: the critic's estimate
+    before token t. Per row:
         delta_t = r_t + gamma v_{t+1} - v_t   (v after the last token: 0)
         A_t = delta_t + gamma lam A_{t+1}
+    lam: one lambda, or one per row [S] (VAPO's length-adaptive lambda).
     Returns (advantages, returns = advantages + values), [S, T] float32, 0 where mask is False."""
-    if not 0 <= lam <= 1 or not 0 <= gamma <= 1:
-        raise ValueError(f"GAE needs gamma and lambda in [0, 1] (gamma={gamma}, lambda={lam})")
+    lam = torch.as_tensor(lam, dtype=torch.float32, device=values.device)
+    if not bool(((lam >= 0) & (lam <= 1)).all()) or not 0 <= gamma <= 1:
+        raise ValueError(f"GAE needs gamma and lambda in [0, 1] (gamma={gamma}, lambda={lam.tolist()})")
     mask = mask.float()
     rewards, values = token_rewards.float() * mask, values.float() * mask
     advantages = torch.zeros_like(values)
@@ -136,3 +139,55 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
         advantages[:, t] = running
         next_value = values[:, t]
     return advantages, (advantages + values) * mask
+
+
+@dataclass(frozen=True)
+class GAESettings:
+    """NeMo RL's grpo.adv_estimator keys for name: gae (PPO with a critic)."""
+
+    gamma: float = 1.0
+    lam: float = 0.95
+    lam_value: float | None = None
+    """VAPO's decoupled GAE: the lambda of the critic's returns; None: lam."""
+    lam_policy: float | None = None
+    """The lambda of the policy's advantages; None: lam."""
+    length_adaptive_alpha: float = 0.0
+    """VAPO: the policy's lambda for a completion of l tokens is 1 - 1/(alpha l); 0: off."""
+    normalize: bool = True
+    """Whiten the advantages over the loss tokens."""
+
+
+def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[S, T] each row's reward (rewards [S]) on its last token where mask [S, T] is True, 0
+    elsewhere (a row without such a token gets none)."""
+    last = mask.shape[1] - 1 - mask.long().flip(1).argmax(dim=1)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rows = mask.any(dim=1).nonzero().view(-1)
+    out[rows, last[rows]] = rewards.float().to(mask.device)[rows]
+    return out
+
+
+def ppo_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, settings: GAESettings,
+                   token_kl: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's advantages and the critic's targets, NeMo RL's GAE estimator (`gae`): each completion's
+    reward on its last token, minus kl_coef x each token's KL to the reference when given
+    (loss_fn.use_kl_in_reward; token_kl [S, T]), then GAE with the critic's values [S, T] over
+    the completion tokens (mask [S, T]). With a decoupled lambda (lam_value, lam_policy or the
+    length-adaptive one) GAE runs twice: returns with lam_value, advantages with the policy's.
+    The advantages are whitened over the mask with `normalize`. Returns (advantages, returns)
+    [S, T], 0 where mask is False."""
+    token_rewards = terminal_rewards(rewards, mask)
+    if token_kl is not None:
+        token_rewards = token_rewards - kl_coef * token_kl.float() * mask
+    lam_value = settings.lam if settings.lam_value is None else settings.lam_value
+    if settings.length_adaptive_alpha > 0:
+        lengths = mask.float().sum(dim=1)
+        lam_policy = (1 - 1 / (settings.length_adaptive_alpha * lengths).clamp(min=1)).clamp(0, 1)
+    else:
+        lam_policy = settings.lam if settings.lam_policy is None else settings.lam_policy
+    advantages, returns = gae(token_rewards, values, mask, settings.gamma, lam_value)
+    if not isinstance(lam_policy, float) or lam_policy != lam_value:
+        advantages, _ = gae(token_rewards, values, mask, settings.gamma, lam_policy)
+    if settings.normalize:
+        advantages = whiten(advantages, mask.float()) * mask
+    return advantages, returns

@@ -19,6 +19,12 @@ TRAINING: dict[str, tuple[str, str, str]] = {
 }
 """Training backend -> (module, policy class, reference class)."""
 
+CRITICS: dict[str, tuple[str, str]] = {
+    "dtensor": ("novarl.backends.training.dtensor", "DTensorCritic"),
+    "deepspeed": ("novarl.backends.training.deepspeed", "DeepSpeedCritic"),
+}
+"""Training backend -> (module, PPO critic class): a TrainingBackend whose logprobs are values."""
+
 ENGINES: dict[str, tuple[str, str]] = {
     "hf": ("novarl.backends.generation.hf", "HFGeneration"),
     "vllm": ("novarl.backends.generation.vllm", "VllmGeneration"),
@@ -40,6 +46,11 @@ def training_classes(name: str) -> tuple[type, type]:
     module, policy, reference = TRAINING[name]
     loaded = importlib.import_module(module)
     return getattr(loaded, policy), getattr(loaded, reference)
+
+
+def critic_class(name: str) -> type:
+    module, cls = CRITICS[name]
+    return getattr(importlib.import_module(module), cls)
 
 
 def engine_class(name: str) -> type:

@@ -253,11 +253,16 @@ def _os_reason(err: Exception) -> str:
 # ------------------------------------------------------------------- aliases
 ALIASES: tuple[tuple[str, str, str], ...] = (
     ("", "algorithm", "grpo"),
+    ("", "ppo", "grpo"),  # NeMo RL's PPO files: GRPO's keys (and PPO's) under another name
+    ("grpo", "async_ppo", "async_grpo"),
+    ("value", "dtensor_config", "dtensor_cfg"),
+    ("value", "max_total_sequence_length", "max_seq_length"),
     ("grpo", "batch_size", "num_prompts_per_step"),
     ("policy", "dtensor_config", "dtensor_cfg"),
     ("policy", "max_total_sequence_length", "max_seq_length"),
     ("loss_fn", "reference_policy_kl_type", "kl_estimator"),
     ("policy.megatron_cfg.fp8_cfg", "fp8", "fp8_format"),
+    ("value.megatron_cfg.fp8_cfg", "fp8", "fp8_format"),
 )
 
 # Flat keyword overrides the seeds' Python examples use, e.g.

@@ -32,7 +32,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from novarl.config.files import (NestingError, _clip, canonical, canonical_path, check_mandatory,
-                                 check_tree, compose_file, merge_over, parse_yaml)
+                                 check_tree, compose_file, merge_over, parse_yaml, show_value)
 from novarl.config.interpolation import resolve_interpolations
 from novarl.config.nemo_rl import VALUE_NOTES, take_foreign, translate
 from novarl.config.roll import from_roll, is_roll
@@ -115,6 +115,7 @@ def load_config(
     tree, refused, warnings, notes = read_roll(tree, where)
     more_refused, more_warnings = translate(tree)
     foreign = take_foreign(tree, schema_has)
+    refused = [*refused, *critic_over_policy(tree)]
     config = validate(tree, where, refused=[*refused, *more_refused, *foreign.refused, *refuse_settings(tree)])
     return with_warnings(config, [*warnings, *more_warnings, *filter(None, [foreign.warning()]),
                                   *check_settings(config)], notes)
@@ -143,6 +144,24 @@ def with_warnings(config: NovaRLConfig, warnings: Iterable[str], notes: Iterable
     config._load_warnings = tuple(dict.fromkeys([*config.load_warnings, *warnings]))
     config._load_notes = tuple(dict.fromkeys([*config.load_notes, *notes]))
     return config
+
+
+def critic_over_policy(tree: dict[str, Any]) -> list[str]:
+    """PPO's `value` section (its critic) starts from the policy's settings: merged, in place,
+    over the policy's block (its generation and backend choice left out: the critic generates
+    nothing and runs on the policy's backend). What it cannot hold is returned, refused."""
+    value = tree.get("value")
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        return [f"'value' = {show_value(value)}: the critic's section is a mapping of policy settings "
+                "({} takes the policy's)."]
+    refused = [f"'value.{key}': the critic generates nothing and runs on the policy's backend; set it on the "
+               "policy." for key in ("generation", "backend") if key in value]
+    policy = {k: v for k, v in (tree.get("policy") or {}).items() if k not in ("generation", "backend")}
+    tree["value"] = merge_over(copy.deepcopy(policy), {k: v for k, v in value.items()
+                                                         if k not in ("generation", "backend")})
+    return refused
 
 
 def schema_has(path: str) -> bool:

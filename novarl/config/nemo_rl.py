@@ -24,6 +24,7 @@ in one message.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,10 +112,9 @@ RULES: tuple[Rule, ...] = (
         "a KL penalty without reference logprobs cannot be computed (novarl skips them when "
         "loss_fn.reference_policy_kl_penalty is 0)"),
     # ---------------------------------------------------------------- top level
-    off("ppo", lambda v, t: v is None, f"NeMo RL's PPO with a critic (its ppo, value and value_loss_fn sections) is "
-        f"{ISSUE_ALGORITHMS}; the critic, GAE and the value loss exist, not yet in the loop. GRPO's estimators run "
-        "today (grpo.adv_estimator: grpo, reinforce_plus_plus, rloo)"),
-    *governed("value", "value_loss_fn"),
+    off("grpo.async_grpo.warmup_generation_lead_steps", _is(None), f"asynchronous PPO's warm-up is {ISSUE_ASYNC}"),
+    off("grpo.async_grpo.drop_incomplete_targets_on_restore", _is(False),
+        f"restoring in-flight rollouts is {ISSUE_ASYNC}"),
     off("async_rl", _is(None), f"the single-controller asynchronous loop is {ISSUE_ASYNC}"),
     off("on_policy_distillation", _disabled, "on-policy distillation is not built"),
     off("reward_penalties", _all_off, "NeMo-Gym reward penalties are not built"),
@@ -242,6 +242,7 @@ INACTIVE_SECTIONS: tuple[tuple[str, Callable[[Mapping[str, Any]], bool]], ...] =
     ("policy.megatron_cfg.", lambda tree: not tree_get(tree, "policy.megatron_cfg.enabled", None)),
     ("policy.generation.mcore_generation_config.", lambda tree: _backend(tree) != "megatron"),
     ("policy.generation.vllm_cfg.", lambda tree: _backend(tree) not in ("vllm", None)),
+    ("value.megatron_cfg.", lambda tree: not tree_get(tree, "value.megatron_cfg.enabled", None)),
 )
 """Sections a run does not use (a backend that is off): their operational keys are not worth a
 warning, since nothing would read them."""
@@ -252,7 +253,10 @@ def take_foreign(tree: dict[str, Any], schema_has: Callable[[str], bool]) -> For
     (`schema_has(path)`), and say which it refuses and which it warns about."""
     found = Foreign()
     whole = dict(tree)
-    for rule in RULES:
+    # NeMo RL's value section is a policy block (the critic's): the policy's rules hold there too
+    critic = [dataclasses.replace(r, path="value." + r.path.removeprefix("policy.")) for r in RULES
+              if r.path.startswith("policy.") and not r.path.startswith("policy.generation.")]
+    for rule in (*RULES, *critic):
         for path, parent, key in _matches(tree, rule.path.split(".")):
             if schema_has(path):
                 continue

@@ -22,7 +22,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
 
 from novarl.config.sections.algorithm import (  # noqa: F401 (re-exported: the schema is read as one)
-    AdvEstimatorConfig, AsyncGRPOConfig, GRPOConfig, LossConfig, RewardScalingConfig, RewardShapingConfig)
+    AdvEstimatorConfig, AsyncGRPOConfig, GRPOConfig, LossConfig, RewardScalingConfig, RewardShapingConfig,
+    ValueLossConfig)
 from novarl.config.sections.base import (  # noqa: F401
     NAME_MAX_BYTES, PATH_MAX_BYTES, PathText, Precision, Section, _finite_numbers)
 from novarl.config.sections.data import (  # noqa: F401
@@ -427,6 +428,33 @@ class PolicyConfig(Section):
         return steps
 
 
+class RewardModelConfig(Section):
+    """NeMo RL's value.reward_model_cfg: the critic is a causal LM with a scalar (regression) head."""
+
+    enabled: bool = True
+    reward_model_type: Literal["regression"] = "regression"
+
+    @model_validator(mode="after")
+    def _a_scalar_head(self) -> "RewardModelConfig":
+        if not self.enabled:
+            raise ValueError("value.reward_model_cfg.enabled=false: the critic is a model with a scalar "
+                             "(regression) head; leave it true")
+        return self
+
+
+class ValueConfig(PolicyConfig):
+    """PPO's value model (its critic), NeMo RL's `value` section: the policy's settings (loading
+    merges this section over the policy's, config/loading.py) with these changes. It runs on the
+    policy's training backend and ranks, beside it, like the reference policy; its output head is
+    a zero-initialised scalar (models/critic.py) on model_name's architecture."""
+
+    reward_model_cfg: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    backend: None = None
+    """The critic runs on the policy's backend (policy.backend)."""
+    generation: None = None
+    """The critic generates nothing."""
+
+
 # ------------------------------------------------------------------ outputs
 class CheckpointingConfig(Section):
     enabled: bool = True
@@ -487,6 +515,9 @@ class NovaRLConfig(Section):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     loss_fn: LossConfig = Field(default_factory=LossConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    value: ValueConfig | None = None
+    """PPO's critic (grpo.adv_estimator.name: gae); None: no critic."""
+    value_loss_fn: ValueLossConfig = Field(default_factory=ValueLossConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     env: dict[str, MathEnvConfig] = {}
@@ -519,7 +550,47 @@ class NovaRLConfig(Section):
                 "policy.generation.backend='megatron' samples with the policy's own model on its own GPUs, "
                 "so it cannot be dedicated: set policy.generation.colocated.enabled=true, or use 'vllm' "
                 "for generation on GPUs of its own")
+        self._critic_checks()
         if self.loss_fn.ratio_clip_min >= 1:
             raise ValueError(f"loss_fn.ratio_clip_min={self.loss_fn.ratio_clip_min} must be < 1 "
                              "(the ratio is clipped to [1 - min, 1 + max])")
         return self
+
+    def _critic_checks(self) -> None:
+        """PPO's critic: wanted exactly when the estimator is GAE, on the policy's backend and
+        parallel layout (it shares the policy's ranks)."""
+        gae = self.grpo.adv_estimator.name == "gae"
+        if gae and self.value is None:
+            raise ValueError("grpo.adv_estimator.name='gae' needs a critic: add a `value` section (it starts from "
+                             "the policy's settings; `value: {}` takes them all, value.model_name=... another "
+                             "model), or pick grpo, rloo or reinforce_plus_plus")
+        if self.value is not None and not gae:
+            raise ValueError(f"value: a critic is trained only for grpo.adv_estimator.name='gae' (PPO), and the "
+                             f"estimator is '{self.grpo.adv_estimator.name}': remove the value section, or set "
+                             "grpo.adv_estimator.name=gae")
+        if self.grpo.policy_training_start_step and not gae:
+            raise ValueError(f"grpo.policy_training_start_step={self.grpo.policy_training_start_step} warms up a "
+                             "critic, and there is none (grpo.adv_estimator.name is not 'gae')")
+        if self.value is None:
+            return
+        value, policy = self.value, self.policy
+        for key in ("megatron_cfg.enabled", "deepspeed_cfg.enabled", "deepspeed_cfg.zero_stage",
+                    "dtensor_cfg.tensor_parallel_size", "dtensor_cfg.context_parallel_size",
+                    "megatron_cfg.tensor_model_parallel_size", "megatron_cfg.pipeline_model_parallel_size",
+                    "megatron_cfg.context_parallel_size"):
+            mine, theirs = _get(value, key), _get(policy, key)
+            if mine != theirs:
+                raise ValueError(f"value.{key}={mine!r} differs from policy.{key}={theirs!r}: the critic runs on "
+                                 "the policy's backend and ranks, laid out like it; give the same value")
+        if value.dtensor_cfg.lora_cfg.enabled:
+            raise ValueError("value.dtensor_cfg.lora_cfg.enabled=true: LoRA on the critic is not built yet "
+                             "(the critic trains all its weights)")
+        if value.megatron_cfg.enabled:
+            raise ValueError("value.megatron_cfg.enabled=true: the critic on Megatron-core is not built yet "
+                             "(DTensor and DeepSpeed have it)")
+
+
+def _get(section: Section, dotted: str) -> Any:
+    for part in dotted.split("."):
+        section = getattr(section, part)
+    return section

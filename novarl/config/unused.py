@@ -7,6 +7,7 @@ a test checks that every schema field is read by the code or named here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("logger.gpu_monitoring.flush_interval", lambda v: v == 10, False,
             "GPU readings go out with each step's metrics"),
 )
+# PPO's critic (`value`) is a policy block: the policy's settings hold for it too (said for the critic only
+# where it differs from the policy, which it starts from)
+SETTINGS += tuple(dataclasses.replace(s, path="value." + s.path.removeprefix("policy.")) for s in SETTINGS
+                  if s.path.startswith("policy.") and not s.path.startswith("policy.generation."))
 
 
 def refuse_settings(tree: Mapping[str, Any]) -> list[str]:
@@ -61,6 +66,8 @@ def refuse_settings(tree: Mapping[str, Any]) -> list[str]:
     refused = []
     for setting in SETTINGS:
         value = tree_get(tree, setting.path)
+        if setting.path.startswith("value.") and value == tree_get(tree, "policy." + setting.path[6:]):
+            continue  # the policy's, said once for it
         if setting.refuse and value is not MISSING and not setting.neutral(value):
             refused.append(f"'{setting.path}' = {value!r}: {setting.why}.")
     return refused
@@ -72,6 +79,9 @@ def check_settings(config: NovaRLConfig) -> list[str]:
     Megatron generates."""
     warnings = []
     for setting in SETTINGS:
+        if setting.path.startswith("value.") and (config.value is None or _get(config, setting.path) == _get(
+                config, "policy." + setting.path.removeprefix("value."))):
+            continue
         value = _get(config, setting.path)
         if not setting.refuse and not setting.neutral(value):
             warnings.append(f"'{setting.path}' = {value!r}: {setting.why}")

@@ -73,3 +73,34 @@ class RemoteReference:
 
     def shutdown(self) -> None:
         """Nothing of its own: the policy's group stops its processes."""
+
+
+class RemoteCritic:
+    """PPO's critic, built beside the policy on the policy group's ranks (as NeMo RL's value
+    workers share the training GPUs); its `logprobs` are per-token values."""
+
+    ROLE = "critic"
+
+    def __init__(self, group: RayWorkerGroup) -> None:
+        self.group = group
+
+    def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]:
+        return self.group.call_role(self.ROLE, "forward_backward", batch, loss)
+
+    def optim_step(self) -> dict[str, float]:
+        return self.group.call_role(self.ROLE, "optim_step")
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self.group.call_role(self.ROLE, "logprobs", batch)
+
+    def save(self, path: Path) -> None:
+        self.group.call_role(self.ROLE, "save", path)
+
+    def load(self, path: Path) -> None:
+        self.group.call_role(self.ROLE, "load", path)
+
+    def save_hf(self, path: Path, tokenizer, fmt=None) -> None:
+        self.group.call_role(self.ROLE, "save_hf", path, tokenizer, fmt)
+
+    def shutdown(self) -> None:
+        """Nothing of its own: the policy's group stops its processes."""

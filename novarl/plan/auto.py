@@ -39,6 +39,9 @@ def apply_auto(cfg: NovaRLConfig, *, gpu_memory_gb: float | None = None,
                f"{cfg.cluster.num_nodes} CPU rank(s)) with {generation} generation, colocated; the advisor's "
                "memory model is for GPUs (`novarl plan` shows it)."]
     overrides.append("policy.backend=null")  # resolved: the saved config is explicit
+    if cfg.value is not None:  # the critic runs on the policy's backend and ranks, laid out like it
+        overrides += [f"value.{o.removeprefix('policy.')}" for o in overrides
+                      if o.startswith("policy.") and not o.startswith(("policy.generation.", "policy.backend"))]
     resolved = load_config(cfg.model_dump(by_alias=True), overrides=overrides)
     return with_warnings(resolved, cfg.load_warnings, cfg.load_notes), why
 

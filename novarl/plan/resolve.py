@@ -386,6 +386,12 @@ def algorithm_warnings(cfg: NovaRLConfig) -> list[str]:
                   if getattr(grpo, key) != default]
         if unused:
             out.append(f"{', '.join(unused)}: not read by grpo.adv_estimator.name={grpo.adv_estimator.name}")
+    estimator = grpo.adv_estimator
+    gae_keys = [k for k in ("gae_lambda", "gae_gamma", "normalize_advantages", "gae_lambda_value",
+                            "gae_lambda_policy", "length_adaptive_alpha") if k in estimator.model_fields_set]
+    if estimator.name != "gae" and gae_keys:
+        out.append(f"grpo.adv_estimator.{{{', '.join(gae_keys)}}}: read only by grpo.adv_estimator.name=gae (PPO), "
+                   f"not by {estimator.name}")
     if grpo.use_dynamic_sampling and grpo.max_num_epochs is not None:
         out.append("grpo.max_num_epochs with dynamic sampling: the steps are counted as if each drew "
                    "num_prompts_per_step prompts; its rounds draw more, so the run passes over the data more often "
@@ -406,9 +412,9 @@ def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> 
         problems.append(f"grpo.num_generations_per_prompt={grpo.num_generations_per_prompt}: GRPO compares "
                         "samples within a prompt's group, so every advantage would be 0; use 2 or more.")
     loss, estimator = cfg.loss_fn, grpo.adv_estimator
-    if loss.use_kl_in_reward and estimator.name != "reinforce_plus_plus":
-        problems.append(f"loss_fn.use_kl_in_reward puts the KL in REINFORCE++'s advantages "
-                        f"(grpo.adv_estimator.name: reinforce_plus_plus); with '{estimator.name}' the KL "
+    if loss.use_kl_in_reward and estimator.name not in ("reinforce_plus_plus", "gae"):
+        problems.append(f"loss_fn.use_kl_in_reward puts the KL in the per-token rewards of REINFORCE++ or PPO "
+                        f"(grpo.adv_estimator.name: reinforce_plus_plus or gae); with '{estimator.name}' the KL "
                         "would be in neither the advantages nor the loss. Set it false to keep the KL in the loss.")
     if loss.use_kl_in_reward and loss.reference_policy_kl_penalty == 0:
         problems.append("loss_fn.use_kl_in_reward with loss_fn.reference_policy_kl_penalty=0: there is no KL to put "

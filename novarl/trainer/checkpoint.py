@@ -53,6 +53,8 @@ from novarl.trainer.checkpoint_files import (CHECKSUM, MANIFEST_FILE, STATE_FILE
 
 METRICS_FILE = "metrics.jsonl"
 POLICY_DIR = "policy"
+CRITIC_DIR = "critic"
+"""PPO's value model, beside the policy, when the run has one (its files are checked like the policy's)."""
 FINISHED_FILE = "run_finished.json"
 
 
@@ -86,7 +88,7 @@ class Checkpointer:
     def due(self, step: int, *, last: bool) -> bool:
         return self.cfg.enabled and (step % self.cfg.save_period == 0 or last)
 
-    def save(self, step: int, policy, state: dict[str, Any], *, metrics: Path | None = None) -> Path:
+    def save(self, step: int, policy, state: dict[str, Any], *, metrics: Path | None = None, critic=None) -> Path:
         """Write step_N atomically (see the module's docstring); then prune to keep_top_k (the
         newest always stays). metrics: the run's metrics.jsonl, kept with the checkpoint so that
         a resumed run carries the whole history (its curve starts at step 1, not at the resume).
@@ -98,6 +100,8 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             policy.save(tmp / POLICY_DIR)
+            if critic is not None:
+                critic.save(tmp / CRITIC_DIR)
             (tmp / "config.yaml").write_text(self.config_yaml)
             if metrics is not None and metrics.is_file():
                 shutil.copyfile(metrics, tmp / METRICS_FILE)
@@ -183,12 +187,15 @@ def check_checkpoint(path: Path, *, verify_checksums: bool = False) -> str | Non
         return f"{STATE_FILE} does not describe step {_step_of(path)}"
     if not (path / "config.yaml").is_file():
         return "config.yaml missing"
-    problem = _check_policy_files(path / POLICY_DIR) or _check_manifest(path, verify_checksums)
-    if problem is None and verify_checksums:
-        if (path / POLICY_DIR / ".metadata").is_file():
-            problem = check_dcp_metadata(path / POLICY_DIR / ".metadata")
-        elif (path / POLICY_DIR / "deepspeed").is_dir():
-            problem = check_deepspeed_pickles(path / POLICY_DIR / "deepspeed")
+    roles = [POLICY_DIR, *([CRITIC_DIR] if (path / CRITIC_DIR).is_dir() else [])]
+    problem = next(filter(None, (_check_policy_files(path / role, role) for role in roles)), None) \
+        or _check_manifest(path, verify_checksums)
+    for role in roles:
+        if problem is None and verify_checksums:
+            if (path / role / ".metadata").is_file():
+                problem = check_dcp_metadata(path / role / ".metadata")
+            elif (path / role / "deepspeed").is_dir():
+                problem = check_deepspeed_pickles(path / role / "deepspeed")
     return problem
 
 
@@ -207,7 +214,7 @@ def resume_problem(state: dict[str, Any]) -> str | None:
     return None
 
 
-def _check_policy_files(policy: Path) -> str | None:
+def _check_policy_files(policy: Path, role: str = POLICY_DIR) -> str | None:
     if (policy / "deepspeed").is_dir():  # written by the DeepSpeed backend
         engine = policy / "deepspeed"
         if not any(engine.glob("*model_states.pt")) or not any(engine.glob("*optim_states.pt")):
@@ -216,7 +223,7 @@ def _check_policy_files(policy: Path) -> str | None:
     if (policy / "megatron").is_dir():  # written by the Megatron backend
         return _check_megatron(policy / "megatron")
     if not (policy / ".metadata").is_file() or not any(policy.glob("*.distcp")):
-        return "policy shards missing"
+        return f"{role} shards missing"
     if not (policy / "scheduler.pt").is_file():
         return "scheduler state missing"
     return None

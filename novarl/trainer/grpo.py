@@ -13,20 +13,23 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
-from novarl.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageSettings, reinforce_plus_plus_with_kl
-from novarl.algorithms.losses import ClippedPGSettings, LossFn, aggregation, clamped_kl, make_loss
+from novarl.algorithms.advantages import (ADVANTAGE_ESTIMATORS, AdvantageSettings, GAESettings, ppo_advantages,
+                                          reinforce_plus_plus_with_kl)
+from novarl.algorithms.losses import (ClippedPGSettings, LossFn, ValueLossSettings, aggregation, clamped_kl,
+                                      make_loss, value_loss)
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import CheckpointLoadFailed, UserError
 from novarl.logging.console import Progress, info
 from novarl.logging.metrics import JsonlSink
-from novarl.trainer.checkpoint import POLICY_DIR, Checkpoint, Checkpointer, restore_rng
+from novarl.trainer.checkpoint import CRITIC_DIR, POLICY_DIR, Checkpoint, Checkpointer, restore_rng
 from novarl.trainer.evaluate import evaluate
 from novarl.trainer.collect import collect
 from novarl.trainer.rollout import MISMATCH_WARNING, build_train_batch, logprob_mismatch, mismatch_advice
-from novarl.trainer.setup import Roles, RunInputs
+from novarl.trainer.setup import Roles, RunInputs, critic_global_batch_size
 from novarl.types import TrainBatch
 
 
@@ -51,7 +54,8 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
     """
     grpo, gen = cfg.grpo, cfg.policy.generation
     loss_fn = make_loss(cfg.loss_fn, gen.max_new_tokens)
-    estimate_advantages = ADVANTAGE_ESTIMATORS.get(grpo.adv_estimator.name)
+    # GAE (PPO) reads the critic's values per token: not one of the per-sequence estimators
+    estimate_advantages = None if roles.critic else ADVANTAGE_ESTIMATORS.get(grpo.adv_estimator.name)
     step = resume_from(resume, inputs, roles, sink) if resume else 0
     max_steps = inputs.max_steps or grpo.max_num_steps  # fewer when grpo.max_num_epochs ends first
     progress = Progress(max_steps, enabled=cfg.logger.progress_bar,
@@ -64,7 +68,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         nonlocal saved
         if checkpointer and saved != step and checkpointer.due(step, last=last):
             checkpointer.save(step, roles.policy, {"sampler": inputs.sampler.state_dict(), "summary": summary},
-                              metrics=sink.path)
+                              metrics=sink.path, critic=roles.critic)
             saved = step
 
     def validate(step: int) -> None:
@@ -76,6 +80,8 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         summary.setdefault("initial_accuracy", result["accuracy"])
 
     info(old_logprobs_source(cfg, inputs))
+    if roles.critic is not None:
+        info(ppo_description(cfg))
     if zero_advantage_trains_nothing(cfg):
         info("samples with an advantage of 0 (GRPO groups whose rewards are all equal) are left out of the update: "
              "without a KL penalty their loss and gradient are 0 (the loss still divides by every token)")
@@ -110,36 +116,113 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
 
 def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossFn, estimate_advantages,
               step: int) -> dict[str, float]:
-    """One synchronous GRPO step: generate, reward, advantages, logprobs, update, weight sync."""
+    """One synchronous step: generate, reward, (values,) advantages, logprobs, update (ppo_epochs
+    passes; the critic first, as NeMo RL and verl do), weight sync."""
     grpo = cfg.grpo
     timer, tic = StepTimer(), time.perf_counter()
     rollouts = collect(cfg, inputs, roles, step, timer)
     batch = build_train_batch(rollouts.completions, torch.zeros(len(rollouts.completions)),
                               overlong_filtering=grpo.overlong_filtering)
-    kl_in_reward = cfg.loss_fn.use_kl_in_reward  # REINFORCE++: the advantages need the logprobs first
-    if not kl_in_reward:
+    critic = roles.critic
+    policy_trains = step > grpo.policy_training_start_step  # before: the critic's warm-up
+    # REINFORCE++'s KL in the reward and PPO's values: the advantages need the forwards first
+    late_advantages = cfg.loss_fn.use_kl_in_reward or critic is not None
+    if not late_advantages:
         batch.advantages = step_advantages(cfg, batch, rollouts.rewards, estimate_advantages)
     with timer("logprobs"):
-        if not one_forward_fewer(cfg, inputs):
+        if not one_forward_fewer(cfg, inputs) or not policy_trains:
             batch.old_logprobs = roles.policy.logprobs(batch)
         if roles.reference is not None:
             batch.reference_logprobs = roles.reference.logprobs(batch)
-    kl_metrics = {}
-    if kl_in_reward:
+        values = critic.logprobs(batch).float().cpu() if critic is not None else None
+    kl_metrics, token_kl = {}, None
+    if cfg.loss_fn.use_kl_in_reward:
         token_kl = reference_kl(cfg, batch)
-        batch.advantages = step_advantages(cfg, batch, rollouts.rewards, estimate_advantages, token_kl)
         kl_metrics["kl_to_reference"] = float(token_kl.sum() / batch.loss_mask.sum().clamp(min=1))
+    if critic is not None:
+        batch.advantages, returns = gae_advantages(cfg, batch, rollouts.rewards, values, token_kl)
+        batch.extras = {"returns": returns, "old_values": values}
+        kl_metrics.update(critic_metrics(batch, values, returns))
+    elif late_advantages:
+        batch.advantages = step_advantages(cfg, batch, rollouts.rewards, estimate_advantages, token_kl)
     with timer("training"):
-        train_metrics = train_on_batch(roles.policy, batch, loss_fn, inputs.batches.global_batch_size,
-                                       skip_zero_advantage=zero_advantage_trains_nothing(cfg),
-                                       token_level=aggregation(cfg.loss_fn) == "token-mean")
-    with timer("weight_sync"):
-        sync_metrics = roles.sync_weights(step)
+        train_metrics = train_epochs(cfg, inputs, roles, batch, loss_fn, policy_trains)
+    with timer("weight_sync"):  # the engines hold these weights already during the critic's warm-up
+        sync_metrics = roles.sync_weights(step) if policy_trains else {}
     mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None else {}  # else the loss measured it
     gpus = roles.policy.gpu_stats() if cfg.logger.monitor_gpus else {}
     return {**rollouts.metrics, **inputs.scorer.take_metrics(),
             **train_metrics, **kl_metrics, **gpus,
             **sync_metrics, **mismatch, **timer.seconds, "time_step": time.perf_counter() - tic}
+
+
+def train_epochs(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, batch: TrainBatch, loss_fn: LossFn,
+                 policy_trains: bool = True) -> dict[str, float]:
+    """grpo.ppo_epochs passes over the step's batch: each trains the critic (when the run has one;
+    its metrics as critic/...), then the policy (unless in the critic's warm-up); metrics
+    averaged over the passes, token counts added up."""
+    grpo, passes = cfg.grpo, []
+    for _ in range(grpo.ppo_epochs):
+        metrics: dict[str, float] = {}
+        if roles.critic is not None:
+            settings = ValueLossSettings(scale=cfg.value_loss_fn.scale, cliprange=cfg.value_loss_fn.cliprange)
+            trained = train_on_batch(roles.critic, batch, partial(value_loss, settings=settings),
+                                     critic_global_batch_size(cfg, inputs))
+            metrics.update({f"critic/{name}": value for name, value in trained.items()})
+        if policy_trains:
+            metrics.update(train_on_batch(roles.policy, batch, loss_fn, inputs.batches.global_batch_size,
+                                          skip_zero_advantage=zero_advantage_trains_nothing(cfg),
+                                          token_level=aggregation(cfg.loss_fn) == "token-mean"))
+        passes.append(metrics)
+    return {name: sum(p[name] for p in passes) / (1 if "tokens_" in name else len(passes)) for name in passes[0]}
+
+
+def gae_advantages(cfg: NovaRLConfig, batch: TrainBatch, rewards: torch.Tensor, values: torch.Tensor,
+                   token_kl: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's [N] advantages and [N] critic targets (returns) from the critic's values [N]: GAE over
+    each completion (algorithms/advantages.py ppo_advantages, grpo.adv_estimator's keys), rewards
+    clipped to +-grpo.reward_clip first and the advantages clipped as step_advantages does."""
+    grpo, estimator = cfg.grpo, cfg.grpo.adv_estimator
+    if grpo.reward_clip is not None:
+        rewards = rewards.clamp(-grpo.reward_clip, grpo.reward_clip)
+    settings = GAESettings(gamma=estimator.gae_gamma, lam=estimator.gae_lambda, lam_value=estimator.gae_lambda_value,
+                           lam_policy=estimator.gae_lambda_policy,
+                           length_adaptive_alpha=estimator.length_adaptive_alpha,
+                           normalize=estimator.normalize_advantages)
+    mask = batch.to_rows(batch.loss_mask.cpu()).bool()
+    kl = batch.to_rows(token_kl.float().cpu()) if token_kl is not None else None
+    advantages, returns = ppo_advantages(rewards, batch.to_rows(values.float().cpu()), mask, settings, kl,
+                                         cfg.loss_fn.reference_policy_kl_penalty)
+    where = batch.sequence_index.cpu(), batch.position_ids.cpu()
+    advantages, returns = advantages[where], returns[where]
+    if grpo.advantage_clip_low is not None or grpo.advantage_clip_high is not None:
+        advantages = advantages.clamp(min=grpo.advantage_clip_low, max=grpo.advantage_clip_high)
+    return advantages, returns
+
+
+def critic_metrics(batch: TrainBatch, values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
+    """The critic before this step's update, over the loss tokens: its mean value, the returns'
+    mean, and the variance of the returns it explains (1 - Var(R - V) / Var(R); NeMo RL's
+    critic/explained_var)."""
+    mask = batch.loss_mask.cpu()
+    v, r = values[mask], returns[mask]
+    if not len(r):
+        return {}
+    explained = 1 - float((r - v).var(unbiased=False)) / max(float(r.var(unbiased=False)), 1e-8)
+    return {"critic/values_mean": float(v.mean()), "critic/returns_mean": float(r.mean()),
+            "critic/explained_var": explained}
+
+
+def ppo_description(cfg: NovaRLConfig) -> str:
+    estimator, grpo = cfg.grpo.adv_estimator, cfg.grpo
+    warm = (f"; the first {grpo.policy_training_start_step} step(s) train the critic alone"
+            if grpo.policy_training_start_step else "")
+    return (f"PPO: a critic ({cfg.value.model_name}, a scalar {cfg.value.reward_model_cfg.reward_model_type} head) "
+            "beside the policy; GAE (gamma "
+            f"{estimator.gae_gamma:g}, lambda {estimator.gae_lambda:g}"
+            f"{', advantages whitened' if estimator.normalize_advantages else ''}), value loss x "
+            f"{cfg.value_loss_fn.scale:g} clipped at {cfg.value_loss_fn.cliprange}; {grpo.ppo_epochs} epoch(s) per "
+            f"generated batch{warm}")
 
 
 def step_advantages(cfg: NovaRLConfig, batch: TrainBatch, rewards: torch.Tensor, estimate_advantages,
@@ -182,15 +265,19 @@ def one_forward_fewer(cfg: NovaRLConfig, inputs: RunInputs) -> bool:
     exactly one optimizer step: the policy has not changed since it generated (synchronous
     GRPO), so a separate forward before training would compute the same numbers. Not with the
     KL in the reward: the advantages need them before training."""
-    return inputs.batches.optimizer_steps_per_step == 1 and not cfg.loss_fn.use_kl_in_reward
+    return inputs.batches.optimizer_steps_per_step == 1 and cfg.grpo.ppo_epochs == 1 \
+        and not cfg.loss_fn.use_kl_in_reward and cfg.value is None
 
 
 def old_logprobs_source(cfg: NovaRLConfig, inputs: RunInputs) -> str:
     if one_forward_fewer(cfg, inputs):
         return ("old logprobs: from the training forward, detached (1 optimizer step per generated batch: "
                 "one policy forward fewer per step)")
-    if cfg.loss_fn.use_kl_in_reward:
-        return "old logprobs: a policy forward before training (the KL in the reward needs them first)"
+    if cfg.loss_fn.use_kl_in_reward or cfg.value is not None:
+        return ("old logprobs: a policy forward before training (the advantages need them first: "
+                f"{'the KL in the reward' if cfg.loss_fn.use_kl_in_reward else 'PPO'})")
+    if cfg.grpo.ppo_epochs > 1:
+        return f"old logprobs: a policy forward before training ({cfg.grpo.ppo_epochs} passes over each batch)"
     return (f"old logprobs: a policy forward before training ({inputs.batches.optimizer_steps_per_step} "
             "optimizer steps per generated batch, the policy changes between them)")
 
@@ -208,6 +295,12 @@ def resume_from(resume: Checkpoint, inputs: RunInputs, roles: Roles, sink: Jsonl
     sink.write({"kind": "resume", "step": resume.step, "checkpoint": str(resume.path)})
     try:
         roles.policy.load(resume.path / POLICY_DIR)
+        if roles.critic is not None:
+            if not (resume.path / CRITIC_DIR).is_dir():
+                raise UserError(f"Checkpoint {resume.path} has no critic ({CRITIC_DIR}/): it was written by a run "
+                                "without one (grpo.adv_estimator.name is not gae there); resume with that run's "
+                                "config, or give another checkpointing.checkpoint_dir.")
+            roles.critic.load(resume.path / CRITIC_DIR)
         inputs.sampler.load_state_dict(resume.state["sampler"])
         restore_rng(resume.state)
         roles.sync_weights(resume.step)
@@ -243,7 +336,8 @@ def zero_advantage_trains_nothing(cfg: NovaRLConfig) -> bool:
     the clipped policy loss and to its gradient, whatever its ratio, unless a KL penalty
     (which does not depend on the advantage) is part of the loss."""
     loss = cfg.loss_fn
-    return loss.loss == "clipped_pg" and (loss.reference_policy_kl_penalty == 0 or loss.use_kl_in_reward)
+    return loss.loss == "clipped_pg" and (loss.reference_policy_kl_penalty == 0 or loss.use_kl_in_reward) \
+        and cfg.value is None  # PPO's advantages are per token, rarely 0
 
 
 def with_signal(chunk: TrainBatch, token_level: bool = True) -> tuple[TrainBatch, float]:

@@ -54,6 +54,8 @@ class RunInputs:
     max_steps: int = 0
     """Steps the run takes: grpo.max_num_steps, or fewer when grpo.max_num_epochs passes over the
     training prompts end sooner (0: grpo.max_num_steps)."""
+    critic_model_path: str | None = None
+    """PPO's critic: the folder its model starts from (value.model_name)."""
 
     def report(self) -> list[str]:
         """The lines a run logs at start: backends, notes, warnings, batch arithmetic, data."""
@@ -109,6 +111,9 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
                             trust_remote_code=cfg.policy.trust_remote_code)
     if tokenizer is not None:
         attempt(check_stop_token_ids, cfg, tokenizer)
+    critic_path = model_path
+    if cfg.value is not None and tokenizer is not None:
+        critic_path = attempt(critic_model_path, cfg, model_path, tokenizer)
     scorer = attempt(RewardScorer.from_spec, reward_fn or cfg.reward.function,
                      weights=None if reward_fn else cfg.reward.weights, timeout_s=cfg.reward.timeout_s)
     train = attempt(split_prompts, cfg, tokenizer, "train", train_examples, notes=notes) \
@@ -138,7 +143,25 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
     max_steps = steps_in_epochs(cfg, len(train), notes)
     return RunInputs(report.choice, report.batches, model_path, tokenizer, scorer, sampler, val,
                      val_source="held-out" if gap is None else "training-set", summary=summary,
-                     notes=tuple(notes), warnings=tuple(warnings), max_steps=max_steps)
+                     notes=tuple(notes), warnings=tuple(warnings), max_steps=max_steps, critic_model_path=critic_path)
+
+
+def critic_model_path(cfg: NovaRLConfig, policy_path: str, tokenizer) -> str:
+    """The folder of PPO's critic (value.model_name; the policy's own when the same). A critic of
+    another model must read the policy's token ids: its tokenizer must have the same vocabulary."""
+    value = cfg.value
+    if value.model_name == cfg.policy.model_name and value.tokenizer.name == cfg.policy.tokenizer.name:
+        return policy_path
+    path = resolve_model_path(value.model_name)
+    check_model_folder(path, trust_remote_code=value.trust_remote_code)
+    theirs = load_tokenizer(value.tokenizer.name or path, trust_remote_code=value.trust_remote_code)
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"value.model_name={show_value(value.model_name)}: its tokenizer "
+                        f"({value.tokenizer.name or path}, {len(theirs.get_vocab())} tokens) differs from the "
+                        f"policy's ({len(tokenizer.get_vocab())} tokens); the critic reads the policy's token ids, "
+                        "so it needs the same tokenizer (a model of the policy's family, or value.tokenizer.name "
+                        "set to the policy's).")
+    return path
 
 
 def steps_in_epochs(cfg: NovaRLConfig, num_prompts: int, notes: list[str]) -> int:
@@ -312,6 +335,8 @@ class Roles:
     reference: ReferenceBackend | None
     """None when the KL penalty is 0."""
     generator: GenerationBackend | None
+    critic: TrainingBackend | None = None
+    """PPO's value model (grpo.adv_estimator.name: gae); its `logprobs` are per-token values."""
 
     def release_generator(self) -> None:
         """Free colocated engines' accelerator memory for training (vLLM sleep on GPU); they
@@ -327,7 +352,7 @@ class Roles:
 
     def shutdown(self) -> None:
         """Stop remote workers (in-process roles need nothing); safe to call twice."""
-        for name in ("generator", "reference", "policy"):
+        for name in ("generator", "critic", "reference", "policy"):
             role = getattr(self, name)
             if isinstance(role, Stoppable):
                 role.shutdown()
@@ -381,7 +406,7 @@ def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> R
     roles = Roles(policy=None, reference=None, generator=None)
     check_capacity(cfg, inputs, device)
     try:
-        roles.policy, roles.reference = build_trainers(cfg, inputs, device)
+        roles.policy, roles.reference, roles.critic = build_trainers(cfg, inputs, device)
         roles.generator = build_generator(cfg, inputs, device, roles.policy)
     except BaseException:
         roles.shutdown()
@@ -406,12 +431,15 @@ def check_capacity(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -
 
 
 def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
-                   ) -> tuple[TrainingBackend, ReferenceBackend | None]:
-    from novarl.backends.registry import training_classes
+                   ) -> tuple[TrainingBackend, ReferenceBackend | None, TrainingBackend | None]:
+    """(policy, reference or None, critic or None): on this process for one rank, else on Ray
+    ranks, the reference and the critic beside the policy on its ranks."""
+    from novarl.backends.registry import critic_class, training_classes
     from novarl.models.lora import BaseReference
 
     temperature = cfg.policy.generation.temperature
-    total_steps = (inputs.max_steps or cfg.grpo.max_num_steps) * inputs.batches.optimizer_steps_per_step
+    steps = (inputs.max_steps or cfg.grpo.max_num_steps) * cfg.grpo.ppo_epochs
+    total_steps = steps * inputs.batches.optimizer_steps_per_step
     common = dict(policy=cfg.policy, model_path=inputs.model_path, temperature=temperature)
     policy_only: dict = dict(total_steps=total_steps, seed=cfg.grpo.seed)  # seeds what starts at random (LoRA's A)
     Policy, Reference = training_classes(inputs.choice.training)
@@ -420,6 +448,13 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
     elif inputs.choice.training == "megatron":
         common["emulate_cuda"] = _megatron_on_cpu(inputs)  # the ranks' processes may not see the variable
     policy_args, reference_args = {**common, **policy_only}, common
+    Critic, critic_args = None, {}
+    if cfg.value is not None:
+        Critic = critic_class(inputs.choice.training)
+        critic_args = dict(policy=cfg.value, model_path=inputs.critic_model_path or inputs.model_path,
+                           total_steps=steps * critic_optimizer_steps(cfg, inputs), seed=cfg.grpo.seed)
+        if inputs.choice.training == "deepspeed":
+            critic_args["accumulation_steps"] = critic_accumulation_steps(cfg, inputs)
     with_reference = cfg.loss_fn.reference_policy_kl_penalty > 0
     # LoRA's base is frozen: the reference is the policy with its adapters off, no model of its own
     lora_base = with_reference and cfg.policy.dtensor_cfg.lora_cfg.enabled
@@ -433,22 +468,44 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
         ensure_single_process_group()
         policy = Policy(device=device, **policy_args)
         reference = Reference(device=device, **reference_args) if with_reference else None
-        return policy, BaseReference(policy) if lora_base else reference
+        critic = Critic(device=device, **critic_args) if Critic else None
+        return policy, BaseReference(policy) if lora_base else reference, critic
     from novarl.distributed.ray_group import RayWorkerGroup
-    from novarl.distributed.remote import RemotePolicy, RemoteReference
+    from novarl.distributed.remote import RemoteCritic, RemotePolicy, RemoteReference
 
     gpus = 1 if device.type == "cuda" else 0
     info(f"starting {ranks} policy ranks on Ray ({'1 GPU' if gpus else '1 CPU'} each)")
     group = RayWorkerGroup(Policy, policy_args, world_size=ranks, gpus_per_rank=gpus, name="policy")
     policy = RemotePolicy(group)
-    if not with_reference:
-        return policy, BaseReference(policy) if lora_base else None
+    reference, critic = BaseReference(policy) if lora_base else None, None
     try:
-        group.add_role(RemoteReference.ROLE, Reference, reference_args)  # on the policy's ranks
-        return policy, RemoteReference(group)
+        if with_reference:
+            group.add_role(RemoteReference.ROLE, Reference, reference_args)  # on the policy's ranks
+            reference = RemoteReference(group)
+        if Critic:
+            group.add_role(RemoteCritic.ROLE, Critic, critic_args)  # on the policy's ranks too
+            critic = RemoteCritic(group)
+        return policy, reference, critic
     except BaseException:
         policy.shutdown()
         raise
+
+
+def critic_global_batch_size(cfg: NovaRLConfig, inputs: RunInputs) -> int:
+    """Samples per critic optimizer step: value.train_global_batch_size, else the policy's."""
+    return cfg.value.train_global_batch_size or inputs.batches.global_batch_size
+
+
+def critic_optimizer_steps(cfg: NovaRLConfig, inputs: RunInputs) -> int:
+    """The critic's optimizer steps per pass over a step's samples."""
+    samples = inputs.batches.global_batch_size * inputs.batches.optimizer_steps_per_step
+    return max(-(-samples // critic_global_batch_size(cfg, inputs)), 1)
+
+
+def critic_accumulation_steps(cfg: NovaRLConfig, inputs: RunInputs) -> int:
+    """DeepSpeed's micro-batches per critic optimizer step, on each data-parallel rank."""
+    per_rank = critic_global_batch_size(cfg, inputs) // max(inputs.batches.data_parallel_size, 1)
+    return max(per_rank // cfg.value.train_micro_batch_size, 1)
 
 
 def _megatron_on_cpu(inputs: RunInputs) -> bool:

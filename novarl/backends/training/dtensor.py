@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -209,7 +210,10 @@ class DTensorCritic(TrainableShardedModel):
                          value_head=True)
 
     def forward_logprobs(self, mb, batching) -> tuple[torch.Tensor, int]:
-        return model_values(self.model, self.attention, mb, batching)
+        with warnings.catch_warnings():
+            # a one-wide head's output is a view; nothing writes to it in place (FSDP2's warning is moot)
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            return model_values(self.model, self.attention, mb, batching)
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):

@@ -1,5 +1,6 @@
 """The algorithm's sections: grpo (NeMo RL's, with its estimator, reward scaling and shaping,
-dynamic sampling) and loss_fn. Re-exported by novarl.config.schema."""
+dynamic sampling, PPO's epochs and critic warm-up; NeMo RL's `ppo` section is read as it), loss_fn
+and value_loss_fn. Re-exported by novarl.config.schema."""
 
 from __future__ import annotations
 
@@ -20,12 +21,27 @@ class AdvEstimatorConfig(Section):
     grpo.normalize_rewards and grpo.use_leave_one_out_baseline here, which NeMo RL's files
     interpolate into it)."""
 
-    name: Literal["grpo", "reinforce_plus_plus", "rloo"] = "grpo"
+    name: Literal["grpo", "reinforce_plus_plus", "rloo", "gae"] = "grpo"
     """The estimator (novarl.algorithms.advantages): grpo (group baseline, optionally leave-one-out,
     normalised by the group's std with grpo.normalize_rewards), reinforce_plus_plus (REINFORCE++:
-    normalised over the whole step), rloo (leave-one-out baseline, not normalised)."""
+    normalised over the whole step), rloo (leave-one-out baseline, not normalised), gae (PPO:
+    generalized advantage estimation over each completion's tokens with the critic's values; needs
+    the `value` section)."""
     minus_baseline: bool = True
     """reinforce_plus_plus: subtract each group's mean reward before normalising over the step."""
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    """gae: the advantages' (and the critic's returns') lambda."""
+    gae_gamma: float = Field(1.0, ge=0, le=1)
+    """gae: the discount per token."""
+    normalize_advantages: bool = True
+    """gae: whiten the advantages over the step's loss tokens."""
+    gae_lambda_value: float | None = Field(None, ge=0, le=1)
+    """gae, VAPO's decoupled GAE: the lambda of the critic's returns; None: gae_lambda."""
+    gae_lambda_policy: float | None = Field(None, ge=0, le=1)
+    """gae, decoupled: the lambda of the policy's advantages; None: gae_lambda."""
+    length_adaptive_alpha: float = Field(0.0, ge=0)
+    """gae, VAPO: the policy's lambda per completion of l tokens is 1 - 1/(alpha l) (over
+    gae_lambda_policy); 0: off."""
 
 
 class RewardScalingConfig(Section):
@@ -105,6 +121,12 @@ class GRPOConfig(Section):
     """With dynamic sampling: prompts generated per round = num_prompts_per_step x this."""
     dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
     """With dynamic sampling: generation rounds allowed per step before the run stops with an error."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each generated batch (PPO's epochs), each in optimizer steps of
+    policy.train_global_batch_size samples (and the critic's of value.train_global_batch_size);
+    the old logprobs (and values) come from a forward before the first."""
+    policy_training_start_step: int = Field(0, ge=0)
+    """PPO with a critic: the first N steps train the critic alone (its warm-up; NeMo RL's key)."""
     val_period: int = Field(0, ge=0)
     """Evaluate every N steps; 0: only at start (if val_at_start) and end."""
     val_at_start: bool = True
@@ -115,6 +137,15 @@ class GRPOConfig(Section):
     val_batch_size: int = Field(256, ge=1)
     seed: int = 42
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
+
+
+class ValueLossConfig(Section):
+    """NeMo RL's value_loss_fn: the critic's clipped value loss (algorithms/losses.py value_loss)."""
+
+    scale: float = Field(1.0, gt=0)
+    """The value loss's weight."""
+    cliprange: float | None = Field(0.2, gt=0)
+    """Values move at most this far from the batch's values before the update; None: no clip."""
 
 
 class LossConfig(Section):
