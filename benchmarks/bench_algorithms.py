@@ -35,6 +35,8 @@ ALGORITHMS: dict[str, list[str]] = {
     # buffer would penalise right answers (it is tested by hand in tests/test_algorithms.py)
     "DAPO": ["loss_fn.ratio_clip_max=0.28", "loss_fn.loss_agg_mode=token-mean", "grpo.use_dynamic_sampling=true",
              "grpo.batch_multiplier=1.5"],
+    # a critic with the policy's settings (value: {}), NeMo RL's GAE defaults (gamma 1, lambda 0.95, whitened)
+    "PPO (critic, GAE)": ["grpo.adv_estimator.name=gae", "value={}"],
 }
 
 

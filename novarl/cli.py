@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", type=Path,
                    help="a step_N folder written by checkpointing, or checkpoint_dir itself (its newest complete step)")
     p.add_argument("output", type=Path, help="the Hugging Face folder to write")
+    p.add_argument("--critic", action="store_true",
+                   help="export PPO's critic (a token-classification folder with one label) instead of the policy")
     p.set_defaults(run=cmd_convert)
     p = sub.add_parser("eval", help="held-out greedy accuracy of a model folder")
     p.add_argument("model", help="model folder, hub id, or bundled name")
@@ -240,7 +242,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     step = find_checkpoint(args.checkpoint)
     if step != args.checkpoint:
         print(f"converting {step}: the newest complete checkpoint in {args.checkpoint}")
-    export_checkpoint(step, args.output)
+    export_checkpoint(step, args.output, critic=args.critic)
     print(f"wrote {args.output}")
     return 0
 

@@ -157,7 +157,7 @@ def critic_over_policy(tree: dict[str, Any]) -> list[str]:
         return [f"'value' = {show_value(value)}: the critic's section is a mapping of policy settings "
                 "({} takes the policy's)."]
     refused = [f"'value.{key}': the critic generates nothing and runs on the policy's backend; set it on the "
-               "policy." for key in ("generation", "backend") if key in value]
+               "policy." for key in ("generation", "backend") if value.get(key) is not None]
     policy = {k: v for k, v in (tree.get("policy") or {}).items() if k not in ("generation", "backend")}
     tree["value"] = merge_over(copy.deepcopy(policy), {k: v for k, v in value.items()
                                                          if k not in ("generation", "backend")})

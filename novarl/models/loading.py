@@ -219,17 +219,19 @@ def export_format(policy_precision: str | None, model_save_format: str | None, *
                         safetensors=model_save_format != "torch_save")
 
 
-def save_hf_folder(path, model_config, state: dict, tokenizer, fmt: ExportFormat | None = None) -> None:
+def save_hf_folder(path, model_config, state: dict, tokenizer, fmt: ExportFormat | None = None,
+                   auto_class: str = "AutoModelForCausalLM") -> None:
     """Write full weights `state` (Hugging Face names) as a Hugging Face folder in `fmt` (fp32
     safetensors by default; shards with an index past fmt.max_shard_size), with the tokenizer:
-    what transformers and vLLM load as is."""
+    what transformers and vLLM load as is. auto_class: the transformers class the folder is
+    for (a critic's: AutoModelForTokenClassification)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     fmt = fmt or ExportFormat()
     dtype = getattr(torch, fmt.dtype)
     with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+        plain = getattr(transformers, auto_class).from_config(model_config, dtype=dtype)
     missing, unexpected = plain.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     plain.tie_weights()  # a tied copy (lm_head.weight) may be absent: it is the embedding
     tied = plain._tied_weights_keys or ()

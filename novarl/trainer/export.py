@@ -9,7 +9,7 @@ from pathlib import Path
 from novarl.config import load_config
 from novarl.config.schema import CheckpointingConfig, LoraConfig
 from novarl.errors import CheckpointLoadFailed, UserError
-from novarl.trainer.checkpoint import POLICY_DIR, STATE_FILE, Checkpointer, check_checkpoint
+from novarl.trainer.checkpoint import CRITIC_DIR, POLICY_DIR, STATE_FILE, Checkpointer, check_checkpoint
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -36,9 +36,10 @@ def find_checkpoint(path: Path) -> Path:
     return latest.path
 
 
-def export_checkpoint(checkpoint: Path, output: Path) -> Path:
+def export_checkpoint(checkpoint: Path, output: Path, *, critic: bool = False) -> Path:
     """Load `checkpoint` (any number of ranks wrote it) on one rank and write `output`.
-    `checkpoint` may be the checkpoint_dir: its newest complete step is exported.
+    `checkpoint` may be the checkpoint_dir: its newest complete step is exported. critic: PPO's
+    critic instead of the policy, as a token-classification folder (models/critic.py).
 
     The checkpoint is verified first (sizes and checksums against its manifest). DTensor and
     Megatron checkpoints load with weights_only=True (DCP's `.metadata` pickle read through a
@@ -55,6 +56,8 @@ def export_checkpoint(checkpoint: Path, output: Path) -> Path:
     if output.exists() and any(output.iterdir()):
         raise UserError(f"'{output}' exists and is not empty; give a new folder.")
     cfg = load_config(checkpoint / "config.yaml")
+    if critic:
+        return _export_critic(checkpoint, cfg, output)
     model_path = resolve_model_path(cfg.policy.model_name)
     tokenizer = load_tokenizer(cfg.policy.tokenizer.name or model_path,
                                trust_remote_code=cfg.policy.trust_remote_code)
@@ -72,6 +75,42 @@ def export_checkpoint(checkpoint: Path, output: Path) -> Path:
     with loading(checkpoint):
         policy.load_weights(checkpoint / POLICY_DIR)  # the model's weights only, not the optimizer's state
     save_atomically(output, lambda tmp: policy.save_hf(tmp, tokenizer, fmt))
+    return output
+
+
+def _export_critic(checkpoint: Path, cfg, output: Path) -> Path:
+    """PPO's critic of `checkpoint` (step_N/critic) as a Hugging Face token-classification folder."""
+    from transformers import AutoConfig
+
+    from novarl.backends.training.dtensor import DTensorCritic
+    from novarl.distributed.local import default_device, ensure_single_process_group
+    from novarl.models.critic import save_critic_hf
+    from novarl.models.loading import export_format, load_tokenizer, resolve_model_path
+    from novarl.trainer.api import save_atomically
+
+    if cfg.value is None or not (checkpoint / CRITIC_DIR).is_dir():
+        raise UserError(f"'{checkpoint}' holds no critic: its run had none (grpo.adv_estimator.name is not gae); "
+                        "leave out --critic to export the policy.")
+    value = cfg.value
+    model_path = resolve_model_path(value.model_name)
+    tokenizer = load_tokenizer(value.tokenizer.name or model_path, trust_remote_code=value.trust_remote_code)
+    fmt = export_format(value.precision, cfg.checkpointing.model_save_format, on_gpu=default_device().type == "cuda")
+    if (checkpoint / CRITIC_DIR / "deepspeed").is_dir():
+        from novarl.backends.training.ops import deepspeed_environment
+
+        deepspeed_environment()
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with loading(checkpoint):
+            state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / CRITIC_DIR), tag="deepspeed")
+        model_config = AutoConfig.from_pretrained(model_path)
+        save_atomically(output, lambda tmp: save_critic_hf(tmp, model_config, state, tokenizer, fmt))
+        return output
+    ensure_single_process_group()
+    model = DTensorCritic(value, model_path, default_device(), total_steps=1)
+    with loading(checkpoint):
+        model.load_weights(checkpoint / CRITIC_DIR)
+    save_atomically(output, lambda tmp: model.save_hf(tmp, tokenizer, fmt))
     return output
 
 

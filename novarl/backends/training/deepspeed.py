@@ -304,6 +304,14 @@ class DeepSpeedCritic(TrainableDeepSpeedModel):
     def forward_logprobs(self, mb, batching) -> tuple[torch.Tensor, int]:
         return model_values(self.model, self.attention, mb, batching)
 
+    def save_hf(self, path: Path, tokenizer, fmt: ExportFormat | None = None) -> None:
+        """A Hugging Face token-classification folder (one label: the value; models/critic.py)."""
+        from novarl.models.critic import save_critic_hf
+
+        state = self.full_state_dict()
+        if self.dp_rank == 0:
+            save_critic_hf(path, self.engine.module.config, state, tokenizer, fmt)
+
 
 class DeepSpeedReference(DeepSpeedModel):
     """The frozen reference policy (KL penalty) beside a DeepSpeed policy: partitioned

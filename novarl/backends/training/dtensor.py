@@ -209,6 +209,14 @@ class DTensorCritic(TrainableShardedModel):
         super().__init__(policy, model_path, device, total_steps=total_steps, temperature=1.0, seed=seed,
                          value_head=True)
 
+    def save_hf(self, path: Path, tokenizer, fmt: ExportFormat | None = None) -> None:
+        """A Hugging Face token-classification folder (one label: the value; models/critic.py)."""
+        from novarl.models.critic import save_critic_hf
+
+        state = self.full_state_dict()
+        if dist.get_rank() == 0:
+            save_critic_hf(path, self.model.config, state, tokenizer, fmt)
+
     def forward_logprobs(self, mb, batching) -> tuple[torch.Tensor, int]:
         with warnings.catch_warnings():
             # a one-wide head's output is a view; nothing writes to it in place (FSDP2's warning is moot)

@@ -1,0 +1,173 @@
+"""PPO with a critic (grpo.adv_estimator.name: gae, a `value` section): GAE by hand, the loop
+with the critic's warm-up and several epochs, kill -9 resume of the policy and the critic,
+the critic's export, the same training over 2 Ray ranks (FSDP2, ZeRO-3), and the refusals
+at validate."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from novarl.algorithms.advantages import GAESettings, ppo_advantages, terminal_rewards
+from novarl.cli import BUNDLED_RECIPE, main
+from novarl.config import load_config
+from novarl.trainer.api import GRPOTrainer
+from tests.helpers import HF, train_steps
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+PPO = ["grpo.adv_estimator.name=gae", "value={}"]
+COMMON = ["logger.progress_bar=false", "grpo.max_train_seconds=null", "grpo.val_at_start=false",
+          "grpo.val_at_end=false", "grpo.num_prompts_per_step=16", "policy.train_micro_batch_size=64", HF, *PPO,
+          "grpo.ppo_epochs=2", "grpo.policy_training_start_step=1"]
+
+
+# ------------------------------------------------------------------ GAE by hand
+def test_gae_puts_the_reward_on_the_last_token_and_decouples_the_lambdas():
+    mask = torch.tensor([[False, True, True, True], [False, False, True, False]])  # a prompt, then the completion
+    assert terminal_rewards(torch.tensor([1.0, 2.0]), mask).tolist() == [[0, 0, 0, 1], [0, 0, 2, 0]]
+    values = torch.tensor([[9.0, 0.5, 0.25, 0.5], [9.0, 9.0, 0.5, 9.0]])
+    # lambda 0.5, gamma 1: deltas (0.25 - 0.5, 0.5 - 0.25, 1 - 0.5) = (-0.25, 0.25, 0.5);
+    # A3 = 0.5, A2 = 0.25 + 0.5 x 0.5 = 0.5, A1 = -0.25 + 0.5 x 0.5 = 0; row 2: A = 2 - 0.5
+    adv, returns = ppo_advantages(torch.tensor([1.0, 2.0]), values, mask, GAESettings(lam=0.5, normalize=False))
+    assert adv.tolist() == [[0, 0, 0.5, 0.5], [0, 0, 1.5, 0]]
+    assert returns.tolist() == [[0, 0.5, 0.75, 1.0], [0, 0, 2.0, 0]]
+    # VAPO: returns with lambda 1 (Monte Carlo: the reward itself), advantages with the policy's 0.5
+    adv, returns = ppo_advantages(torch.tensor([1.0, 2.0]), values, mask,
+                                  GAESettings(lam=0.5, lam_value=1.0, normalize=False))
+    assert returns.tolist() == [[0, 1, 1, 1], [0, 0, 2, 0]] and adv.tolist() == [[0, 0, 0.5, 0.5], [0, 0, 1.5, 0]]
+    # length-adaptive: lambda = 1 - 1/(alpha l) per completion: l=3, alpha=2/3 -> 0.5; l=1 -> 0 (clamped)
+    adv, _ = ppo_advantages(torch.tensor([1.0, 2.0]), values, mask,
+                            GAESettings(lam=0.9, length_adaptive_alpha=2 / 3, normalize=False))
+    assert torch.allclose(adv, torch.tensor([[0, 0, 0.5, 0.5], [0, 0, 1.5, 0]]))
+    # the KL in the reward: each token's -coef x KL before GAE; whitened over the mask
+    kl = torch.tensor([[5.0, 0.1, 0.2, 0.3], [5.0, 5.0, 0.5, 5.0]])
+    adv, _ = ppo_advantages(torch.tensor([1.0, 2.0]), values, mask, GAESettings(lam=0.0, normalize=True), kl, 1.0)
+    raw = torch.tensor([0.25 - 0.1 - 0.5, 0.5 - 0.2 - 0.25, 1 - 0.3 - 0.5, 2 - 0.5 - 0.5])  # lambda 0: the deltas
+    whitened = (raw - raw.mean()) / raw.var(unbiased=False).sqrt()
+    assert torch.allclose(adv[mask], whitened, atol=1e-6) and bool((adv[~mask] == 0).all())
+
+
+# ------------------------------------------------------------------ the loop, one rank
+def overrides(tmp_path, steps, *extra):
+    return [f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+            f"grpo.max_num_steps={steps}", "checkpointing.enabled=true", "checkpointing.save_period=2",
+            "checkpointing.keep_top_k=10", *COMMON, *extra]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """Six PPO steps on one in-process DTensor rank: the first trains the critic alone."""
+    folder = tmp_path_factory.mktemp("ppo")
+    result = GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(folder, 6))).train()
+    return folder, train_steps(result.output_dir)
+
+
+@pytest.mark.slow
+def test_the_critic_warms_up_then_both_train_for_each_epoch(one_rank):
+    folder, steps = one_rank
+    assert "loss" not in steps[1] and steps[1]["critic/value_loss"] > 0  # the warm-up: the critic alone
+    assert steps[1]["critic/values_mean"] == 0  # a zero head: the first values are 0
+    for step in range(2, 7):
+        assert {"loss", "clip_fraction", "critic/value_loss", "critic/explained_var"} <= set(steps[step])
+    # two epochs: the second pass of the policy sees a changed policy (ratios off 1)
+    assert any(steps[s]["clip_fraction"] > 0 for s in range(2, 7))
+    assert steps[6]["critic/values_mean"] != 0
+    assert {"critic", "policy"} <= {p.name for p in (folder / "ckpt" / "step_6").iterdir()}
+
+
+@pytest.mark.slow
+def test_ppo_resumes_after_kill_like_the_uninterrupted_run(one_rank, tmp_path):
+    _, expected = one_rank
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "novarl.cli", "train", *overrides(run, 6)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (run / "ckpt" / "step_2").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (run / "ckpt" / "step_2").exists() and not (run / "ckpt" / "step_6").exists()
+    resumed = GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(run, 6))).train()
+    got = train_steps(resumed.output_dir)
+    assert 3 <= min(got) <= 5 and max(got) == 6
+    for step in range(min(got), 7):  # the policy and the critic, optimizer states included, went on exactly
+        assert got[step]["reward_mean"] == expected[step]["reward_mean"]
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-7)
+        assert got[step]["critic/value_loss"] == pytest.approx(expected[step]["critic/value_loss"], rel=1e-5)
+        assert got[step]["critic/grad_norm"] == pytest.approx(expected[step]["critic/grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_convert_exports_the_critic_as_a_token_classification_folder(one_rank, tmp_path):
+    from transformers import AutoModelForTokenClassification
+
+    from novarl.backends.training.dtensor import DTensorCritic
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.loading import resolve_model_path
+    from novarl.types import TrainBatch
+
+    folder, _ = one_rank
+    step = folder / "ckpt" / "step_6"
+    assert main(["convert", str(step), str(tmp_path / "critic"), "--critic"]) == 0
+    exported = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")
+    ensure_single_process_group()
+    cfg = load_config(step / "config.yaml")
+    critic = DTensorCritic(cfg.value, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=1)
+    critic.load_weights(step / "critic")
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    ones = torch.ones_like(ids, dtype=torch.bool)
+    values = critic.logprobs(TrainBatch.from_rows(ids, ones, ones, torch.zeros(1)))
+    with torch.no_grad():  # the folder's output at position t is novarl's value of token t + 1
+        theirs = exported(input_ids=ids).logits[0, :-1, 0]
+    assert values[0] == 0 and torch.allclose(values[1:], theirs, atol=1e-5) and bool(theirs.abs().sum() > 0)
+    assert main(["convert", str(step), str(tmp_path / "policy")]) == 0  # the policy, as before
+
+
+# ------------------------------------------------------------------ refusals at validate
+@pytest.mark.parametrize("extra, message", [
+    (["grpo.adv_estimator.name=gae"], "grpo.adv_estimator.name='gae' needs a critic: add a `value` section"),
+    ([*PPO, "grpo.adv_estimator.gae_lambda=1.5"], "'grpo.adv_estimator.gae_lambda' = 1.5: Input should be less than "
+                                                  "or equal to 1"),
+    ([*PPO, "grpo.adv_estimator.gae_gamma=-0.1"], "'grpo.adv_estimator.gae_gamma' = -0.1"),
+    (["value={}"], "value: a critic is trained only for grpo.adv_estimator.name='gae'"),
+    ([*PPO, "value.model_name=tiny-math"], "value.model_name='tiny-math': its tokenizer"),
+    ([*PPO, "value.deepspeed_cfg.enabled=true"], "value.deepspeed_cfg.enabled=True differs from "
+                                                  "policy.deepspeed_cfg.enabled=False"),
+    (["grpo.policy_training_start_step=3"], "grpo.policy_training_start_step=3 warms up a critic"),
+], ids=["gae-without-critic", "lambda", "gamma", "critic-without-gae", "other-tokenizer", "other-backend", "warm-up"])
+def test_bad_ppo_settings_are_refused_at_validate_naming_the_key(capsys, extra, message):
+    assert main(["validate", HF, *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ 2 ranks
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", [[], ["policy.deepspeed_cfg.enabled=true", "policy.deepspeed_cfg.zero_stage=3",
+                                          "value.deepspeed_cfg.enabled=true", "value.deepspeed_cfg.zero_stage=3"]],
+                         ids=["fsdp2", "zero3"])
+def test_ppo_over_two_ray_ranks_trains_like_one_rank(one_rank, ray_session, tmp_path, backend):
+    if backend:
+        pytest.importorskip("deepspeed")
+    _, expected = one_rank
+    cfg = load_config(BUNDLED_RECIPE, overrides=[f"logger.log_dir={tmp_path}", "grpo.max_num_steps=3",
+                                                 "cluster.gpus_per_node=2", *COMMON, *backend])
+    got = train_steps(GRPOTrainer(cfg).train().output_dir)
+    for step in (1, 2, 3):
+        assert got[step]["reward_mean"] == expected[step]["reward_mean"]
+        assert got[step]["critic/value_loss"] == pytest.approx(expected[step]["critic/value_loss"], rel=1e-4)
+    for step in (2, 3):
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-5)
