@@ -228,7 +228,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
                         gpu_memory_gb=args.gpu_memory_gb, **micro_batch_shape(cfg.policy),
                         precision=cfg.policy.precision or "bfloat16",
-                        with_reference=separate_reference(cfg))
+                        with_reference=separate_reference(cfg), with_critic=cfg.value is not None)
     if args.json:
         print(json.dumps(advice.to_dict() if advice else {"skipped": skipped}, indent=2))
     else:

@@ -8,9 +8,7 @@
 set -uo pipefail
 out=${1:-gpu-check}; shift || true
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch-ext RAY_AUTH_MODE=disabled
-export HF_HUB_OFFLINE=1 NOVARL_CACHE_DIR=/tmp/novarl-cache
+if [ -z "${NOVARL_GPU_ENV:-}" ]; then NOVARL_GPU_ENV=1 exec scripts/gpu_env.sh bash "$0" "$out" "$@"; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/machine.txt"
 python3 - <<'EOF' | tee -a "$out/machine.txt"
 import importlib, torch

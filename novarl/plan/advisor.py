@@ -230,11 +230,12 @@ def placement_for(shape: ModelShape, *, num_nodes: int, generation_backend: str)
 # ------------------------------------------------------------------ advise
 def advise(shape: ModelShape, *, gpus_per_node: int, num_nodes: int, gpu_memory_gb: float = 80,
            sequence_length: int, micro_batch_size: int = 1, precision: Precision = "bfloat16",
-           generation_tp: int | None = None, with_reference: bool = False,
+           generation_tp: int | None = None, with_reference: bool = False, with_critic: bool = False,
            packed_row_tokens: int | None = None) -> Advice:
     """Rank the training layouts for `shape` on `num_nodes` x `gpus_per_node` GPUs of
     `gpu_memory_gb` GB each, and recommend one (see the module docstring). with_reference:
-    a KL penalty keeps a frozen copy of the weights beside the policy's on each GPU.
+    a KL penalty keeps a frozen copy of the weights beside the policy's on each GPU. with_critic:
+    PPO's critic keeps a second set of model states (weights, gradients, optimizer) beside them.
     packed_row_tokens: sequence packing's row (train_mb_tokens), what a micro-batch's
     activations are sized by instead of micro_batch_size x sequence_length."""
     if gpus_per_node < 1 or num_nodes < 1:
@@ -251,7 +252,8 @@ def advise(shape: ModelShape, *, gpus_per_node: int, num_nodes: int, gpu_memory_
                                          micro_batch_size=1 if packed_row_tokens else micro_batch_size,
                                          precision=precision),
                        sequence_length=sequence_length,
-                       generation_tp=generation_tp, tps=tps, branch=branch, with_reference=with_reference)
+                       generation_tp=generation_tp, tps=tps, branch=branch, with_reference=with_reference,
+                       with_critic=with_critic)
     candidates = _candidates(context)
     ranked = sorted(candidates, key=lambda c: (not c.fits, -c.score, c.peak_gb))
     pick = _tree_pick(context, candidates)
@@ -280,6 +282,7 @@ class _Context:
     tps: list[int]
     branch: str
     with_reference: bool = False
+    with_critic: bool = False
 
     @property
     def budget_gb(self) -> float:
@@ -368,7 +371,8 @@ def _size(context: _Context, layout: _Layout) -> Candidate:
         notes.append(f"generation on the last node: {context.gpus_per_node // generation_tp} vLLM engine(s) "
                      f"of TP={generation_tp}")
     score, factors = _score(context, layout, dp=dp, recompute=recompute)
-    built = layout.backend in BUILT_TRAINING_BACKENDS and generation in BUILT_GENERATION_BACKENDS
+    built = layout.backend in BUILT_TRAINING_BACKENDS and generation in BUILT_GENERATION_BACKENDS \
+        and not (context.with_critic and layout.backend == "megatron")  # Megatron's critic is not built yet
     return Candidate(strategy=layout.strategy, training_backend=layout.backend, built=built,
                      data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=1,
                      expert_parallel_size=ep,
@@ -392,12 +396,15 @@ def _breakdown(context: _Context, layout: _Layout, workload: Workload, parallel:
         breakdown = dataclasses.replace(breakdown, kv_cache=MEGATRON_GENERATION_BUFFER_GB * GB)
     if context.with_reference:  # the reference is sharded like the policy's weights
         breakdown = dataclasses.replace(breakdown, reference_weights=breakdown.params)
+    if context.with_critic:  # PPO's critic: model states of its own, sharded like the policy's
+        breakdown = dataclasses.replace(breakdown, critic_states=breakdown.model_states)
     return breakdown
 
 
 def _peak(breakdown: MemoryBreakdown, placement: Placement, generation: str) -> float:
     if generation == "megatron":
-        return max(breakdown.training, breakdown.model_states + breakdown.reference_weights + breakdown.kv_cache)
+        return max(breakdown.training, breakdown.model_states + breakdown.reference_weights + breakdown.critic_states
+                   + breakdown.kv_cache)
     if placement == "colocated":
         return max(breakdown.training, breakdown.generation)
     return breakdown.training
@@ -534,8 +541,8 @@ def _explain(context: _Context, pick: Candidate, recommended: Candidate | None,
 
 # ------------------------------------------------------------------ table
 _TABLE_COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "optim"), ("gathered_params", "gathered"),
-                  ("activations", "activ"), ("reference_weights", "ref wts"), ("generator_weights", "gen wts"),
-                  ("kv_cache", "KV"), ("peak", "peak"))
+                  ("activations", "activ"), ("reference_weights", "ref wts"), ("critic_states", "critic"),
+                  ("generator_weights", "gen wts"), ("kv_cache", "KV"), ("peak", "peak"))
 
 
 def format_advice(advice: Advice) -> str:

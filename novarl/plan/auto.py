@@ -68,7 +68,7 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
     advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
                     gpu_memory_gb=gpu_memory_gb, **micro_batch_shape(cfg.policy),
                     precision=cfg.policy.precision or "bfloat16",
-                    with_reference=separate_reference(cfg))
+                    with_reference=separate_reference(cfg), with_critic=cfg.value is not None)
     runnable = [c for c in advice.candidates if c.fits and c.built]
     if not runnable:
         raise UserError(f"policy.backend=auto: no layout novarl can run today fits {cfg.policy.model_name} on "

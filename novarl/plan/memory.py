@@ -79,6 +79,9 @@ class MemoryBreakdown:
     kv_cache: float = 0.0
     reference_weights: float = 0.0
     """A frozen KL reference's weights, laid out like `params`, in the policy's processes."""
+    critic_states: float = 0.0
+    """PPO's critic: its weights, gradients and optimizer state, laid out like the policy's (the
+    same architecture but the output head), resident beside them."""
     cpu_offloaded: float = 0.0
     """Model states moved to host memory (not counted in the GPU totals)."""
     notes: tuple[str, ...] = ()
@@ -89,7 +92,8 @@ class MemoryBreakdown:
 
     @property
     def training(self) -> float:
-        return self.model_states + self.reference_weights + self.gathered_params + self.activations
+        return self.model_states + self.reference_weights + self.critic_states + self.gathered_params \
+            + self.activations
 
     @property
     def generation(self) -> float:

@@ -285,6 +285,7 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
                         f"policy.train_global_batch_size / (train_micro_batch_size x dp) = "
                         f"{global_batch} / ({micro} x {dp}) = {accumulation}. Set one of them, not both.")
     problems.extend(_micro_batching_problems(policy, training))
+    problems.extend(_critic_batch_problems(cfg, samples, global_batch, dp, training))
     problems.extend(_generation_problems(cfg, shape))
     if problems:
         if len(problems) == 1:
@@ -292,6 +293,24 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
         raise ConfigError("The config's sizes do not fit together:\n" + "\n".join(f"  - {p}" for p in problems))
     return BatchPlan(samples, dp, global_batch, samples // global_batch, micro, accumulation,
                      micro_batching_text(policy))
+
+
+def _critic_batch_problems(cfg: NovaRLConfig, samples: int, policy_batch: int, dp: int, training: str) -> list[str]:
+    """PPO's critic trains on the step's samples in optimizer steps of value.train_global_batch_size
+    (the policy's by default), each cut in micro-batches of value.train_micro_batch_size per rank."""
+    value = cfg.value
+    if value is None:
+        return []
+    problems = []
+    batch, micro = value.train_global_batch_size or policy_batch, value.train_micro_batch_size
+    if samples % batch:
+        problems.append(f"value.train_global_batch_size={batch} does not divide the {samples} samples of a step "
+                        "(grpo.num_prompts_per_step x grpo.num_generations_per_prompt): the critic trains on all of "
+                        "them in whole optimizer steps.")
+    if batch % (micro * dp):
+        problems.append(f"value.train_global_batch_size={batch} is not a multiple of value.train_micro_batch_size x "
+                        f"data-parallel size = {micro} x {dp} = {micro * dp}.")
+    return problems + [p.replace("policy.", "value.") for p in _micro_batching_problems(value, training)]
 
 
 def batch_fixes(samples: int, generations: int, global_batch: int, micro: int, dp: int, *,
