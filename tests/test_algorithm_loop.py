@@ -87,7 +87,7 @@ def test_settings_that_would_train_nothing_are_refused_and_unread_ones_said():
     def problems(*overrides):
         return " ".join(str(p) for p in report(*overrides).problems)
 
-    assert "loss_fn.use_kl_in_reward puts the KL in REINFORCE++'s advantages" in \
+    assert "loss_fn.use_kl_in_reward puts the KL in the per-token rewards of REINFORCE++ or PPO" in \
         problems("loss_fn.use_kl_in_reward=true", "loss_fn.reference_policy_kl_penalty=0.1")
     assert "there is no KL to put in the reward" in \
         problems("loss_fn.use_kl_in_reward=true", "grpo.adv_estimator.name=reinforce_plus_plus")

@@ -41,16 +41,37 @@ def test_gae_puts_the_reward_on_the_last_token_and_decouples_the_lambdas():
     adv, returns = ppo_advantages(torch.tensor([1.0, 2.0]), values, mask,
                                   GAESettings(lam=0.5, lam_value=1.0, normalize=False))
     assert returns.tolist() == [[0, 1, 1, 1], [0, 0, 2, 0]] and adv.tolist() == [[0, 0, 0.5, 0.5], [0, 0, 1.5, 0]]
-    # length-adaptive: lambda = 1 - 1/(alpha l) per completion: l=3, alpha=2/3 -> 0.5; l=1 -> 0 (clamped)
-    adv, _ = ppo_advantages(torch.tensor([1.0, 2.0]), values, mask,
+    # length-adaptive: lambda = 1 - 1/(alpha l) per completion: l=3, alpha=2/3 -> 0.5; l=2 -> 0.25
+    two = torch.tensor([[False, True, True, True], [False, False, True, True]])
+    adv, _ = ppo_advantages(torch.tensor([1.0, 2.0]), values, two,
                             GAESettings(lam=0.9, length_adaptive_alpha=2 / 3, normalize=False))
-    assert torch.allclose(adv, torch.tensor([[0, 0, 0.5, 0.5], [0, 0, 1.5, 0]]))
+    # row 2: deltas (9 - 0.5, 2 - 9) = (8.5, -7); A2 = -7, A1 = 8.5 + 0.25 x -7 = 6.75
+    assert torch.allclose(adv, torch.tensor([[0, 0, 0.5, 0.5], [0, 0, 6.75, -7.0]]))
     # the KL in the reward: each token's -coef x KL before GAE; whitened over the mask
     kl = torch.tensor([[5.0, 0.1, 0.2, 0.3], [5.0, 5.0, 0.5, 5.0]])
     adv, _ = ppo_advantages(torch.tensor([1.0, 2.0]), values, mask, GAESettings(lam=0.0, normalize=True), kl, 1.0)
     raw = torch.tensor([0.25 - 0.1 - 0.5, 0.5 - 0.2 - 0.25, 1 - 0.3 - 0.5, 2 - 0.5 - 0.5])  # lambda 0: the deltas
     whitened = (raw - raw.mean()) / raw.var(unbiased=False).sqrt()
     assert torch.allclose(adv[mask], whitened, atol=1e-6) and bool((adv[~mask] == 0).all())
+
+
+def test_the_loop_reads_values_and_rewards_at_the_right_tokens_of_a_batch():
+    """gae_advantages on a real batch (prompts, then completions, laid end to end): the values the
+    critic gives each token (read at its predecessor) and each completion's reward on its last
+    token, back to the batch's token order."""
+    from novarl.trainer.grpo import gae_advantages
+    from novarl.types import TrainBatch
+
+    cfg = load_config(None, overrides=[*PPO, "grpo.adv_estimator.gae_lambda=0.5",
+                                       "grpo.adv_estimator.normalize_advantages=false"])
+    ids = torch.tensor([[3, 4, 5, 6, 7], [3, 8, 9, 0, 0]])
+    attention = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]], dtype=torch.bool)
+    batch = TrainBatch.from_rows(ids, attention, loss_mask, torch.zeros(2))
+    values = torch.tensor([0, 9, 0.5, 0.25, 0.5, 0, 9, 0.5])
+    advantages, returns = gae_advantages(cfg, batch, torch.tensor([1.0, 2.0]), values)
+    assert advantages.tolist() == [0, 0, 0, 0.5, 0.5, 0, 0, 1.5]
+    assert returns.tolist() == [0, 0, 0.5, 0.75, 1.0, 0, 0, 2.0]
 
 
 # ------------------------------------------------------------------ the loop, one rank
@@ -72,6 +93,7 @@ def one_rank(tmp_path_factory):
 def test_the_critic_warms_up_then_both_train_for_each_epoch(one_rank):
     folder, steps = one_rank
     assert "loss" not in steps[1] and steps[1]["critic/value_loss"] > 0  # the warm-up: the critic alone
+    assert "weight_sync_mb" not in steps[1] and steps[2]["weight_sync_mb"] > 0  # nothing to sync before
     assert steps[1]["critic/values_mean"] == 0  # a zero head: the first values are 0
     for step in range(2, 7):
         assert {"loss", "clip_fraction", "critic/value_loss", "critic/explained_var"} <= set(steps[step])
@@ -79,6 +101,17 @@ def test_the_critic_warms_up_then_both_train_for_each_epoch(one_rank):
     assert any(steps[s]["clip_fraction"] > 0 for s in range(2, 7))
     assert steps[6]["critic/values_mean"] != 0
     assert {"critic", "policy"} <= {p.name for p in (folder / "ckpt" / "step_6").iterdir()}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_only_with_the_critic_it_was_written_with(one_rank, capsys):
+    folder, _ = one_rank
+    grpo = [o for o in overrides(folder, 8) if o not in PPO and "policy_training_start_step" not in o]
+    assert main(["train", *grpo]) == 2  # GRPO's config on PPO's checkpoints: refused before anything starts
+    assert "holds a checkpoint with PPO's critic (critic/), and this config has none" in capsys.readouterr().err
+    assert main(["train", *overrides(folder, 8, "value.model_name=tiny-math",
+                                     "value.tokenizer.name=tiny-arith")]) == 2
+    assert "value.model_name: 'tiny-arith' there, 'tiny-math' here" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -137,10 +170,13 @@ def test_convert_exports_the_critic_as_a_token_classification_folder(one_rank, t
     ([*PPO, "grpo.adv_estimator.gae_gamma=-0.1"], "'grpo.adv_estimator.gae_gamma' = -0.1"),
     (["value={}"], "value: a critic is trained only for grpo.adv_estimator.name='gae'"),
     ([*PPO, "value.model_name=tiny-math"], "value.model_name='tiny-math': its tokenizer"),
+    ([*PPO, "value.model_name=tiny-math", "policy.tokenizer.name=tiny-arith"], "value.model_name='tiny-math': its "
+                                                                              "tokenizer"),
     ([*PPO, "value.deepspeed_cfg.enabled=true"], "value.deepspeed_cfg.enabled=True differs from "
                                                   "policy.deepspeed_cfg.enabled=False"),
     (["grpo.policy_training_start_step=3"], "grpo.policy_training_start_step=3 warms up a critic"),
-], ids=["gae-without-critic", "lambda", "gamma", "critic-without-gae", "other-tokenizer", "other-backend", "warm-up"])
+], ids=["gae-without-critic", "lambda", "gamma", "critic-without-gae", "other-tokenizer", "other-tokenizer-named",
+        "other-backend", "warm-up"])
 def test_bad_ppo_settings_are_refused_at_validate_naming_the_key(capsys, extra, message):
     assert main(["validate", HF, *extra]) == 2
     err = capsys.readouterr().err

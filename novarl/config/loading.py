@@ -159,6 +159,10 @@ def critic_over_policy(tree: dict[str, Any]) -> list[str]:
     refused = [f"'value.{key}': the critic generates nothing and runs on the policy's backend; set it on the "
                "policy." for key in ("generation", "backend") if value.get(key) is not None]
     policy = {k: v for k, v in (tree.get("policy") or {}).items() if k not in ("generation", "backend")}
+    if "model_name" in value and value["model_name"] != policy.get("model_name"):
+        policy.pop("tokenizer", None)  # another model: its own tokenizer, unless the section names one
+    if isinstance(policy.get("dtensor_cfg"), dict):  # the critic trains all its weights: no LoRA from the policy
+        policy["dtensor_cfg"] = {k: v for k, v in policy["dtensor_cfg"].items() if k != "lora_cfg"}
     tree["value"] = merge_over(copy.deepcopy(policy), {k: v for k, v in value.items()
                                                          if k not in ("generation", "backend")})
     return refused

@@ -323,20 +323,22 @@ def translate(tree: dict[str, Any]) -> tuple[list[str], list[str]]:
                     grpo[key] = estimator.pop(key)
             if not estimator:
                 grpo.pop("adv_estimator")
-    policy = tree.get("policy")
-    if isinstance(policy, dict):
-        optimizer = policy.get("optimizer")
+    for section in ("policy", "value"):  # PPO's critic (value) is a policy block: the same spellings
+        block = tree.get(section)
+        if not isinstance(block, dict):
+            continue
+        optimizer = block.get("optimizer")
         if isinstance(optimizer, dict) and isinstance(optimizer.get("name"), str) \
                 and optimizer["name"] in OPTIMIZER_SYNONYMS:
-            warnings.append(f"policy.optimizer.name='{optimizer['name']}' runs as "
+            warnings.append(f"{section}.optimizer.name='{optimizer['name']}' runs as "
                             f"{OPTIMIZER_SYNONYMS[optimizer['name']]} (the same update, not fused)")
             optimizer["name"] = OPTIMIZER_SYNONYMS[optimizer["name"]]
-        megatron = policy.get("megatron_cfg")
+        megatron = block.get("megatron_cfg")
         if isinstance(megatron, dict) and megatron.get("moe_token_dispatcher_type") == "flex":
-            warnings.append("policy.megatron_cfg.moe_token_dispatcher_type='flex' (DeepEP) runs as 'alltoall' "
+            warnings.append(f"{section}.megatron_cfg.moe_token_dispatcher_type='flex' (DeepEP) runs as 'alltoall' "
                             "(the same routing, without DeepEP's kernels)")
             megatron["moe_token_dispatcher_type"] = "alltoall"
-        packing = policy.get("sequence_packing")
+        packing = block.get("sequence_packing")
         if isinstance(packing, dict) and packing.get("algorithm") == "modified_ffd":
             packing["algorithm"] = "modified_first_fit_decreasing"
     checkpointing = tree.get("checkpointing")

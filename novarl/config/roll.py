@@ -60,9 +60,9 @@ COPIED = {
     "num_gpus_per_node": "cluster.gpus_per_node",
     "reward_clip": "grpo.reward_clip",
     "max_len_mask": "grpo.overlong_filtering",
+    "ppo_epochs": "grpo.ppo_epochs",
 }
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "ppo_epochs": ((1,), f"several PPO epochs per batch are {ISSUE_ALGORITHMS}"),
     "whiten_rewards": ((False,), f"whitening rewards is {ISSUE_ALGORITHMS}"),
     "use_reward_scaling": ((False,), f"reward scaling is {ISSUE_ALGORITHMS}"),
     "use_reward_norm": ((False,), f"reward normalisation over the batch is {ISSUE_ALGORITHMS}"),

@@ -302,6 +302,13 @@ def _critic_batch_problems(cfg: NovaRLConfig, samples: int, policy_batch: int, d
     if value is None:
         return []
     problems = []
+    if value.max_seq_length < cfg.policy.max_seq_length:
+        problems.append(f"value.max_seq_length={value.max_seq_length} is below policy.max_seq_length="
+                        f"{cfg.policy.max_seq_length}: the critic reads the policy's sequences.")
+    own = (value.train_global_batch_size, value.train_micro_batch_size) != (
+        cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size)
+    if not own:  # the policy's sizes, checked (and said) for the policy
+        return problems
     batch, micro = value.train_global_batch_size or policy_batch, value.train_micro_batch_size
     if samples % batch:
         problems.append(f"value.train_global_batch_size={batch} does not divide the {samples} samples of a step "
@@ -411,6 +418,10 @@ def algorithm_warnings(cfg: NovaRLConfig) -> list[str]:
     if estimator.name != "gae" and gae_keys:
         out.append(f"grpo.adv_estimator.{{{', '.join(gae_keys)}}}: read only by grpo.adv_estimator.name=gae (PPO), "
                    f"not by {estimator.name}")
+    if cfg.value is not None and grpo.policy_training_start_step >= grpo.max_num_steps:
+        out.append(f"grpo.policy_training_start_step={grpo.policy_training_start_step} is not below "
+                   f"grpo.max_num_steps={grpo.max_num_steps}: the run trains the critic alone, and the policy it "
+                   "exports is the one it started from")
     if grpo.use_dynamic_sampling and grpo.max_num_epochs is not None:
         out.append("grpo.max_num_epochs with dynamic sampling: the steps are counted as if each drew "
                    "num_prompts_per_step prompts; its rounds draw more, so the run passes over the data more often "

@@ -240,7 +240,7 @@ def check_resumable(latest: Checkpoint, config: NovaRLConfig) -> None:
     grpo.max_num_steps, or at it with the run that wrote it ended (`mark_finished`). At
     max_num_steps without that mark, the run was killed after its last save: it is finished
     (final evaluation, export, prune) rather than refused."""
-    from novarl.trainer.checkpoint import finished_record
+    from novarl.trainer.checkpoint import CRITIC_DIR, finished_record
 
     saved = load_config(latest.path / "config.yaml")
     keys = ("policy.model_name", "policy.tokenizer.name", "policy.dtensor_cfg.tensor_parallel_size",
@@ -252,6 +252,14 @@ def check_resumable(latest: Checkpoint, config: NovaRLConfig) -> None:
                         f"partitions load only on as many ranks, and this config has {world_size(config)} "
                         "(cluster.gpus_per_node x cluster.num_nodes). `novarl convert` turns it into a "
                         "Hugging Face folder on any number.")
+    has_critic = (latest.path / CRITIC_DIR).is_dir()
+    if has_critic != (config.value is not None):
+        raise UserError(f"{where} holds a checkpoint {'with' if has_critic else 'without'} PPO's critic "
+                        f"({CRITIC_DIR}/), and this config has {'none' if has_critic else 'one'} "
+                        f"(grpo.adv_estimator.name={config.grpo.adv_estimator.name}): resume with the config of the "
+                        "run that wrote it, or give another checkpoint_dir.")
+    if has_critic and saved.value is not None:
+        differ += [k for k in ("value.model_name", "value.tokenizer.name") if _get(saved, k) != _get(config, k)]
     if differ:
         shown = ", ".join(f"{k}: {_get(saved, k)!r} there, {_get(config, k)!r} here" for k in differ)
         raise UserError(f"{where} holds a checkpoint of another run ({shown}). Give another checkpoint_dir, "

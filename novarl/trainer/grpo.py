@@ -160,7 +160,7 @@ def train_epochs(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, batch: Trai
                  policy_trains: bool = True) -> dict[str, float]:
     """grpo.ppo_epochs passes over the step's batch: each trains the critic (when the run has one;
     its metrics as critic/...), then the policy (unless in the critic's warm-up); metrics
-    averaged over the passes, token counts added up."""
+    averaged over the passes, token counts added up, maxima (`_max`) the largest."""
     grpo, passes = cfg.grpo, []
     for _ in range(grpo.ppo_epochs):
         metrics: dict[str, float] = {}
@@ -174,7 +174,8 @@ def train_epochs(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, batch: Trai
                                           skip_zero_advantage=zero_advantage_trains_nothing(cfg),
                                           token_level=aggregation(cfg.loss_fn) == "token-mean"))
         passes.append(metrics)
-    return {name: sum(p[name] for p in passes) / (1 if "tokens_" in name else len(passes)) for name in passes[0]}
+    return {name: max(p[name] for p in passes) if name.endswith("_max")
+            else sum(p[name] for p in passes) / (1 if "tokens_" in name else len(passes)) for name in passes[0]}
 
 
 def gae_advantages(cfg: NovaRLConfig, batch: TrainBatch, rewards: torch.Tensor, values: torch.Tensor,

@@ -23,6 +23,7 @@ DeepSpeed is imported in this module only.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,9 +110,12 @@ class DeepSpeedModel(DataParallelRows):
 
         if not dist.is_initialized():
             raise RuntimeError("the DeepSpeed backend needs the process group joined first")
+        self.device = device or default_device()
+        # DeepSpeed's CUDA accelerator reads the launcher's LOCAL_RANK; a Ray rank has it set (ray_group.py),
+        # one in-process rank (the driver) may not: its device's index
+        os.environ.setdefault("LOCAL_RANK", str(self.device.index or 0))
         with first_build("deepspeed_shm_comm", "DeepSpeed's shared-memory communication op"):
             deepspeed.init_distributed(dist_backend=dist.get_backend())
-        self.device = device or default_device()
         self.temperature = temperature
         self.dp_group = dist.group.WORLD
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
