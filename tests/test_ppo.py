@@ -207,3 +207,35 @@ def test_ppo_over_two_ray_ranks_trains_like_one_rank(one_rank, ray_session, tmp_
         assert got[step]["critic/value_loss"] == pytest.approx(expected[step]["critic/value_loss"], rel=1e-4)
     for step in (2, 3):
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_ppo_on_megatron_resumes_exactly_and_exports_its_critic(ray_session, tmp_path, monkeypatch):
+    """Megatron-core (CPU emulation, one Ray rank): the critic's scalar head on the last stage;
+    a run resumed from step 2 takes step 3 as the uninterrupted one does (policy and critic);
+    the critic exports as a token-classification folder."""
+    pytest.importorskip("megatron.core")
+    from transformers import AutoModelForTokenClassification
+
+    monkeypatch.setenv("NOVARL_MEGATRON_ON_CPU", "1")
+    monkeypatch.setenv("NRL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "cache"))
+    megatron = ["policy.megatron_cfg.enabled=true", "policy.megatron_cfg.optimizer.lr=4.0e-4",
+                "policy.megatron_cfg.optimizer.weight_decay=0.0"]
+
+    def run(folder, steps):
+        cfg = load_config(BUNDLED_RECIPE, overrides=[*overrides(folder, steps), *megatron])
+        return train_steps(GRPOTrainer(cfg).train().output_dir)
+
+    whole = run(tmp_path / "whole", 3)
+    assert "loss" not in whole[1] and whole[3]["critic/values_mean"] != 0
+    run(tmp_path / "cut", 2)
+    resumed = run(tmp_path / "cut", 3)
+    assert sorted(resumed) == [3]
+    assert resumed[3]["reward_mean"] == whole[3]["reward_mean"]
+    assert resumed[3]["loss"] == pytest.approx(whole[3]["loss"], abs=1e-7)
+    assert resumed[3]["critic/value_loss"] == pytest.approx(whole[3]["critic/value_loss"], rel=1e-5)
+    step = tmp_path / "cut" / "ckpt" / "step_3"
+    assert (step / "critic" / "megatron").is_dir()
+    assert main(["convert", str(step), str(tmp_path / "critic"), "--critic"]) == 0
+    exported = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")
+    assert float(exported.score.weight.abs().sum()) > 0 and exported.score.weight.shape[0] == 1

@@ -585,9 +585,6 @@ class NovaRLConfig(Section):
         if value.dtensor_cfg.lora_cfg.enabled:
             raise ValueError("value.dtensor_cfg.lora_cfg.enabled=true: LoRA on the critic is not built yet "
                              "(the critic trains all its weights)")
-        if value.megatron_cfg.enabled:
-            raise ValueError("value.megatron_cfg.enabled=true: the critic on Megatron-core is not built yet "
-                             "(DTensor and DeepSpeed have it)")
 
 
 def _get(section: Section, dotted: str) -> Any:

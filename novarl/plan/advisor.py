@@ -371,8 +371,7 @@ def _size(context: _Context, layout: _Layout) -> Candidate:
         notes.append(f"generation on the last node: {context.gpus_per_node // generation_tp} vLLM engine(s) "
                      f"of TP={generation_tp}")
     score, factors = _score(context, layout, dp=dp, recompute=recompute)
-    built = layout.backend in BUILT_TRAINING_BACKENDS and generation in BUILT_GENERATION_BACKENDS \
-        and not (context.with_critic and layout.backend == "megatron")  # Megatron's critic is not built yet
+    built = layout.backend in BUILT_TRAINING_BACKENDS and generation in BUILT_GENERATION_BACKENDS
     return Candidate(strategy=layout.strategy, training_backend=layout.backend, built=built,
                      data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=1,
                      expert_parallel_size=ep,

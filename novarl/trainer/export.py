@@ -95,6 +95,8 @@ def _export_critic(checkpoint: Path, cfg, output: Path) -> Path:
     model_path = resolve_model_path(value.model_name)
     tokenizer = load_tokenizer(value.tokenizer.name or model_path, trust_remote_code=value.trust_remote_code)
     fmt = export_format(value.precision, cfg.checkpointing.model_save_format, on_gpu=default_device().type == "cuda")
+    if (checkpoint / CRITIC_DIR / "megatron").is_dir():
+        return _export_megatron(checkpoint / CRITIC_DIR / "megatron", model_path, tokenizer, output, fmt, critic=True)
     if (checkpoint / CRITIC_DIR / "deepspeed").is_dir():
         from novarl.backends.training.ops import deepspeed_environment
 
@@ -164,10 +166,12 @@ def _lora_base_state(model_path: str, lora: LoraConfig, trust_remote_code: bool)
     return dict(model.state_dict())
 
 
-def _export_megatron(folder: Path, model_path: str, tokenizer, output: Path, fmt) -> Path:
+def _export_megatron(folder: Path, model_path: str, tokenizer, output: Path, fmt, *, critic: bool = False) -> Path:
     """The Megatron model shards (every tensor-parallel rank of every pipeline stage, and every
     expert-parallel rank's experts), joined offline with the conversion's name mapping; no
-    process group, no megatron-core."""
+    process group, no megatron-core. critic: PPO's critic, whose last stage holds a scalar head
+    (the same on every tensor-parallel rank) where the output layer was."""
+    import dataclasses
     import json
 
     import torch
@@ -187,7 +191,19 @@ def _export_megatron(folder: Path, model_path: str, tokenizer, output: Path, fmt
             for p in range(pp):
                 experts.update(torch.load(folder / f"experts_ep{e}_pp{p}.pt", weights_only=True))
     model_config = AutoConfig.from_pretrained(model_path)
-    state = shards_to_hf(parts, LayerShape.from_hf_config(model_config), tensor_parallel_size=tp,
-                         fused_norms=layout["fused_norms"], experts=experts)
-    save_atomically(output, lambda tmp: save_hf_folder(tmp, model_config, state, tokenizer, fmt))
+    shape = LayerShape.from_hf_config(model_config)
+    head = {}
+    if critic:
+        head = {name.replace("output_layer.", "lm_head."): tensor for name, tensor in parts[pp - 1][2].items()
+                if name.startswith("output_layer.")}  # (tp 0, the last stage)
+        parts = [(t, p, {n: x for n, x in state.items() if not n.startswith("output_layer.")}) for t, p, state in parts]
+        shape = dataclasses.replace(shape, tied=True)  # no vocabulary head to join: the scalar one replaces it
+    state = {**shards_to_hf(parts, shape, tensor_parallel_size=tp, fused_norms=layout["fused_norms"],
+                            experts=experts), **head}
+    if critic:
+        from novarl.models.critic import save_critic_hf
+
+        save_atomically(output, lambda tmp: save_critic_hf(tmp, model_config, state, tokenizer, fmt))
+    else:
+        save_atomically(output, lambda tmp: save_hf_folder(tmp, model_config, state, tokenizer, fmt))
     return output

@@ -455,6 +455,8 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
                            total_steps=steps * critic_optimizer_steps(cfg, inputs), seed=cfg.grpo.seed)
         if inputs.choice.training == "deepspeed":
             critic_args["accumulation_steps"] = critic_accumulation_steps(cfg, inputs)
+        elif inputs.choice.training == "megatron":
+            critic_args["emulate_cuda"] = common["emulate_cuda"]
     with_reference = cfg.loss_fn.reference_policy_kl_penalty > 0
     # LoRA's base is frozen: the reference is the policy with its adapters off, no model of its own
     lora_base = with_reference and cfg.policy.dtensor_cfg.lora_cfg.enabled

@@ -57,7 +57,7 @@ from novarl.backends.training.batching import (
 )
 from novarl.backends.training.rows import accumulate, all_reduce_metrics
 from novarl.config.schema import PolicyConfig
-from novarl.errors import ConfigError, UserError
+from novarl.errors import ConfigError, NotAvailableYet, UserError
 from novarl.logging.console import info
 from novarl.types import TrainBatch
 
@@ -70,7 +70,9 @@ class MegatronModel:
     """One rank of a Megatron GPTModel built from a Hugging Face checkpoint."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None, *, trainable: bool,
-                 temperature: float, seed: int = 42, emulate_cuda: bool = False) -> None:
+                 temperature: float, seed: int = 42, emulate_cuda: bool = False, value_head: bool = False) -> None:
+        """value_head: the last stage's output layer replaced by a zero-initialised scalar one
+        (PPO's critic, MegatronCritic)."""
         from novarl.backends.megatron import cpu, model
 
         if emulate_cuda or cpu.requested():
@@ -123,6 +125,8 @@ class MegatronModel:
         self.layers = model.stage_layers(self.config)
         self.replica_group = self._replica_zero_group()
         self._load_converted(model_path)
+        if value_head:
+            self._with_value_head()
         if self.on_gpu:
             self.module.cuda()
         self.module.train(trainable)
@@ -152,6 +156,15 @@ class MegatronModel:
         if missing or unexpected:
             raise RuntimeError(f"the converted Megatron weights do not fit the model: missing {missing[:5]}, "
                                f"unexpected {unexpected[:5]}")
+
+    def _with_value_head(self) -> None:
+        """PPO's critic: no output weights shared with the embedding, and on the last stage a scalar
+        head (ScalarHead) where the vocabulary's output layer was."""
+        self.module.share_embeddings_and_output_weights = False
+        if self.last_stage:
+            dtype = next(self.module.parameters()).dtype
+            self.module.output_layer = ScalarHead(self.config.hidden_size, dtype=dtype,
+                                                  sequence_parallel=self.config.sequence_parallel)
 
     def _experts_here(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`state` (every expert, global numbers) cut to this expert-parallel rank's experts."""
@@ -332,9 +345,10 @@ class MegatronPolicy(MegatronModel):
     """The trainable policy on Megatron-core (implements TrainingBackend)."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
-                 total_steps: int, temperature: float, seed: int = 42, emulate_cuda: bool = False) -> None:
+                 total_steps: int, temperature: float, seed: int = 42, emulate_cuda: bool = False,
+                 value_head: bool = False) -> None:
         super().__init__(policy, model_path, device, trainable=True, temperature=temperature, seed=seed,
-                         emulate_cuda=emulate_cuda)
+                         emulate_cuda=emulate_cuda, value_head=value_head)
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
         mc = policy.megatron_cfg
@@ -485,6 +499,50 @@ class MegatronPolicy(MegatronModel):
         state = self.full_state_dict()
         if dist.get_rank() == 0:
             save_hf_folder(path, self.hf_config, state, tokenizer, fmt)
+
+
+class MegatronCritic(MegatronPolicy):
+    """PPO's value model (its critic) on Megatron-core, laid out like the policy: the same GPTModel
+    with a scalar head on the last stage (ScalarHead), trained by the value loss. As on DTensor
+    (dtensor.py DTensorCritic), `logprobs(batch)` here is the batch's per-token values, each
+    token's from its predecessor's hidden state, 0 at each sequence's first token."""
+
+    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
+                 total_steps: int, seed: int = 42, emulate_cuda: bool = False) -> None:
+        super().__init__(policy, model_path, device, total_steps=total_steps, temperature=1.0, seed=seed,
+                         emulate_cuda=emulate_cuda, value_head=True)
+
+    def _token_logprobs(self, output: torch.Tensor, inputs: ModelInputs, mb: TrainBatch) -> torch.Tensor:
+        """[n] float32 values of the micro-batch's tokens from the head's [R, W, 1] output: each read
+        at its predecessor's position; 0 at each sequence's first token."""
+        rows = torch.nn.functional.pad(output[:, :-1, 0].float(), (1, 0))
+        return rows.reshape(-1)[inputs.index] * (mb.position_ids != 0)
+
+    def save_hf(self, path: Path, tokenizer, fmt=None) -> None:
+        raise NotAvailableYet("a Hugging Face folder of a Megatron critic is not built yet (its checkpoints resume; "
+                              "a DTensor or DeepSpeed critic exports with `novarl convert --critic`)")
+
+
+class ScalarHead(torch.nn.Module):
+    """The critic's output layer on Megatron's last stage, in the place of the vocabulary-parallel
+    one (called as it is: hidden states [s, b, h], returns ([s, b, 1], None)): one value per
+    position, weight and bias zero at the start, the same on every tensor-parallel rank. Under
+    sequence parallelism the positions are gathered first; every rank computes the same loss,
+    so the gradient is split back, not summed."""
+
+    def __init__(self, hidden_size: int, *, dtype: torch.dtype, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False)
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
 class MegatronReference(MegatronModel):
