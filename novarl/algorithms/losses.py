@@ -42,6 +42,10 @@ class ClippedPGSettings:
     """seq-mean-token-sum-norm's constant divisor (policy.generation.max_new_tokens)."""
     disable_ppo_ratio: bool = False
     use_importance_sampling_correction: bool = False
+    truncation: str | None = None
+    """loss_fn.truncated_importance_sampling_type: tis, icepop, seq-mask-tis (see importance_weights)."""
+    truncation_max: float | None = None
+    truncation_min: float | None = None
     sequence_level_importance_ratios: bool = False
     use_on_policy_kl_approximation: bool = False
     kl_input_clamp_value: float | None = None
@@ -80,9 +84,11 @@ def clipped_pg_loss(
     if settings.ratio_clip_c is not None:
         dual = torch.minimum(token_loss, -settings.ratio_clip_c * advantages)
         token_loss = torch.where(advantages < 0, dual, token_loss)
+    is_metrics = {}
     if settings.use_importance_sampling_correction:
         # Correct for samples from a generator whose weights lag the policy's.
-        token_loss = token_loss * torch.exp(old_logprobs - batch.generator_logprobs).detach()
+        weights, is_metrics = importance_weights(old_logprobs, batch, settings)
+        token_loss = token_loss * weights
 
     kl = torch.zeros_like(token_loss)
     if settings.reference_policy_kl_penalty > 0 and batch.reference_logprobs is not None:
@@ -105,9 +111,56 @@ def clipped_pg_loss(
         }
         if batch.old_logprobs is None:  # the generator-vs-trainer check, from this forward
             metrics.update(mismatch_metrics(old_logprobs, batch))
+        metrics.update(is_metrics)
     loss = reduce(token_loss)
     metrics["loss"] = loss.detach()
     return loss, metrics
+
+
+def importance_weights(old_logprobs: torch.Tensor, batch: TrainBatch, settings: ClippedPGSettings
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """[n] detached importance weights pi_old / pi_generator of the micro-batch's tokens (NeMo RL's
+    importance-sampling correction): per token exp(old - generator), or with
+    sequence_level_importance_ratios each sequence's exp(sum over its loss tokens), on its tokens;
+    inf and nan become 0. Truncated as settings.truncation says:
+      tis           clamped to [truncation_min (0 if None), truncation_max];
+      icepop        tokens whose weight is outside [truncation_min, truncation_max] get 0;
+      seq-mask-tis  sequences whose geometric-mean ratio exp(mean log(old / generator)) is outside
+                    it get 0 on every token; the others keep their token weights as they are.
+    Metrics, as shares of the step's mean (summed over micro-batches): is_weight_mean (over loss
+    tokens), is_weight_max, is_oob_ratio (the tokens, or for seq-mask-tis the sequences, out of
+    bounds)."""
+    mask = batch.loss_mask.float()
+    log_ratio = torch.nan_to_num((old_logprobs - batch.generator_logprobs).detach().float() * mask,
+                                 nan=0.0, posinf=0.0, neginf=0.0)
+    index = batch.sequence_index.to(log_ratio.device)
+    if settings.sequence_level_importance_ratios:
+        weights = torch.exp(batch.sequence_sum(log_ratio))[index]
+    else:
+        weights = torch.exp(log_ratio)
+    weights = torch.nan_to_num(weights, nan=0.0, posinf=0.0, neginf=0.0)
+    tokens = max(batch.global_valid_tokens, 1)
+    metrics: dict[str, torch.Tensor] = {}
+    high, low = settings.truncation_max, settings.truncation_min
+    if settings.truncation == "tis":
+        low = 0.0 if low is None else low
+        metrics["is_oob_ratio"] = (((weights > high) | (weights < low)).float() * mask).sum() / tokens
+        weights = weights.clamp(low, high)
+    elif settings.truncation == "icepop":
+        kept = (weights >= low) & (weights <= high)
+        metrics["is_oob_ratio"] = ((~kept).float() * mask).sum() / tokens
+        weights = torch.where(kept, weights, torch.zeros_like(weights))
+    elif settings.truncation == "seq-mask-tis":
+        counts = batch.sequence_sum(mask)
+        geometric = torch.exp(batch.sequence_sum(log_ratio) / counts.clamp(min=1))
+        kept = ((geometric >= low) & (geometric <= high)).float()
+        has_tokens = (counts > 0).float()
+        metrics["is_oob_ratio"] = ((1 - kept) * has_tokens).sum() / max(batch.global_valid_sequences, 1)
+        weights = weights * kept[index]
+    metrics["is_weight_mean"] = (weights * mask).sum() / tokens
+    masked = weights * mask
+    metrics["is_weight_max"] = masked.max() if masked.numel() else masked.sum()
+    return weights, metrics
 
 
 def clamped_kl(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, settings: ClippedPGSettings) -> torch.Tensor:
@@ -170,6 +223,9 @@ def make_loss(loss_cfg, max_new_tokens: int = 1) -> LossFn:
         aggregation_norm=max_new_tokens,
         disable_ppo_ratio=loss_cfg.disable_ppo_ratio,
         use_importance_sampling_correction=loss_cfg.use_importance_sampling_correction,
+        truncation=loss_cfg.truncated_importance_sampling_type,
+        truncation_max=loss_cfg.truncated_importance_sampling_ratio,
+        truncation_min=loss_cfg.truncated_importance_sampling_ratio_min,
         sequence_level_importance_ratios=loss_cfg.sequence_level_importance_ratios,
         use_on_policy_kl_approximation=loss_cfg.use_on_policy_kl_approximation,
         kl_input_clamp_value=loss_cfg.kl_input_clamp_value,

@@ -121,10 +121,6 @@ RULES: tuple[Rule, ...] = (
     # ---------------------------------------------------------------- loss
     off("loss_fn.force_on_policy_ratio", _is(False), "forcing the ratio to 1 is not built"),
     off("loss_fn.positive_example_nll_weight", _is(0, 0.0), "VAPO's NLL term is not built"),
-    off("loss_fn.truncated_importance_sampling_type", _is(None), f"truncated importance sampling is {ISSUE_ASYNC}"),
-    off("loss_fn.truncated_importance_sampling_ratio", _is(None), f"truncated importance sampling is {ISSUE_ASYNC}"),
-    off("loss_fn.truncated_importance_sampling_ratio_min", _is(None),
-        f"truncated importance sampling is {ISSUE_ASYNC}"),
     off("loss_fn.use_cispo", _is(False), "CISPO is not built"),
     # ---------------------------------------------------------------- policy
     off("policy.draft", _disabled, "draft models (speculative decoding heads) are not built"),

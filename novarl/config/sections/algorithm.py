@@ -171,6 +171,18 @@ class LossConfig(Section):
     token's KL (the policy before the update against the reference) is subtracted from its
     advantage before the step's normalisation, instead of being a term of the loss."""
     use_importance_sampling_correction: bool = False
+    """Weigh each token's loss by pi_old / pi_generator (the generator's weights may lag the
+    policy's: asynchronous GRPO, or a mismatch between the engines and the trainer); with
+    sequence_level_importance_ratios, by the sequence's product of those ratios (NeMo RL's)."""
+    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    """With use_importance_sampling_correction: tis clamps the weights to [ratio_min (0 by default),
+    ratio]; icepop zeroes the tokens whose weight is outside [ratio_min, ratio]; seq-mask-tis
+    zeroes the sequences whose geometric-mean ratio is outside it (the kept ones keep their
+    token weights untruncated). None: the weights as they are."""
+    truncated_importance_sampling_ratio: float | None = Field(None, gt=0)
+    """The upper bound of truncated importance sampling."""
+    truncated_importance_sampling_ratio_min: float | None = Field(None, ge=0)
+    """Its lower bound (tis: 0 when None; icepop and seq-mask-tis need it)."""
     sequence_level_importance_ratios: bool = False
     token_level_loss: bool = True
     """True: average over all tokens of the step; False: per sequence, then over sequences."""
@@ -181,3 +193,29 @@ class LossConfig(Section):
     (each sequence's sum, then over sequences), seq-mean-token-sum-norm (Dr. GRPO: each sequence's
     sum divided by policy.generation.max_new_tokens, then over sequences: no length bias). None:
     token_level_loss decides (token-mean or seq-mean-token-mean)."""
+
+    @model_validator(mode="after")
+    def _truncation(self) -> "LossConfig":
+        kind, high, low = (self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio,
+                           self.truncated_importance_sampling_ratio_min)
+        if kind is None:
+            if high is not None or low is not None:
+                raise ValueError("loss_fn.truncated_importance_sampling_ratio(_min) is set without "
+                                 "loss_fn.truncated_importance_sampling_type (tis, icepop or seq-mask-tis)")
+            return self
+        if not self.use_importance_sampling_correction:
+            raise ValueError(f"loss_fn.truncated_importance_sampling_type={kind!r} truncates the importance "
+                             "weights of loss_fn.use_importance_sampling_correction, which is false")
+        if high is None:
+            raise ValueError(f"loss_fn.truncated_importance_sampling_type={kind!r} needs "
+                             "loss_fn.truncated_importance_sampling_ratio (its upper bound)")
+        if low is None and kind != "tis":
+            raise ValueError(f"loss_fn.truncated_importance_sampling_type={kind!r} needs "
+                             "loss_fn.truncated_importance_sampling_ratio_min (its lower bound)")
+        if low is not None and low > high:
+            raise ValueError(f"loss_fn.truncated_importance_sampling_ratio_min={low} is above "
+                             f"truncated_importance_sampling_ratio={high}")
+        if kind == "seq-mask-tis" and self.sequence_level_importance_ratios:
+            raise ValueError("loss_fn.truncated_importance_sampling_type='seq-mask-tis' masks sequences over "
+                             "token-level weights; it does not go with sequence_level_importance_ratios")
+        return self
