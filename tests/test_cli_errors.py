@@ -114,10 +114,10 @@ def test_validate_prints_the_resolved_config_and_the_plan(capsys):
 
 
 def test_validate_refuses_what_train_cannot_run_yet(capsys, log_dir):
-    code, out, err = run_cli(capsys, "validate", "grpo.async_grpo.enabled=true")
+    code, out, err = run_cli(capsys, "validate", "grpo.max_rollout_turns=2")
     msg = assert_refused_cleanly(code, err, log_dir)
     assert out == ""
-    assert "does not have yet" in msg and "asynchronous GRPO (grpo.async_grpo.enabled)" in msg
+    assert "does not have yet" in msg and "multi-turn rollouts (grpo.max_rollout_turns=2)" in msg
 
 
 def test_validate_prints_the_warnings_plan_prints(capsys):
@@ -296,8 +296,8 @@ def test_plan_megatron_says_what_needs_a_gpu_host(capsys, monkeypatch):
     assert "generation backend: vllm" in out
     assert "not available yet: Ray" not in out and "(dp=2)" in out  # two DTensor ranks over Ray are built
     # What novarl does not build is: exit 2.
-    code, out, _ = run_cli(capsys, "plan", "policy.megatron_cfg.enabled=true", "grpo.async_grpo.enabled=true")
-    assert code == 2 and "not available yet: asynchronous GRPO" in out
+    code, out, _ = run_cli(capsys, "plan", "policy.megatron_cfg.enabled=true", "grpo.max_rollout_turns=2")
+    assert code == 2 and "not available yet: multi-turn rollouts" in out
 
 
 def test_plan_bundled_recipe_exits_0(capsys):

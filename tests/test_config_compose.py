@@ -261,7 +261,6 @@ def test_every_schema_setting_is_read_or_refused_or_warned_about():
     from novarl.config.unused import SETTINGS
 
     governed = {
-        "grpo.async_grpo.max_trajectory_age_steps": "grpo.async_grpo.enabled is refused (not built yet)",
         "logger.wandb_enabled": "plan/resolve.py check_available warns, by f-string",
         "logger.tensorboard_enabled": "the same", "logger.mlflow_enabled": "the same",
         "logger.swanlab_enabled": "the same",

@@ -180,7 +180,7 @@ def test_validate_without_a_local_model_imports_no_torch(tmp_path):
 def test_validate_lists_every_reason_train_would_stop_at_once(capsys, tmp_path):
     (tmp_path / "blocker").write_text("a file where the log folder should go")
     code, out, err = run(capsys, "validate", "policy.dtensor_cfg.context_parallel_size=2",
-                         "grpo.async_grpo.enabled=true",
+                         "grpo.max_rollout_turns=2",
                          f"logger.log_dir={tmp_path / 'blocker' / 'logs'}", "data.train_data_path=missing.jsonl",
                          "data.dataset_name=ResponseDataset", "reward.function=no_such_module:f")
     assert code == 2 and out == ""
@@ -188,7 +188,7 @@ def test_validate_lists_every_reason_train_would_stop_at_once(capsys, tmp_path):
     assert lines[0] == "novarl: error: 6 problems stop this run:", err
     assert "context parallelism (policy.dtensor_cfg.context_parallel_size=2)" in err
     assert "1 ranks is not a multiple of policy.dtensor_cfg.tensor_parallel_size x context_parallel_size" in err
-    assert "asynchronous GRPO (grpo.async_grpo.enabled)" in err
+    assert "multi-turn rollouts (grpo.max_rollout_turns=2)" in err
     assert "logger.log_dir=" in err and "is a file, so the folder cannot be made there" in err
     assert "data.train_data_path='missing.jsonl': no such file" in err
     assert "reward.function" in err and "no_such_module" in err

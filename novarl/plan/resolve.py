@@ -192,8 +192,6 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
         missing.append(f"context parallelism (policy.dtensor_cfg.context_parallel_size={dt.context_parallel_size})")
     if not policy.generation.colocated.enabled and not installed("ray"):
         missing.append("Ray, for dedicated generation (policy.generation.colocated.enabled=false)")
-    if cfg.grpo.async_grpo.enabled:
-        missing.append("asynchronous GRPO (grpo.async_grpo.enabled)")
     if cfg.grpo.max_rollout_turns > 1:
         missing.append(f"multi-turn rollouts (grpo.max_rollout_turns={cfg.grpo.max_rollout_turns})")
     if cfg.logger.swanlab_enabled:
@@ -455,6 +453,17 @@ def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> 
                         f"{grpo.num_generations_per_prompt}: a group of one minus its own mean is 0, so nothing "
                         "would train; set grpo.adv_estimator.minus_baseline: false (REINFORCE++ without a baseline) "
                         "or 2 or more generations per prompt.")
+    if grpo.async_grpo.enabled:
+        if policy.generation.colocated.enabled:
+            problems.append("grpo.async_grpo.enabled overlaps generation with training on devices of their own: set "
+                            "policy.generation.colocated.enabled=false (dedicated engines; colocated engines would "
+                            "take the training devices' time).")
+        if not loss.use_importance_sampling_correction:
+            problems.append("grpo.async_grpo.enabled trains on trajectories of older weights: it needs "
+                            "loss_fn.use_importance_sampling_correction=true (NeMo RL's rule).")
+        if grpo.use_dynamic_sampling:
+            problems.append("grpo.async_grpo.enabled with grpo.use_dynamic_sampling: generating the next step's rounds "
+                            "ahead of training is not built yet; turn one of them off.")
     if grpo.use_dynamic_sampling and grpo.num_generations_per_prompt < 2:
         problems.append("grpo.use_dynamic_sampling keeps groups whose rewards differ: it needs "
                         "grpo.num_generations_per_prompt of 2 or more.")

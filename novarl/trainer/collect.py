@@ -13,7 +13,7 @@ from novarl.algorithms.shaping import groups_with_signal, scale_rewards, shape_r
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import RunFailed
 from novarl.trainer.rollout import rollout_metrics
-from novarl.types import Completion, SamplingConfig
+from novarl.types import Completion, Prompt, SamplingConfig
 
 ROUND_SEED_STRIDE = 1_000_003
 """Round r of a step samples with seed grpo.seed + step + r x this (round 0: as without rounds)."""
@@ -43,7 +43,7 @@ def collect(cfg: NovaRLConfig, inputs, roles, step: int, timer) -> Rollouts:
     group, wanted = grpo.num_generations_per_prompt, grpo.num_prompts_per_step
     if not grpo.use_dynamic_sampling:
         completions, raw, _, shaped = _round(cfg, inputs, roles, step, 0, wanted, timer)
-        return Rollouts(completions, shaped, _metrics(cfg, completions, raw, shaped))
+        return Rollouts(completions, shaped, round_metrics(cfg, completions, raw, shaped))
     kept: list[Completion] = []
     kept_rewards: list[torch.Tensor] = []
     generated: list[Completion] = []
@@ -66,13 +66,13 @@ def collect(cfg: NovaRLConfig, inputs, roles, step: int, timer) -> Rollouts:
         for g in groups_with_signal(scaled, group).nonzero().view(-1).tolist():
             kept += completions[g * group:(g + 1) * group]
             kept_rewards.append(shaped[g * group:(g + 1) * group])
-    metrics = _metrics(cfg, generated, torch.cat(generated_rewards["raw"]), torch.cat(generated_rewards["shaped"]))
+    metrics = round_metrics(cfg, generated, torch.cat(generated_rewards["raw"]), torch.cat(generated_rewards["shaped"]))
     metrics.update(dynamic_sampling_rounds=float(rounds), groups_kept=float(len(kept) // group),
                    samples_discarded=float(len(kept) - wanted * group))
     return Rollouts(kept[:wanted * group], torch.cat(kept_rewards)[:wanted * group], metrics)
 
 
-def _metrics(cfg: NovaRLConfig, completions: list[Completion], raw: torch.Tensor, shaped: torch.Tensor
+def round_metrics(cfg: NovaRLConfig, completions: list[Completion], raw: torch.Tensor, shaped: torch.Tensor
              ) -> dict[str, float]:
     metrics = rollout_metrics(completions, raw, cfg.grpo.num_generations_per_prompt)
     if cfg.grpo.reward_scaling.enabled or cfg.grpo.reward_shaping.enabled:
@@ -83,17 +83,33 @@ def _metrics(cfg: NovaRLConfig, completions: list[Completion], raw: torch.Tensor
 def _round(cfg: NovaRLConfig, inputs, roles, step: int, round_index: int, prompts_count: int, timer
            ) -> tuple[list[Completion], torch.Tensor, torch.Tensor, torch.Tensor]:
     """One generation round: (completions, the task's rewards, scaled, scaled and shaped)."""
+    prompts, sampling = draw_round(cfg, inputs, step, round_index, prompts_count)
+    with timer("generation"):
+        completions = roles.generator.submit(prompts, sampling).result()
+        roles.release_generator()
+    return (completions, *score_round(cfg, inputs, completions))
+
+
+def draw_round(cfg: NovaRLConfig, inputs, step: int, round_index: int, prompts_count: int
+               ) -> tuple[list[Prompt], SamplingConfig]:
+    """The next prompts_count prompts of the sampler, each num_generations_per_prompt times, and the
+    sampling of round `round_index` of `step` (its seed: grpo.seed + step + round x ROUND_SEED_STRIDE)."""
     grpo, gen = cfg.grpo, cfg.policy.generation
     prompts = [p for p in inputs.sampler.next_batch(prompts_count) for _ in range(grpo.num_generations_per_prompt)]
     sampling = SamplingConfig(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
                               top_k=gen.top_k, stop_token_ids=tuple(gen.stop_token_ids or ()),
                               seed=grpo.seed + step + round_index * ROUND_SEED_STRIDE)
-    with timer("generation"):
-        completions = roles.generator.submit(prompts, sampling).result()
-        roles.release_generator()
+    return prompts, sampling
+
+
+def score_round(cfg: NovaRLConfig, inputs, completions: list[Completion]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the task's rewards, scaled, scaled and shaped) of a round's completions."""
+    grpo, gen = cfg.grpo, cfg.policy.generation
     raw = torch.tensor(inputs.scorer.score(completions), dtype=torch.float32)
     scaled = scale_rewards(raw, grpo.reward_scaling)
     lengths = torch.tensor([len(c.token_ids) for c in completions])
     truncated = torch.tensor([c.finish_reason == "length" for c in completions])
     shaped = shape_rewards(scaled, lengths, truncated, grpo.reward_shaping, gen.max_new_tokens)
-    return completions, raw, scaled, shaped
+    return raw, scaled, shaped
+

@@ -58,6 +58,13 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
     estimate_advantages = None if roles.critic else ADVANTAGE_ESTIMATORS.get(grpo.adv_estimator.name)
     step = resume_from(resume, inputs, roles, sink) if resume else 0
     max_steps = inputs.max_steps or grpo.max_num_steps  # fewer when grpo.max_num_epochs ends first
+    pipeline = None
+    if grpo.async_grpo.enabled:
+        from novarl.trainer.async_rollouts import AsyncRollouts, async_description
+
+        pipeline = AsyncRollouts(cfg, inputs, roles, max_steps)
+        pipeline.restore(resume.state.get("async_rollouts") if resume else None, step)
+        info(async_description(cfg))
     progress = Progress(max_steps, enabled=cfg.logger.progress_bar,
                         print_every=cfg.logger.print_every_n_steps, initial=step)
     summary: dict[str, float] = dict(resume.state.get("summary", {})) if resume else {}
@@ -67,11 +74,16 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
     def checkpoint(step: int, *, last: bool) -> None:
         nonlocal saved
         if checkpointer and saved != step and checkpointer.due(step, last=last):
-            checkpointer.save(step, roles.policy, {"sampler": inputs.sampler.state_dict(), "summary": summary},
-                              metrics=sink.path, critic=roles.critic)
+            state = {"sampler": pipeline.sampler_state() if pipeline else inputs.sampler.state_dict(),
+                     "summary": summary}
+            if pipeline is not None:  # the step in flight: its completions, so that a resume trains on them
+                state["async_rollouts"] = pipeline.state()
+            checkpointer.save(step, roles.policy, state, metrics=sink.path, critic=roles.critic)
             saved = step
 
     def validate(step: int) -> None:
+        if pipeline is not None:  # the engines evaluate the newest weights
+            pipeline.sync(step)
         result = evaluate(roles.generator, inputs.val_prompts, inputs.scorer, gen.max_new_tokens,
                           batch_size=grpo.val_batch_size, samples_to_print=cfg.logger.num_val_samples_to_print)
         sink.write({"kind": "eval", "step": step, **result})
@@ -95,8 +107,9 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
                 summary["stopped_on_time_budget"] = 1.0
                 break
             step += 1
-            metrics = grpo_step(cfg, inputs, roles, loss_fn, estimate_advantages, step)
-            if metrics["logprob_mismatch"] > MISMATCH_WARNING and not summary.get("mismatch_warned"):
+            metrics = grpo_step(cfg, inputs, roles, loss_fn, estimate_advantages, step, pipeline)
+            # asynchronous: the generator's weights lag by a step, so the gap is not a sync problem
+            if metrics["logprob_mismatch"] > MISMATCH_WARNING and not summary.get("mismatch_warned") and not pipeline:
                 info(f"warning at step {step}: {mismatch_advice(metrics['logprob_mismatch'])}")
                 summary["mismatch_warned"] = 1.0
             sink.write({"kind": "train", "step": step, **metrics})
@@ -115,12 +128,15 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
 
 
 def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossFn, estimate_advantages,
-              step: int) -> dict[str, float]:
+              step: int, pipeline=None) -> dict[str, float]:
     """One synchronous step: generate, reward, (values,) advantages, logprobs, update (ppo_epochs
     passes; the critic first, as NeMo RL and verl do), weight sync."""
     grpo = cfg.grpo
     timer, tic = StepTimer(), time.perf_counter()
-    rollouts = collect(cfg, inputs, roles, step, timer)
+    if pipeline is None:
+        rollouts, pipeline_metrics = collect(cfg, inputs, roles, step, timer), {}
+    else:  # asynchronous: generated during the previous step (async_rollouts.py), the weights synced
+        rollouts, pipeline_metrics = pipeline.take(step, timer)
     batch = build_train_batch(rollouts.completions, torch.zeros(len(rollouts.completions)),
                               overlong_filtering=grpo.overlong_filtering)
     critic = roles.critic
@@ -148,7 +164,7 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
     with timer("training"):
         train_metrics = train_epochs(cfg, inputs, roles, batch, loss_fn, policy_trains)
     with timer("weight_sync"):  # the engines hold these weights already during the critic's warm-up
-        sync_metrics = roles.sync_weights(step) if policy_trains else {}
+        sync_metrics = roles.sync_weights(step) if policy_trains and pipeline is None else pipeline_metrics
     mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None else {}  # else the loss measured it
     gpus = roles.policy.gpu_stats() if cfg.logger.monitor_gpus else {}
     return {**rollouts.metrics, **inputs.scorer.take_metrics(),

@@ -10,3 +10,13 @@ def digit_fraction(completion: str, answer: str) -> float:
 def constant(completion: str, answer: str) -> float:
     """The same reward for every completion: no GRPO group ever carries a signal."""
     return 1.0
+
+
+def recording(completion: str, answer: str, prompt: str) -> float:
+    """Exact match, and a line "<process id>\\t<prompt>" appended to the file $NOVARL_TEST_RECORD for
+    every completion scored: which prompts a run trained on, in order, by process."""
+    import os
+
+    with open(os.environ["NOVARL_TEST_RECORD"], "a") as out:
+        out.write(f"{os.getpid()}\t{prompt}\n")
+    return float(completion.strip() == answer.strip())
