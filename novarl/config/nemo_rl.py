@@ -84,7 +84,7 @@ def governed(*paths: str) -> list[Rule]:
 
 
 ISSUE_ALGORITHMS = "not built yet (the PPO-family issue)"
-ISSUE_ASYNC = "not built yet (asynchronous GRPO is a later issue)"
+ISSUE_ASYNC = "not built yet (asynchronous GRPO runs one step off-policy without it)"
 ISSUE_DATA = "not built yet"
 
 RULES: tuple[Rule, ...] = (

@@ -2,10 +2,12 @@
 the dedicated engines while the policy trains on this step's.
 
 Per step s (the policy has trained s - 1 steps, its weights are version s - 1):
-  1. wait for step s's rollouts (submitted during step s - 1's training, with weights s - 2);
-  2. the engines are idle: give them weights s - 1 (over the weight bridge);
-  3. submit step s + 1's prompts: they generate while
-  4. the policy trains on step s's rollouts (their age: 1 step; the loss's importance-sampling
+  1. wait for step s's rollouts (submitted during step s - 1's training, with weights s - 2), score
+     them and build the batch (the driver's work, while the engines are idle: on a small machine
+     it would take their cores);
+  2. give the engines weights s - 1 (over the weight bridge) and submit step s + 1's prompts: they
+     generate while
+  3. the policy trains on step s's rollouts (their age: 1 step; the loss's importance-sampling
      correction weighs each token by pi_old / pi_generator).
 So no trajectory is older than one step, within `max_trajectory_age_steps` (>= 1). An evaluation
 first gives the engines the newest weights (after the step in flight is done).
@@ -57,8 +59,7 @@ class AsyncRollouts:
 
     # ---------------------------------------------------------------- the loop's side
     def take(self, step: int, timer) -> tuple[Rollouts, dict[str, float]]:
-        """Step `step`'s rollouts (scored), and the metrics of getting them (weight sync, ages); the
-        next step's generation is in flight when this returns."""
+        """Step `step`'s rollouts (scored) and their ages; then `launch(step + 1)` before training."""
         if self.pending is None or self.pending.step != step:
             self.sync(step - 1)
             self._submit(step)
@@ -69,13 +70,19 @@ class AsyncRollouts:
         if max(ages) > self.max_age:  # an invariant of the schedule above
             raise RunFailed(f"asynchronous GRPO was about to train on a trajectory {max(ages)} steps old at step "
                             f"{step} (grpo.async_grpo.max_trajectory_age_steps={self.max_age}).")
-        with timer("weight_sync"):
-            metrics = self.sync(step - 1)
-        if step < self.max_steps:
-            self._submit(step + 1)
         raw, scaled, shaped = score_round(self.cfg, self.inputs, completions)
-        metrics.update(trajectory_age_mean=sum(ages) / len(ages), trajectory_age_max=float(max(ages)))
+        metrics = {"trajectory_age_mean": sum(ages) / len(ages), "trajectory_age_max": float(max(ages))}
         return Rollouts(completions, shaped, round_metrics(self.cfg, completions, raw, shaped)), metrics
+
+    def launch(self, step: int, timer) -> dict[str, float]:
+        """Right before the policy trains step `step` - 1 (its batch built: the driver's own work done
+        while the engines were idle): the engines take weights step - 2 and start step `step`, which
+        generates during that training. The weight sync's metrics."""
+        with timer("weight_sync"):
+            metrics = self.sync(step - 2)
+        if step <= self.max_steps:
+            self._submit(step)
+        return metrics
 
     def sync(self, version: int) -> dict[str, float]:
         """Give the engines the policy's weights `version` unless they hold them: after the round in

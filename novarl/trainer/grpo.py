@@ -161,6 +161,8 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
         kl_metrics.update(critic_metrics(batch, values, returns))
     elif late_advantages:
         batch.advantages = step_advantages(cfg, batch, rollouts.rewards, estimate_advantages, token_kl)
+    if pipeline is not None:  # the next step generates during this one's training
+        pipeline_metrics.update(pipeline.launch(step + 1, timer))
     with timer("training"):
         train_metrics = train_epochs(cfg, inputs, roles, batch, loss_fn, policy_trains)
     with timer("weight_sync"):  # the engines hold these weights already during the critic's warm-up
