@@ -1,6 +1,7 @@
 """Asynchronous vs synchronous GRPO with dedicated generation, side by side in one run.
 
     .venv/bin/python benchmarks/bench_async.py [--steps 600] [--out benchmarks/results/async_cpu.md]
+        [--extra key=value ...] [--append]
 
 The bundled recipe (tiny-arith, 64 prompts x 8 samples a step, Hugging Face generation) on 2 Ray
 ranks of one CPU each: the policy on one, a dedicated generation engine on the other. The
@@ -35,15 +36,15 @@ RUNS: dict[str, list[str]] = {
 }
 
 
-def run(name: str, steps: int, folder: Path) -> dict:
+def run(name: str, steps: int, folder: Path, extra: list[str]) -> dict:
     overrides = [f"grpo.max_num_steps={steps}", "logger.progress_bar=false", f"logger.log_dir={folder}",
-                 *DEDICATED, *RUNS[name]]
+                 *DEDICATED, *extra, *RUNS[name]]
     start = time.perf_counter()
     result = GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides)).train()
     records = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     loop = sum(r["time_step"] for r in train)
-    return {"name": name, "overrides": RUNS[name], "steps": len(train), "loop_seconds": loop,
+    return {"name": name, "overrides": [*extra, *RUNS[name]], "steps": len(train), "loop_seconds": loop,
             "steps_per_minute": 60 * len(train) / loop, "before": result.initial_accuracy,
             "after": result.final_accuracy, "wall_seconds": time.perf_counter() - start,
             "generation": sum(r["time_generation"] for r in train) / len(train),
@@ -54,33 +55,46 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "async_cpu.md")
+    parser.add_argument("--extra", nargs="*", default=[], help="overrides for both runs (a workload)")
+    parser.add_argument("--append", action="store_true", help="add the rows and ratio to --out instead of rewriting it")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(RUNS):
-            rows.append(run(name, args.steps, Path(tmp) / str(i)))
+            rows.append(run(name, args.steps, Path(tmp) / str(i), args.extra))
             r = rows[-1]
             print(f"{name}: {r['steps_per_minute']:.1f} steps/min, {r['before']:.1%} -> {r['after']:.1%}", flush=True)
     sync, asyn = rows
+    ratio = (f"Asynchronous / synchronous steps per minute: **{asyn['steps_per_minute'] / sync['steps_per_minute']:.2f}x** "
+             "(target >= 1.4x). Held-out accuracy after the same steps: "
+             f"{100 * (asyn['after'] - sync['after']):+.1f} points (target: within 3).")
+    if args.append and args.out.exists():
+        added = [row_line(r) for r in rows]
+        args.out.write_text(args.out.read_text().rstrip("\n") + "\n\n" + "\n".join(
+            [f"With `{' '.join(args.extra)}`:", "", TABLE_HEAD, TABLE_RULE, *added, "", ratio, ""]))
+        print(f"added to {args.out}")
+        return
     lines = [f"# Asynchronous GRPO vs synchronous ({date.today()}, {cpu_name()}, {os.cpu_count()} cores)", "",
              f"`.venv/bin/python benchmarks/bench_async.py --steps {args.steps}`: the bundled recipe (tiny-arith, 64 "
              "prompts x 8 samples a step, Hugging Face generation, fp32) on 2 Ray ranks of one CPU each, the policy on "
              "one and a dedicated engine on the other (overrides: " + " ".join(f"`{o}`" for o in DEDICATED) + "). "
              "Steps per minute: the steps' wall time summed (evaluations excluded). Both runs in one process, one "
              "after the other, on the same machine.", "",
-             "| run | overrides | steps/min | generation s/step | training s/step | held-out before | after | steps |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        overrides = " ".join(f"`{o}`" for o in r["overrides"]) or "(the dedicated layout as it is)"
-        lines.append(f"| {r['name']} | {overrides} | {r['steps_per_minute']:.1f} | {r['generation']:.3f} | "
-                     f"{r['training']:.3f} | {r['before']:.1%} | {r['after']:.1%} | {r['steps']} |")
-    lines += ["", f"Asynchronous / synchronous steps per minute: **{asyn['steps_per_minute'] / sync['steps_per_minute']:.2f}x** "
-              "(target >= 1.4x). Held-out accuracy after the same steps: "
-              f"{100 * (asyn['after'] - sync['after']):+.1f} points (target: within 3). In the asynchronous run "
-              "'generation' is the time the trainer waited for its rollouts.", ""]
+             TABLE_HEAD, TABLE_RULE, *(row_line(r) for r in rows),
+             "", ratio + " In the asynchronous run 'generation' is the time the trainer waited for its rollouts.", ""]
     args.out.write_text("\n".join(lines))
     print(f"wrote {args.out}")
+
+
+TABLE_HEAD = "| run | overrides | steps/min | generation s/step | training s/step | held-out before | after | steps |"
+TABLE_RULE = "|---|---|---:|---:|---:|---:|---:|---:|"
+
+
+def row_line(r: dict) -> str:
+    overrides = " ".join(f"`{o}`" for o in r["overrides"]) or "(the dedicated layout as it is)"
+    return (f"| {r['name']} | {overrides} | {r['steps_per_minute']:.1f} | {r['generation']:.3f} | "
+            f"{r['training']:.3f} | {r['before']:.1%} | {r['after']:.1%} | {r['steps']} |")
 
 
 if __name__ == "__main__":
