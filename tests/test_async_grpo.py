@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +16,7 @@ from novarl.cli import BUNDLED_RECIPE, main
 from novarl.config import load_config
 from novarl.errors import RunFailed
 from novarl.trainer.api import GRPOTrainer
-from tests.helpers import HF, train_steps
+from tests.helpers import HF, train_steps, train_until_killed
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -76,14 +72,8 @@ def test_a_killed_async_run_resumes_on_the_same_trajectories_and_trains_each_pro
     assert len(epoch) == 4 and sum(epoch, Counter()) == Counter({p: 4 for c in epoch for p in c})
 
     run = tmp_path / "run"
-    env = {**os.environ, "NOVARL_TEST_RECORD": str(tmp_path / "run.txt")}
-    proc = subprocess.Popen([sys.executable, "-m", "novarl.cli", "train", *overrides(run, data)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while not (run / "ckpt" / "step_2").exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    train_until_killed(overrides(run, data), run / "ckpt" / "step_2",
+                       env={**os.environ, "NOVARL_TEST_RECORD": str(tmp_path / "run.txt")})
     kept = max(int(p.name.split("_")[1]) for p in (run / "ckpt").glob("step_*"))
     assert 2 <= kept < 4
     monkeypatch.setenv("NOVARL_TEST_RECORD", str(tmp_path / "run.txt"))

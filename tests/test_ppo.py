@@ -6,10 +6,6 @@ at validate."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -18,7 +14,7 @@ from novarl.algorithms.advantages import GAESettings, ppo_advantages, terminal_r
 from novarl.cli import BUNDLED_RECIPE, main
 from novarl.config import load_config
 from novarl.trainer.api import GRPOTrainer
-from tests.helpers import HF, train_steps
+from tests.helpers import HF, train_steps, train_until_killed
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 PPO = ["grpo.adv_estimator.name=gae", "value={}"]
@@ -118,13 +114,7 @@ def test_a_checkpoint_resumes_only_with_the_critic_it_was_written_with(one_rank,
 def test_ppo_resumes_after_kill_like_the_uninterrupted_run(one_rank, tmp_path):
     _, expected = one_rank
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "novarl.cli", "train", *overrides(run, 6)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not (run / "ckpt" / "step_2").exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    train_until_killed(overrides(run, 6), run / "ckpt" / "step_2")
     assert (run / "ckpt" / "step_2").exists() and not (run / "ckpt" / "step_6").exists()
     resumed = GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(run, 6))).train()
     got = train_steps(resumed.output_dir)

@@ -22,7 +22,7 @@ TRAINING: dict[str, tuple[str, str, str]] = {
 CRITICS: dict[str, tuple[str, str]] = {
     "dtensor": ("novarl.backends.training.dtensor", "DTensorCritic"),
     "deepspeed": ("novarl.backends.training.deepspeed", "DeepSpeedCritic"),
-    "megatron": ("novarl.backends.training.megatron", "MegatronCritic"),
+    "megatron": ("novarl.backends.training.megatron_critic", "MegatronCritic"),
 }
 """Training backend -> (module, PPO critic class): a TrainingBackend whose logprobs are values."""
 

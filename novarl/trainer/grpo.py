@@ -74,11 +74,8 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
     def checkpoint(step: int, *, last: bool) -> None:
         nonlocal saved
         if checkpointer and saved != step and checkpointer.due(step, last=last):
-            state = {"sampler": pipeline.sampler_state() if pipeline else inputs.sampler.state_dict(),
-                     "summary": summary}
-            if pipeline is not None:  # the step in flight: its completions, so that a resume trains on them
-                state["async_rollouts"] = pipeline.state()
-            checkpointer.save(step, roles.policy, state, metrics=sink.path, critic=roles.critic)
+            checkpointer.save(step, roles.policy, trainer_state(inputs, summary, pipeline), metrics=sink.path,
+                              critic=roles.critic)
             saved = step
 
     def validate(step: int) -> None:
@@ -125,6 +122,15 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
     finally:
         progress.close()  # before any error is printed: it must not land inside the bar
     return summary
+
+
+def trainer_state(inputs: RunInputs, summary: dict[str, float], pipeline=None) -> dict:
+    """What a checkpoint holds beside the models: the data position and the summary so far; with
+    asynchronous GRPO the position before the step in flight and that step's completions, so that
+    a resume trains on them (async_rollouts.py)."""
+    if pipeline is None:
+        return {"sampler": inputs.sampler.state_dict(), "summary": summary}
+    return {"sampler": pipeline.sampler_state(), "summary": summary, "async_rollouts": pipeline.state()}
 
 
 def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossFn, estimate_advantages,

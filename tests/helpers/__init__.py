@@ -24,3 +24,20 @@ def default_generation() -> str:
     from novarl.plan.resolve import resolve_backends
 
     return resolve_backends(load_config(BUNDLED_RECIPE)).generation
+
+
+def train_until_killed(overrides: list[str], marker, *, env: dict | None = None, timeout: float = 180) -> None:
+    """`novarl train <overrides>` in a process of its own, killed with SIGKILL (kill -9) as soon as
+    the path `marker` exists (a checkpoint folder), or after `timeout` seconds."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "novarl.cli", "train", *overrides], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()

@@ -55,9 +55,11 @@ from novarl.backends.training.batching import (
     micro_batch,
     plan_micro_batches,
 )
+from novarl.backends.training.megatron_optim import (  # noqa: F401 (ddp_config: read by tests)
+    _load_optimizer_state, _optimizer_state, build_optimizer, build_scheduler, ddp_config)
 from novarl.backends.training.rows import accumulate, all_reduce_metrics
 from novarl.config.schema import PolicyConfig
-from novarl.errors import ConfigError, NotAvailableYet, UserError
+from novarl.errors import UserError
 from novarl.logging.console import info
 from novarl.types import TrainBatch
 
@@ -162,6 +164,8 @@ class MegatronModel:
         head (ScalarHead) where the vocabulary's output layer was."""
         self.module.share_embeddings_and_output_weights = False
         if self.last_stage:
+            from novarl.backends.training.megatron_critic import ScalarHead
+
             dtype = next(self.module.parameters()).dtype
             self.module.output_layer = ScalarHead(self.config.hidden_size, dtype=dtype,
                                                   sequence_parallel=self.config.sequence_parallel)
@@ -501,50 +505,6 @@ class MegatronPolicy(MegatronModel):
             save_hf_folder(path, self.hf_config, state, tokenizer, fmt)
 
 
-class MegatronCritic(MegatronPolicy):
-    """PPO's value model (its critic) on Megatron-core, laid out like the policy: the same GPTModel
-    with a scalar head on the last stage (ScalarHead), trained by the value loss. As on DTensor
-    (dtensor.py DTensorCritic), `logprobs(batch)` here is the batch's per-token values, each
-    token's from its predecessor's hidden state, 0 at each sequence's first token."""
-
-    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
-                 total_steps: int, seed: int = 42, emulate_cuda: bool = False) -> None:
-        super().__init__(policy, model_path, device, total_steps=total_steps, temperature=1.0, seed=seed,
-                         emulate_cuda=emulate_cuda, value_head=True)
-
-    def _token_logprobs(self, output: torch.Tensor, inputs: ModelInputs, mb: TrainBatch) -> torch.Tensor:
-        """[n] float32 values of the micro-batch's tokens from the head's [R, W, 1] output: each read
-        at its predecessor's position; 0 at each sequence's first token."""
-        rows = torch.nn.functional.pad(output[:, :-1, 0].float(), (1, 0))
-        return rows.reshape(-1)[inputs.index] * (mb.position_ids != 0)
-
-    def save_hf(self, path: Path, tokenizer, fmt=None) -> None:
-        raise NotAvailableYet("a Hugging Face folder of a Megatron critic is not built yet (its checkpoints resume; "
-                              "a DTensor or DeepSpeed critic exports with `novarl convert --critic`)")
-
-
-class ScalarHead(torch.nn.Module):
-    """The critic's output layer on Megatron's last stage, in the place of the vocabulary-parallel
-    one (called as it is: hidden states [s, b, h], returns ([s, b, 1], None)): one value per
-    position, weight and bias zero at the start, the same on every tensor-parallel rank. Under
-    sequence parallelism the positions are gathered first; every rank computes the same loss,
-    so the gradient is split back, not summed."""
-
-    def __init__(self, hidden_size: int, *, dtype: torch.dtype, sequence_parallel: bool) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
-        self.sequence_parallel = sequence_parallel
-
-    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
-        if self.sequence_parallel:
-            from megatron.core import tensor_parallel
-
-            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=False)
-        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
-
-
 class MegatronReference(MegatronModel):
     """The frozen reference policy (KL penalty) beside a Megatron policy, laid out like it."""
 
@@ -552,80 +512,6 @@ class MegatronReference(MegatronModel):
                  temperature: float, emulate_cuda: bool = False) -> None:
         super().__init__(policy, model_path, device, trainable=False, temperature=temperature,
                          emulate_cuda=emulate_cuda)
-
-
-# ------------------------------------------------------------------ mapping
-def ddp_config(mc, distributed_optimizer: bool):
-    """megatron_cfg.distributed_data_parallel_config (and the top-level overlap_grad_reduce)
-    as megatron-core's DistributedDataParallelConfig."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    d = mc.distributed_data_parallel_config
-    kwargs: dict[str, Any] = dict(
-        grad_reduce_in_fp32=d.grad_reduce_in_fp32, overlap_grad_reduce=mc.overlap_grad_reduce if "overlap_grad_reduce" in mc.model_fields_set
-        else d.overlap_grad_reduce,
-        overlap_param_gather=False, average_in_collective=False, use_distributed_optimizer=distributed_optimizer)
-    if d.use_custom_fsdp:
-        kwargs.update(use_custom_fsdp=True, data_parallel_sharding_strategy=d.data_parallel_sharding_strategy)
-    return DistributedDataParallelConfig(**kwargs)
-
-
-def build_optimizer(mc, model, *, precision: str, distributed: bool):
-    """megatron_cfg.optimizer as megatron-core's optimizer (Adam or SGD; distributed: its state
-    and fp32 master weights partitioned over data-parallel ranks)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    o = mc.optimizer
-    try:
-        config = OptimizerConfig(
-            optimizer=o.optimizer, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            bf16=precision == "bfloat16", fp16=precision == "float16",
-            params_dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}.get(precision, torch.float32),
-            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum,
-            use_distributed_optimizer=distributed, use_precision_aware_optimizer=o.use_precision_aware_optimizer,
-            clip_grad=o.clip_grad)
-    except (AssertionError, ValueError) as err:
-        raise ConfigError(f"policy.megatron_cfg.optimizer: megatron-core refused it: {err}") from None
-    return get_megatron_optimizer(config, [model])
-
-
-def build_scheduler(mc, optimizer, total_steps: int):
-    """megatron_cfg.scheduler as megatron-core's OptimizerParamScheduler, stepped once per
-    optimizer step; lr_decay_iters defaults to the run's optimizer steps."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    s, o = mc.scheduler, mc.optimizer
-    decay = max(s.lr_decay_iters or total_steps, s.lr_warmup_iters + 1)
-    try:
-        return OptimizerParamScheduler(
-            optimizer, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=s.lr_warmup_iters,
-            lr_decay_steps=decay, lr_decay_style=s.lr_decay_style,
-            start_wd=o.weight_decay if s.start_weight_decay is None else s.start_weight_decay,
-            end_wd=o.weight_decay if s.end_weight_decay is None else s.end_weight_decay,
-            wd_incr_steps=max(total_steps, 1), wd_incr_style=s.weight_decay_incr_style)
-    except (AssertionError, ValueError, KeyError) as err:
-        raise ConfigError(f"policy.megatron_cfg.scheduler: megatron-core refused it: {err}") from None
-
-
-def _optimizer_state(optimizer) -> dict[str, Any]:
-    """A megatron-core optimizer's state on this rank, as it is: the torch optimizer's state,
-    the parameters it steps (fp32 master weights, this rank's shard of them when distributed)
-    and the loss scaler. (megatron-core's own parameter-state formats assume fused Adam's
-    state keys; this works for any torch optimizer, on the same layout.)"""
-    inner = optimizer.optimizer
-    scaler = getattr(optimizer, "grad_scaler", None)
-    return {"optimizer": inner.state_dict(),
-            "params": [p.detach().to("cpu", copy=True) for g in inner.param_groups for p in g["params"]],
-            "grad_scaler": scaler.state_dict() if scaler is not None else None}
-
-
-def _load_optimizer_state(optimizer, state: dict[str, Any]) -> None:
-    inner = optimizer.optimizer
-    inner.load_state_dict(state["optimizer"])
-    for param, saved in zip([p for g in inner.param_groups for p in g["params"]], state["params"], strict=True):
-        param.copy_(saved)
-    if state["grad_scaler"] is not None:
-        optimizer.grad_scaler.load_state_dict(state["grad_scaler"])
 
 
 _packing_fallback_said = False
