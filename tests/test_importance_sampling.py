@@ -91,3 +91,14 @@ def test_nemo_rl_truncation_keys_are_read():
     loss = cfg.loss_fn
     assert (loss.truncated_importance_sampling_type, loss.truncated_importance_sampling_ratio_min) == ("icepop", 0.5)
     assert cfg.load_warnings == ()
+
+
+def test_a_non_finite_ratio_gets_weight_zero_and_zeroes_its_sequence_with_sequence_ratios():
+    b = batch()
+    b.generator_logprobs = b.generator_logprobs.clone()
+    b.generator_logprobs[1] = float("-inf")  # a token the generator gave no probability: ratio inf
+    b.generator_logprobs[5] = float("nan")
+    weights, _ = importance_weights(b.old_logprobs, b, ClippedPGSettings())
+    assert weights[b.loss_mask].tolist() == [0.0, 0.25, 1.0, 0.0]
+    per_sequence, _ = importance_weights(b.old_logprobs, b, ClippedPGSettings(sequence_level_importance_ratios=True))
+    assert per_sequence[b.loss_mask].tolist() == [0.0, 0.0, 0.0, 0.0]

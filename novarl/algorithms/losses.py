@@ -93,8 +93,9 @@ def clipped_pg_loss(
     kl = torch.zeros_like(token_loss)
     if settings.reference_policy_kl_penalty > 0 and batch.reference_logprobs is not None:
         kl = clamped_kl(logprobs, batch.reference_logprobs, settings)
-        if settings.use_on_policy_kl_approximation:
-            kl = kl * torch.exp(logprobs - old_logprobs).detach()
+        if settings.use_on_policy_kl_approximation:  # the samples came from the generator (NeMo RL's weight)
+            kl = kl * torch.nan_to_num(torch.exp(logprobs - batch.generator_logprobs).detach(),
+                                       nan=0.0, posinf=0.0, neginf=0.0)
         token_loss = token_loss + settings.reference_policy_kl_penalty * kl
 
     reduce = partial(_reduce, mask=mask, batch=batch, mode=settings.aggregation, norm=settings.aggregation_norm)
@@ -131,14 +132,14 @@ def importance_weights(old_logprobs: torch.Tensor, batch: TrainBatch, settings: 
     tokens), is_weight_max, is_oob_ratio (the tokens, or for seq-mask-tis the sequences, out of
     bounds)."""
     mask = batch.loss_mask.float()
-    log_ratio = torch.nan_to_num((old_logprobs - batch.generator_logprobs).detach().float() * mask,
-                                 nan=0.0, posinf=0.0, neginf=0.0)
-    index = batch.sequence_index.to(log_ratio.device)
-    if settings.sequence_level_importance_ratios:
-        weights = torch.exp(batch.sequence_sum(log_ratio))[index]
-    else:
-        weights = torch.exp(log_ratio)
+    raw = torch.where(batch.loss_mask, (old_logprobs - batch.generator_logprobs).detach().float(),
+                      torch.zeros((), device=old_logprobs.device))
+    index = batch.sequence_index.to(raw.device)
+    # a non-finite ratio gets weight 0 (its sequence too, with sequence ratios), as in NeMo RL
+    weights = torch.exp(batch.sequence_sum(raw))[index] if settings.sequence_level_importance_ratios \
+        else torch.exp(raw)
     weights = torch.nan_to_num(weights, nan=0.0, posinf=0.0, neginf=0.0)
+    log_ratio = torch.nan_to_num(raw, nan=0.0, posinf=0.0, neginf=0.0)  # for seq-mask-tis's geometric mean
     tokens = max(batch.global_valid_tokens, 1)
     metrics: dict[str, torch.Tensor] = {}
     high, low = settings.truncation_max, settings.truncation_min

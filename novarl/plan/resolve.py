@@ -454,7 +454,7 @@ def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> 
                         "would train; set grpo.adv_estimator.minus_baseline: false (REINFORCE++ without a baseline) "
                         "or 2 or more generations per prompt.")
     if grpo.async_grpo.enabled:
-        if policy.generation.colocated.enabled:
+        if policy.generation.colocated.enabled or policy.generation.backend == "megatron":
             problems.append("grpo.async_grpo.enabled overlaps generation with training on devices of their own: set "
                             "policy.generation.colocated.enabled=false (dedicated engines; colocated engines would "
                             "take the training devices' time).")

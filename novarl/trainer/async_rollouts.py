@@ -19,7 +19,6 @@ trajectories as the uninterrupted one, and no prompt is lost or repeated.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,10 +77,11 @@ class AsyncRollouts:
         """Right before the policy trains step `step` - 1 (its batch built: the driver's own work done
         while the engines were idle): the engines take weights step - 2 and start step `step`, which
         generates during that training. The weight sync's metrics."""
+        if step > self.max_steps:  # the last step: nothing to generate, the weights go at the next need
+            return {}
         with timer("weight_sync"):
             metrics = self.sync(step - 2)
-        if step <= self.max_steps:
-            self._submit(step)
+        self._submit(step)
         return metrics
 
     def sync(self, version: int) -> dict[str, float]:
@@ -89,15 +89,11 @@ class AsyncRollouts:
         flight is done (the engines are idle then)."""
         if self.engine_version == version:
             return {}
-        if self.pending is not None and self.pending.completions is None:
-            start = time.perf_counter()
+        if self.pending is not None:
             self.pending.result()
-            waited = time.perf_counter() - start
-        else:
-            waited = 0.0
         metrics = self.roles.sync_weights(version)
         self.engine_version = version
-        return {**metrics, "time_sync_waited_for_generation": waited}
+        return metrics
 
     def _submit(self, step: int) -> None:
         before = self.inputs.sampler.state_dict()
@@ -115,8 +111,8 @@ class AsyncRollouts:
         if self.pending is None:
             return None
         return {"step": self.pending.step, "completions": [
-            {"token_ids": c.token_ids, "logprobs": c.logprobs, "text": c.text, "finish_reason": c.finish_reason,
-             "policy_version": c.policy_version} for c in self.pending.result()]}
+            {"prompt_index": c.prompt.index, "token_ids": c.token_ids, "logprobs": c.logprobs, "text": c.text,
+             "finish_reason": c.finish_reason, "policy_version": c.policy_version} for c in self.pending.result()]}
 
     def restore(self, state: dict[str, Any] | None, version: int) -> None:
         """After a resume (the sampler at sampler_state(), the engines given weights `version`):
@@ -127,10 +123,10 @@ class AsyncRollouts:
         before = self.inputs.sampler.state_dict()
         prompts, sampling = draw_round(self.cfg, self.inputs, state["step"], 0, self.cfg.grpo.num_prompts_per_step)
         saved = state["completions"]
-        if len(saved) != len(prompts):
+        if len(saved) != len(prompts) or any(c.get("prompt_index", p.index) != p.index for p, c in zip(prompts, saved)):
             raise RunFailed(f"the checkpoint's rollouts in flight hold {len(saved)} completions for step "
-                            f"{state['step']}, and its prompts are {len(prompts)}: the config's batch differs from the "
-                            "run that wrote it.")
+                            f"{state['step']} that do not answer the {len(prompts)} prompts the sampler draws again: the "
+                            "config's batch or data differ from the run that wrote it.")
         completions = [Completion(prompt=p, token_ids=list(c["token_ids"]), logprobs=list(c["logprobs"]), text=c["text"],
                                   finish_reason=c["finish_reason"], policy_version=int(c["policy_version"]))
                        for p, c in zip(prompts, saved)]

@@ -351,8 +351,11 @@ def train_on_batch(policy, batch: TrainBatch, loss_fn: LossFn, global_batch_size
         metrics = policy.forward_backward(trained, loss_fn)
         metrics = {name: value * scale if _mean_share(name) else value for name, value in metrics.items()}
         metrics.update(policy.optim_step(), samples_trained_fraction=len(trained) / len(chunk))
-        for name, value in metrics.items():  # counts add up, the rest is averaged
-            totals[name] = totals.get(name, 0.0) + (value if name.startswith("tokens_") else value / len(chunks))
+        for name, value in metrics.items():  # counts add up, maxima are the largest, the rest is averaged
+            if name.endswith("_max"):
+                totals[name] = max(totals.get(name, value), value)
+            else:
+                totals[name] = totals.get(name, 0.0) + (value if name.startswith("tokens_") else value / len(chunks))
     return totals
 
 
