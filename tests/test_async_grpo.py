@@ -18,20 +18,13 @@ from novarl.errors import RunFailed
 from novarl.trainer.api import GRPOTrainer
 from tests.helpers import HF, train_steps, train_until_killed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # tests/conftest.py
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 REWARD = str(Path(__file__).parent / "helpers" / "rewards.py") + ":recording"
 ASYNC = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
          "cluster.gpus_per_node=2", "policy.generation.colocated.enabled=false",
          "policy.generation.colocated.resources.gpus_per_node=1"]
 PROMPTS, PER_STEP = 32, 8  # one epoch: 4 steps
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    ray = pytest.importorskip("ray")
-    yield
-    ray.shutdown()
 
 
 def overrides(folder: Path, data: Path) -> list[str]:

@@ -16,19 +16,12 @@ from novarl.trainer.api import GRPOTrainer
 from tests.helpers import HF, train_steps
 
 pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # tests/conftest.py
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 COMMON = ["logger.progress_bar=false", "grpo.max_train_seconds=null", "grpo.val_at_start=false",
           "grpo.val_at_end=false", "policy.train_micro_batch_size=128", "cluster.gpus_per_node=2", HF]
 ZERO = "policy.deepspeed_cfg.enabled=true"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    ray = pytest.importorskip("ray")
-    yield
-    ray.shutdown()
 
 
 def run(tmp_path, steps, *overrides):

@@ -12,18 +12,11 @@ from novarl.errors import UserError
 from novarl.logging.metrics import read_jsonl
 from novarl.trainer.api import GRPOTrainer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # tests/conftest.py
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Rank actors import test helpers (custom parallel plans) by name.
 REPO = str(Path(__file__).parents[1])
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    ray = pytest.importorskip("ray")
-    yield
-    ray.shutdown()
 
 
 FSDP2X2_RECIPE = Path(__file__).parents[1] / "examples" / "configs" / "grpo_tiny_fsdp2x2.yaml"

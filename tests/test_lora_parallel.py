@@ -15,19 +15,12 @@ from novarl.trainer.api import GRPOTrainer
 from tests.helpers import HF, train_steps
 
 pytest.importorskip("peft")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # tests/conftest.py
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 LORA = ["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.use_triton=false",
         "policy.dtensor_cfg.lora_cfg.dim=4", "policy.dtensor_cfg.lora_cfg.alpha=8"]
 STEPS = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    ray = pytest.importorskip("ray")
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -244,13 +244,6 @@ def test_every_parameter_is_trained_with_packing(one_rank_policy):
 
 
 # ---------------------------------------------------------------- several ranks
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp2-dp2", "tp2-sp", "zero3-dp2"])
 def test_two_ranks_packed_and_dynamic_match_padded(ray_session, tmp_path, layout):

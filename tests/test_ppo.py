@@ -174,13 +174,6 @@ def test_bad_ppo_settings_are_refused_at_validate_naming_the_key(capsys, extra, 
 
 
 # ------------------------------------------------------------------ 2 ranks
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", [[], ["policy.deepspeed_cfg.enabled=true", "policy.deepspeed_cfg.zero_stage=3",
                                           "value.deepspeed_cfg.enabled=true", "value.deepspeed_cfg.zero_stage=3"]],
