@@ -250,7 +250,7 @@ def test_engines_share_the_step_and_take_weights_rank_to_rank(ray_cluster, overr
         rollout = roles.generator.submit(prompts, sampling)
         assert isinstance(rollout, RayRollout)
         per_engine = ray.get(rollout.refs)
-        assert [len(share) for share in per_engine] == [12, 12]  # 3 whole groups of 4 each
+        assert [len(share["completions"]) for share in per_engine] == [12, 12]  # 3 whole groups of 4 each
         # the same samples as one engine in this process would give at these weights
         local = in_process_engine(inputs)
         expected = local.submit(prompts, sampling).result()

@@ -73,7 +73,9 @@ def test_the_loss_weighs_each_tokens_loss_by_its_importance_weight():
     (["loss_fn.truncated_importance_sampling_ratio=2"], "is set without loss_fn.truncated_importance_sampling_type"),
     (["loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
       "loss_fn.truncated_importance_sampling_ratio=1.002", "loss_fn.truncated_importance_sampling_ratio_min=0.999",
-      "loss_fn.sequence_level_importance_ratios=true"], "does not go with sequence_level_importance_ratios"),
+      "loss_fn.sequence_level_importance_ratios=true", "loss_fn.token_level_loss=false"],
+     "does not go with sequence_level_importance_ratios"),
+    (["loss_fn.sequence_level_importance_ratios=true"], "goes with a per-sequence loss (NeMo RL's rule)"),
     (["loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_type=tis2",
       "loss_fn.truncated_importance_sampling_ratio=2"], "'loss_fn.truncated_importance_sampling_type' = 'tis2'"),
 ])

@@ -120,6 +120,21 @@ class GenerationBackend(Protocol):
 
 
 @runtime_checkable
+class QueuedWeights(Protocol):
+    """What asynchronous GRPO needs of the engines: weights taken in order behind the rounds
+    submitted before them, the trainer not waiting for those rounds."""
+
+    def queue_weights(self, version: int) -> dict[str, float]:
+        """The policy's current weights, to be taken after the rounds submitted so far and before any
+        submitted later; returns once the trainer may go on (metrics: weight_sync_mb)."""
+        ...
+
+    def weights_taken(self) -> None:
+        """Until the engines have taken the weights queued last (raising what they raised)."""
+        ...
+
+
+@runtime_checkable
 class Offloadable(Protocol):
     """What colocation needs: free the accelerator memory while the other role runs."""
 

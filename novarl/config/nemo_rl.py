@@ -84,12 +84,15 @@ def governed(*paths: str) -> list[Rule]:
 
 
 ISSUE_ALGORITHMS = "not built yet (the PPO-family issue)"
-ISSUE_ASYNC = "not built yet (asynchronous GRPO runs one step off-policy without it)"
+ISSUE_ASYNC = "not built yet (asynchronous GRPO runs without it)"
 ISSUE_DATA = "not built yet"
 
 RULES: tuple[Rule, ...] = (
     # ---------------------------------------------------------------- grpo
-    off("grpo.async_grpo.in_flight_weight_updates", _is(False), f"in-flight weight updates are {ISSUE_ASYNC}"),
+    off("grpo.async_grpo.in_flight_weight_updates", _is(False),
+        "in-flight weight updates (the engines taking new weights in the middle of a round) are not built: novarl "
+        "queues each step's weights behind the rounds the engines have, sent in the background without the trainer "
+        "waiting for those rounds"),
     off("grpo.async_grpo.max_generation_failures", _is(0), f"tolerated generation failures are {ISSUE_ASYNC}"),
     off("grpo.async_grpo.recompute_kv_cache_after_weight_updates", _is(False),
         f"KV-cache recomputation is {ISSUE_ASYNC}"),
@@ -114,7 +117,7 @@ RULES: tuple[Rule, ...] = (
     # ---------------------------------------------------------------- top level
     off("grpo.async_grpo.warmup_generation_lead_steps", _is(None), f"asynchronous PPO's warm-up is {ISSUE_ASYNC}"),
     off("grpo.async_grpo.drop_incomplete_targets_on_restore", _is(False),
-        f"restoring in-flight rollouts is {ISSUE_ASYNC}"),
+        "novarl's checkpoints hold the rounds in flight whole (waited for), so none is incomplete on restore"),
     off("async_rl", _is(None), f"the single-controller asynchronous loop is {ISSUE_ASYNC}"),
     off("on_policy_distillation", _disabled, "on-policy distillation is not built"),
     off("reward_penalties", _all_off, "NeMo-Gym reward penalties are not built"),

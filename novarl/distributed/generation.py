@@ -9,7 +9,10 @@
 - `DedicatedEngines`: engine actors on devices of their own
   (`colocated.resources`). The policy's rank 0 broadcasts each bucket, as the
   training ranks gather it, to every engine over a process group of their own
-  (weight_sync.WeightBridge).
+  (weight_sync.WeightBridge). Asynchronous GRPO queues the weights instead
+  (`queue_weights`): rank 0 keeps a host copy and sends it from a thread of its
+  own when the engines come to it, after the rounds submitted before, so that
+  neither side waits for the other.
 
 The driver sends prompts and receives completions; it never holds a weight.
 A step's prompts are shared among the engines with each GRPO group whole on one
@@ -21,6 +24,7 @@ so that seeded sampling gives the same samples whatever the number of engines.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,8 +54,11 @@ def share_groups(prompts: Sequence[Prompt], engines: int) -> list[tuple[int, int
 class Ready:
     """A Rollout already complete (an engine in this process generates at submit)."""
 
-    def __init__(self, completions: list[Completion]) -> None:
-        self.completions = completions
+    def __init__(self, completions: list[Completion], seconds: float = 0.0) -> None:
+        self.completions, self.seconds = completions, seconds
+
+    def times(self) -> dict[str, float]:
+        return {"time_generation": self.seconds}
 
     def done(self) -> bool:
         return True
@@ -61,11 +68,13 @@ class Ready:
 
 
 class RayRollout:
-    """Completions of engines on Ray actors: shares in flight, joined in prompt order."""
+    """Completions of engines on Ray actors: shares in flight, joined in prompt order (each share
+    comes with its engine's busy and idle seconds, see RankActor.generate_share)."""
 
     def __init__(self, group, refs: list) -> None:
         self.group, self.refs = group, refs
         self.completions: list[Completion] | None = None
+        self.shares: list[dict[str, Any]] = []
 
     def done(self) -> bool:
         import ray
@@ -75,8 +84,16 @@ class RayRollout:
 
     def result(self) -> list[Completion]:
         if self.completions is None:
-            self.completions = [c for share in self.group.collect(self.refs) for c in share]
+            self.shares = self.group.collect(self.refs)
+            self.completions = [c for share in self.shares for c in share["completions"]]
         return self.completions
+
+    def times(self) -> dict[str, float]:
+        """time_generation: the slowest engine's seconds on its share; time_generator_idle: the
+        longest an engine sat idle before it started (waiting for prompts or weights)."""
+        self.result()
+        return {"time_generation": max(s["busy_s"] for s in self.shares),
+                "time_generator_idle": max(s["idle_s"] for s in self.shares)}
 
 
 def shares(prompts: Sequence[Prompt], sampling: SamplingConfig, engines: int
@@ -96,13 +113,23 @@ class LocalGeneration:
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
 
     def submit(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> Ready:
-        return Ready(self.engine.generate(prompts, sampling))
+        start = time.perf_counter()
+        completions = self.engine.generate(prompts, sampling)
+        return Ready(completions, time.perf_counter() - start)
 
     def sync_weights(self, version: int) -> dict[str, float]:
         loaded = [0]
         buckets = self.policy.weight_buckets(self.bucket_bytes, everywhere=True, dtype=self.dtype)
         self.engine.update_weights(flatten(buckets, loaded), version)
         return {"weight_sync_mb": loaded[0] / 1e6}
+
+    def queue_weights(self, version: int) -> dict[str, float]:
+        """Asynchronous GRPO's weight update: at once (the engine generated every round submitted
+        so far at its submit, so these weights come after them, as queued weights do)."""
+        return self.sync_weights(version)
+
+    def weights_taken(self) -> None:
+        """Nothing to wait for: queue_weights loads them at once."""
 
     def offload(self) -> None:
         if isinstance(self.engine, Offloadable):
@@ -169,6 +196,8 @@ class DedicatedEngines:
         wait_groups([(policy_group, [sender.join_weight_bridge.remote(host, port, 0, world)]),
                      (engine_group, [a.join_weight_bridge.remote(host, port, 1 + i, world)
                                      for i, a in enumerate(engine_group.actors)])])
+        self.receiving: list = []
+        """The engines' queued weight update (queue_weights), until weights_taken."""
 
     def submit(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> RayRollout:
         work = shares(prompts, sampling, self.layout.engines)
@@ -182,6 +211,23 @@ class DedicatedEngines:
                                  for a in self.policy_group.actors]),
             (self.group, [a.receive_weights.remote(version) for a in self.group.actors])])
         return {"weight_sync_mb": sent[0] / 1e6}
+
+    def queue_weights(self, version: int) -> dict[str, float]:
+        """The policy's weights to the engines behind the rounds already submitted to them, without
+        waiting for those: the training ranks gather them and rank 0 keeps a host copy, which a
+        thread of its own sends when every engine has come to take it (a round submitted after
+        this call is generated with these weights or newer). The engines must have taken the
+        previous copy first (weights_taken: at most one copy is held)."""
+        self.weights_taken()
+        sent = self.policy_group.call_all_actors("queue_weights", self.bucket_bytes, self.dtype, version)
+        self.receiving = [a.receive_weights.remote(version, True) for a in self.group.actors]
+        return {"weight_sync_mb": sent[0] / 1e6}
+
+    def weights_taken(self) -> None:
+        """Until the engines have taken the weights queued last (after the rounds submitted before
+        them), raising what they raised."""
+        receiving, self.receiving = self.receiving, []
+        self.group.collect(receiving)
 
     def describe(self) -> str:
         device = "GPU" if self.layout.devices_per_node and torch.cuda.is_available() else "CPU rank"

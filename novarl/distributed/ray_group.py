@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +55,10 @@ class RankActor:
         self.others: dict[str, Any] = {}
         self.bridge: Any = None
         self.listener: socket.socket | None = None
+        self.sender: Any = None
+        """Rank 0's thread sending queued weights over the bridge (queue_weights)."""
+        self.free_since: float | None = None
+        """When this rank's engine finished its last work (generate_share, receive_weights)."""
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0"})
         import ray
         import torch
@@ -141,10 +147,15 @@ class RankActor:
 
         self.bridge = WeightBridge(host, port, rank, world_size, self._take_listener() if rank == 0 else None)
 
-    def generate_share(self, role: str | None, prompts: list, sampling) -> list:
-        """This process's engine (the role, or the added role `role`) on its share of a step."""
+    def generate_share(self, role: str | None, prompts: list, sampling) -> dict[str, Any]:
+        """This process's engine (the role, or the added role `role`) on its share of a step: the
+        completions, the seconds it took (busy_s) and those the engine sat idle before (idle_s)."""
         engine = self.others[role] if role else self.role
-        return engine.generate(prompts, sampling)
+        start = time.perf_counter()
+        idle = start - self.free_since if self.free_since is not None else 0.0
+        completions = engine.generate(prompts, sampling)
+        self.free_since = time.perf_counter()
+        return {"completions": completions, "busy_s": self.free_since - start, "idle_s": idle}
 
     def sync_generator(self, version: int, bucket_bytes: int, dtype) -> int:
         """Collective over the policy ranks: gather the full weights bucket by bucket from the
@@ -168,25 +179,93 @@ class RankActor:
         broadcasts each over the bridge as it comes. Bytes sent (0 on other ranks)."""
         from novarl.distributed.weight_sync import drain
 
+        self.wait_weights_taken()
         buckets = self.role.weight_buckets(bucket_bytes, everywhere=False, dtype=dtype)
         if self.bridge is None:
             drain(buckets)
             return 0
         return self.bridge.send(buckets)
 
-    def receive_weights(self, version: int) -> None:
+    def queue_weights(self, bucket_bytes: int, dtype, version: int) -> int:
+        """Collective over the policy ranks: gather the full weights bucket by bucket; rank 0 keeps
+        a host copy, which a thread of its own broadcasts over the bridge once every engine has
+        come to receive it (their receive_weights(version, queued=True), behind the rounds they
+        have), while this rank trains on. The driver waits for the engines to take the previous
+        copy before it calls this (DedicatedEngines.queue_weights). Bytes queued (0 on other ranks)."""
+        from novarl.distributed.weight_sync import drain, host_copy
+
+        self.wait_weights_taken()
+        buckets = self.role.weight_buckets(bucket_bytes, everywhere=False, dtype=dtype)
+        if self.bridge is None:
+            drain(buckets)
+            return 0
+        held = [host_copy(bucket) for bucket in buckets]
+        self.sender = _Sender(self.bridge, held, version)
+        return sum(t.numel() * t.element_size() for bucket in held for _, t in bucket)
+
+    def wait_weights_taken(self) -> None:
+        """Until the thread sending the weights queued last is done (raising what it raised)."""
+        if self.sender is not None:
+            sender, self.sender = self.sender, None
+            sender.wait()
+
+    def receive_weights(self, version: int, queued: bool = False) -> None:
+        """Take weights `version` from the bridge (queued: sent by rank 0's thread once this engine
+        says it is here)."""
         from novarl.distributed.weight_sync import drain
 
+        if queued:
+            self.bridge.mark_ready(version)
         stream = self.bridge.receive()
         self.role.update_weights(stream, version)
         drain(stream)
+        self.free_since = time.perf_counter()
 
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        if self.sender is not None:  # weights queued for engines that will not take them now
+            self.sender.stop()
+
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+class _Sender:
+    """A thread that broadcasts queued weights over a weight bridge once the engines are ready for
+    them (on a CUDA stream of its own, so that the training's kernels do not queue behind the
+    transfer); wait() joins it and raises its error, stop() ends a wait for the engines."""
+
+    def __init__(self, bridge, buckets: list, version: int) -> None:
+        self.error: BaseException | None = None
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(bridge, buckets, version), name="novarl-weights",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, bridge, buckets: list, version: int) -> None:
+        import contextlib
+
+        import torch
+
+        try:
+            if not bridge.wait_ready(version, self.stopped):
+                return
+            stream = torch.cuda.stream(torch.cuda.Stream()) if bridge.device.type == "cuda" else contextlib.nullcontext()
+            with stream:
+                bridge.send(buckets)
+        except BaseException as err:  # raised in the caller's thread by wait()
+            self.error = err
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=5)
 
 
 def require_capacity(needs: dict[str, float], what: str) -> None:

@@ -33,6 +33,7 @@ import abc
 import datetime
 import json
 import socket
+import threading
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -149,6 +150,9 @@ class WeightBridge(Channel):
         if rank == 0 and listener is None:
             listener = listen_on(host, port)
         store = tcp_store(host, port, world_size, listener if rank == 0 else None)
+        self.engines = world_size - 1
+        self.signals = dist.PrefixStore("novarl-ready/", store)
+        """Where the engines say they are ready for a queued update (mark_ready / wait_ready)."""
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = TIMEOUT
@@ -160,6 +164,22 @@ class WeightBridge(Channel):
         options = dist.BroadcastOptions()
         options.rootRank = 0
         self.group.broadcast([tensor], options).wait()
+
+    def mark_ready(self, version: int) -> None:
+        """An engine is about to receive queued update `version` (see wait_ready)."""
+        self.signals.set(f"{version}/{self.rank}", "1")
+
+    def wait_ready(self, version: int, stop: threading.Event) -> bool:
+        """Rank 0, before it sends queued update `version`: until every engine has come to receive
+        it (which may take rounds of generation: no collective waits meanwhile, so no collective
+        timeout applies). False if `stop` was set first."""
+        keys = [f"{version}/{rank}" for rank in range(1, self.engines + 1)]
+        while not self.signals.check(keys):
+            if stop.wait(0.02):
+                return False
+        for key in keys:
+            self.signals.delete_key(key)
+        return True
 
 
 class GroupChannel(Channel):
@@ -223,6 +243,18 @@ def full_weights(state: Iterable[tuple[str, torch.Tensor]], keep: bool, dtype: t
             tensor = tensor.full_tensor()
         if keep:
             yield name, in_dtype(tensor.detach(), dtype)
+
+
+def host_copy(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A bucket's tensors copied into host memory of their own (pinned where there is a GPU), to
+    send later while the originals change (asynchronous GRPO's queued weights)."""
+    pin = torch.cuda.is_available()
+    copies = []
+    for name, tensor in bucket:
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+        copy.copy_(tensor.detach())
+        copies.append((name, copy))
+    return copies
 
 
 def in_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-TIMERS = ("generation", "logprobs", "training", "weight_sync")
+TIMERS = ("generation", "rollout_wait", "generator_idle", "logprobs", "training", "weight_sync")
+"""The step's timings a log line shows, those the step has (the asynchronous ones: see async_rollouts.py)."""
 
 
 def info(message: str) -> None:
@@ -56,7 +57,7 @@ class Progress:
 
 
 def step_line(step: int, m: dict[str, Any]) -> str:
-    times = " ".join(f"{name}={m[f'time_{name}']:.3f}s" for name in TIMERS)
+    times = " ".join(f"{name}={m[f'time_{name}']:.3f}s" for name in TIMERS if f"time_{name}" in m)
     policy = (f"loss={m['loss']:+.4f} grad_norm={m['grad_norm']:.3f} clip={m['clip_fraction']:.3f} " if "loss" in m
               else "policy not trained (critic warm-up) ")
     critic = f"value_loss={m['critic/value_loss']:.4f} " if "critic/value_loss" in m else ""

@@ -454,10 +454,6 @@ def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> 
                         "would train; set grpo.adv_estimator.minus_baseline: false (REINFORCE++ without a baseline) "
                         "or 2 or more generations per prompt.")
     if grpo.async_grpo.enabled:
-        if policy.generation.colocated.enabled or policy.generation.backend == "megatron":
-            problems.append("grpo.async_grpo.enabled overlaps generation with training on devices of their own: set "
-                            "policy.generation.colocated.enabled=false (dedicated engines; colocated engines would "
-                            "take the training devices' time).")
         if not loss.use_importance_sampling_correction:
             problems.append("grpo.async_grpo.enabled trains on trajectories of older weights: it needs "
                             "loss_fn.use_importance_sampling_correction=true (NeMo RL's rule).")
@@ -467,11 +463,21 @@ def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> 
     if grpo.use_dynamic_sampling and grpo.num_generations_per_prompt < 2:
         problems.append("grpo.use_dynamic_sampling keeps groups whose rewards differ: it needs "
                         "grpo.num_generations_per_prompt of 2 or more.")
-    backend = resolve_backends(cfg).generation
+    backends = resolve_backends(cfg)
+    backend = backends.generation
     try:
-        generation_layout(cfg, backend)
+        layout = generation_layout(cfg, backend)
     except ConfigError as err:
         problems.append(str(err))
+    else:
+        if grpo.async_grpo.enabled and layout.colocated and not (layout.in_process and backends.training != "megatron"):
+            problems.append(
+                "grpo.async_grpo.enabled overlaps generation with training on devices of their own: set "
+                "policy.generation.colocated.enabled=false (dedicated engines). Colocated engines on the policy's "
+                f"{layout.training_ranks} rank(s) would take turns with training on the same devices"
+                f"{' (Megatron generation is the policy itself)' if backend == 'megatron' else ''}; "
+                "one-rank runs in this process may use it (the same trajectories as dedicated engines, nothing "
+                "overlapping).")
     if backend != "vllm":
         return problems
     max_model_len = gen.vllm_cfg.max_model_len

@@ -6,6 +6,7 @@
                                DeepSpeed: policy/deepspeed/...; Megatron: policy/megatron/...)
     step_N/config.yaml         the resolved config
     step_N/metrics.jsonl       the run's metrics up to step N
+    step_N/rollouts.pt         asynchronous GRPO: the rounds in flight (token ids, logprobs, weight versions)
     step_N/manifest.json       every file above with its size and sha256, and trainer_state.json's sha256
     step_N/trainer_state.json  step, data position, RNG, summary; written last, it marks the folder complete
     step_N/run_finished.json   added once the run that wrote step_N has ended (evaluation, export, prune)
@@ -56,6 +57,8 @@ POLICY_DIR = "policy"
 CRITIC_DIR = "critic"
 """PPO's value model, beside the policy, when the run has one (its files are checked like the policy's)."""
 FINISHED_FILE = "run_finished.json"
+ROLLOUTS_FILE = "rollouts.pt"
+"""Asynchronous GRPO's rounds in flight at the checkpoint (tensors, loaded with weights_only=True)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,18 @@ class Checkpoint:
         return [r for r in records if isinstance(r, dict) and isinstance(r.get("step"), int)
                 and r["step"] <= self.step]
 
+    def rollouts(self) -> Any:
+        """Asynchronous GRPO's rounds in flight at this step (None without them); read after the
+        checkpoint's checksums were compared (Checkpointer.latest(verify=True))."""
+        path = self.path / ROLLOUTS_FILE
+        if not path.is_file():
+            return self.state.get("async_rollouts")  # written into the state by an older novarl
+        try:
+            return torch.load(path, weights_only=True)
+        except Exception as err:
+            raise UserError(f"Checkpoint {self.path}'s {ROLLOUTS_FILE} is unreadable ({err}); resume from an older "
+                            "checkpoint (move this one out of checkpointing.checkpoint_dir).") from None
+
 
 class Checkpointer:
     def __init__(self, cfg: CheckpointingConfig, config_yaml: str) -> None:
@@ -88,10 +103,12 @@ class Checkpointer:
     def due(self, step: int, *, last: bool) -> bool:
         return self.cfg.enabled and (step % self.cfg.save_period == 0 or last)
 
-    def save(self, step: int, policy, state: dict[str, Any], *, metrics: Path | None = None, critic=None) -> Path:
+    def save(self, step: int, policy, state: dict[str, Any], *, metrics: Path | None = None, critic=None,
+             rollouts: Any = None) -> Path:
         """Write step_N atomically (see the module's docstring); then prune to keep_top_k (the
         newest always stays). metrics: the run's metrics.jsonl, kept with the checkpoint so that
         a resumed run carries the whole history (its curve starts at step 1, not at the resume).
+        rollouts: asynchronous GRPO's rounds in flight (tensors, lists, numbers and strings).
         A write the OS refuses (a full disk, ...) raises UserError; the partial folder is removed."""
         final = self.root / f"step_{step}"
         tmp = self.root / f".tmp_step_{step}-{owner_tag()}"
@@ -105,6 +122,8 @@ class Checkpointer:
             (tmp / "config.yaml").write_text(self.config_yaml)
             if metrics is not None and metrics.is_file():
                 shutil.copyfile(metrics, tmp / METRICS_FILE)
+            if rollouts is not None:
+                torch.save(rollouts, tmp / ROLLOUTS_FILE)
             state_text = json.dumps({**state, "step": step, "rng": _rng_state()}, indent=1)
             write_manifest(tmp, state_text)
             write_synced(tmp / STATE_FILE, state_text)  # written last: marks completeness

@@ -60,11 +60,12 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
     max_steps = inputs.max_steps or grpo.max_num_steps  # fewer when grpo.max_num_epochs ends first
     pipeline = None
     if grpo.async_grpo.enabled:
+        from novarl.distributed.generation import LocalGeneration
         from novarl.trainer.async_rollouts import AsyncRollouts, async_description
 
         pipeline = AsyncRollouts(cfg, inputs, roles, max_steps)
-        pipeline.restore(resume.state.get("async_rollouts") if resume else None, step)
-        info(async_description(cfg))
+        pipeline.restore(resume.rollouts() if resume else None, step)
+        info(async_description(cfg, in_process=isinstance(roles.generator, LocalGeneration)))
     progress = Progress(max_steps, enabled=cfg.logger.progress_bar,
                         print_every=cfg.logger.print_every_n_steps, initial=step)
     summary: dict[str, float] = dict(resume.state.get("summary", {})) if resume else {}
@@ -75,7 +76,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         nonlocal saved
         if checkpointer and saved != step and checkpointer.due(step, last=last):
             checkpointer.save(step, roles.policy, trainer_state(inputs, summary, pipeline), metrics=sink.path,
-                              critic=roles.critic)
+                              critic=roles.critic, rollouts=pipeline.state() if pipeline is not None else None)
             saved = step
 
     def validate(step: int) -> None:
@@ -119,18 +120,19 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         if grpo.val_at_end:
             validate(step)
         checkpoint(step, last=True)
+        if pipeline is not None:
+            pipeline.finish()
     finally:
         progress.close()  # before any error is printed: it must not land inside the bar
     return summary
 
 
 def trainer_state(inputs: RunInputs, summary: dict[str, float], pipeline=None) -> dict:
-    """What a checkpoint holds beside the models: the data position and the summary so far; with
-    asynchronous GRPO the position before the step in flight and that step's completions, so that
-    a resume trains on them (async_rollouts.py)."""
-    if pipeline is None:
-        return {"sampler": inputs.sampler.state_dict(), "summary": summary}
-    return {"sampler": pipeline.sampler_state(), "summary": summary, "async_rollouts": pipeline.state()}
+    """What a checkpoint's state holds: the data position and the summary so far; with
+    asynchronous GRPO the position before the oldest round in flight (the rounds themselves go
+    into rollouts.pt, so that a resume trains on them: async_rollouts.py)."""
+    sampler = inputs.sampler.state_dict() if pipeline is None else pipeline.sampler_state()
+    return {"sampler": sampler, "summary": summary}
 
 
 def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossFn, estimate_advantages,
@@ -141,8 +143,10 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
     timer, tic = StepTimer(), time.perf_counter()
     if pipeline is None:
         rollouts, pipeline_metrics = collect(cfg, inputs, roles, step, timer), {}
-    else:  # asynchronous: generated during the previous step (async_rollouts.py), the weights synced
+    else:  # asynchronous: generated during earlier steps (async_rollouts.py)
+        queued = pipeline.advance(step, timer)
         rollouts, pipeline_metrics = pipeline.take(step, timer)
+        pipeline_metrics.update(queued)
     batch = build_train_batch(rollouts.completions, torch.zeros(len(rollouts.completions)),
                               overlong_filtering=grpo.overlong_filtering)
     critic = roles.critic
@@ -167,12 +171,13 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
         kl_metrics.update(critic_metrics(batch, values, returns))
     elif late_advantages:
         batch.advantages = step_advantages(cfg, batch, rollouts.rewards, estimate_advantages, token_kl)
-    if pipeline is not None:  # the next step generates during this one's training
-        pipeline_metrics.update(pipeline.launch(step + 1, timer))
     with timer("training"):
         train_metrics = train_epochs(cfg, inputs, roles, batch, loss_fn, policy_trains)
-    with timer("weight_sync"):  # the engines hold these weights already during the critic's warm-up
-        sync_metrics = roles.sync_weights(step) if policy_trains and pipeline is None else pipeline_metrics
+    if pipeline is not None:  # the weights go to the engines at the next step's start
+        sync_metrics = pipeline_metrics
+    else:
+        with timer("weight_sync"):  # the engines hold these weights already during the critic's warm-up
+            sync_metrics = roles.sync_weights(step) if policy_trains else {}
     mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None else {}  # else the loss measured it
     gpus = roles.policy.gpu_stats() if cfg.logger.monitor_gpus else {}
     return {**rollouts.metrics, **inputs.scorer.take_metrics(),

@@ -350,6 +350,11 @@ class Roles:
         with the policy's own model)."""
         return self.generator.sync_weights(version)
 
+    def queue_weights(self, version: int) -> dict[str, float]:
+        """Asynchronous GRPO's weight update: the policy's weights go to the engines behind the
+        rounds submitted to them, the trainer not waiting for those (distributed/generation.py)."""
+        return self.generator.queue_weights(version)
+
     def shutdown(self) -> None:
         """Stop remote workers (in-process roles need nothing); safe to call twice."""
         for name in ("generator", "critic", "reference", "policy"):

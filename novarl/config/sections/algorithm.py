@@ -195,6 +195,16 @@ class LossConfig(Section):
     token_level_loss decides (token-mean or seq-mean-token-mean)."""
 
     @model_validator(mode="after")
+    def _sequence_ratios(self) -> "LossConfig":
+        """NeMo RL's rule: GSPO's sequence-level ratios go with a per-sequence loss."""
+        token_mean = self.loss_agg_mode == "token-mean" or self.loss_agg_mode is None and self.token_level_loss
+        if self.sequence_level_importance_ratios and token_mean:
+            raise ValueError("loss_fn.sequence_level_importance_ratios (GSPO) weighs whole sequences: it goes with a "
+                             "per-sequence loss (NeMo RL's rule); set loss_fn.token_level_loss=false (or a "
+                             "loss_fn.loss_agg_mode of seq-mean-...)")
+        return self
+
+    @model_validator(mode="after")
     def _truncation(self) -> "LossConfig":
         kind, high, low = (self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio,
                            self.truncated_importance_sampling_ratio_min)
