@@ -232,3 +232,13 @@ def test_a_dense_model_is_never_given_expert_parallelism():
     advice = advise(ModelShape.from_name(str(CONFIGS / "llama-3.3-70b")), gpus_per_node=8, num_nodes=8,
                     sequence_length=SEQ)
     assert {c.expert_parallel_size for c in advice.candidates} == {1}
+
+
+def test_the_advisor_splits_long_sequences_over_context_parallel_ranks_when_recomputation_is_not_enough():
+    at_64k = advise(QWEN_1_5B, gpus_per_node=8, num_nodes=1, sequence_length=65536).recommended
+    assert at_64k.context_parallel_size == 1 and at_64k.activation_checkpointing and at_64k.fits
+    at_128k = advise(QWEN_1_5B, gpus_per_node=8, num_nodes=1, sequence_length=131072).recommended
+    assert (at_128k.training_backend, at_128k.data_parallel_size, at_128k.context_parallel_size) == ("dtensor", 4, 2)
+    assert at_128k.fits and at_128k.activation_checkpointing
+    assert "context parallelism 2: the activations of 131072-token sequences decide" in " ".join(at_128k.notes)
+    assert any("context parallel 2" in factor for factor in at_128k.score_factors)

@@ -376,7 +376,15 @@ def test_fsdp2_tp_splits_layers_not_embeddings():
 
 def test_context_parallel_splits_the_sequence():
     cp = estimate("fsdp2", data_parallel_size=4, context_parallel_size=2)
-    assert cp.activations == 32 * 34 * 2048 * 4096 + 4 * 2048 * 32000
+    # each rank's half of the sequence, plus the other half's keys and values, all-gathered and
+    # kept for the backward in every layer (bf16; Llama-2-7B has 32 KV heads of 128)
+    gathered_kv = 32 * 2 * 2048 * 32 * 128 * 2
+    assert cp.activations == 32 * 34 * 2048 * 4096 + 4 * 2048 * 32000 + gathered_kv
+    recomputed = estimate("fsdp2", Workload(sequence_length=4096, micro_batch_size=1, recompute="full"),
+                          data_parallel_size=4, context_parallel_size=2)
+    assert recomputed.activations - estimate(
+        "fsdp2", Workload(sequence_length=2048, micro_batch_size=1, recompute="full"),
+        data_parallel_size=8).activations == gathered_kv / 32  # one layer's under full recomputation
     assert cp.model_states == pytest.approx(16 * P / 8)
 
 

@@ -334,6 +334,10 @@ def expert_parallel_sizes(shape: ModelShape, training_gpus: int) -> list[int]:
     return sizes
 
 
+CONTEXT_PARALLEL_SIZES = (2, 4, 8)
+"""What the advisor tries, in order, when recomputation alone does not fit the activations."""
+
+
 def _generation_backend(context: _Context, layout: _Layout) -> str:
     return "megatron" if layout.backend == "megatron" and context.branch == ">70B" else "vllm"
 
@@ -355,25 +359,40 @@ def _size(context: _Context, layout: _Layout) -> Candidate:
     parallel = Parallelism(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                            expert_parallel_size=ep, sequence_parallel=layout.backend == "megatron" and tp > 1,
                            num_microbatches=ASSUMED_MICROBATCHES if pp > 1 else None)
-    for recompute in ("none", "full"):
+    # recomputation first; then, where the activations still decide (long sequences), context
+    # parallelism (DTensor's: models/context_parallel.py) splitting each sequence over cp ranks
+    tries = [(recompute, 1) for recompute in ("none", "full")]
+    if layout.backend == "dtensor":
+        tries += [("full", cp) for cp in CONTEXT_PARALLEL_SIZES if not dp % cp]
+    for recompute, cp in tries:
         workload = dataclasses.replace(context.workload, recompute=recompute)
-        breakdown = _breakdown(context, layout, workload, parallel, generation, placement, generation_tp)
+        sized = dataclasses.replace(parallel, data_parallel_size=dp // cp, context_parallel_size=cp)
+        breakdown = _breakdown(context, layout, workload, sized, generation, placement, generation_tp)
         peak = _peak(breakdown, placement, generation)
         generator_fits = _generator_fits(context, generation, placement, generation_tp)
         fits = peak <= context.budget_gb * GB and generator_fits
         if fits:
             break
+    if not fits:  # report the layout without context parallelism
+        recompute, cp = "full", 1
+        breakdown = _breakdown(context, layout, workload, parallel, generation, placement, generation_tp)
+        peak = _peak(breakdown, placement, generation)
     notes = list(breakdown.notes)
+    if cp > 1:
+        notes.append(f"context parallelism {cp}: the activations of {context.sequence_length}-token sequences "
+                     "decide, so each sequence is split over "
+                     f"{cp} ranks (policy.dtensor_cfg.context_parallel_size={cp})")
     if not generator_fits:
         notes.append(f"{generation} generation at TP={generation_tp} does not hold the weights and one "
                      f"{context.sequence_length}-token sequence of KV cache")
     if placement == "dedicated":
         notes.append(f"generation on the last node: {context.gpus_per_node // generation_tp} vLLM engine(s) "
                      f"of TP={generation_tp}")
-    score, factors = _score(context, layout, dp=dp, recompute=recompute)
+    score, factors = _score(context, layout, dp=dp // cp, recompute=recompute, cp=cp)
     built = layout.backend in BUILT_TRAINING_BACKENDS and generation in BUILT_GENERATION_BACKENDS
     return Candidate(strategy=layout.strategy, training_backend=layout.backend, built=built,
-                     data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp, context_parallel_size=1,
+                     data_parallel_size=dp // cp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                     context_parallel_size=cp,
                      expert_parallel_size=ep,
                      training_gpus=training_gpus, generation_backend=generation, generation_tp=generation_tp,
                      placement=placement, activation_checkpointing=recompute == "full",
@@ -441,7 +460,8 @@ def _vllm_tp(context: _Context, placement: Placement) -> int:
 _SHARDING = {"fsdp2": 0.85, "fsdp2_tp": 0.85, "fsdp2_offload": 0.85, "zero3": 0.85, "zero2": 1.0, "megatron": 1.0}
 
 
-def _score(context: _Context, layout: _Layout, *, dp: int, recompute: str) -> tuple[float, tuple[str, ...]]:
+def _score(context: _Context, layout: _Layout, *, dp: int, recompute: str, cp: int = 1
+           ) -> tuple[float, tuple[str, ...]]:
     """Relative training throughput per GPU and the factors it is made of (module docstring)."""
     score, factors = 1.0, []
 
@@ -466,6 +486,8 @@ def _score(context: _Context, layout: _Layout, *, dp: int, recompute: str) -> tu
         apply(0.97 ** (ep.bit_length() - 1), f"expert parallel {ep}: token all-to-all")
         if ep * tp > context.gpus_per_node:
             apply(0.7, "expert all-to-all across nodes (InfiniBand, not NVLink)")
+    if cp > 1:  # each layer all-gathers its keys and values over the cp ranks, and sums their gradients back
+        apply(0.95 ** (cp.bit_length() - 1), f"context parallel {cp}: keys and values all-gathered per layer")
     if layout.memory_strategy == "fsdp2_offload":
         apply(0.3, "CPU offload (PCIe transfers, CPU optimizer step)")
     if recompute == "full":

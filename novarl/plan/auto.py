@@ -87,7 +87,8 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
     overrides = _layout_overrides(tp=pick.tensor_parallel_size, activation_checkpointing=pick.activation_checkpointing,
                                   cpu_offload="offload" in pick.strategy, generation=generation,
                                   generation_tp=pick.generation_tp, colocated=pick.placement == "colocated",
-                                  zero_stage=int(pick.strategy[-1]) if pick.training_backend == "deepspeed" else None)
+                                  zero_stage=int(pick.strategy[-1]) if pick.training_backend == "deepspeed" else None,
+                                  cp=pick.context_parallel_size)
     if pick.training_backend == "megatron":
         overrides += _megatron_overrides(pick)
     if pick.placement == "dedicated":  # generation on the last node, training on the others (NeMo RL's count)
@@ -97,13 +98,13 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
 
 
 def _layout_overrides(*, tp: int, activation_checkpointing: bool, cpu_offload: bool, generation: str,
-                      generation_tp: int, colocated: bool, zero_stage: int | None = None) -> list[str]:
+                      generation_tp: int, colocated: bool, zero_stage: int | None = None, cp: int = 1) -> list[str]:
     """The seeds' keys for a layout: DTensor, or DeepSpeed ZeRO `zero_stage` when given."""
     deepspeed = (["policy.deepspeed_cfg.enabled=true", f"policy.deepspeed_cfg.zero_stage={zero_stage}",
                   f"policy.deepspeed_cfg.activation_checkpointing={str(activation_checkpointing).lower()}"]
                  if zero_stage is not None else ["policy.deepspeed_cfg.enabled=false"])
     return ["policy.dtensor_cfg.enabled=true", "policy.megatron_cfg.enabled=false", *deepspeed,
-            f"policy.dtensor_cfg.tensor_parallel_size={tp}",
+            f"policy.dtensor_cfg.tensor_parallel_size={tp}", f"policy.dtensor_cfg.context_parallel_size={cp}",
             f"policy.dtensor_cfg.activation_checkpointing={str(activation_checkpointing).lower()}",
             f"policy.dtensor_cfg.cpu_offload={str(cpu_offload).lower()}",
             f"policy.generation.backend={generation}",

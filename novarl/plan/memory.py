@@ -380,7 +380,8 @@ def _fsdp2(shape: ModelShape, strategy: str, work: Workload, parallel: Paralleli
     resident = (root + shape.num_layers * shape.layer_parameters / tp) / shards
     per_parameter = fsdp2_bytes_per_parameter(work.precision, work.optimizer)
     states = (resident * per_parameter.weights, resident * per_parameter.grads, resident * per_parameter.optimizer)
-    activations = _full_model_activations(shape, work, parallel, tensor_parallel_size=tp)
+    activations = _full_model_activations(shape, work, parallel, tensor_parallel_size=tp) \
+        + _context_parallel_kv(shape, work, parallel, tensor_parallel_size=tp)
     gathered = _gathered_units(shape, work.precision, tensor_parallel_size=tp)
     if strategy != "fsdp2_offload":
         return MemoryBreakdown(params=states[0], grads=states[1], optimizer=states[2],
@@ -389,6 +390,21 @@ def _fsdp2(shape: ModelShape, strategy: str, work: Workload, parallel: Paralleli
             "optimizer steps there; the GPU keeps the gathered working copies and activations")
     return MemoryBreakdown(params=0.0, grads=0.0, optimizer=0.0, gathered_params=gathered,
                            activations=activations, cpu_offloaded=sum(states), notes=(note,))
+
+
+def _context_parallel_kv(shape: ModelShape, work: Workload, parallel: Parallelism, *,
+                         tensor_parallel_size: int) -> float:
+    """novarl's DTensor context parallelism all-gathers each layer's keys and values
+    (models/context_parallel.py) and keeps them for the backward: the other cp ranks' share of
+    the sequence's K and V, per layer saved (one layer under full recomputation)."""
+    cp = parallel.context_parallel_size
+    if cp == 1:
+        return 0.0
+    compute_bytes = 4 if work.precision == "float32" else 2
+    heads = math.ceil(shape.num_key_value_heads / tensor_parallel_size)
+    per_layer = 2 * work.sequence_length * (cp - 1) / cp * work.micro_batch_size * heads * shape.head_dim
+    layers = 1 if work.recompute == "full" else shape.num_layers
+    return per_layer * compute_bytes * layers
 
 
 def _gathered_units(shape: ModelShape, precision: Precision, *, tensor_parallel_size: int) -> float:
@@ -409,6 +425,8 @@ def _full_model_activations(shape: ModelShape, work: Workload, parallel: Paralle
         shape, num_layers=shape.num_layers, sequence_length=sequence, micro_batch_size=work.micro_batch_size,
         tensor_parallel_size=tensor_parallel_size, sequence_parallel=parallel.sequence_parallel,
         recompute=work.recompute, flash_attention=work.flash_attention)
+    if work.precision == "float32":  # the formula counts 16-bit activations
+        layers *= 2
     logits = output_activation_bytes(sequence_length=sequence, micro_batch_size=work.micro_batch_size,
                                      vocab_size=shape.vocab_size)
     return layers + logits

@@ -187,9 +187,6 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     if ranks > 1 and not installed("ray"):
         missing.append(f"Ray, to run {ranks} ranks (cluster: {cfg.cluster.num_nodes} node(s) x "
                        f"{cfg.cluster.gpus_per_node}): pip install 'novarl[ray]'")
-    dt = policy.dtensor_cfg
-    if dt.context_parallel_size > 1:
-        missing.append(f"context parallelism (policy.dtensor_cfg.context_parallel_size={dt.context_parallel_size})")
     if not policy.generation.colocated.enabled and not installed("ray"):
         missing.append("Ray, for dedicated generation (policy.generation.colocated.enabled=false)")
     if cfg.grpo.max_rollout_turns > 1:

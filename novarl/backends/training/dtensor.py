@@ -37,11 +37,15 @@ from novarl.backends.training.parallelize import (
     apply_tp,
     build_mesh,
     clip_grad_norm,
+    cp_group,
     dp_group,
+    fsdp_mesh,
 )
 from novarl.config.schema import PolicyConfig
+from novarl.errors import UserError
 from novarl.distributed.weight_sync import bucketed, full_weights, in_dtype
 from novarl.models.attention import use_varlen_attention
+from novarl.models.context_parallel import use_context_parallel_attention
 from novarl.models.loading import DTYPES, ExportFormat, load_causal_lm
 from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf, sends_adapter
 
@@ -66,11 +70,24 @@ class ShardedModel(DataParallelRows):
         self.attention = use_varlen_attention(model)
         model.to(self.device)
         # sequence parallelism splits every row's tokens evenly over the tensor-parallel ranks
+        # (context parallelism lays each sequence out to a multiple of 2 x cp itself: rows.py)
         multiple = math.lcm(policy.make_sequence_length_divisible_by,
                             dims.tensor_parallel if dt.sequence_parallel else 1)
         self.train_batching = MicroBatching.from_policy(policy, training=True, sequence_multiple=multiple)
         self.logprob_batching = MicroBatching.from_policy(policy, training=False, sequence_multiple=multiple)
         check_packing(model, self.attention, self.logprob_batching, self.device)  # before sharding
+        self.context_group = cp_group(self.mesh)
+        if self.context_group is not None:
+            if dt.sequence_parallel:
+                raise UserError("policy.dtensor_cfg.context_parallel_size > 1 with sequence_parallel: novarl's "
+                                "context parallelism does not split sequences over the tensor-parallel ranks too; "
+                                "set sequence_parallel=false.")
+            self.attention = use_context_parallel_attention(model)
+            if self.train_batching.share_prompts and trainable and dist.get_rank() == 0:
+                from novarl.logging.console import info
+
+                info("context parallelism lays every sample's prompt out with it: "
+                     "policy.sequence_packing.share_prompts does not apply")
         if value_head:
             from novarl.models.critic import add_value_head
 
@@ -89,8 +106,7 @@ class ShardedModel(DataParallelRows):
             apply_tp(model, self.mesh["tp"], dt)
         if trainable and dt.activation_checkpointing:
             apply_activation_checkpointing(model)
-        dp_mesh = self.mesh["dp"] if dims.tensor_parallel > 1 else self.mesh
-        apply_fsdp(model, dp_mesh, param_dtype=DTYPES[precision], cpu_offload=dt.cpu_offload)
+        apply_fsdp(model, fsdp_mesh(self.mesh), param_dtype=DTYPES[precision], cpu_offload=dt.cpu_offload)
         model.train(trainable)
         if self.lora is None:
             model.requires_grad_(trainable)
@@ -221,7 +237,7 @@ class DTensorCritic(TrainableShardedModel):
         with warnings.catch_warnings():
             # a one-wide head's output is a view; nothing writes to it in place (FSDP2's warning is moot)
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-            return model_values(self.model, self.attention, mb, batching)
+            return model_values(self.model, self.attention, mb, batching, context=self.context_group)
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):

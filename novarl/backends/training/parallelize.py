@@ -84,10 +84,32 @@ class ParallelDims:
 
 
 def build_mesh(device_type: str, dims: ParallelDims) -> DeviceMesh:
+    """("dp",), ("dp", "tp"), or with context parallelism ("dp", "cp"[, "tp"]) and "dp_cp", the two
+    flattened (what FSDP2 shards over: a cp rank holds other tokens of the same sequences)."""
     dims.check()
+    if dims.context_parallel > 1:
+        sizes, names = (dims.data_parallel, dims.context_parallel), ("dp", "cp")
+        if dims.tensor_parallel > 1:
+            sizes, names = (*sizes, dims.tensor_parallel), (*names, "tp")
+        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+        mesh["dp", "cp"]._flatten("dp_cp")
+        return mesh
     if dims.tensor_parallel == 1:
         return init_device_mesh(device_type, (dims.data_parallel,), mesh_dim_names=("dp",))
     return init_device_mesh(device_type, (dims.data_parallel, dims.tensor_parallel), mesh_dim_names=("dp", "tp"))
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks FSDP2 shards parameters over: data (and context) parallel ones."""
+    names = mesh.mesh_dim_names or ()
+    if "cp" in names:
+        return mesh["dp_cp"]
+    return mesh["dp"] if "tp" in names else mesh
+
+
+def cp_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The context-parallel group of this rank (None without context parallelism)."""
+    return mesh["cp"].get_group() if "cp" in (mesh.mesh_dim_names or ()) else None
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -261,4 +283,4 @@ def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float | None)
 
 
 def dp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    return mesh["dp"].get_group() if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh.get_group()
+    return mesh["dp"].get_group() if len(mesh.mesh_dim_names or ()) > 1 else mesh.get_group()

@@ -9,6 +9,8 @@ batch's.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -33,10 +35,13 @@ class DataParallelRows:
     (a MicroBatching) and self.attention (the model's attention implementation when it takes a
     packed row's sequence boundaries, else None: models/attention.py)."""
 
+    context_group: dist.ProcessGroup | None = None
+    """The context-parallel group this rank splits each sequence with (None: no context parallelism)."""
+
     def forward_logprobs(self, mb: TrainBatch, batching: MicroBatching) -> tuple[torch.Tensor, int]:
         """[n] logprobs of the micro-batch's tokens (with grad when enabled), and the tokens the
         model computed for them (padding included)."""
-        return model_logprobs(self.model, self.attention, mb, batching, self.temperature)
+        return model_logprobs(self.model, self.attention, mb, batching, self.temperature, context=self.context_group)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -86,22 +91,37 @@ class AccumulatingRows(DataParallelRows):
 
 
 def model_logprobs(model, attention: str | None, mb: TrainBatch, batching: MicroBatching,
-                   temperature: float) -> tuple[torch.Tensor, int]:
+                   temperature: float, *, context: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, int]:
     """[n] logprobs of the micro-batch's tokens from a Hugging Face causal LM laid out as
     `batching` says, and the tokens it computed (padding included). attention: the model's
-    implementation when it reads packed boundaries (models/attention.py), else None."""
+    implementation when it reads packed boundaries (models/attention.py), else None. context: the
+    context-parallel group each sequence is split over (models/context_parallel.py)."""
+    if context is not None:
+        logits, inputs, shard = context_outputs(model, mb, batching, context)
+        ids = inputs.input_ids.reshape(-1)
+        following = torch.nn.functional.pad(ids[1:], (0, 1)).index_select(0, shard.local.to(ids.device))
+        rows = logits[0].float() / temperature if temperature != 1.0 else logits[0].float()
+        scores = rows.gather(-1, following[:, None]).squeeze(-1) - torch.logsumexp(rows, dim=-1)  # next tokens'
+        return _per_token(shard.gather(scores, 0), inputs.previous), len(shard.local)
     logits, inputs = model_outputs(model, attention, mb, batching)
     return picked_logprobs(logits, inputs, mb, temperature), inputs.tokens_computed
 
 
-def model_values(model, attention: str | None, mb: TrainBatch, batching: MicroBatching) -> tuple[torch.Tensor, int]:
+def model_values(model, attention: str | None, mb: TrainBatch, batching: MicroBatching, *,
+                 context: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, int]:
     """[n] float32 values of the micro-batch's tokens from a model with a scalar head (a critic:
     models/critic.py), each read at its predecessor's position like a logprob; 0 at each
     sequence's first token. And the tokens computed (padding included)."""
+    if context is not None:
+        outputs, inputs, shard = context_outputs(model, mb, batching, context)
+        return _per_token(shard.gather(outputs.reshape(-1).float(), 0), inputs.previous), len(shard.local)
     outputs, inputs = model_outputs(model, attention, mb, batching)
-    previous = inputs.previous
-    values = outputs.reshape(-1).index_select(0, previous.clamp(min=0)).float()
-    return values * (previous >= 0), inputs.tokens_computed
+    return _per_token(outputs.reshape(-1).float(), inputs.previous), inputs.tokens_computed
+
+
+def _per_token(per_position: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """[n] each token's value read at its predecessor's flat position; 0 at a sequence's first."""
+    return per_position.index_select(0, previous.clamp(min=0)) * (previous >= 0)
 
 
 def model_outputs(model, attention: str | None, mb: TrainBatch, batching: MicroBatching):
@@ -120,6 +140,24 @@ def model_outputs(model, attention: str | None, mb: TrainBatch, batching: MicroB
     logits = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
                    attention_mask=None if attention else inputs.attention_mask, use_cache=False, **boundaries).logits
     return logits, inputs
+
+
+def context_outputs(model, mb: TrainBatch, batching: MicroBatching, group: dist.ProcessGroup):
+    """Context parallelism: the model's outputs [1, n, V] over this rank's share of the micro-batch's
+    tokens (models/context_parallel.py: the n tokens it computes), the whole layout, and the share.
+    Every sequence (a packed row's, or each padded row) is laid out to a multiple of 2 x cp tokens."""
+    from novarl.models.context_parallel import shard_rows
+
+    split = 2 * dist.get_world_size(group)
+    inputs = lay_out(mb, batching.layout, math.lcm(batching.length_multiple, split), sequence_multiple=split)
+    rows, width = inputs.input_ids.shape
+    cu = inputs.cu_seqlens if inputs.attention_mask is None else torch.arange(rows + 1) * width
+    shard = shard_rows(cu, group)
+    local = shard.local.to(inputs.input_ids.device)
+    outputs = model(input_ids=inputs.input_ids.reshape(-1)[local][None],
+                    position_ids=inputs.position_ids.reshape(-1)[local][None], use_cache=False,
+                    novarl_context=shard).logits
+    return outputs, inputs, shard
 
 
 @torch.no_grad()

@@ -1,0 +1,109 @@
+"""Context parallelism on the DTensor backend (models/context_parallel.py): every sequence split in
+2 x cp load-balanced chunks over the cp ranks, the keys and values all-gathered. On 2 gloo ranks,
+a Llama with grouped-query attention gives the same logprobs and gradients on long packed rows of
+several sequences (and on padded rows) as the whole rows on one rank; and the GRPO loop with
+context_parallel_size=2 on 2 Ray ranks trains like one rank."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import socket
+
+import pytest
+import torch
+
+from novarl.models.context_parallel import balanced_chunks
+
+LENGTHS = (200, 37, 64, 23)
+"""A long sequence and three short ones, packed into one row (or padded rows)."""
+LAYOUTS = ("packed", "fixed")
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).float()
+
+
+def batch():
+    from novarl.types import TrainBatch
+
+    generator = torch.Generator().manual_seed(3)
+    longest = max(LENGTHS)
+    ids = torch.randint(1, 64, (len(LENGTHS), longest), generator=generator)
+    mask = torch.arange(longest) < torch.tensor(LENGTHS)[:, None]
+    return TrainBatch.from_rows(ids, mask, mask.clone(), torch.zeros(len(LENGTHS)))
+
+
+def logprobs_and_grads(context, layout: str):
+    """The batch's logprobs and the gradient of a weighted sum of them, on this process's ranks."""
+    from novarl.backends.training.batching import MicroBatching
+    from novarl.backends.training.rows import model_logprobs
+
+    model = tiny_llama()
+    attention = None
+    if context is not None:
+        from novarl.models.context_parallel import use_context_parallel_attention
+
+        attention = use_context_parallel_attention(model)
+    mb = batch()
+    batching = MicroBatching(layout, len(LENGTHS), 1024, 8)
+    logprobs, _ = model_logprobs(model, attention, mb, batching, 0.7, context=context)
+    weights = torch.linspace(-1, 1, len(logprobs))
+    (logprobs * weights).sum().backward()
+    return logprobs.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def context_rank(rank: int, world: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out = {}
+    for layout in LAYOUTS:
+        logprobs, grads = logprobs_and_grads(dist.group.WORLD, layout)
+        for grad in grads.values():  # each rank holds cp x its share of every gradient (see the module)
+            dist.all_reduce(grad)
+            grad /= world
+        out[layout] = (logprobs, grads)
+    buffer = io.BytesIO()  # plain bytes: tensors through a queue would need this process alive
+    torch.save(out, buffer)
+    results.put((rank, buffer.getvalue()))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_two_context_parallel_ranks_compute_the_whole_rows_logprobs_and_gradients():
+    ctx = mp.get_context("spawn")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = ctx.Queue()
+    procs = [ctx.Process(target=context_rank, args=(r, 2, port, results)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    whole = {layout: logprobs_and_grads(None, layout) for layout in LAYOUTS}  # meanwhile, on one rank
+    got = [results.get(timeout=240) for _ in range(2)]
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for _, data in got:
+        for layout, (logprobs, grads) in torch.load(io.BytesIO(data), weights_only=True).items():
+            want, want_grads = whole[layout]
+            assert len(logprobs) == sum(LENGTHS)
+            assert torch.allclose(logprobs, want, atol=1e-5), layout
+            for name, grad in grads.items():
+                assert torch.allclose(grad, want_grads[name], atol=1e-5, rtol=1e-4), (layout, name)
+
+
+def test_each_rank_gets_two_balanced_chunks_of_every_sequence():
+    cu = torch.tensor([0, 8, 24])  # two sequences of 8 and 16 tokens, cp = 2: chunks of 2 and 4
+    first, second = balanced_chunks(cu, 2)
+    assert first == [(0, 0, 2), (6, 0, 2), (8, 8, 4), (20, 8, 4)]  # chunks 0 and 3 of each
+    assert second == [(2, 0, 2), (4, 0, 2), (12, 8, 4), (16, 8, 4)]  # chunks 1 and 2
+    with pytest.raises(ValueError, match="multiple of 4 tokens; one has 6"):
+        balanced_chunks(torch.tensor([0, 6]), 2)
