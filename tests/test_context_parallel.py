@@ -107,3 +107,15 @@ def test_each_rank_gets_two_balanced_chunks_of_every_sequence():
     assert second == [(2, 0, 2), (4, 0, 2), (12, 8, 4), (16, 8, 4)]  # chunks 1 and 2
     with pytest.raises(ValueError, match="multiple of 4 tokens; one has 6"):
         balanced_chunks(torch.tensor([0, 6]), 2)
+
+
+def test_context_parallelism_is_refused_where_it_does_not_run(capsys):
+    from novarl.cli import main
+    from tests.helpers import HF
+
+    assert main(["validate", HF, "cluster.gpus_per_node=4", "policy.dtensor_cfg.context_parallel_size=2",
+                 "policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"]) == 2
+    assert "context_parallel_size=2 with sequence_parallel" in capsys.readouterr().err
+    assert main(["validate", HF, "cluster.gpus_per_node=2", "policy.dtensor_cfg.context_parallel_size=2",
+                 "policy.deepspeed_cfg.enabled=true", "policy.dtensor_cfg.enabled=false"]) == 2
+    assert "splits sequences on the DTensor backend; this run trains on deepspeed" in capsys.readouterr().err

@@ -242,3 +242,8 @@ def test_the_advisor_splits_long_sequences_over_context_parallel_ranks_when_reco
     assert at_128k.fits and at_128k.activation_checkpointing
     assert "context parallelism 2: the activations of 131072-token sequences decide" in " ".join(at_128k.notes)
     assert any("context parallel 2" in factor for factor in at_128k.score_factors)
+    windowed = ModelShape.from_hf_config({**QWEN, "hidden_size": 1536, "num_hidden_layers": 28,
+                                          "num_attention_heads": 12, "num_key_value_heads": 2,
+                                          "intermediate_size": 8960, "sliding_window": 4096})
+    assert not windowed.plain_causal_attention  # novarl's context parallelism does not compute it
+    assert advise(windowed, gpus_per_node=8, num_nodes=1, sequence_length=131072).recommended.context_parallel_size == 1

@@ -479,3 +479,10 @@ def test_memory_modules_import_nothing_heavy():
         top = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
         top |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
         assert top <= allowed, top - allowed
+
+
+def test_float32_activations_take_four_bytes():
+    half = estimate("fsdp2")
+    full = estimate("fsdp2", Workload(sequence_length=4096, micro_batch_size=1, precision="float32"))
+    logits = 4 * 4096 * 32000  # fp32 in both
+    assert full.activations - logits == 2 * (half.activations - logits)

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from novarl.plan.model_shape import PLAIN_CAUSAL
+
 VARLEN = "novarl_varlen"
-PLAIN_CAUSAL = ("llama", "qwen2", "qwen3", "mistral")
-"""Architectures whose attention VARLEN computes exactly (when no sliding window is active)."""
 READS_BOUNDARIES = (VARLEN, "flash_attention_2", "flash_attention_3")
 """Implementations that take the packed row's boundaries as cu_seq_lens_* / max_length_* keywords;
 VARLEN alone also takes shared-prompt attention rows."""

@@ -56,12 +56,12 @@ class ContextShard:
         from torch.distributed._functional_collectives import all_gather_single_autograd
 
         gathered = all_gather_single_autograd(local.movedim(dim, 0).contiguous(), gather_dim=0, group=self.group)
-        return gathered.index_select(0, self.restore.to(local.device)).movedim(0, dim)
+        return gathered.index_select(0, self.restore).movedim(0, dim)
 
 
 def shard_rows(cu_seqlens: torch.Tensor, group: dist.ProcessGroup) -> ContextShard:
     """This rank's share of rows whose sequences are bounded by cu_seqlens ([k + 1] flat
-    positions; every sequence's length a multiple of 2 x cp)."""
+    positions; every sequence's length a multiple of 2 x cp), its index maps on cu_seqlens' device."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     pieces = balanced_chunks(cu_seqlens, size)
     flat = [torch.cat([torch.arange(first, first + n) for first, _, n in mine]) if mine
@@ -73,7 +73,8 @@ def shard_rows(cu_seqlens: torch.Tensor, group: dist.ProcessGroup) -> ContextSha
     for _, _, n in pieces[rank]:
         offsets.append(offsets[-1] + n)
     chunks = tuple((offset, first, start) for offset, (first, start, _) in zip(offsets, pieces[rank]))
-    return ContextShard(group, flat[rank], restore, chunks, tuple(n for _, _, n in pieces[rank]))
+    device = cu_seqlens.device
+    return ContextShard(group, flat[rank].to(device), restore.to(device), chunks, tuple(n for _, _, n in pieces[rank]))
 
 
 def balanced_chunks(cu_seqlens: torch.Tensor, size: int) -> list[list[tuple[int, int, int]]]:
@@ -96,7 +97,7 @@ def use_context_parallel_attention(model: torch.nn.Module) -> str:
     """Switch a loaded causal LM to CP_ATTENTION; the architectures it computes exactly are
     models/attention.py's plain causal ones (refused otherwise, naming the setting)."""
     from novarl.errors import UserError
-    from novarl.models.attention import PLAIN_CAUSAL
+    from novarl.plan.model_shape import PLAIN_CAUSAL
 
     config = model.config
     sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)

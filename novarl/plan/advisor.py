@@ -362,7 +362,7 @@ def _size(context: _Context, layout: _Layout) -> Candidate:
     # recomputation first; then, where the activations still decide (long sequences), context
     # parallelism (DTensor's: models/context_parallel.py) splitting each sequence over cp ranks
     tries = [(recompute, 1) for recompute in ("none", "full")]
-    if layout.backend == "dtensor":
+    if layout.backend == "dtensor" and tp == 1 and context.shape.plain_causal_attention:  # what novarl's cp runs
         tries += [("full", cp) for cp in CONTEXT_PARALLEL_SIZES if not dp % cp]
     for recompute, cp in tries:
         workload = dataclasses.replace(context.workload, recompute=recompute)

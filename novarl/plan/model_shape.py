@@ -30,6 +30,10 @@ from typing import Any
 
 from novarl.errors import UserError
 
+PLAIN_CAUSAL = ("llama", "qwen2", "qwen3", "mistral")
+"""Architectures whose attention is plain causal softmax attention (when no sliding window is
+active): what novarl's varlen and context-parallel attention compute exactly (models/attention.py)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
@@ -58,6 +62,9 @@ class ModelShape:
     """Width of the always-on shared expert (Qwen2-MoE); 0: none."""
     source: str = ""
     """Where the shape came from, for messages: a path, an id or 'assumed for 7.5B'."""
+    plain_causal_attention: bool = True
+    """Attention is plain causal softmax attention (Llama/Qwen2/Qwen3/Mistral without a sliding
+    window): what novarl's context parallelism computes (models/context_parallel.py)."""
 
     # ------------------------------------------------------------ parameter counts
     @property
@@ -158,6 +165,8 @@ class ModelShape:
             moe_intermediate_size=config.get("moe_intermediate_size"),
             shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
             source=source,
+            plain_causal_attention=model_type in PLAIN_CAUSAL and not (
+                config.get("sliding_window") and config.get("use_sliding_window", True)),
         )
 
     @classmethod

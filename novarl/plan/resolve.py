@@ -376,6 +376,14 @@ def _micro_batching_problems(policy, training: str) -> list[str]:
         return ["policy.sequence_packing.enabled and policy.dynamic_batching.enabled exclude each other: packing "
                 "puts sequences end to end, dynamic batching pads rows of similar length. Enable one."]
     problems = []
+    cp = policy.dtensor_cfg.context_parallel_size
+    if cp > 1 and training != "dtensor":
+        problems.append(f"policy.dtensor_cfg.context_parallel_size={cp} splits sequences on the DTensor backend; "
+                        f"this run trains on {training} (Megatron's is policy.megatron_cfg.context_parallel_size).")
+    if cp > 1 and policy.dtensor_cfg.sequence_parallel:
+        problems.append(f"policy.dtensor_cfg.context_parallel_size={cp} with sequence_parallel: novarl's context "
+                        "parallelism does not also split sequences over the tensor-parallel ranks; set "
+                        "sequence_parallel=false.")
     pipeline = policy.megatron_cfg.pipeline_model_parallel_size
     if dynamic.enabled and training == "megatron" and pipeline > 1:
         problems.append(f"policy.dynamic_batching with policy.megatron_cfg.pipeline_model_parallel_size={pipeline}: "

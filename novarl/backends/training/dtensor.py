@@ -8,6 +8,7 @@ each batch into contiguous shares.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import warnings
@@ -78,16 +79,19 @@ class ShardedModel(DataParallelRows):
         check_packing(model, self.attention, self.logprob_batching, self.device)  # before sharding
         self.context_group = cp_group(self.mesh)
         if self.context_group is not None:
-            if dt.sequence_parallel:
-                raise UserError("policy.dtensor_cfg.context_parallel_size > 1 with sequence_parallel: novarl's "
-                                "context parallelism does not split sequences over the tensor-parallel ranks too; "
-                                "set sequence_parallel=false.")
+            if dt.sequence_parallel or dt.custom_parallel_plan:
+                raise UserError("policy.dtensor_cfg.context_parallel_size > 1 with sequence_parallel or a "
+                                "custom_parallel_plan: novarl's context parallelism composes with the default "
+                                "tensor-parallel plan without sequence parallelism only.")
             self.attention = use_context_parallel_attention(model)
             if self.train_batching.share_prompts and trainable and dist.get_rank() == 0:
                 from novarl.logging.console import info
 
                 info("context parallelism lays every sample's prompt out with it: "
                      "policy.sequence_packing.share_prompts does not apply")
+            # micro-batches planned as they are laid out: each sample with its prompt
+            self.train_batching = dataclasses.replace(self.train_batching, share_prompts=False)
+            self.logprob_batching = dataclasses.replace(self.logprob_batching, share_prompts=False)
         if value_head:
             from novarl.models.critic import add_value_head
 

@@ -99,7 +99,7 @@ def model_logprobs(model, attention: str | None, mb: TrainBatch, batching: Micro
     if context is not None:
         logits, inputs, shard = context_outputs(model, mb, batching, context)
         ids = inputs.input_ids.reshape(-1)
-        following = torch.nn.functional.pad(ids[1:], (0, 1)).index_select(0, shard.local.to(ids.device))
+        following = torch.nn.functional.pad(ids[1:], (0, 1)).index_select(0, shard.local)
         rows = logits[0].float() / temperature if temperature != 1.0 else logits[0].float()
         scores = rows.gather(-1, following[:, None]).squeeze(-1) - torch.logsumexp(rows, dim=-1)  # next tokens'
         return _per_token(shard.gather(scores, 0), inputs.previous), len(shard.local)
@@ -152,8 +152,8 @@ def context_outputs(model, mb: TrainBatch, batching: MicroBatching, group: dist.
     inputs = lay_out(mb, batching.layout, math.lcm(batching.length_multiple, split), sequence_multiple=split)
     rows, width = inputs.input_ids.shape
     cu = inputs.cu_seqlens if inputs.attention_mask is None else torch.arange(rows + 1) * width
-    shard = shard_rows(cu, group)
-    local = shard.local.to(inputs.input_ids.device)
+    shard = shard_rows(cu.to(inputs.input_ids.device), group)
+    local = shard.local
     outputs = model(input_ids=inputs.input_ids.reshape(-1)[local][None],
                     position_ids=inputs.position_ids.reshape(-1)[local][None], use_cache=False,
                     novarl_context=shard).logits
