@@ -117,15 +117,29 @@ def two_kv_head_model(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def one_rank_runs(tmp_path_factory, two_kv_head_model):
+    """The one-rank run the layouts are held against (with shared prompts or without), made once."""
+    runs = {}
+
+    def single(unshared: bool):
+        if unshared not in runs:
+            more = ["policy.sequence_packing.share_prompts=false"] if unshared else []
+            runs[unshared] = run(tmp_path_factory.mktemp("one"), f"policy.model_name={two_kv_head_model}",
+                                 "grpo.max_num_steps=3", *more)[1]
+        return runs[unshared]
+    return single
+
+
 @pytest.mark.parametrize("layout", [
     ["policy.dtensor_cfg.tensor_parallel_size=2"],
     ["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"],
     # each packed sequence split over the 2 ranks (each lays out every sample's prompt: no shared prompts)
     ["policy.dtensor_cfg.context_parallel_size=2", "policy.sequence_packing.share_prompts=false"],
 ], ids=["tp", "tp+sp", "cp"])
-def test_tensor_or_context_parallel_on_two_ranks_matches_one_rank(tmp_path, two_kv_head_model, layout):
+def test_tensor_or_context_parallel_on_two_ranks_matches_one_rank(tmp_path, two_kv_head_model, one_rank_runs, layout):
     model = f"policy.model_name={two_kv_head_model}"
-    _, single = run(tmp_path / "one", model, "grpo.max_num_steps=3", *layout[1:])
+    single = one_rank_runs("policy.sequence_packing.share_prompts=false" in layout)
     _, tp = run(tmp_path / "tp", model, "grpo.max_num_steps=3", "cluster.gpus_per_node=2", *layout)
     if "context_parallel" in layout[0]:  # each rank computes about half of each row (sequences padded to 4 tokens)
         assert all(0.45 < two["tokens_computed"] / one["tokens_computed"] < 0.65 for one, two in zip(single, tp))
