@@ -1,8 +1,10 @@
 """Context parallelism on the DTensor backend (models/context_parallel.py): every sequence split in
 2 x cp load-balanced chunks over the cp ranks, the keys and values all-gathered. On 2 gloo ranks,
 a Llama with grouped-query attention gives the same logprobs and gradients on long packed rows of
-several sequences (and on padded rows) as the whole rows on one rank; and the GRPO loop with
-context_parallel_size=2 on 2 Ray ranks trains like one rank."""
+several sequences (and on padded rows) as the whole rows on one rank; the DTensor policy on
+dp 2 x cp 2 ranks (FSDP2 over all four) takes the same optimizer step as one rank; and what cp
+does not run is refused at validate. (tests/test_distributed.py runs the GRPO loop with cp=2 on 2
+Ray ranks.)"""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from novarl.models.context_parallel import balanced_chunks
+from novarl.types import TrainBatch
 
 LENGTHS = (200, 37, 64, 23)
 """A long sequence and three short ones, packed into one row (or padded rows)."""
@@ -31,8 +34,6 @@ def tiny_llama():
 
 
 def batch():
-    from novarl.types import TrainBatch
-
     generator = torch.Generator().manual_seed(3)
     longest = max(LENGTHS)
     ids = torch.randint(1, 64, (len(LENGTHS), longest), generator=generator)
@@ -70,30 +71,15 @@ def context_rank(rank: int, world: int, port: int, results) -> None:
             dist.all_reduce(grad)
             grad /= world
         out[layout] = (logprobs, grads)
-    buffer = io.BytesIO()  # plain bytes: tensors through a queue would need this process alive
-    torch.save(out, buffer)
-    results.put((rank, buffer.getvalue()))
-    dist.barrier()
-    dist.destroy_process_group()
+    send(results, rank, out)
 
 
 def test_two_context_parallel_ranks_compute_the_whole_rows_logprobs_and_gradients():
-    ctx = mp.get_context("spawn")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    results = ctx.Queue()
-    procs = [ctx.Process(target=context_rank, args=(r, 2, port, results)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    whole = {layout: logprobs_and_grads(None, layout) for layout in LAYOUTS}  # meanwhile, on one rank
-    got = [results.get(timeout=240) for _ in range(2)]
-    for proc in procs:
-        proc.join(timeout=60)
-    assert [p.exitcode for p in procs] == [0, 0]
-    for _, data in got:
-        for layout, (logprobs, grads) in torch.load(io.BytesIO(data), weights_only=True).items():
-            want, want_grads = whole[layout]
+    got = spawned(context_rank, 2)
+    for layout in LAYOUTS:  # one rank, whole rows
+        want, want_grads = logprobs_and_grads(None, layout)
+        for per_layout in got:
+            logprobs, grads = per_layout[layout]
             assert len(logprobs) == sum(LENGTHS)
             assert torch.allclose(logprobs, want, atol=1e-5), layout
             for name, grad in grads.items():
@@ -119,3 +105,72 @@ def test_context_parallelism_is_refused_where_it_does_not_run(capsys):
     assert main(["validate", HF, "cluster.gpus_per_node=2", "policy.dtensor_cfg.context_parallel_size=2",
                  "policy.deepspeed_cfg.enabled=true", "policy.dtensor_cfg.enabled=false"]) == 2
     assert "splits sequences on the DTensor backend; this run trains on deepspeed" in capsys.readouterr().err
+
+
+# ------------------------------------------------ the DTensor policy on dp x cp = 2 x 2 ranks
+def policy_rank(rank: int, world: int, port: int, results) -> None:
+    """One optimizer step of the DTensor policy on this batch (world 1: cp 1; world 4: dp 2 x cp 2),
+    then the batch's logprobs."""
+    import torch.distributed as dist
+
+    from novarl.algorithms.losses import make_loss
+    from novarl.backends.training.dtensor import DTensorPolicy
+    from novarl.cli import BUNDLED_RECIPE
+    from novarl.config import load_config
+    from novarl.models.loading import resolve_model_path
+    from tests.helpers import HF
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    cfg = load_config(BUNDLED_RECIPE, overrides=[
+        HF, f"cluster.gpus_per_node={world}", f"policy.dtensor_cfg.context_parallel_size={2 if world > 1 else 1}",
+        "policy.sequence_packing.share_prompts=false", "policy.train_micro_batch_size=2"])
+    policy = DTensorPolicy(cfg.policy, str(resolve_model_path("tiny-arith")), torch.device("cpu"), total_steps=4,
+                           temperature=1.0, seed=cfg.grpo.seed)
+    generator = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([29, 7, 18, 12, 25, 9])
+    ids = torch.randint(3, 19, (len(lengths), int(lengths.max())), generator=generator)
+    mask = torch.arange(ids.shape[1]) < lengths[:, None]
+    loss_mask = mask & (torch.arange(ids.shape[1]) >= 4)  # a 4-token prompt
+    batch = TrainBatch.from_rows(ids, mask, loss_mask, torch.linspace(-1, 1, len(lengths))).with_own_counts()
+    metrics = policy.forward_backward(batch, make_loss(cfg.loss_fn))
+    metrics.update(policy.optim_step())
+    logprobs = policy.logprobs(batch)
+    send(results, rank, (metrics["loss"], metrics["grad_norm"], logprobs))
+
+
+def send(results, rank: int, value) -> None:
+    """A spawned rank's result, as bytes (tensors through a queue would need this process alive),
+    then the group's end."""
+    import torch.distributed as dist
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    results.put((rank, buffer.getvalue()))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spawned(target, world: int) -> list:
+    """target(rank, world, port, results) on `world` spawned processes; their results by rank."""
+    ctx = mp.get_context("spawn")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, port, results)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    got = [results.get(timeout=300) for _ in range(world)]
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0] * world
+    return [torch.load(io.BytesIO(data), weights_only=True) for _, data in sorted(got, key=lambda g: g[0])]
+
+
+def test_the_policy_on_two_data_parallel_by_two_context_parallel_ranks_trains_like_one_rank():
+    (loss, grad_norm, logprobs), = spawned(policy_rank, 1)
+    for rank_loss, rank_norm, rank_logprobs in spawned(policy_rank, 4):  # FSDP2 over dp x cp
+        assert rank_loss == pytest.approx(loss, abs=1e-6)
+        assert rank_norm == pytest.approx(grad_norm, rel=1e-4)
+        assert torch.allclose(rank_logprobs, logprobs, atol=1e-5)  # after the step: the same update
