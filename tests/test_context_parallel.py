@@ -3,8 +3,7 @@
 a Llama with grouped-query attention gives the same logprobs and gradients on long packed rows of
 several sequences (and on padded rows) as the whole rows on one rank; the DTensor policy on
 dp 2 x cp 2 ranks (FSDP2 over all four) takes the same optimizer step as one rank; and what cp
-does not run is refused at validate. (tests/test_distributed.py runs the GRPO loop with cp=2 on 2
-Ray ranks.)"""
+does not run is refused at validate."""
 
 from __future__ import annotations
 
@@ -136,7 +135,7 @@ def policy_rank(rank: int, world: int, port: int, results) -> None:
     metrics = policy.forward_backward(batch, make_loss(cfg.loss_fn))
     metrics.update(policy.optim_step())
     logprobs = policy.logprobs(batch)
-    send(results, rank, (metrics["loss"], metrics["grad_norm"], logprobs))
+    send(results, rank, (metrics["loss"], metrics["grad_norm"], metrics["tokens_computed"], logprobs))
 
 
 def send(results, rank: int, value) -> None:
@@ -169,8 +168,9 @@ def spawned(target, world: int) -> list:
 
 
 def test_the_policy_on_two_data_parallel_by_two_context_parallel_ranks_trains_like_one_rank():
-    (loss, grad_norm, logprobs), = spawned(policy_rank, 1)
-    for rank_loss, rank_norm, rank_logprobs in spawned(policy_rank, 4):  # FSDP2 over dp x cp
+    (loss, grad_norm, tokens, logprobs), = spawned(policy_rank, 1)
+    for rank_loss, rank_norm, rank_tokens, rank_logprobs in spawned(policy_rank, 4):  # FSDP2 over dp x cp
+        assert 0.45 < rank_tokens / tokens < 0.65  # a cp rank computes half of each sequence (padded to 4)
         assert rank_loss == pytest.approx(loss, abs=1e-6)
         assert rank_norm == pytest.approx(grad_norm, rel=1e-4)
         assert torch.allclose(rank_logprobs, logprobs, atol=1e-5)  # after the step: the same update

@@ -101,6 +101,12 @@ def test_a_killed_rank_stops_the_call_and_names_it(tmp_path):
 
 
 @pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory, two_kv_head_model):
+    """The one-rank run the tensor-parallel layouts (and custom plans) are held against, made once."""
+    return run(tmp_path_factory.mktemp("one"), f"policy.model_name={two_kv_head_model}", "grpo.max_num_steps=3")[1]
+
+
+@pytest.fixture(scope="module")
 def two_kv_head_model(tmp_path_factory):
     """tiny-arith with its one KV head duplicated: the same function, but 2 KV heads to split over TP=2."""
     import torch
@@ -117,32 +123,14 @@ def two_kv_head_model(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def one_rank_runs(tmp_path_factory, two_kv_head_model):
-    """The one-rank run the layouts are held against (with shared prompts or without), made once."""
-    runs = {}
-
-    def single(unshared: bool):
-        if unshared not in runs:
-            more = ["policy.sequence_packing.share_prompts=false"] if unshared else []
-            runs[unshared] = run(tmp_path_factory.mktemp("one"), f"policy.model_name={two_kv_head_model}",
-                                 "grpo.max_num_steps=3", *more)[1]
-        return runs[unshared]
-    return single
-
-
-@pytest.mark.parametrize("layout", [
-    ["policy.dtensor_cfg.tensor_parallel_size=2"],
-    ["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"],
-    # each packed sequence split over the 2 ranks (each lays out every sample's prompt: no shared prompts)
-    ["policy.dtensor_cfg.context_parallel_size=2", "policy.sequence_packing.share_prompts=false"],
-], ids=["tp", "tp+sp", "cp"])
-def test_tensor_or_context_parallel_on_two_ranks_matches_one_rank(tmp_path, two_kv_head_model, one_rank_runs, layout):
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_tensor_parallel_on_two_ranks_matches_one_rank(tmp_path, two_kv_head_model, one_rank_run, sequence_parallel):
+    """(Context parallelism: tests/test_context_parallel.py.)"""
     model = f"policy.model_name={two_kv_head_model}"
-    single = one_rank_runs("policy.sequence_packing.share_prompts=false" in layout)
-    _, tp = run(tmp_path / "tp", model, "grpo.max_num_steps=3", "cluster.gpus_per_node=2", *layout)
-    if "context_parallel" in layout[0]:  # each rank computes about half of each row (sequences padded to 4 tokens)
-        assert all(0.45 < two["tokens_computed"] / one["tokens_computed"] < 0.65 for one, two in zip(single, tp))
+    single = one_rank_run
+    _, tp = run(tmp_path / "tp", model, "grpo.max_num_steps=3", "cluster.gpus_per_node=2",
+                "policy.dtensor_cfg.tensor_parallel_size=2",
+                f"policy.dtensor_cfg.sequence_parallel={str(sequence_parallel).lower()}")
     for one, two in zip(single, tp, strict=True):
         assert two["reward_mean"] == one["reward_mean"]
         assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
@@ -182,12 +170,11 @@ def test_a_rank_killed_mid_run_stops_it_naming_the_rank_and_the_checkpoint(tmp_p
 
 
 @pytest.mark.parametrize("plan", ["tests.helpers.plans:MLP_ONLY", "tests.helpers.plans:attention_only"])
-def test_custom_parallel_plan_matches_one_rank(tmp_path, two_kv_head_model, plan):
+def test_custom_parallel_plan_matches_one_rank(tmp_path, two_kv_head_model, one_rank_run, plan):
     model = f"policy.model_name={two_kv_head_model}"
-    _, single = run(tmp_path / "one", model, "grpo.max_num_steps=2")
-    _, tp = run(tmp_path / "tp", model, "grpo.max_num_steps=2", "cluster.gpus_per_node=2",
+    _, tp = run(tmp_path / "tp", model, "grpo.max_num_steps=3", "cluster.gpus_per_node=2",
                 "policy.dtensor_cfg.tensor_parallel_size=2", f"policy.dtensor_cfg.custom_parallel_plan={plan}")
-    for one, two in zip(single, tp, strict=True):
+    for one, two in zip(one_rank_run, tp, strict=True):
         assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
 
