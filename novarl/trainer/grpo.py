@@ -58,14 +58,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
     estimate_advantages = None if roles.critic else ADVANTAGE_ESTIMATORS.get(grpo.adv_estimator.name)
     step = resume_from(resume, inputs, roles, sink) if resume else 0
     max_steps = inputs.max_steps or grpo.max_num_steps  # fewer when grpo.max_num_epochs ends first
-    pipeline = None
-    if grpo.async_grpo.enabled:
-        from novarl.distributed.generation import LocalGeneration
-        from novarl.trainer.async_rollouts import AsyncRollouts, async_description
-
-        pipeline = AsyncRollouts(cfg, inputs, roles, max_steps)
-        pipeline.restore(resume.rollouts() if resume else None, step)
-        info(async_description(cfg, in_process=isinstance(roles.generator, LocalGeneration)))
+    pipeline = start_async_rollouts(cfg, inputs, roles, max_steps, resume, step) if grpo.async_grpo.enabled else None
     progress = Progress(max_steps, enabled=cfg.logger.progress_bar,
                         print_every=cfg.logger.print_every_n_steps, initial=step)
     summary: dict[str, float] = dict(resume.state.get("summary", {})) if resume else {}
@@ -125,6 +118,18 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
     finally:
         progress.close()  # before any error is printed: it must not land inside the bar
     return summary
+
+
+def start_async_rollouts(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, max_steps: int,
+                         resume: Checkpoint | None, step: int):
+    """Asynchronous GRPO's rounds in flight (async_rollouts.py), those of `resume` restored."""
+    from novarl.distributed.generation import LocalGeneration
+    from novarl.trainer.async_rollouts import AsyncRollouts, async_description
+
+    pipeline = AsyncRollouts(cfg, inputs, roles, max_steps)
+    pipeline.restore(resume.rollouts() if resume else None, step)
+    info(async_description(cfg, in_process=isinstance(roles.generator, LocalGeneration)))
+    return pipeline
 
 
 def trainer_state(inputs: RunInputs, summary: dict[str, float], pipeline=None) -> dict:
