@@ -1,9 +1,9 @@
 """Context parallelism on the DTensor backend (models/context_parallel.py): every sequence split in
-2 x cp load-balanced chunks over the cp ranks, the keys and values all-gathered. On 2 gloo ranks,
-a Llama with grouped-query attention gives the same logprobs and gradients on long packed rows of
-several sequences (and on padded rows) as the whole rows on one rank; the DTensor policy on
-dp 2 x cp 2 ranks (FSDP2 over all four) takes the same optimizer step as one rank; and what cp
-does not run is refused at validate."""
+2 x cp load-balanced chunks over the cp ranks, the keys and values all-gathered. On 4 gloo ranks:
+over cp groups of 2, a Llama with grouped-query attention gives the same logprobs and gradients on
+long packed rows of several sequences (and on padded rows) as the whole rows on one rank; and the
+DTensor policy on dp 2 x cp 2 (FSDP2 over all four) takes the same optimizer step as one rank.
+What cp does not run is refused at validate."""
 
 from __future__ import annotations
 
@@ -59,32 +59,6 @@ def logprobs_and_grads(context, layout: str):
     return logprobs.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def context_rank(rank: int, world: int, port: int, results) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    out = {}
-    for layout in LAYOUTS:
-        logprobs, grads = logprobs_and_grads(dist.group.WORLD, layout)
-        for grad in grads.values():  # each rank holds cp x its share of every gradient (see the module)
-            dist.all_reduce(grad)
-            grad /= world
-        out[layout] = (logprobs, grads)
-    send(results, rank, out)
-
-
-def test_two_context_parallel_ranks_compute_the_whole_rows_logprobs_and_gradients():
-    got = spawned(context_rank, 2)
-    for layout in LAYOUTS:  # one rank, whole rows
-        want, want_grads = logprobs_and_grads(None, layout)
-        for per_layout in got:
-            logprobs, grads = per_layout[layout]
-            assert len(logprobs) == sum(LENGTHS)
-            assert torch.allclose(logprobs, want, atol=1e-5), layout
-            for name, grad in grads.items():
-                assert torch.allclose(grad, want_grads[name], atol=1e-5, rtol=1e-4), (layout, name)
-
-
 def test_each_rank_gets_two_balanced_chunks_of_every_sequence():
     cu = torch.tensor([0, 8, 24])  # two sequences of 8 and 16 tokens, cp = 2: chunks of 2 and 4
     first, second = balanced_chunks(cu, 2)
@@ -106,7 +80,25 @@ def test_context_parallelism_is_refused_where_it_does_not_run(capsys):
     assert "splits sequences on the DTensor backend; this run trains on deepspeed" in capsys.readouterr().err
 
 
-# ------------------------------------------------ the DTensor policy on dp x cp = 2 x 2 ranks
+# ------------------------------------------------ 4 gloo ranks: cp groups of 2, the policy on dp 2 x cp 2
+def attention_check(world: int) -> dict:
+    """Per layout, the bare model's logprobs and gradients (logprobs_and_grads): whole rows on one
+    rank, or over a cp group of 2 (ranks 0-1 and 2-3), each gradient summed over it and halved
+    (each cp rank holds cp x its share: see models/context_parallel.py)."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)] if world > 1 else []
+    group = groups[dist.get_rank() // 2] if groups else None
+    out = {}
+    for layout in LAYOUTS:
+        logprobs, grads = logprobs_and_grads(group, layout)
+        for grad in grads.values() if group is not None else ():
+            dist.all_reduce(grad, group=group)
+            grad /= 2
+        out[layout] = (logprobs, grads)
+    return out
+
+
 def policy_rank(rank: int, world: int, port: int, results) -> None:
     """One optimizer step of the DTensor policy on this batch (world 1: cp 1; world 4: dp 2 x cp 2),
     then the batch's logprobs."""
@@ -121,6 +113,7 @@ def policy_rank(rank: int, world: int, port: int, results) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    attention = attention_check(world)
     cfg = load_config(BUNDLED_RECIPE, overrides=[
         HF, f"cluster.gpus_per_node={world}", f"policy.dtensor_cfg.context_parallel_size={2 if world > 1 else 1}",
         "policy.sequence_packing.share_prompts=false", "policy.train_micro_batch_size=2"])
@@ -135,7 +128,7 @@ def policy_rank(rank: int, world: int, port: int, results) -> None:
     metrics = policy.forward_backward(batch, make_loss(cfg.loss_fn))
     metrics.update(policy.optim_step())
     logprobs = policy.logprobs(batch)
-    send(results, rank, (metrics["loss"], metrics["grad_norm"], metrics["tokens_computed"], logprobs))
+    send(results, rank, (metrics["loss"], metrics["grad_norm"], metrics["tokens_computed"], logprobs, attention))
 
 
 def send(results, rank: int, value) -> None:
@@ -167,9 +160,14 @@ def spawned(target, world: int) -> list:
     return [torch.load(io.BytesIO(data), weights_only=True) for _, data in sorted(got, key=lambda g: g[0])]
 
 
-def test_the_policy_on_two_data_parallel_by_two_context_parallel_ranks_trains_like_one_rank():
-    (loss, grad_norm, tokens, logprobs), = spawned(policy_rank, 1)
-    for rank_loss, rank_norm, rank_tokens, rank_logprobs in spawned(policy_rank, 4):  # FSDP2 over dp x cp
+def test_context_parallel_attention_and_the_policy_on_dp2_x_cp2_match_one_rank():
+    (loss, grad_norm, tokens, logprobs, whole), = spawned(policy_rank, 1)
+    for rank_loss, rank_norm, rank_tokens, rank_logprobs, split in spawned(policy_rank, 4):  # FSDP2 over dp x cp
+        for layout in LAYOUTS:  # the attention alone, on long packed rows and on padded ones
+            (want, want_grads), (got, grads) = whole[layout], split[layout]
+            assert len(got) == sum(LENGTHS) and torch.allclose(got, want, atol=1e-5), layout
+            for name, grad in grads.items():
+                assert torch.allclose(grad, want_grads[name], atol=1e-5, rtol=1e-4), (layout, name)
         assert 0.45 < rank_tokens / tokens < 0.65  # a cp rank computes half of each sequence (padded to 4)
         assert rank_loss == pytest.approx(loss, abs=1e-6)
         assert rank_norm == pytest.approx(grad_norm, rel=1e-4)
