@@ -7,15 +7,12 @@ What cp does not run is refused at validate."""
 
 from __future__ import annotations
 
-import io
-import multiprocessing as mp
-import socket
-
 import pytest
 import torch
 
 from novarl.models.context_parallel import balanced_chunks
 from novarl.types import TrainBatch
+from tests.helpers.spawn import send, spawned
 
 LENGTHS = (200, 37, 64, 23)
 """A long sequence and three short ones, packed into one row (or padded rows)."""
@@ -129,35 +126,6 @@ def policy_rank(rank: int, world: int, port: int, results) -> None:
     metrics.update(policy.optim_step())
     logprobs = policy.logprobs(batch)
     send(results, rank, (metrics["loss"], metrics["grad_norm"], metrics["tokens_computed"], logprobs, attention))
-
-
-def send(results, rank: int, value) -> None:
-    """A spawned rank's result, as bytes (tensors through a queue would need this process alive),
-    then the group's end."""
-    import torch.distributed as dist
-
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    results.put((rank, buffer.getvalue()))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def spawned(target, world: int) -> list:
-    """target(rank, world, port, results) on `world` spawned processes; their results by rank."""
-    ctx = mp.get_context("spawn")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, port, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    got = [results.get(timeout=300) for _ in range(world)]
-    for proc in procs:
-        proc.join(timeout=60)
-    assert [p.exitcode for p in procs] == [0] * world
-    return [torch.load(io.BytesIO(data), weights_only=True) for _, data in sorted(got, key=lambda g: g[0])]
 
 
 def test_context_parallel_attention_and_the_policy_on_dp2_x_cp2_match_one_rank():

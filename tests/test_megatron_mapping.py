@@ -124,11 +124,40 @@ def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
     with pytest.raises(ConfigError) as err:
         check_model(mixtral, policy("policy.megatron_cfg.tensor_model_parallel_size=2",
                                     "policy.megatron_cfg.expert_model_parallel_size=3",
-                                    "policy.megatron_cfg.expert_tensor_parallel_size=2"))
+                                    "policy.megatron_cfg.expert_tensor_parallel_size=5"))
     for part in ("needs sequence_parallel=true", "expert_model_parallel_size=3 must divide the model's 4 experts",
-                 "expert_tensor_parallel_size=2: splitting each expert"):
+                 "expert_tensor_parallel_size=5 must divide each expert's MLP size 96"):
         assert part in str(err.value)
     assert check_model(mixtral, policy("policy.megatron_cfg.expert_model_parallel_size=2")).num_experts == 4
+    # experts split over ranks that also split the data: megatron-core reduces them as dense weights
+    # unless they are expert-parallel too
+    with pytest.raises(ConfigError, match="expert_tensor_parallel_size=2 with expert_model_parallel_size=1 must "
+                                          "equal tensor_model_parallel_size=1"):
+        check_model(mixtral, policy("policy.megatron_cfg.expert_tensor_parallel_size=2"))
+    check_model(mixtral, policy("policy.megatron_cfg.expert_tensor_parallel_size=2",
+                                "policy.megatron_cfg.expert_model_parallel_size=2"))
+
+
+def test_virtual_pipeline_stages_map_and_must_cut_every_stage_evenly():
+    config = transformer_config("policy.megatron_cfg.pipeline_model_parallel_size=2",
+                                "policy.megatron_cfg.virtual_pipeline_model_parallel_size=2")
+    assert config.virtual_pipeline_model_parallel_size == 2
+    # pp 2 meets the same peer both ways: sends one by one, paired by parity (see model.py)
+    assert not config.batch_p2p_comm
+    assert transformer_config().virtual_pipeline_model_parallel_size is None
+    with pytest.raises(ConfigError) as err:
+        check_model(tiny(6), policy("policy.megatron_cfg.pipeline_model_parallel_size=2",
+                                    "policy.megatron_cfg.virtual_pipeline_model_parallel_size=2",
+                                    "policy.generation.backend=megatron"))
+    assert "stages' layers must split into 2 equal chunks (6 layers)" in str(err.value)
+    assert "decoding runs one model chunk per stage" in str(err.value)
+    with pytest.raises(ConfigError, match="it needs pipeline_model_parallel_size > 1"):
+        check_model(tiny(4), policy("policy.megatron_cfg.virtual_pipeline_model_parallel_size=2"))
+    # uneven stages: each stage's layers in vpp chunks (first 2, middle 4 + 4, last 2 on 4 stages)
+    check_model(tiny(12), policy("policy.megatron_cfg.pipeline_model_parallel_size=4",
+                                 "policy.megatron_cfg.virtual_pipeline_model_parallel_size=2",
+                                 "policy.megatron_cfg.num_layers_in_first_pipeline_stage=2",
+                                 "policy.megatron_cfg.num_layers_in_last_pipeline_stage=2"))
 
 
 def test_a_sliding_window_shorter_than_the_sequences_is_refused():

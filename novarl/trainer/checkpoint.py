@@ -35,6 +35,7 @@ scalers makes the checkpoint unusable. Both checks run before every load for res
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import shutil
@@ -249,18 +250,21 @@ def _check_policy_files(policy: Path, role: str = POLICY_DIR) -> str | None:
 
 
 def _check_megatron(folder: Path) -> str | None:
+    from novarl.backends.megatron.convert import experts_file
+
     try:
         layout = json.loads((folder / "layout.json").read_text())
         tp, pp, dp = (int(layout["parallel"][k]) for k in ("tp", "pp", "dp"))
         ep = int(layout["parallel"].get("ep", 1)) if layout.get("experts") else 0
+        etp = int(layout["parallel"].get("etp", 1))
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
         return f"Megatron layout unreadable: {err}"
     for p in range(pp):
         for t in range(tp):
             if not (folder / f"model_tp{t}_pp{p}.pt").is_file():
                 return f"Megatron model shard tp{t}_pp{p} missing"
-        for e in range(ep):
-            if not (folder / f"experts_ep{e}_pp{p}.pt").is_file():
+        for e, r in itertools.product(range(ep), range(etp)):
+            if not (folder / experts_file(e, p, r, etp)).is_file():
                 return f"Megatron experts of expert-parallel rank {e}, stage {p} missing"
     for rank in range(tp * pp * dp):
         if not (folder / f"optim_rank{rank}.pt").is_file():

@@ -177,19 +177,20 @@ def _export_megatron(folder: Path, model_path: str, tokenizer, output: Path, fmt
     import torch
     from transformers import AutoConfig
 
-    from novarl.backends.megatron.convert import LayerShape, shards_to_hf
+    from novarl.backends.megatron.convert import LayerShape, experts_file, join_expert_tensor_parts, shards_to_hf
     from novarl.models.loading import save_hf_folder
     from novarl.trainer.api import save_atomically
 
     with loading(folder.parent.parent):
         layout = json.loads((folder / "layout.json").read_text())
-        tp, pp, ep = (layout["parallel"].get(k, 1) for k in ("tp", "pp", "ep"))
+        tp, pp, ep, etp = (layout["parallel"].get(k, 1) for k in ("tp", "pp", "ep", "etp"))
         parts = [(t, p, torch.load(folder / f"model_tp{t}_pp{p}.pt", weights_only=True))
                  for t in range(tp) for p in range(pp)]
         experts = {}
         for e in range(ep if layout.get("experts") else 0):
             for p in range(pp):
-                experts.update(torch.load(folder / f"experts_ep{e}_pp{p}.pt", weights_only=True))
+                experts.update(join_expert_tensor_parts([
+                    torch.load(folder / experts_file(e, p, r, etp), weights_only=True) for r in range(etp)]))
     model_config = AutoConfig.from_pretrained(model_path)
     shape = LayerShape.from_hf_config(model_config)
     head = {}

@@ -1,6 +1,6 @@
 """Hugging Face <-> Megatron-core weights for Llama-family models (Llama, Qwen2, Mistral) and
 Mixtral's Mixture-of-Experts layers (router + per-expert MLPs, whole on every tensor-parallel
-rank, cut by expert-parallel rank at load time).
+rank, cut by expert-parallel rank, then by expert-tensor-parallel rank, at load time).
 
 Pure tensor work: nothing here imports megatron-core, so conversion runs (and is
 tested) anywhere; megatron-core checks the result when it loads it.
@@ -176,7 +176,7 @@ def _join(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _parallel_dim(name: str) -> int | None:
-    if EXPERTS in name:  # whole on every tensor-parallel rank (expert_tensor_parallel_size 1)
+    if EXPERTS in name:  # whole on every tensor-parallel rank; expert_tensor_part cuts them at load time
         return None
     if name.endswith(COLUMN_PARALLEL):
         return 0
@@ -214,6 +214,50 @@ def experts_to_global(state: dict[str, torch.Tensor], *, rank: int, expert_paral
     """The inverse of experts_of_rank for one rank's experts."""
     per_rank = num_experts // expert_parallel_size
     return _renumber_experts(state, lambda j: j + rank * per_rank)
+
+
+def expert_tensor_part(state: dict[str, torch.Tensor], *, rank: int,
+                       expert_tensor_parallel_size: int) -> dict[str, torch.Tensor]:
+    """`state` with each expert's MLP cut to expert-tensor-parallel rank `rank`'s part, as a
+    dense MLP is over tensor-parallel ranks: fc1 column-parallel, each rank its [gate; up]
+    rows; fc2 row-parallel, split by columns (the rest kept)."""
+    etp = expert_tensor_parallel_size
+    if etp == 1:
+        return state
+    out = {}
+    for name, tensor in state.items():
+        if EXPERTS in name and name.endswith("linear_fc1.weight"):
+            gate, up = tensor.chunk(2)
+            tensor = torch.cat([gate.chunk(etp)[rank], up.chunk(etp)[rank]])
+        elif EXPERTS in name and name.endswith("linear_fc2.weight"):
+            tensor = tensor.chunk(etp, dim=1)[rank].clone()
+        out[name] = tensor
+    return out
+
+
+def join_expert_tensor_parts(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The inverse of expert_tensor_part: whole experts from every expert-tensor-parallel
+    rank's part, in rank order."""
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for name in parts[0]:
+        pieces = [part[name] for part in parts]
+        if EXPERTS in name and name.endswith("linear_fc1.weight"):
+            halves = [piece.chunk(2) for piece in pieces]
+            out[name] = torch.cat([torch.cat([gate for gate, _ in halves]), torch.cat([up for _, up in halves])])
+        elif EXPERTS in name and name.endswith("linear_fc2.weight"):
+            out[name] = torch.cat(pieces, dim=1)
+        else:
+            out[name] = pieces[0]
+    return out
+
+
+def experts_file(ep_rank: int, pp_rank: int, etp_rank: int = 0, etp_size: int = 1) -> str:
+    """A Megatron checkpoint's file of one expert-parallel rank's experts on one stage (one
+    expert-tensor-parallel rank's part of them where experts are split)."""
+    return f"experts_ep{ep_rank}_pp{pp_rank}.pt" if etp_size == 1 else \
+        f"experts_ep{ep_rank}_etp{etp_rank}_pp{pp_rank}.pt"
 
 
 def _renumber_experts(state: dict[str, torch.Tensor], new_index) -> dict[str, torch.Tensor]:

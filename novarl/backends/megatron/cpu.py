@@ -20,6 +20,7 @@ the driver, because it changes torch for the whole process.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -70,4 +71,7 @@ def install() -> None:
     torch.cuda.manual_seed = lambda seed: None
     torch.cuda.synchronize = lambda device=None: None  # CPU ops are synchronous
     _CudaAsCpu().__enter__()
+    # its model-parallel RNG forks compare the CPU generator's state before and after: here the
+    # "CUDA" generator is the CPU one, so each fork would log that the CPU state changed
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
     _installed = True

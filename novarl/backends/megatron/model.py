@@ -4,7 +4,10 @@ What maps where (the seeds' keys on the left):
 
     tensor/pipeline/context_parallel_size,      -> parallel_state.initialize_model_parallel
     expert_model/expert_tensor_parallel_size
-    virtual_pipeline_model_parallel_size         -> refused (one model chunk per stage for now)
+    virtual_pipeline_model_parallel_size         -> model chunks per pipeline stage (interleaved
+                                                    1F1B schedule: each stage holds vpp chunks of
+                                                    layers, stage-major, e.g. pp 2 x vpp 2 puts
+                                                    layers 0 and 2 on stage 0, 1 and 3 on stage 1)
     num_layers_in_first/last_pipeline_stage,     -> TransformerConfig (uneven pipeline stages)
     pipeline_dtype                               -> must equal policy.precision (stages send activations
                                                     in the parameters' precision)
@@ -54,12 +57,14 @@ class ParallelSizes:
     context: int
     expert: int
     expert_tensor: int
+    virtual: int = 1
+    """Model chunks per pipeline stage (interleaved schedule)."""
 
     @classmethod
     def from_policy(cls, policy: PolicyConfig) -> "ParallelSizes":
         mc = policy.megatron_cfg
         return cls(mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size, mc.context_parallel_size,
-                   mc.expert_model_parallel_size, mc.expert_tensor_parallel_size)
+                   mc.expert_model_parallel_size, mc.expert_tensor_parallel_size, virtual_stages(policy))
 
     @property
     def model_parallel(self) -> int:
@@ -85,9 +90,7 @@ def check_model(hf_config, policy: PolicyConfig) -> LayerShape:
             and shape.num_layers % pp:
         problems.append(f"policy.megatron_cfg.pipeline_model_parallel_size={pp} does not divide the "
                         f"{shape.num_layers} layers; set num_layers_in_first/last_pipeline_stage.")
-    if mc.virtual_pipeline_model_parallel_size not in (None, 1):
-        problems.append("policy.megatron_cfg.virtual_pipeline_model_parallel_size (interleaved pipeline "
-                        "schedules) is not available yet; leave it unset.")
+    problems += _virtual_pipeline_problems(policy, shape)
     ep = mc.expert_model_parallel_size
     if not shape.num_experts and (ep > 1 or mc.expert_tensor_parallel_size > 1):
         problems.append(f"expert parallelism (policy.megatron_cfg.expert_model_parallel_size={ep}, "
@@ -100,10 +103,17 @@ def check_model(hf_config, policy: PolicyConfig) -> LayerShape:
         problems.append(f"policy.megatron_cfg.tensor_model_parallel_size={mc.tensor_model_parallel_size} on a "
                         "Mixture-of-Experts model needs sequence_parallel=true (megatron-core's rule for MoE with "
                         "tensor parallelism; it needs Transformer Engine).")
-    if shape.num_experts and mc.expert_tensor_parallel_size > 1:
-        problems.append(f"policy.megatron_cfg.expert_tensor_parallel_size={mc.expert_tensor_parallel_size}: "
-                        "splitting each expert over tensor-parallel ranks is not available yet; use 1 (whole "
-                        "experts, spread by expert_model_parallel_size).")
+    etp = mc.expert_tensor_parallel_size
+    if shape.num_experts and shape.ffn_hidden_size % etp:
+        problems.append(f"policy.megatron_cfg.expert_tensor_parallel_size={etp} must divide each expert's MLP "
+                        f"size {shape.ffn_hidden_size}.")
+    if shape.num_experts and etp > 1 and ep == 1 and etp != tp:
+        # megatron-core marks experts as expert-parallel (reduced over expert-data-parallel ranks)
+        # only when ep > 1; otherwise they are reduced and sharded as dense weights
+        problems.append(f"policy.megatron_cfg.expert_tensor_parallel_size={etp} with expert_model_parallel_size=1 "
+                        f"must equal tensor_model_parallel_size={tp}: megatron-core would then reduce each "
+                        "expert's gradients over the data-parallel ranks, which hold other parts of it; set "
+                        "expert_model_parallel_size > 1 too.")
     if mc.sequence_parallel and mc.tensor_model_parallel_size > 1 and policy.generation.backend == "megatron":
         problems.append("policy.megatron_cfg.sequence_parallel with policy.generation.backend='megatron': decoding "
                         "feeds one token at a time, which sequence parallelism cannot split over "
@@ -132,6 +142,31 @@ def check_model(hf_config, policy: PolicyConfig) -> LayerShape:
     return shape
 
 
+def _virtual_pipeline_problems(policy: PolicyConfig, shape: LayerShape) -> list[str]:
+    """What keeps `virtual_pipeline_model_parallel_size` from running: megatron-core cuts each
+    stage's layers into vpp equal chunks."""
+    mc = policy.megatron_cfg
+    vpp, pp = mc.virtual_pipeline_model_parallel_size or 1, mc.pipeline_model_parallel_size
+    if vpp == 1:
+        return []
+    key = f"policy.megatron_cfg.virtual_pipeline_model_parallel_size={vpp}"
+    if pp == 1:
+        return [f"{key} interleaves pipeline stages; it needs pipeline_model_parallel_size > 1."]
+    problems = []
+    first, last = mc.num_layers_in_first_pipeline_stage, mc.num_layers_in_last_pipeline_stage
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle_layers = shape.num_layers - (first or 0) - (last or 0)
+    if any(n is not None and n % vpp for n in (first, last)) or middle_layers % (max(middle_stages, 1) * vpp):
+        problems.append(f"{key}: each of the {pp} pipeline stages' layers must split into {vpp} equal chunks "
+                        f"({shape.num_layers} layers"
+                        + (f", {first} on the first stage" if first is not None else "")
+                        + (f", {last} on the last" if last is not None else "") + ").")
+    if policy.generation.backend == "megatron":
+        problems.append(f"{key} with policy.generation.backend='megatron': decoding runs one model chunk per "
+                        "stage; use vLLM or Hugging Face generation, or leave it unset.")
+    return problems
+
+
 def transformer_engine_available() -> bool:
     import importlib.util
 
@@ -158,6 +193,7 @@ def transformer_config(hf_config, shape: LayerShape, policy: PolicyConfig, *, pr
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=mc.tensor_model_parallel_size,
         pipeline_model_parallel_size=mc.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_stages(policy) if virtual_stages(policy) > 1 else None,
         context_parallel_size=mc.context_parallel_size,
         sequence_parallel=mc.sequence_parallel and mc.tensor_model_parallel_size > 1,
         num_layers_in_first_pipeline_stage=mc.num_layers_in_first_pipeline_stage,
@@ -175,6 +211,13 @@ def transformer_config(hf_config, shape: LayerShape, policy: PolicyConfig, *, pr
     )
     if shape.num_experts:
         kwargs.update(_moe(mc, shape))
+    if virtual_stages(policy) > 1:
+        # Interleaved stages send activations and gradients both ways at once; on 2 stages the peer
+        # is the same rank both ways, where batched sends would pair them in the wrong order, so
+        # they go one by one (megatron-core pairs them by parity), overlapped with compute on CUDA
+        # (Megatron-LM's default with virtual stages); waited on at once on the CPU (gloo keeps no
+        # reference to a buffer the schedule frees after sending)
+        kwargs.update(batch_p2p_comm=False, overlap_p2p_comm=torch.cuda.is_available())
     granularity = mc.recompute_granularity or ("full" if mc.activation_checkpointing else None)
     if granularity == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -200,7 +243,8 @@ def _moe(mc, shape: LayerShape) -> dict[str, Any]:
     moe: dict[str, Any] = dict(
         num_moe_experts=shape.num_experts, moe_router_topk=shape.experts_per_token,
         moe_ffn_hidden_size=shape.ffn_hidden_size, moe_router_pre_softmax=False,
-        expert_model_parallel_size=mc.expert_model_parallel_size, expert_tensor_parallel_size=1,
+        expert_model_parallel_size=mc.expert_model_parallel_size,
+        expert_tensor_parallel_size=mc.expert_tensor_parallel_size,
         moe_router_load_balancing_type=mc.moe_router_load_balancing_type,
         moe_token_dispatcher_type=mc.moe_token_dispatcher_type, moe_grouped_gemm=mc.moe_grouped_gemm,
         moe_permute_fusion=mc.moe_permute_fusion, moe_router_bias_update_rate=mc.moe_router_bias_update_rate)
@@ -253,9 +297,44 @@ def _moe_router_without_transformer_engine() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_gpt_model(config, hf_config, shape: LayerShape, *, max_sequence_length: int):
-    """This pipeline stage's GPTModel (embedding on the first stage, head on the last)."""
+def virtual_stages(policy: PolicyConfig) -> int:
+    """Model chunks per pipeline stage (virtual_pipeline_model_parallel_size; unset is 1)."""
+    return policy.megatron_cfg.virtual_pipeline_model_parallel_size or 1
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk of this pipeline stage (the stage itself without interleaving)."""
+
+    vp_stage: int | None
+    """Its virtual stage (None without interleaving, as megatron-core wants it)."""
+    layers: range
+    """The global indexes of its decoder layers."""
+    first: bool
+    """It holds the embedding (the pipeline's first chunk)."""
+    last: bool
+    """It holds the final norm and the output layer (the pipeline's last chunk)."""
+
+
+def stage_chunks(config) -> list[Chunk]:
+    """This pipeline stage's model chunks, in virtual-stage order."""
     from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    vpp = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp) if vpp else [None]:
+        first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        layers = range(first, first + get_num_layers_to_build(config, vp_stage=vp_stage))
+        chunks.append(Chunk(vp_stage, layers,
+                            parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                            parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)))
+    return chunks
+
+
+def build_gpt_model(config, hf_config, shape: LayerShape, chunk: Chunk, *, max_sequence_length: int):
+    """One model chunk's GPTModel (embedding on the pipeline's first chunk, head on its last)."""
     from megatron.core.models.gpt import GPTModel
 
     rope = _rope(hf_config)
@@ -264,21 +343,10 @@ def build_gpt_model(config, hf_config, shape: LayerShape, *, max_sequence_length
         config=config, transformer_layer_spec=layer_spec(config),
         vocab_size=shape.padded_vocab_size(config.tensor_model_parallel_size),
         max_sequence_length=max(max_sequence_length, getattr(hf_config, "max_position_embeddings", 0)),
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=chunk.first, post_process=chunk.last, vp_stage=chunk.vp_stage,
         share_embeddings_and_output_weights=shape.tied, position_embedding_type="rope",
         rotary_base=int(rope["rope_theta"]), rope_scaling=scaling,
         rope_scaling_factor=float(rope.get("factor", 8.0)) if scaling else 8.0)
-
-
-def stage_layers(config) -> range:
-    """The global indexes of the decoder layers this pipeline stage holds."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    from megatron.core import parallel_state
-
-    first = get_transformer_layer_offset(config)
-    count = _layers_on_stage(config, parallel_state.get_pipeline_model_parallel_rank())
-    return range(first, first + count)
 
 
 def largest_stage(config) -> int:
@@ -305,7 +373,7 @@ def _layers_on_stage(config, stage: int) -> int:
 def to_stage(full_shard: dict[str, torch.Tensor], layers: range, *, first: bool, last: bool,
              tied: bool) -> dict[str, torch.Tensor]:
     """A tensor-parallel shard of the whole model (global layer numbers) cut to one pipeline
-    stage, its layers renumbered from 0 as the stage's GPTModel names them."""
+    stage's model chunk, its layers renumbered from 0 as the chunk's GPTModel names them."""
     out = {}
     for name, tensor in full_shard.items():
         if name.startswith("decoder.layers."):

@@ -45,7 +45,16 @@ import torch
 import torch.distributed as dist
 
 from novarl.algorithms.losses import LossFn
-from novarl.backends.megatron.convert import EXPERTS, experts_of_rank, experts_to_global, shards_to_hf
+from novarl.backends.megatron.cache import load_shard
+from novarl.backends.megatron.convert import (
+    EXPERTS,
+    expert_tensor_part,
+    experts_file,
+    experts_of_rank,
+    experts_to_global,
+    join_expert_tensor_parts,
+    shards_to_hf,
+)
 from novarl.backends.training.batching import (
     MicroBatching,
     ModelInputs,
@@ -90,7 +99,8 @@ class MegatronModel:
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=sizes.tensor, pipeline_model_parallel_size=sizes.pipeline,
                 context_parallel_size=sizes.context, expert_model_parallel_size=sizes.expert,
-                expert_tensor_parallel_size=sizes.expert_tensor)
+                expert_tensor_parallel_size=sizes.expert_tensor,
+                virtual_pipeline_model_parallel_size=sizes.virtual if sizes.virtual > 1 else None)
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.on_gpu = torch.cuda.is_available()
         # megatron-core computes on the rank's current CUDA device (Ray shows each rank one GPU)
@@ -114,30 +124,35 @@ class MegatronModel:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()
         self.ep_size = parallel_state.get_expert_model_parallel_world_size()
+        self.etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+        self.etp_size = parallel_state.get_expert_tensor_parallel_world_size()
         # who holds a copy of each weight to gather or save: data-parallel replica 0 the dense
-        # ones, expert-data-parallel replica 0 the experts (whole: expert tensor parallelism 1)
+        # ones, expert-data-parallel replica 0 the experts (each expert-tensor-parallel rank its part)
         self.holds_dense = self.dp_rank == 0
-        self.holds_experts = (self.shape.num_experts > 0 and parallel_state.get_expert_data_parallel_rank() == 0
-                              and parallel_state.get_expert_tensor_parallel_rank() == 0)
+        self.holds_experts = self.shape.num_experts > 0 and parallel_state.get_expert_data_parallel_rank() == 0
+        # tokens of other data-parallel ranks meet in the experts: every rank's micro-batches take one shape
+        self.experts_span_data = self.shape.num_experts > 0 and sizes.expert * sizes.expert_tensor > sizes.tensor
         self.first_stage = parallel_state.is_pipeline_first_stage()
         self.last_stage = parallel_state.is_pipeline_last_stage()
         self.cpu_group = dist.new_group(backend="gloo")  # weights and checkpoints travel on the CPU
-        self.module = model.build_gpt_model(self.config, self.hf_config, self.shape,
-                                            max_sequence_length=policy.max_seq_length)
-        self.layers = model.stage_layers(self.config)
+        # this stage's model chunks: one, or virtual_pipeline_model_parallel_size interleaved ones
+        self.chunks = model.stage_chunks(self.config)
+        self.modules = [model.build_gpt_model(self.config, self.hf_config, self.shape, chunk,
+                                              max_sequence_length=policy.max_seq_length) for chunk in self.chunks]
         self.replica_group = self._replica_zero_group()
         self._load_converted(model_path)
         if value_head:
             self._with_value_head()
-        if self.on_gpu:
-            self.module.cuda()
-        self.module.train(trainable)
-        self.module.requires_grad_(trainable)
-        if trainable and self.shape.num_experts and policy.megatron_cfg.freeze_moe_router:
-            for name, param in self.module.named_parameters():
-                if ".mlp.router." in name:
-                    param.requires_grad_(False)
-        self.model = self.module
+        for module in self.modules:
+            if self.on_gpu:
+                module.cuda()
+            module.train(trainable)
+            module.requires_grad_(trainable)
+            if trainable and self.shape.num_experts and policy.megatron_cfg.freeze_moe_router:
+                for name, param in module.named_parameters():
+                    if ".mlp.router." in name:
+                        param.requires_grad_(False)
+        self.model_chunks = list(self.modules)  # what the schedule runs (DDP-wrapped for training)
         # sequence parallelism splits every row's tokens evenly over the tensor-parallel ranks
         multiple = policy.make_sequence_length_divisible_by * (self.tp_size if self.config.sequence_parallel else 1)
         self.train_batching = MicroBatching.from_policy(policy, training=True, sequence_multiple=multiple)
@@ -145,37 +160,54 @@ class MegatronModel:
         self.packed_sequence_multiple = 1
         self.empty_unused_memory_level = policy.megatron_cfg.empty_unused_memory_level
 
+    @property
+    def module(self):
+        """The stage's model without interleaving (Megatron generation runs it; interleaving
+        is refused with Megatron generation)."""
+        if len(self.modules) != 1:
+            raise RuntimeError("this stage holds several model chunks (virtual pipeline stages)")
+        return self.modules[0]
+
     # ------------------------------------------------------------ weights in
     def _load_converted(self, model_path: str) -> None:
-        from novarl.backends.megatron import model
-        from novarl.backends.megatron.cache import load_shard
-
         folder = self._converted_folder(model_path)
-        state = self._experts_here(model.to_stage(load_shard(folder, self.tp_rank), self.layers,
-                                                  first=self.first_stage, last=self.last_stage, tied=self.shape.tied))
-        missing, unexpected = self.module.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not m.endswith("_extra_state")]
-        if missing or unexpected:
-            raise RuntimeError(f"the converted Megatron weights do not fit the model: missing {missing[:5]}, "
-                               f"unexpected {unexpected[:5]}")
+        self._load_chunks(load_shard(folder, self.tp_rank), tied=self.shape.tied, error=RuntimeError)
+
+    def _load_chunks(self, state: dict[str, torch.Tensor], *, tied: bool, error: type[Exception]) -> None:
+        """This rank's tensor-parallel shard of the whole model (global layer and expert numbers,
+        every expert whole) into its chunks: each its layers, this rank's experts, cut to its
+        expert-tensor-parallel part."""
+        from novarl.backends.megatron.model import to_stage
+
+        for chunk, module in zip(self.chunks, self.modules):
+            part = self._experts_here(to_stage(state, chunk.layers, first=chunk.first, last=chunk.last, tied=tied))
+            missing, unexpected = module.load_state_dict(part, strict=False)
+            missing = [m for m in missing if not m.endswith("_extra_state")]
+            if missing or unexpected:
+                raise error(f"the Megatron weights (tensor-parallel rank {self.tp_rank}, stage {self.pp_rank}, layers "
+                            f"{chunk.layers.start}-{chunk.layers.stop - 1}) do not fit the model: missing "
+                            f"{missing[:5]}, unexpected {unexpected[:5]}")
 
     def _with_value_head(self) -> None:
-        """PPO's critic: no output weights shared with the embedding, and on the last stage a scalar
-        head (ScalarHead) where the vocabulary's output layer was."""
-        self.module.share_embeddings_and_output_weights = False
-        if self.last_stage:
-            from novarl.backends.training.megatron_critic import ScalarHead
+        """PPO's critic: no output weights shared with the embedding, and on the pipeline's last
+        chunk a scalar head (ScalarHead) where the vocabulary's output layer was."""
+        from novarl.backends.training.megatron_critic import ScalarHead
 
-            dtype = next(self.module.parameters()).dtype
-            self.module.output_layer = ScalarHead(self.config.hidden_size, dtype=dtype,
-                                                  sequence_parallel=self.config.sequence_parallel)
+        for chunk, module in zip(self.chunks, self.modules):
+            module.share_embeddings_and_output_weights = False
+            if chunk.last:
+                dtype = next(module.parameters()).dtype
+                module.output_layer = ScalarHead(self.config.hidden_size, dtype=dtype,
+                                                 sequence_parallel=self.config.sequence_parallel)
 
     def _experts_here(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`state` (every expert, global numbers) cut to this expert-parallel rank's experts."""
+        """`state` (every expert whole, global numbers) cut to this expert-parallel rank's experts
+        and to its expert-tensor-parallel part of each."""
         if not self.shape.num_experts:
             return state
-        return experts_of_rank(state, rank=self.ep_rank, expert_parallel_size=self.ep_size,
+        mine = experts_of_rank(state, rank=self.ep_rank, expert_parallel_size=self.ep_size,
                                num_experts=self.shape.num_experts)
+        return expert_tensor_part(mine, rank=self.etp_rank, expert_tensor_parallel_size=self.etp_size)
 
     def _replica_zero_group(self):
         """A gloo group of the ranks that hold a copy of some weight to gather (global rank 0
@@ -246,18 +278,12 @@ class MegatronModel:
 
         batching = packable(batching, transformer_engine=self.fused_norms and self.on_gpu, pipeline=self.pp_size)
         plan = plan_micro_batches(batch.lengths.tolist(), self.dp_size, batching)
+        if len(self.model_chunks) > 1:
+            plan = interleavable(plan, self.pp_size)
         batch = batch.to(self.device)
         micro = [micro_batch(batch, sequences) for sequences in plan.ranks[self.dp_rank]]
-        shape: dict[str, int] = {}
-        if self.pp_size > 1:  # stages exchange buffers of one shape: [rows, width] for every micro-batch
-            layouts = [lay_out(mb, batching.layout, batching.length_multiple,
-                               sequence_multiple=self.packed_sequence_multiple) for mb in micro]
-            shape = {"width": max(i.input_ids.shape[1] for i in layouts),
-                     "rows": max(i.input_ids.shape[0] for i in layouts)}
-        inputs = [lay_out(mb, batching.layout, batching.length_multiple,
-                          sequence_multiple=self.packed_sequence_multiple, **shape) for mb in micro]
+        inputs = self._model_inputs(micro, batching)
         kept: list[Any] = []
-        work = iter(zip(micro, inputs))
 
         def step(data_iterator, model):
             mb, laid = next(data_iterator)
@@ -270,11 +296,35 @@ class MegatronModel:
 
             return output, loss_func
 
+        # each model chunk reads every micro-batch once (the embedding's chunk the tokens, the
+        # head's the targets; every chunk the positions and mask)
+        work = [iter(list(zip(micro, inputs))) for _ in self.model_chunks]
         get_forward_backward_func()(
-            forward_step_func=step, data_iterator=work, model=[self.model], num_microbatches=len(micro),
+            forward_step_func=step, data_iterator=work, model=self.model_chunks, num_microbatches=len(micro),
             seq_length=max(i.input_ids.shape[1] for i in inputs),
             micro_batch_size=max(i.input_ids.shape[0] for i in inputs), forward_only=forward_only)
         return plan, kept
+
+    def _model_inputs(self, micro: list[TrainBatch], batching: MicroBatching) -> list[ModelInputs]:
+        """The micro-batches as model inputs. Pipeline stages exchange buffers of one shape, so
+        there every micro-batch takes the largest [rows, width]; where experts gather tokens from
+        other data-parallel ranks (expert parallelism), each takes the largest of its counterparts
+        on those ranks (megatron-core's token gathers take equal shares)."""
+        def laid(mb: TrainBatch, **shape: int) -> ModelInputs:
+            return lay_out(mb, batching.layout, batching.length_multiple,
+                           sequence_multiple=self.packed_sequence_multiple, **shape)
+
+        inputs = [laid(mb) for mb in micro]
+        pipelined, shared = self.pp_size > 1, self.experts_span_data and self.dp_size > 1
+        if not (pipelined or shared):
+            return inputs
+        shapes = torch.tensor([list(i.input_ids.shape) for i in inputs], dtype=torch.long, device=self.device)
+        if pipelined:
+            shapes = shapes.amax(0, keepdim=True).expand_as(shapes).contiguous()
+        if shared:
+            dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return [i if tuple(i.input_ids.shape) == (rows, width) else laid(mb, rows=rows, width=width)
+                for mb, i, (rows, width) in zip(micro, inputs, shapes.tolist())]
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -319,9 +369,11 @@ class MegatronModel:
         expert numbers."""
         from novarl.backends.megatron.model import from_stage
 
-        module = self.model.module if hasattr(self.model, "module") else self.model
-        state = from_stage({name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()
-                            if not name.endswith("_extra_state") and tensor is not None}, self.layers)
+        state: dict[str, torch.Tensor] = {}
+        for chunk, module in zip(self.chunks, self.modules):
+            state.update(from_stage({name: tensor.detach().to("cpu", copy=True)
+                                     for name, tensor in module.state_dict().items()
+                                     if not name.endswith("_extra_state") and tensor is not None}, chunk.layers))
         experts = {name: tensor for name, tensor in state.items() if EXPERTS in name}
         if experts:
             experts = experts_to_global(experts, rank=self.ep_rank, expert_parallel_size=self.ep_size,
@@ -335,14 +387,18 @@ class MegatronModel:
         if not (self.holds_dense or self.holds_experts):
             return {}
         dense, experts = self._local_state()
-        mine = (self.tp_rank, self.pp_rank, dense if self.holds_dense else None, experts if self.holds_experts else {})
+        mine = (self.tp_rank, self.pp_rank, dense if self.holds_dense else None,
+                self.etp_rank, experts if self.holds_experts else {})
         parts: list[Any] = [None] * dist.get_world_size(self.replica_group) if dist.get_rank() == 0 else None
         dist.gather_object(mine, parts, dst=0, group=self.replica_group)
         if dist.get_rank() != 0:
             return {}
-        every_expert = {name: tensor for *_, part in parts for name, tensor in part.items()}
-        return shards_to_hf([(tp, pp, d) for tp, pp, d, _ in parts if d is not None], self.shape,
-                            tensor_parallel_size=self.tp_size, fused_norms=self.fused_norms, experts=every_expert)
+        by_etp: list[dict[str, torch.Tensor]] = [{} for _ in range(self.etp_size)]
+        for *_, etp_rank, part in parts:
+            by_etp[etp_rank].update(part)
+        return shards_to_hf([(tp, pp, d) for tp, pp, d, *_ in parts if d is not None], self.shape,
+                            tensor_parallel_size=self.tp_size, fused_norms=self.fused_norms,
+                            experts=join_expert_tensor_parts(by_etp))
 
 
 class MegatronPolicy(MegatronModel):
@@ -357,19 +413,25 @@ class MegatronPolicy(MegatronModel):
 
         mc = policy.megatron_cfg
         self.distributed_optimizer = mc.optimizer.use_distributed_optimizer and mc.use_distributed_optimizer
-        self.model = DistributedDataParallel(self.config, ddp_config(mc, self.distributed_optimizer),
-                                             module=self.module)
-        self.config.no_sync_func = self.model.no_sync
+        ddp = ddp_config(mc, self.distributed_optimizer)
+        # one DDP per model chunk; the later chunks' gradients in one bucket each (megatron-core's rule)
+        self.model_chunks = [DistributedDataParallel(self.config, ddp, module=module, disable_bucketing=index > 0)
+                             for index, module in enumerate(self.modules)]
+        no_sync = [chunk.no_sync for chunk in self.model_chunks]
+        self.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
         # gradients are summed as they are: no division by a token count (see the module doc)
         self.config.finalize_model_grads_func = partial(_finalize_without_token_scaling, finalize_model_grads)
-        self.optimizer = build_optimizer(mc, self.model, precision=self.precision,
+        self.optimizer = build_optimizer(mc, self.model_chunks, precision=self.precision,
                                          distributed=self.distributed_optimizer)
         self.scheduler = build_scheduler(mc, self.optimizer, total_steps)
         self.config.grad_scale_func = self.optimizer.scale_loss  # fp16's loss scale (1 otherwise)
-        self.model.zero_grad_buffer()
+        self._zero_grad_buffers()
         self.optimizer.zero_grad()
         if dist.get_rank() == 0:
-            info(f"Megatron: tp={self.tp_size} pp={self.pp_size} dp={self.dp_size}, {self.precision}, "
+            interleaved = f" ({len(self.modules)} chunks each)" if len(self.modules) > 1 else ""
+            experts = f" ep={self.ep_size} etp={self.etp_size}" if self.shape.num_experts else ""
+            info(f"Megatron: tp={self.tp_size} pp={self.pp_size}{interleaved} dp={self.dp_size}{experts}, "
+                 f"{self.precision}, "
                  f"{'distributed' if self.distributed_optimizer else 'replicated'} {mc.optimizer.optimizer} "
                  f"optimizer, {self.config.recompute_granularity or 'no'} recomputation")
 
@@ -408,10 +470,14 @@ class MegatronPolicy(MegatronModel):
         if not succeeded:
             info("Megatron skipped an optimizer step (the loss scaler found inf/nan gradients)")
         self.scheduler.step(increment=1)
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        self._zero_grad_buffers()
         self._empty_cache(level=2)
         return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": lr}
+
+    def _zero_grad_buffers(self) -> None:
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
 
     def weight_buckets(self, bucket_bytes: int, *, everywhere: bool, dtype: torch.dtype | None = None
                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -453,7 +519,7 @@ class MegatronPolicy(MegatronModel):
         if self.holds_dense:
             torch.save(dense, folder / f"model_tp{self.tp_rank}_pp{self.pp_rank}.pt")
         if self.holds_experts:
-            torch.save(experts, folder / f"experts_ep{self.ep_rank}_pp{self.pp_rank}.pt")
+            torch.save(experts, folder / experts_file(self.ep_rank, self.pp_rank, self.etp_rank, self.etp_size))
         torch.save([_optimizer_state(o) for o in self._optimizers()], folder / f"optim_rank{dist.get_rank()}.pt")
         if dist.get_rank() == 0:
             torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
@@ -462,8 +528,6 @@ class MegatronPolicy(MegatronModel):
 
     @torch.no_grad()
     def load(self, path: Path) -> None:
-        from novarl.backends.megatron.model import to_stage
-
         folder = Path(path) / CHECKPOINT_DIR
         saved = json.loads((folder / LAYOUT_FILE).read_text())
         if saved != self._layout():
@@ -471,15 +535,11 @@ class MegatronPolicy(MegatronModel):
                             f"{self._layout()}. Resume with the same layout, or export it with "
                             "`novarl convert` and start from the Hugging Face folder.")
         model_state = torch.load(folder / f"model_tp{self.tp_rank}_pp{self.pp_rank}.pt", weights_only=True)
-        if self.shape.num_experts:
-            model_state.update(self._experts_here(torch.load(folder / f"experts_ep{self.ep_rank}_pp{self.pp_rank}.pt",
-                                                             weights_only=True)))
-        missing, unexpected = self.model.module.load_state_dict(
-            to_stage(model_state, self.layers, first=self.first_stage, last=self.last_stage, tied=False), strict=False)
-        missing = [m for m in missing if not m.endswith("_extra_state")]
-        if missing or unexpected:
-            raise UserError(f"{path}: the Megatron shard tp{self.tp_rank}_pp{self.pp_rank} does not fit this model "
-                            f"(missing {missing[:3]}, unexpected {unexpected[:3]}).")
+        if self.shape.num_experts:  # this rank's experts, whole: _load_chunks cuts them to its part
+            model_state.update(join_expert_tensor_parts([
+                torch.load(folder / experts_file(self.ep_rank, self.pp_rank, r, self.etp_size), weights_only=True)
+                for r in range(self.etp_size)]))  # (saved under global expert numbers)
+        self._load_chunks(model_state, tied=False, error=UserError)
         # weights_only: the optimizer and schedule states are tensors, numbers, strings, lists and dicts
         states = torch.load(folder / f"optim_rank{dist.get_rank()}.pt", weights_only=True)
         for optimizer, state in zip(self._optimizers(), states, strict=True):
@@ -491,7 +551,11 @@ class MegatronPolicy(MegatronModel):
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def _layout(self) -> dict[str, Any]:
-        return {"parallel": {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size, "ep": self.ep_size},
+        parallel = {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size, "ep": self.ep_size}
+        # written where they are not 1, so that checkpoints without them read as they were
+        parallel.update({name: size for name, size in (("vpp", len(self.modules)), ("etp", self.etp_size))
+                         if size > 1})
+        return {"parallel": parallel,
                 "vocab_size": self.shape.vocab_size, "experts": self.shape.num_experts, "fused_norms": self.fused_norms,
                 "distributed_optimizer": self.distributed_optimizer}
 
@@ -532,6 +596,14 @@ def packable(batching: MicroBatching, *, transformer_engine: bool, pipeline: int
              "packed rows need Transformer Engine's varlen attention")
         _packing_fallback_said = True
     return dataclasses.replace(batching, layout=layout, share_prompts=False)
+
+
+def interleavable(plan: Plan, pipeline: int) -> Plan:
+    """The plan with empty micro-batches added to make each rank's count a multiple of the
+    pipeline's stages: the interleaved schedule runs micro-batches in groups of that many."""
+    count = len(plan.ranks[0])
+    missing = -count % pipeline if count >= pipeline else pipeline - count
+    return dataclasses.replace(plan, ranks=[rank + [None] * missing for rank in plan.ranks])
 
 
 def _finalize_without_token_scaling(finalize, model, num_tokens=None, **kwargs) -> None:

@@ -26,9 +26,10 @@ def ddp_config(mc, distributed_optimizer: bool):
     return DistributedDataParallelConfig(**kwargs)
 
 
-def build_optimizer(mc, model, *, precision: str, distributed: bool):
-    """megatron_cfg.optimizer as megatron-core's optimizer (Adam or SGD; distributed: its state
-    and fp32 master weights partitioned over data-parallel ranks)."""
+def build_optimizer(mc, model_chunks: list, *, precision: str, distributed: bool):
+    """megatron_cfg.optimizer as megatron-core's optimizer over the stage's (DDP-wrapped) model
+    chunks (Adam or SGD; distributed: its state and fp32 master weights partitioned over
+    data-parallel ranks)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     o = mc.optimizer
@@ -42,7 +43,7 @@ def build_optimizer(mc, model, *, precision: str, distributed: bool):
             clip_grad=o.clip_grad)
     except (AssertionError, ValueError) as err:
         raise ConfigError(f"policy.megatron_cfg.optimizer: megatron-core refused it: {err}") from None
-    return get_megatron_optimizer(config, [model])
+    return get_megatron_optimizer(config, model_chunks)
 
 
 def build_scheduler(mc, optimizer, total_steps: int):
