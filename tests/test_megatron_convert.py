@@ -86,7 +86,8 @@ def test_fused_norm_names_for_the_transformer_engine_spec(model):
 def test_unsupported_model_type_and_tp_are_user_errors(model):
     from transformers import GPT2Config
 
-    with pytest.raises(UserError, match="supports model types llama, qwen2, mistral, mixtral; this model is 'gpt2'"):
+    with pytest.raises(UserError, match="supports model types llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, "
+                                        "qwen3_moe; this model is 'gpt2'"):
         LayerShape.from_hf_config(GPT2Config())
     with pytest.raises(UserError, match="tensor_parallel_size=3 must divide"):
         hf_to_megatron(model.state_dict(), LayerShape.from_hf_config(model.config), tensor_parallel_size=3)
@@ -127,6 +128,46 @@ def test_mixtral_round_trip_and_expert_parallel_cuts(tp, fused_norms):
     assert "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight" not in second
     assert experts_to_global(second, rank=1, expert_parallel_size=2, num_experts=4).keys() == \
         {k for k in full if ".local_experts.0." not in k and ".local_experts.1." not in k}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
+def test_qwen_moe_round_trip_shared_expert_and_query_key_norms(model_type, tp):
+    """Qwen2-MoE's gated shared expert (split like a dense MLP) and Qwen3-MoE's query/key norms map
+    to megatron-core's names and back bit for bit; each expert's MLP cut over 2 expert-tensor-
+    parallel ranks joins back whole. A model with dense layers among its MoE ones is refused."""
+    from novarl.backends.megatron.convert import expert_tensor_part, join_expert_tensor_parts
+    from tests.helpers.models import tiny_moe
+
+    model = tiny_moe(model_type)
+    shape = LayerShape.from_hf_config(model.config)
+    assert (shape.num_experts, shape.experts_per_token, shape.ffn_hidden_size) == (4, 2, 48)
+    assert (shape.qkv_bias, shape.qk_norm, shape.shared_expert_size, shape.router_pre_softmax) == \
+        ((True, False, 80, True) if model_type == "qwen2_moe" else (False, True, 0, False))
+    hf = model.state_dict()
+    full = hf_to_megatron(hf, shape, tensor_parallel_size=tp)
+    layer = "decoder.layers.1."
+    if model_type == "qwen2_moe":
+        assert full[layer + "mlp.shared_experts.linear_fc1.weight"].shape == (160, 64)
+        assert full[layer + "mlp.shared_experts.gate_weight"].shape == (1, 64)
+    else:
+        assert full[layer + "self_attention.q_layernorm.weight"].shape == (16,)
+    parts = [shard(full, rank=r, tensor_parallel_size=tp) for r in range(tp)]
+    if model_type == "qwen2_moe":  # each tensor-parallel rank its [gate; up] share of the shared expert
+        assert parts[-1][layer + "mlp.shared_experts.linear_fc1.weight"].shape == (160 // tp, 64)
+    back = megatron_to_hf(unshard(parts), shape, tensor_parallel_size=tp)
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+
+    cut = [expert_tensor_part(full, rank=r, expert_tensor_parallel_size=2) for r in range(2)]
+    expert = layer + "mlp.experts.local_experts.3."
+    assert cut[1][expert + "linear_fc1.weight"].shape == (48, 64) and cut[1][expert + "linear_fc2.weight"].shape == (64, 24)
+    gate = full[expert + "linear_fc1.weight"][:48]
+    assert torch.equal(cut[1][expert + "linear_fc1.weight"][:24], gate[24:])  # rank 1's half of the gate rows
+    joined = join_expert_tensor_parts(cut)
+    assert joined.keys() == full.keys() and all(torch.equal(joined[k], full[k]) for k in full)
+
+    with pytest.raises(UserError, match="has dense layers"):
+        LayerShape.from_hf_config(tiny_moe(model_type, mlp_only_layers=[0]).config)
 
 
 # ------------------------------------------------ megatron-core checks the layout

@@ -7,7 +7,9 @@ backends/megatron/cpu.py), each layout built in turn in the same processes:
   gradient norm, the same weights after an optimizer step (every chunk stepped), and a
   checkpoint of the interleaved layout that loads back whole;
 - a 4-expert Mixtral on 4 data-parallel ranks with its experts over 2 expert-parallel ranks,
-  whole (2 copies of each), then each split over 2 expert-tensor-parallel ranks: the same.
+  whole (2 copies of each), then each split over 2 expert-tensor-parallel ranks: the same;
+- Qwen2-MoE (a gated shared expert, routing weights not renormalised) and Qwen3-MoE (query/key
+  norms), converted and run on expert-parallel ranks: Hugging Face's logprobs.
 """
 
 from __future__ import annotations
@@ -33,21 +35,37 @@ EXPERTS = {"ep2": ["policy.megatron_cfg.freeze_moe_router=false", "policy.megatr
 
 
 def save_models(folder) -> dict[str, str]:
-    """The two test models, saved once: a 4-layer Llama (2 query, 2 key/value heads) and a
-    4-expert top-2 Mixtral."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
+    """The test models, saved once: a 4-layer Llama (4 query, 2 key/value heads) and 4-expert
+    top-2 Mixtral, Qwen2-MoE and Qwen3-MoE (tests/helpers/models.py)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.helpers.models import tiny_moe
 
     torch.manual_seed(0)
-    shared = dict(vocab_size=19, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    configs = {"llama": LlamaConfig(intermediate_size=128, num_hidden_layers=4, tie_word_embeddings=True, **shared),
-               "mixtral": MixtralConfig(intermediate_size=96, num_hidden_layers=2, num_local_experts=4,
-                                        num_experts_per_tok=2, tie_word_embeddings=False, **shared)}
+    llama = LlamaConfig(vocab_size=19, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                        intermediate_size=128, num_hidden_layers=4, tie_word_embeddings=True)
+    models = {"llama": AutoModelForCausalLM.from_config(llama),
+              **{name: tiny_moe(name) for name in ("mixtral", "qwen2_moe", "qwen3_moe")}}
     paths = {}
-    for name, config in configs.items():
+    for name, model in models.items():
         paths[name] = str(folder / name)
-        AutoModelForCausalLM.from_config(config).save_pretrained(paths[name])
+        model.save_pretrained(paths[name])
     return paths
+
+
+def hf_logprobs(path: str, batch, temperature: float) -> torch.Tensor:
+    """The batch's token logprobs under the Hugging Face model, each sequence alone (0 at its first)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for start, end in zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist()):
+            ids = batch.input_ids[start:end]
+            logits = model(ids[None]).logits[0, :-1].float() / temperature
+            out += [torch.zeros(1), logits.log_softmax(-1).gather(1, ids[1:, None])[:, 0]]
+    return torch.cat(out)
 
 
 def measure(policy, batch, loss) -> dict:
@@ -83,6 +101,8 @@ def layouts_rank(rank: int, world: int, port: int, results, paths: dict, checkpo
         cfg = load_config(None, overrides=[*COMMON, *overrides])
         return MegatronPolicy(cfg.policy, paths[model], total_steps=4, temperature=0.7, emulate_cuda=True)
 
+    for model in ("qwen2_moe", "qwen3_moe"):  # the conversion, against Hugging Face's forward
+        out[model] = build(model, EXPERTS["ep2"]).logprobs(batch)
     for model, layouts in (("llama", PIPELINES), ("mixtral", EXPERTS)):
         for name, overrides in layouts.items():
             policy = build(model, overrides)
@@ -108,8 +128,16 @@ def assert_same_step(got: dict, want: dict) -> None:
 
 
 def test_interleaved_pipeline_and_expert_tensor_parallelism_train_like_the_plain_layouts(tmp_path):
+    from tests.helpers.packing import mixed_batch
+
     paths = save_models(tmp_path / "models")
     ranks = spawned(layouts_rank, 4, paths, str(tmp_path))
+    batch = mixed_batch(rows=10, longest=30)
+    for model in ("qwen2_moe", "qwen3_moe", "mixtral"):  # Megatron's forward of the converted weights is HF's
+        want = hf_logprobs(paths[model], batch, temperature=0.7)
+        for rank in ranks:
+            got = rank[model] if model != "mixtral" else rank["ep2"]["logprobs"]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5, msg=model)
     # ranks 0 and 1 (data-parallel) are stage 0, ranks 2 and 3 stage 1: stage 0 holds layers 0
     # and 2, stage 1 layers 1 and 3, in two chunks each
     assert [r["pp2"]["chunks"] for r in ranks] == [[[0, 1]]] * 2 + [[[2, 3]]] * 2

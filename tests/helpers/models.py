@@ -26,3 +26,30 @@ def two_kv_head_copy(folder: Path) -> Path:
     widened.save_pretrained(folder)
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)
     return folder
+
+
+def tiny_moe(model_type: str, **overrides):
+    """A random 2-layer Mixture-of-Experts model of the bundled vocabulary: 4 experts, top 2, GQA;
+    `model_type` mixtral, qwen2_moe (qkv biases, a gated shared expert; softmax over every expert,
+    top 2 kept) or qwen3_moe (query/key norms; top-2 weights renormalised)."""
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    shape = dict(vocab_size=19, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
+                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    configs = {"mixtral": lambda: MixtralConfig(intermediate_size=96, num_local_experts=4, **shape),
+               "qwen2_moe": lambda: Qwen2MoeConfig(intermediate_size=96, moe_intermediate_size=48, num_experts=4,
+                                                   shared_expert_intermediate_size=80, norm_topk_prob=False, **shape),
+               "qwen3_moe": lambda: Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=48, num_experts=4,
+                                                   norm_topk_prob=True, **shape)}
+    config = configs[model_type]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # routers far from ties, so that rounding never changes an expert's choice
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(20)
+    return model

@@ -1,6 +1,7 @@
-"""Hugging Face <-> Megatron-core weights for Llama-family models (Llama, Qwen2, Mistral) and
-Mixtral's Mixture-of-Experts layers (router + per-expert MLPs, whole on every tensor-parallel
-rank, cut by expert-parallel rank, then by expert-tensor-parallel rank, at load time).
+"""Hugging Face <-> Megatron-core weights for Llama-family models (Llama, Qwen2, Qwen3, Mistral)
+and the Mixture-of-Experts layers of Mixtral, Qwen2-MoE and Qwen3-MoE (router + per-expert MLPs,
+whole on every tensor-parallel rank, cut by expert-parallel rank, then by expert-tensor-parallel
+rank, at load time; Qwen2-MoE's gated shared expert split like a dense MLP).
 
 Pure tensor work: nothing here imports megatron-core, so conversion runs (and is
 tested) anywhere; megatron-core checks the result when it loads it.
@@ -16,6 +17,7 @@ Engine spec fuses the two pre-norms into the linear layers that follow them,
         column-parallel; rows grouped per KV group g: the group's nq/nkv query
         heads, then its key head, then its value head (Qwen2 adds the bias, same rows)
     decoder.layers.i.self_attention.linear_proj.weight [h, nq d]   row-parallel
+    decoder.layers.i.self_attention.q_layernorm.weight [d]  (and k_layernorm; Qwen3) replicated
     decoder.layers.i.pre_mlp_layernorm.weight [h]
         (TE: decoder.layers.i.mlp.linear_fc1.layer_norm_weight)
     decoder.layers.i.mlp.linear_fc1.weight    [2 f, h]    column-parallel; [gate; up]
@@ -36,7 +38,9 @@ import torch
 
 from novarl.errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "qwen3_moe": "num_experts"}
+"""Mixture-of-Experts model types, and their config's name for the experts per layer."""
 EXPERTS = ".mlp.experts.local_experts."
 """Megatron's per-expert MLPs (SequentialMLP): decoder.layers.i.mlp.experts.local_experts.j.linear_fc1/2."""
 
@@ -57,6 +61,13 @@ class LayerShape:
     num_experts: int = 0
     """Mixture-of-Experts: experts per layer (0: a dense MLP); ffn_hidden_size is each expert's."""
     experts_per_token: int = 0
+    qk_norm: bool = False
+    """Qwen3: an RMSNorm over each query and key head (Megatron's qk_layernorm)."""
+    shared_expert_size: int = 0
+    """Qwen2-MoE: a shared expert of this MLP size beside the routed ones, scaled by a sigmoid gate."""
+    router_pre_softmax: bool = False
+    """The routing weights are the softmax over every expert, top-k of them kept as they are (Qwen
+    MoE without norm_topk_prob); else the softmax over the top-k logits (Mixtral; Qwen with it)."""
 
     @classmethod
     def from_hf_config(cls, config) -> "LayerShape":
@@ -64,15 +75,23 @@ class LayerShape:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UserError(f"Megatron conversion supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
                             f"this model is '{model_type}'.")
-        heads = config.num_attention_heads
+        heads, moe, qwen_moe = config.num_attention_heads, model_type in MOE_MODEL_TYPES, model_type.endswith("_moe")
+        if qwen_moe and (getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1):
+            raise UserError(f"Megatron conversion maps every layer of a {model_type} model as a Mixture-of-Experts "
+                            f"layer; this one has dense layers (mlp_only_layers={config.mlp_only_layers}, "
+                            f"decoder_sparse_step={config.decoder_sparse_step}).")
         return cls(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=heads,
                    num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                   ffn_hidden_size=config.intermediate_size, vocab_size=config.vocab_size,
-                   tied=bool(getattr(config, "tie_word_embeddings", False)),
-                   qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-                   num_experts=getattr(config, "num_local_experts", 0) if model_type == "mixtral" else 0,
-                   experts_per_token=getattr(config, "num_experts_per_tok", 0) if model_type == "mixtral" else 0)
+                   ffn_hidden_size=config.moe_intermediate_size if qwen_moe else config.intermediate_size,
+                   vocab_size=config.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", False)),
+                   qkv_bias=(model_type == "qwen2" or bool(getattr(config, "qkv_bias", False))
+                             or bool(getattr(config, "attention_bias", False))),
+                   num_experts=getattr(config, MOE_MODEL_TYPES[model_type]) if moe else 0,
+                   experts_per_token=config.num_experts_per_tok if moe else 0,
+                   qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                   shared_expert_size=config.shared_expert_intermediate_size if model_type == "qwen2_moe" else 0,
+                   router_pre_softmax=qwen_moe and not config.norm_topk_prob)
 
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
         return -(-self.vocab_size // tensor_parallel_size) * tensor_parallel_size
@@ -107,13 +126,13 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: LayerShape, *, tensor_par
             out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
                 hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"], shape)
         out[dst + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
+        if shape.qk_norm:
+            out[dst + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"]
+            out[dst + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"]
         if shape.num_experts:
-            out.update(_experts_to_megatron(hf, src, dst, shape))
+            out.update(_experts_to_megatron(hf, src, dst, shape, tp))
             continue
-        gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-            [torch.cat(pair) for pair in zip(gate.chunk(tp), up.chunk(tp))])
-        out[dst + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"]
+        out.update(_mlp_to_megatron(hf, src + "mlp.", dst + "mlp.", tp))
     return out
 
 
@@ -136,13 +155,13 @@ def megatron_to_hf(mc: dict[str, torch.Tensor], shape: LayerShape, *, tensor_par
             q, k, v = _split_qkv(mc[src + "self_attention.linear_qkv.bias"], shape)
             out.update({attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v})
         out[attn + "o_proj.weight"] = mc[src + "self_attention.linear_proj.weight"]
+        if shape.qk_norm:
+            out[attn + "q_norm.weight"] = mc[src + "self_attention.q_layernorm.weight"]
+            out[attn + "k_norm.weight"] = mc[src + "self_attention.k_layernorm.weight"]
         if shape.num_experts:
-            out.update(_experts_to_hf(mc, src, dst, shape))
+            out.update(_experts_to_hf(mc, src, dst, shape, tp))
             continue
-        pairs = [chunk.chunk(2) for chunk in mc[src + "mlp.linear_fc1.weight"].chunk(tp)]
-        out[dst + "mlp.gate_proj.weight"] = torch.cat([gate for gate, _ in pairs])
-        out[dst + "mlp.up_proj.weight"] = torch.cat([up for _, up in pairs])
-        out[dst + "mlp.down_proj.weight"] = mc[src + "mlp.linear_fc2.weight"]
+        out.update(_mlp_to_hf(mc, src + "mlp.", dst + "mlp.", tp))
     return out
 
 
@@ -275,24 +294,46 @@ def _renumber_experts(state: dict[str, torch.Tensor], new_index) -> dict[str, to
 
 
 # ------------------------------------------------------------------ helpers
-def _experts_to_megatron(hf: dict[str, torch.Tensor], src: str, dst: str, shape: LayerShape) -> dict:
-    """Mixtral's router and stacked experts ([E, 2f, h] gate;up and [E, h, f] down) as
-    Megatron's router and per-expert MLPs."""
+def _mlp_to_megatron(hf: dict[str, torch.Tensor], src: str, dst: str, tp: int) -> dict:
+    """A gated MLP (gate_proj, up_proj, down_proj under `src`) as Megatron's fc1 (each
+    tensor-parallel rank's [gate; up] in turn) and fc2, under `dst`."""
+    gate, up = hf[src + "gate_proj.weight"], hf[src + "up_proj.weight"]
+    return {dst + "linear_fc1.weight": torch.cat([torch.cat(pair) for pair in zip(gate.chunk(tp), up.chunk(tp))]),
+            dst + "linear_fc2.weight": hf[src + "down_proj.weight"]}
+
+
+def _mlp_to_hf(mc: dict[str, torch.Tensor], src: str, dst: str, tp: int) -> dict:
+    pairs = [chunk.chunk(2) for chunk in mc[src + "linear_fc1.weight"].chunk(tp)]
+    return {dst + "gate_proj.weight": torch.cat([gate for gate, _ in pairs]),
+            dst + "up_proj.weight": torch.cat([up for _, up in pairs]),
+            dst + "down_proj.weight": mc[src + "linear_fc2.weight"]}
+
+
+def _experts_to_megatron(hf: dict[str, torch.Tensor], src: str, dst: str, shape: LayerShape, tp: int) -> dict:
+    """The router and stacked experts ([E, 2f, h] gate;up and [E, h, f] down) as Megatron's
+    router and per-expert MLPs; Qwen2-MoE's shared expert and its gate as Megatron's."""
     out = {dst + "mlp.router.weight": hf[src + "mlp.gate.weight"]}
     gate_up, down = hf[src + "mlp.experts.gate_up_proj"], hf[src + "mlp.experts.down_proj"]
     for j in range(shape.num_experts):
         out[f"{dst}mlp.experts.local_experts.{j}.linear_fc1.weight"] = gate_up[j]
         out[f"{dst}mlp.experts.local_experts.{j}.linear_fc2.weight"] = down[j]
+    if shape.shared_expert_size:
+        out.update(_mlp_to_megatron(hf, src + "mlp.shared_expert.", dst + "mlp.shared_experts.", tp))
+        out[dst + "mlp.shared_experts.gate_weight"] = hf[src + "mlp.shared_expert_gate.weight"]
     return out
 
 
-def _experts_to_hf(mc: dict[str, torch.Tensor], src: str, dst: str, shape: LayerShape) -> dict:
+def _experts_to_hf(mc: dict[str, torch.Tensor], src: str, dst: str, shape: LayerShape, tp: int) -> dict:
     experts = range(shape.num_experts)
-    return {dst + "mlp.gate.weight": mc[src + "mlp.router.weight"],
-            dst + "mlp.experts.gate_up_proj": torch.stack(
-                [mc[f"{src}mlp.experts.local_experts.{j}.linear_fc1.weight"] for j in experts]),
-            dst + "mlp.experts.down_proj": torch.stack(
-                [mc[f"{src}mlp.experts.local_experts.{j}.linear_fc2.weight"] for j in experts])}
+    out = {dst + "mlp.gate.weight": mc[src + "mlp.router.weight"],
+           dst + "mlp.experts.gate_up_proj": torch.stack(
+               [mc[f"{src}mlp.experts.local_experts.{j}.linear_fc1.weight"] for j in experts]),
+           dst + "mlp.experts.down_proj": torch.stack(
+               [mc[f"{src}mlp.experts.local_experts.{j}.linear_fc2.weight"] for j in experts])}
+    if shape.shared_expert_size:
+        out.update(_mlp_to_hf(mc, src + "mlp.shared_experts.", dst + "mlp.shared_expert.", tp))
+        out[dst + "mlp.shared_expert_gate.weight"] = mc[src + "mlp.shared_experts.gate_weight"]
+    return out
 def _names(fused_norms: bool, moe: bool = False) -> dict[str, str]:
     if fused_norms:  # a Mixture-of-Experts layer keeps its MLP norm apart (no single fc1 to fuse into)
         return {"input_norm": "self_attention.linear_qkv.layer_norm_weight",

@@ -1,4 +1,5 @@
-"""A Hugging Face Llama-family model as megatron-core's GPTModel, from `policy.megatron_cfg`.
+"""A Hugging Face Llama-family model (Llama, Qwen2/3, Mistral; Mixtral, Qwen2-MoE, Qwen3-MoE) as
+megatron-core's GPTModel, from `policy.megatron_cfg`.
 
 What maps where (the seeds' keys on the left):
 
@@ -15,7 +16,8 @@ What maps where (the seeds' keys on the left):
     activation_checkpointing,                    -> recompute_granularity "full" (uniform, every layer)
     recompute_granularity                           or "selective" (attention core only)
     apply_rope_fusion, bias_activation_fusion    -> TransformerConfig (fused kernels)
-    expert_model_parallel_size, moe_*,           -> Mixture-of-Experts models (Mixtral): experts spread
+    expert_model_parallel_size, moe_*,           -> Mixture-of-Experts models (Mixtral, Qwen2-MoE with
+                                                    its gated shared expert, Qwen3-MoE): experts spread
     freeze_moe_router                               over expert-parallel ranks, whole (expert tensor
                                                     parallelism 1); the router frozen by default;
                                                     refused for dense models
@@ -46,8 +48,9 @@ from novarl.config.schema import PolicyConfig
 from novarl.errors import ConfigError
 from novarl.models.loading import DTYPES
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "mixtral": "MixtralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -128,8 +131,8 @@ def check_model(hf_config, policy: PolicyConfig) -> LayerShape:
     if mc.context_parallel_size > 1:
         problems.append(f"policy.megatron_cfg.context_parallel_size={mc.context_parallel_size}: context "
                         "parallelism needs Transformer Engine's attention; not available yet.")
-    window = getattr(hf_config, "sliding_window", None)
-    if window is not None and window < policy.max_seq_length:
+    window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
+    if window and window < policy.max_seq_length:
         problems.append(f"the model attends within a sliding window of {window} tokens, which the Megatron backend "
                         f"does not map; policy.max_seq_length={policy.max_seq_length} must be at most {window}.")
     rope = _rope(hf_config)
@@ -189,7 +192,7 @@ def transformer_config(hf_config, shape: LayerShape, policy: PolicyConfig, *, pr
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
         num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias, qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=mc.tensor_model_parallel_size,
         pipeline_model_parallel_size=mc.pipeline_model_parallel_size,
@@ -238,16 +241,20 @@ def transformer_config(hf_config, shape: LayerShape, policy: PolicyConfig, *, pr
 
 
 def _moe(mc, shape: LayerShape) -> dict[str, Any]:
-    """The Mixture-of-Experts keys: Mixtral's routing (top-k of the logits, softmax over the
-    chosen) is megatron-core's default score function without pre-softmax."""
+    """The Mixture-of-Experts keys. Routing: Mixtral's (top-k of the logits, softmax over the
+    chosen; Qwen's with norm_topk_prob is the same) is megatron-core's softmax without pre-softmax;
+    Qwen's without norm_topk_prob (softmax over every expert, the top-k kept) is pre-softmax.
+    Qwen2-MoE's shared expert: megatron-core's shared expert with its sigmoid gate."""
     moe: dict[str, Any] = dict(
         num_moe_experts=shape.num_experts, moe_router_topk=shape.experts_per_token,
-        moe_ffn_hidden_size=shape.ffn_hidden_size, moe_router_pre_softmax=False,
+        moe_ffn_hidden_size=shape.ffn_hidden_size, moe_router_pre_softmax=shape.router_pre_softmax,
         expert_model_parallel_size=mc.expert_model_parallel_size,
         expert_tensor_parallel_size=mc.expert_tensor_parallel_size,
         moe_router_load_balancing_type=mc.moe_router_load_balancing_type,
         moe_token_dispatcher_type=mc.moe_token_dispatcher_type, moe_grouped_gemm=mc.moe_grouped_gemm,
         moe_permute_fusion=mc.moe_permute_fusion, moe_router_bias_update_rate=mc.moe_router_bias_update_rate)
+    if shape.shared_expert_size:
+        moe.update(moe_shared_expert_intermediate_size=shape.shared_expert_size, moe_shared_expert_gate=True)
     if mc.moe_router_dtype:
         moe["moe_router_dtype"] = mc.moe_router_dtype
     if mc.moe_layer_recompute:
@@ -280,7 +287,8 @@ def layer_spec(config):
     parallelism), else megatron-core's local one; with experts when the model has them."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    experts = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
+    experts = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                   qk_layernorm=config.qk_layernorm)
     if transformer_engine_available():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**experts)
     _moe_router_without_transformer_engine()
