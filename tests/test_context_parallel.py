@@ -2,7 +2,8 @@
 2 x cp load-balanced chunks over the cp ranks, the keys and values all-gathered. On 4 gloo ranks:
 over cp groups of 2, a Llama with grouped-query attention gives the same logprobs and gradients on
 long packed rows of several sequences (and on padded rows) as the whole rows on one rank; and the
-DTensor policy on dp 2 x cp 2 (FSDP2 over all four) takes the same optimizer step as one rank.
+DTensor policy on dp 2 x cp 2 (FSDP2 over all four), and on cp 2 x tp 2, takes the same optimizer
+step as one rank.
 What cp does not run is refused at validate."""
 
 from __future__ import annotations
@@ -96,26 +97,20 @@ def attention_check(world: int) -> dict:
     return out
 
 
-def policy_rank(rank: int, world: int, port: int, results) -> None:
-    """One optimizer step of the DTensor policy on this batch (world 1: cp 1; world 4: dp 2 x cp 2),
-    then the batch's logprobs."""
-    import torch.distributed as dist
-
+def one_step(model_path: str, world: int, *parallel: str) -> tuple:
+    """One optimizer step of the DTensor policy on a batch of 6 sequences, then the batch's logprobs:
+    (loss, grad norm, tokens computed, logprobs)."""
     from novarl.algorithms.losses import make_loss
     from novarl.backends.training.dtensor import DTensorPolicy
     from novarl.cli import BUNDLED_RECIPE
     from novarl.config import load_config
-    from novarl.models.loading import resolve_model_path
     from tests.helpers import HF
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    attention = attention_check(world)
     cfg = load_config(BUNDLED_RECIPE, overrides=[
-        HF, f"cluster.gpus_per_node={world}", f"policy.dtensor_cfg.context_parallel_size={2 if world > 1 else 1}",
-        "policy.sequence_packing.share_prompts=false", "policy.train_micro_batch_size=2"])
-    policy = DTensorPolicy(cfg.policy, str(resolve_model_path("tiny-arith")), torch.device("cpu"), total_steps=4,
-                           temperature=1.0, seed=cfg.grpo.seed)
+        HF, f"cluster.gpus_per_node={world}", *parallel, "policy.sequence_packing.share_prompts=false",
+        "policy.train_micro_batch_size=2"])
+    policy = DTensorPolicy(cfg.policy, model_path, torch.device("cpu"), total_steps=4, temperature=1.0,
+                           seed=cfg.grpo.seed)
     generator = torch.Generator().manual_seed(5)
     lengths = torch.tensor([29, 7, 18, 12, 25, 9])
     ids = torch.randint(3, 19, (len(lengths), int(lengths.max())), generator=generator)
@@ -124,19 +119,41 @@ def policy_rank(rank: int, world: int, port: int, results) -> None:
     batch = TrainBatch.from_rows(ids, mask, loss_mask, torch.linspace(-1, 1, len(lengths))).with_own_counts()
     metrics = policy.forward_backward(batch, make_loss(cfg.loss_fn))
     metrics.update(policy.optim_step())
-    logprobs = policy.logprobs(batch)
-    send(results, rank, (metrics["loss"], metrics["grad_norm"], metrics["tokens_computed"], logprobs, attention))
+    return metrics["loss"], metrics["grad_norm"], metrics["tokens_computed"], policy.logprobs(batch)
 
 
-def test_context_parallel_attention_and_the_policy_on_dp2_x_cp2_match_one_rank():
-    (loss, grad_norm, tokens, logprobs, whole), = spawned(policy_rank, 1)
-    for rank_loss, rank_norm, rank_tokens, rank_logprobs, split in spawned(policy_rank, 4):  # FSDP2 over dp x cp
+def policy_rank(rank: int, world: int, port: int, results, two_kv: str) -> None:
+    """The attention check, then one step of the DTensor policy: tiny-arith (world 1: cp 1; world 4:
+    dp 2 x cp 2) and its two-key/value-head copy (world 1; world 4: cp 2 x tp 2)."""
+    import torch.distributed as dist
+
+    from novarl.models.loading import resolve_model_path
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    attention = attention_check(world)
+    split = world > 1
+    dp_cp = one_step(str(resolve_model_path("tiny-arith")), world,
+                     f"policy.dtensor_cfg.context_parallel_size={2 if split else 1}")
+    cp_tp = one_step(two_kv, world, f"policy.dtensor_cfg.context_parallel_size={2 if split else 1}",
+                     f"policy.dtensor_cfg.tensor_parallel_size={2 if split else 1}")
+    send(results, rank, (dp_cp, cp_tp, attention))
+
+
+def test_context_parallel_attention_and_the_policy_on_dp2_x_cp2_and_cp2_x_tp2_match_one_rank(tmp_path):
+    from tests.helpers.models import two_kv_head_copy
+
+    two_kv = str(two_kv_head_copy(tmp_path / "kv2"))
+    (one_dp_cp, one_cp_tp, whole), = spawned(policy_rank, 1, two_kv)
+    for dp_cp, cp_tp, split in spawned(policy_rank, 4, two_kv):  # FSDP2 over dp x cp; TP inside each cp rank
         for layout in LAYOUTS:  # the attention alone, on long packed rows and on padded ones
             (want, want_grads), (got, grads) = whole[layout], split[layout]
             assert len(got) == sum(LENGTHS) and torch.allclose(got, want, atol=1e-5), layout
             for name, grad in grads.items():
                 assert torch.allclose(grad, want_grads[name], atol=1e-5, rtol=1e-4), (layout, name)
-        assert 0.45 < rank_tokens / tokens < 0.65  # a cp rank computes half of each sequence (padded to 4)
-        assert rank_loss == pytest.approx(loss, abs=1e-6)
-        assert rank_norm == pytest.approx(grad_norm, rel=1e-4)
-        assert torch.allclose(rank_logprobs, logprobs, atol=1e-5)  # after the step: the same update
+        for (loss, grad_norm, tokens, logprobs), (rank_loss, rank_norm, rank_tokens, rank_logprobs) in (
+                (one_dp_cp, dp_cp), (one_cp_tp, cp_tp)):
+            assert 0.45 < rank_tokens / tokens < 0.65  # a cp rank computes half of each sequence (padded to 4)
+            assert rank_loss == pytest.approx(loss, abs=1e-6)
+            assert rank_norm == pytest.approx(grad_norm, rel=1e-4)
+            assert torch.allclose(rank_logprobs, logprobs, atol=1e-5)  # after the step: the same update
