@@ -10,8 +10,6 @@ follows the seeds' environment variables and redoes stale or partial conversions
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import socket
 
 import pytest
 import torch
@@ -171,8 +169,9 @@ def test_qwen_moe_round_trip_shared_expert_and_query_key_norms(model_type, tp):
 
 
 # ------------------------------------------------ megatron-core checks the layout
-def megatron_rank(rank: int, world: int, port: int, name: str, results) -> None:
-    """Build GPTModel with TP=world on CPU, load this rank's shard strictly, compare layers."""
+def megatron_rank(rank: int, world: int, port: int, results) -> None:
+    """Build GPTModel with TP=world on CPU for each test model, load this rank's shard strictly,
+    compare its layers with Hugging Face's."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -183,61 +182,56 @@ def megatron_rank(rank: int, world: int, port: int, name: str, results) -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from tests.helpers.spawn import send
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    hf = MODELS[name]()
-    shape = LayerShape.from_hf_config(hf.config)
-    config = TransformerConfig(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
-        num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=shape.qkv_bias, layernorm_epsilon=hf.config.rms_norm_eps, use_cpu_initialization=True,
-        params_dtype=torch.float32, tensor_model_parallel_size=world)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                     vocab_size=shape.padded_vocab_size(world), max_sequence_length=64,
-                     position_embedding_type="rope", share_embeddings_and_output_weights=shape.tied)
-    full = hf_to_megatron(hf.state_dict(), shape, tensor_parallel_size=world)
-    missing, unexpected = model.load_state_dict(shard(full, rank=rank, tensor_parallel_size=world), strict=False)
-    checks = {"strict": not unexpected and all(m.endswith("_extra_state") for m in missing)}
-    torch.manual_seed(1)
-    x = torch.randn(5, 2, shape.hidden_size)  # [sequence, batch, hidden]
-    with torch.no_grad():
-        for i, (ours, theirs) in enumerate(zip(model.decoder.layers, hf.model.layers)):
-            q, k, v = ours.self_attention.get_query_key_value_tensors(x)[:3]
-            heads = slice(rank * shape.num_heads // world, (rank + 1) * shape.num_heads // world)
-            groups = slice(rank * shape.num_kv_heads // world, (rank + 1) * shape.num_kv_heads // world)
-            attn = theirs.self_attn
-            want_q = attn.q_proj(x).reshape(5, 2, shape.num_heads, shape.head_dim)[:, :, heads]
-            want_k = attn.k_proj(x).reshape(5, 2, shape.num_kv_heads, shape.head_dim)[:, :, groups]
-            want_v = attn.v_proj(x).reshape(5, 2, shape.num_kv_heads, shape.head_dim)[:, :, groups]
-            checks[f"qkv{i}"] = all(torch.allclose(a.reshape(b.shape), b, atol=1e-6)
-                                    for a, b in ((q, want_q), (k, want_k), (v, want_v)))
-            mlp, _ = ours.mlp(x)  # row-parallel fc2 all-reduces over the TP ranks
-            checks[f"mlp{i}"] = torch.allclose(mlp, theirs.mlp(x), atol=1e-5)
-            checks[f"norm{i}"] = torch.allclose(ours.input_layernorm(x), theirs.input_layernorm(x), atol=1e-6)
-    results.put((rank, checks))
-    dist.barrier()
-    dist.destroy_process_group()
+    checks = {}
+    for name in ("llama", "qwen2"):
+        hf = MODELS[name]()
+        shape = LayerShape.from_hf_config(hf.config)
+        config = TransformerConfig(
+            num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
+            num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
+            normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+            add_qkv_bias=shape.qkv_bias, layernorm_epsilon=hf.config.rms_norm_eps, use_cpu_initialization=True,
+            params_dtype=torch.float32, tensor_model_parallel_size=world)
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                         vocab_size=shape.padded_vocab_size(world), max_sequence_length=64,
+                         position_embedding_type="rope", share_embeddings_and_output_weights=shape.tied)
+        full = hf_to_megatron(hf.state_dict(), shape, tensor_parallel_size=world)
+        missing, unexpected = model.load_state_dict(shard(full, rank=rank, tensor_parallel_size=world), strict=False)
+        checks[f"{name} strict"] = not unexpected and all(m.endswith("_extra_state") for m in missing)
+        torch.manual_seed(1)
+        x = torch.randn(5, 2, shape.hidden_size)  # [sequence, batch, hidden]
+        with torch.no_grad():
+            for i, (ours, theirs) in enumerate(zip(model.decoder.layers, hf.model.layers)):
+                q, k, v = ours.self_attention.get_query_key_value_tensors(x)[:3]
+                heads = slice(rank * shape.num_heads // world, (rank + 1) * shape.num_heads // world)
+                groups = slice(rank * shape.num_kv_heads // world, (rank + 1) * shape.num_kv_heads // world)
+                attn = theirs.self_attn
+                want_q = attn.q_proj(x).reshape(5, 2, shape.num_heads, shape.head_dim)[:, :, heads]
+                want_k = attn.k_proj(x).reshape(5, 2, shape.num_kv_heads, shape.head_dim)[:, :, groups]
+                want_v = attn.v_proj(x).reshape(5, 2, shape.num_kv_heads, shape.head_dim)[:, :, groups]
+                checks[f"{name} qkv{i}"] = all(torch.allclose(a.reshape(b.shape), b, atol=1e-6)
+                                               for a, b in ((q, want_q), (k, want_k), (v, want_v)))
+                mlp, _ = ours.mlp(x)  # row-parallel fc2 all-reduces over the TP ranks
+                checks[f"{name} mlp{i}"] = torch.allclose(mlp, theirs.mlp(x), atol=1e-5)
+                checks[f"{name} norm{i}"] = torch.allclose(ours.input_layernorm(x), theirs.input_layernorm(x),
+                                                           atol=1e-6)
+    send(results, rank, checks)
 
 
-@pytest.mark.parametrize(("name", "tp"), [("tiny-arith", 1), ("llama", 1), ("llama", 2), ("qwen2", 1), ("qwen2", 2)])
-def test_megatron_core_loads_and_computes_like_hugging_face(name, tp):
+def test_megatron_core_loads_and_computes_like_hugging_face():
+    """Llama and Qwen2 (q/k/v biases) split over 2 tensor-parallel gloo ranks. (Whole models on one
+    rank, the bundled one among them, are held against Hugging Face end to end in
+    tests/test_megatron_backend.py and tests/test_megatron_layouts.py.)"""
     pytest.importorskip("megatron.core")
-    ctx = mp.get_context("spawn")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    results = ctx.Queue()
-    procs = [ctx.Process(target=megatron_rank, args=(r, tp, port, name, results)) for r in range(tp)]
-    for proc in procs:
-        proc.start()
-    got = dict(results.get(timeout=240) for _ in range(tp))
-    for proc in procs:
-        proc.join(timeout=60)
-    assert [p.exitcode for p in procs] == [0] * tp
-    for rank, checks in got.items():
-        assert all(checks.values()), (rank, checks)
-    assert len(got[0]) == 1 + 3 * 2  # strict load, then qkv/mlp/norm for each of the 2 layers
+    from tests.helpers.spawn import spawned
+
+    for checks in spawned(megatron_rank, 2):
+        assert checks and all(checks.values()), checks
+        assert len(checks) == 2 * (1 + 3 * 2)  # per model: strict load, then qkv/mlp/norm for each of 2 layers
 
 
 # ---------------------------------------------------------------- the cache
