@@ -3,7 +3,8 @@
 Bit-exact round trips for a tiny Llama and a tiny Qwen2 (GQA, qkv biases, untied
 head), at TP=1 and TP=2; megatron-core's own GPTModel, built on CPU, loads the
 result strictly and its q/k/v projections, MLP and norms compute what the Hugging
-Face layers compute, on one rank and split over two gloo ranks. The cache folder
+Face layers compute, split over two gloo ranks. Qwen2-MoE's shared expert and Qwen3-MoE's
+query/key norms round-trip too. The cache folder
 follows the seeds' environment variables and redoes stale or partial conversions.
 """
 
