@@ -153,7 +153,7 @@ def test_cli_plan_parameter_count_as_json(capsys):
     assert data["tree_branch"] == "<10B" and data["gpu_memory_gb"] == 40
     for candidate in data["candidates"]:
         assert set(candidate) >= {"strategy", "parallel", "memory_gb", "fits", "score", "placement", "generation"}
-        assert set(candidate["parallel"]) == {"dp", "tp", "pp", "cp", "ep"}
+        assert set(candidate["parallel"]) == {"dp", "tp", "pp", "vpp", "cp", "ep"}
         assert {"params", "grads", "optimizer", "activations", "generator_weights", "kv_cache", "total",
                 "peak"} <= set(candidate["memory_gb"])
         assert isinstance(candidate["fits"], bool)
@@ -247,3 +247,22 @@ def test_the_advisor_splits_long_sequences_over_context_parallel_ranks_when_reco
                                           "intermediate_size": 8960, "sliding_window": 4096})
     assert not windowed.plain_causal_attention  # novarl's context parallelism does not compute it
     assert advise(windowed, gpus_per_node=8, num_nodes=1, sequence_length=131072).recommended.context_parallel_size == 1
+
+
+def test_megatron_pipelines_run_interleaved_where_the_stages_split_evenly_and_it_fits():
+    from novarl.plan.auto import _megatron_overrides
+
+    advice = advise(QWEN_32B, gpus_per_node=8, num_nodes=5, sequence_length=SEQ)  # 64 layers, vLLM generation
+    deep = next(c for c in advice.candidates if (c.tensor_parallel_size, c.pipeline_parallel_size) == (1, 4))
+    assert deep.virtual_pipeline_parallel_size == 2 and deep.fits
+    assert "interleaved pipeline: 2 model chunks per stage" in " ".join(deep.notes)
+    assert "x0.842 pipeline bubble (p-1)/(v m+p-1), p=4, v=2, m=8" in deep.score_factors  # 1 - 3/19, not 1 - 3/11
+    assert "policy.megatron_cfg.virtual_pipeline_model_parallel_size=2" in _megatron_overrides(deep)
+    # where 2 chunks per stage would not fit, the plain pipeline is reported
+    shallow = next(c for c in advice.candidates if (c.tensor_parallel_size, c.pipeline_parallel_size) == (2, 2)
+                   and not c.activation_checkpointing)
+    assert shallow.virtual_pipeline_parallel_size == 1 and shallow.fits
+    assert "policy.megatron_cfg.virtual_pipeline_model_parallel_size=null" in _megatron_overrides(shallow)
+    # Megatron generation decodes one chunk per stage: never interleaved
+    large = advise(QWEN_72B, gpus_per_node=8, num_nodes=4, sequence_length=SEQ)
+    assert {c.virtual_pipeline_parallel_size for c in large.candidates} == {1}

@@ -49,6 +49,9 @@ where it has one, our estimate where it has none):
                                             TP stays inside a node (NVLink)
     pipeline parallel                x(1 - (p-1)/(m+p-1)), the 1F1B bubble with
                                             m = ASSUMED_MICROBATCHES (8)
+    interleaved pipeline, v chunks   x(1 - (p-1)/(v m+p-1)) instead, and x0.98 for
+                                            v times the point-to-point sends
+    context parallel, per doubling   x0.95  keys and values all-gathered per layer
     CPU offload                      x0.3   PCIe transfers and a CPU optimizer step
     full activation checkpointing    x0.75  one more forward: ~4/3 the compute
 Candidates are ranked: those that fit first, then by score, then by lower peak.
@@ -58,12 +61,16 @@ Enumerated: DTensor FSDP2; FSDP2 + TP (TP in {2, 4, 8} dividing the GPUs per
 node and the attention heads); FSDP2 + CPU offload; DeepSpeed ZeRO-2 and
 ZeRO-3; Megatron TP x PP (the same TPs, PP a power of two dividing the training
 GPUs / TP, at most the layers; per TP the pipeline deepens only until a layout
-fits, deeper ones only add bubble), and for a Mixture-of-Experts model each
+fits, deeper ones only add bubble; a pipeline whose stages split evenly into
+VIRTUAL_PIPELINE_SIZE (2) chunks runs interleaved where that still fits, except
+under Megatron generation), and for a Mixture-of-Experts model each
 expert-parallel size EP (a power of two dividing the experts and data x tensor
 parallelism: whole experts, expert TP 1), scored x0.97 per doubling for the token
 all-to-all and x0.7 when the expert group spans nodes. A Mixture-of-Experts model's
-tree pick on Megatron is its best-scored fitting layout. Context parallelism is not enumerated
-(cp = 1). A layout is `built` when novarl has both its training and its generation
+tree pick on Megatron is its best-scored fitting layout (expert tensor parallelism stays 1, as in
+the recipes NeMo RL and ROLL ship; the memory model counts it where a config sets it). Context
+parallelism (DTensor, tp 1, plain causal attention) is tried with recomputation when
+recomputation alone does not fit. A layout is `built` when novarl has both its training and its generation
 backend (Megatron generation, the >70B branch, is not built yet).
 """
 
@@ -147,6 +154,8 @@ class Candidate:
     notes: tuple[str, ...] = ()
     expert_parallel_size: int = 1
     """Megatron: ranks a Mixture-of-Experts layer's experts are spread over (whole experts)."""
+    virtual_pipeline_parallel_size: int = 1
+    """Megatron: model chunks per pipeline stage (interleaved 1F1B); 1: plain 1F1B."""
 
     @property
     def peak_gb(self) -> float:
@@ -156,6 +165,7 @@ class Candidate:
     def parallel_sizes(self) -> str:
         return (f"dp={self.data_parallel_size} tp={self.tensor_parallel_size} "
                 f"pp={self.pipeline_parallel_size} cp={self.context_parallel_size}"
+                + (f" vpp={self.virtual_pipeline_parallel_size}" if self.virtual_pipeline_parallel_size > 1 else "")
                 + (f" ep={self.expert_parallel_size}" if self.expert_parallel_size > 1 else ""))
 
     def describe(self) -> str:
@@ -166,8 +176,8 @@ class Candidate:
         return {
             "strategy": self.strategy, "training_backend": self.training_backend, "built": self.built,
             "parallel": {"dp": self.data_parallel_size, "tp": self.tensor_parallel_size,
-                         "pp": self.pipeline_parallel_size, "cp": self.context_parallel_size,
-                         "ep": self.expert_parallel_size},
+                         "pp": self.pipeline_parallel_size, "vpp": self.virtual_pipeline_parallel_size,
+                         "cp": self.context_parallel_size, "ep": self.expert_parallel_size},
             "training_gpus": self.training_gpus,
             "generation": {"backend": self.generation_backend, "tensor_parallel_size": self.generation_tp},
             "placement": self.placement, "activation_checkpointing": self.activation_checkpointing,
@@ -336,6 +346,18 @@ def expert_parallel_sizes(shape: ModelShape, training_gpus: int) -> list[int]:
 
 CONTEXT_PARALLEL_SIZES = (2, 4, 8)
 """What the advisor tries, in order, when recomputation alone does not fit the activations."""
+VIRTUAL_PIPELINE_SIZE = 2
+"""Model chunks per stage the advisor tries on a Megatron pipeline (interleaved 1F1B)."""
+
+
+def _virtual_stages(context: _Context, layout: _Layout, generation: str) -> tuple[int, ...]:
+    """The virtual pipeline sizes to try, preferred first: interleaving on a Megatron pipeline whose
+    stages' layers split evenly into chunks (and not under Megatron generation, which runs one
+    chunk per stage), else none."""
+    pp, v = layout.pipeline_parallel_size, VIRTUAL_PIPELINE_SIZE
+    if layout.backend != "megatron" or pp == 1 or generation == "megatron" or context.shape.num_layers % (pp * v):
+        return (1,)
+    return (v, 1)
 
 
 def _generation_backend(context: _Context, layout: _Layout) -> str:
@@ -361,23 +383,29 @@ def _size(context: _Context, layout: _Layout) -> Candidate:
                            num_microbatches=ASSUMED_MICROBATCHES if pp > 1 else None)
     # recomputation first; then, where the activations still decide (long sequences), context
     # parallelism (DTensor's: models/context_parallel.py) splitting each sequence over cp ranks
-    tries = [(recompute, 1) for recompute in ("none", "full")]
+    # On a Megatron pipeline, interleaved stages where they fit (a smaller bubble for a little more
+    # of the first stage's activations), without recomputation before with it.
+    tries = [(recompute, 1, vpp) for recompute in ("none", "full") for vpp in _virtual_stages(context, layout, generation)]
     if layout.backend == "dtensor" and tp == 1 and context.shape.plain_causal_attention:  # what novarl's cp runs
-        tries += [("full", cp) for cp in CONTEXT_PARALLEL_SIZES if not dp % cp]
-    for recompute, cp in tries:
+        tries += [("full", cp, 1) for cp in CONTEXT_PARALLEL_SIZES if not dp % cp]
+    for recompute, cp, vpp in tries:
         workload = dataclasses.replace(context.workload, recompute=recompute)
-        sized = dataclasses.replace(parallel, data_parallel_size=dp // cp, context_parallel_size=cp)
+        sized = dataclasses.replace(parallel, data_parallel_size=dp // cp, context_parallel_size=cp,
+                                    virtual_pipeline_parallel_size=vpp)
         breakdown = _breakdown(context, layout, workload, sized, generation, placement, generation_tp)
         peak = _peak(breakdown, placement, generation)
         generator_fits = _generator_fits(context, generation, placement, generation_tp)
         fits = peak <= context.budget_gb * GB and generator_fits
         if fits:
             break
-    if not fits:  # report the layout without context parallelism
-        recompute, cp = "full", 1
+    if not fits:  # report the plain layout: no context parallelism, no interleaving
+        recompute, cp, vpp = "full", 1, 1
         breakdown = _breakdown(context, layout, workload, parallel, generation, placement, generation_tp)
         peak = _peak(breakdown, placement, generation)
     notes = list(breakdown.notes)
+    if vpp > 1:
+        notes.append(f"interleaved pipeline: {vpp} model chunks per stage "
+                     f"(policy.megatron_cfg.virtual_pipeline_model_parallel_size={vpp}) cut the bubble {vpp}x")
     if cp > 1:
         notes.append(f"context parallelism {cp}: the activations of {context.sequence_length}-token sequences "
                      "decide, so each sequence is split over "
@@ -388,11 +416,11 @@ def _size(context: _Context, layout: _Layout) -> Candidate:
     if placement == "dedicated":
         notes.append(f"generation on the last node: {context.gpus_per_node // generation_tp} vLLM engine(s) "
                      f"of TP={generation_tp}")
-    score, factors = _score(context, layout, dp=dp // cp, recompute=recompute, cp=cp)
+    score, factors = _score(context, layout, dp=dp // cp, recompute=recompute, cp=cp, vpp=vpp)
     built = layout.backend in BUILT_TRAINING_BACKENDS and generation in BUILT_GENERATION_BACKENDS
     return Candidate(strategy=layout.strategy, training_backend=layout.backend, built=built,
                      data_parallel_size=dp // cp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                     context_parallel_size=cp,
+                     context_parallel_size=cp, virtual_pipeline_parallel_size=vpp,
                      expert_parallel_size=ep,
                      training_gpus=training_gpus, generation_backend=generation, generation_tp=generation_tp,
                      placement=placement, activation_checkpointing=recompute == "full",
@@ -460,7 +488,7 @@ def _vllm_tp(context: _Context, placement: Placement) -> int:
 _SHARDING = {"fsdp2": 0.85, "fsdp2_tp": 0.85, "fsdp2_offload": 0.85, "zero3": 0.85, "zero2": 1.0, "megatron": 1.0}
 
 
-def _score(context: _Context, layout: _Layout, *, dp: int, recompute: str, cp: int = 1
+def _score(context: _Context, layout: _Layout, *, dp: int, recompute: str, cp: int = 1, vpp: int = 1
            ) -> tuple[float, tuple[str, ...]]:
     """Relative training throughput per GPU and the factors it is made of (module docstring)."""
     score, factors = 1.0, []
@@ -478,9 +506,13 @@ def _score(context: _Context, layout: _Layout, *, dp: int, recompute: str, cp: i
         apply(0.9, "weights gathered across nodes")
     if tp > 1:
         apply(0.97 ** (tp.bit_length() - 1), f"tensor parallel {tp} within a node")
-    if pp > 1:
+    if pp > 1 and vpp == 1:
         m = ASSUMED_MICROBATCHES
         apply(1 - (pp - 1) / (m + pp - 1), f"pipeline bubble (p-1)/(m+p-1), p={pp}, m={m}")
+    elif pp > 1:  # interleaved 1F1B: each stage's bubble is one chunk's, 1/v of the stage's work
+        m = ASSUMED_MICROBATCHES
+        apply(1 - (pp - 1) / (vpp * m + pp - 1), f"pipeline bubble (p-1)/(v m+p-1), p={pp}, v={vpp}, m={m}")
+        apply(0.98, f"interleaved pipeline: {vpp}x the point-to-point sends")
     ep = layout.expert_parallel_size
     if ep > 1:  # every MoE layer sends its tokens to the experts' ranks and back (all-to-all)
         apply(0.97 ** (ep.bit_length() - 1), f"expert parallel {ep}: token all-to-all")
@@ -573,14 +605,16 @@ def format_advice(advice: Advice) -> str:
               + " ".join(f"{label:>9}" for _, label in _TABLE_COLUMNS) + f" {'fits':<4} {'score':>5}")
     rows = [f"layouts, GB per GPU (fits: peak <= {HEADROOM:.0%} of {advice.gpu_memory_gb:g} GB):", header]
     for c in advice.candidates:
-        name = c.strategy + (" +ckpt" if c.activation_checkpointing else "") + ("" if c.built else " *")
+        name = (c.strategy + (f" +vpp{c.virtual_pipeline_parallel_size}" if c.virtual_pipeline_parallel_size > 1 else "")
+                + (" +ckpt" if c.activation_checkpointing else "") + ("" if c.built else " *"))
         numbers = " ".join(f"{c.memory_gb[key]:>9.{1 if c.memory_gb[key] >= 10 else 3}f}" for key, _ in _TABLE_COLUMNS)
         rows.append(f"{name:<34} {c.data_parallel_size:>3} {c.tensor_parallel_size:>2} {c.pipeline_parallel_size:>2} "
                     f"{c.expert_parallel_size:>2} "
                     f"{c.generation_backend + ' tp=' + str(c.generation_tp):<14} {c.placement:<9} {numbers} "
                     f"{'yes' if c.fits else 'no':<4} {c.score:>5.2f}")
-    rows.append("+ckpt: with full activation checkpointing (tried when a layout does not fit without it); "
-                "*: a backend novarl does not have yet; peak: see novarl.plan.advisor")
+    rows.append("+vpp2: interleaved pipeline, 2 model chunks per stage; +ckpt: with full activation checkpointing "
+                "(tried when a layout does not fit without it); *: a backend novarl does not have yet; "
+                "peak: see novarl.plan.advisor")
     rows.append(f"recommended: {advice.recommended.describe() if advice.recommended else 'none (nothing fits)'}")
     rows += [f"- {line}" for line in advice.explanation]
     return "\n".join(rows)

@@ -125,5 +125,7 @@ def _megatron_overrides(pick) -> list[str]:
             f"policy.megatron_cfg.tensor_model_parallel_size={pick.tensor_parallel_size}",
             f"policy.megatron_cfg.pipeline_model_parallel_size={pick.pipeline_parallel_size}",
             f"policy.megatron_cfg.expert_model_parallel_size={pick.expert_parallel_size}",
+            "policy.megatron_cfg.virtual_pipeline_model_parallel_size="
+            + (str(pick.virtual_pipeline_parallel_size) if pick.virtual_pipeline_parallel_size > 1 else "null"),
             f"policy.megatron_cfg.sequence_parallel={str(sequence_parallel).lower()}",
             f"policy.megatron_cfg.activation_checkpointing={str(pick.activation_checkpointing).lower()}"]
