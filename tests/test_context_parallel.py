@@ -122,6 +122,29 @@ def one_step(model_path: str, world: int, *parallel: str) -> tuple:
     return metrics["loss"], metrics["grad_norm"], metrics["tokens_computed"], policy.logprobs(batch)
 
 
+def identical_loss_gradient(world: int) -> torch.Tensor:
+    """A loss every rank of a cp group of 2 computes alike from the gathered per-position scores
+    (ContextShard.gather_identical_loss, Megatron's context parallelism), its gradient summed over
+    the group; world 1: the whole row on one rank."""
+    import torch.distributed as dist
+
+    from novarl.models.context_parallel import shard_rows
+
+    weight = torch.linspace(-1, 1, 24, requires_grad=True)
+    cu = torch.tensor([0, 8, 24])  # two sequences
+    if world == 1:
+        full = weight * 3
+    else:
+        group = dist.new_group([2 * (dist.get_rank() // 2), 2 * (dist.get_rank() // 2) + 1])
+        shard = shard_rows(cu, group)
+        full = shard.gather_identical_loss(weight.index_select(0, shard.local) * 3)
+    (full.pow(2) * torch.arange(24)).sum().backward()
+    grad = weight.grad
+    if world > 1:
+        dist.all_reduce(grad, group=group)
+    return grad
+
+
 def policy_rank(rank: int, world: int, port: int, results, two_kv: str) -> None:
     """The attention check, then one step of the DTensor policy: tiny-arith (world 1: cp 1; world 4:
     dp 2 x cp 2) and its two-key/value-head copy (world 1; world 4: cp 2 x tp 2)."""
@@ -132,6 +155,7 @@ def policy_rank(rank: int, world: int, port: int, results, two_kv: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     attention = attention_check(world)
+    attention["identical loss"] = identical_loss_gradient(world)
     split = world > 1
     dp_cp = one_step(str(resolve_model_path("tiny-arith")), world,
                      f"policy.dtensor_cfg.context_parallel_size={2 if split else 1}")
@@ -146,6 +170,8 @@ def test_context_parallel_attention_and_the_policy_on_dp2_x_cp2_and_cp2_x_tp2_ma
     two_kv = str(two_kv_head_copy(tmp_path / "kv2"))
     (one_dp_cp, one_cp_tp, whole), = spawned(policy_rank, 1, two_kv)
     for dp_cp, cp_tp, split in spawned(policy_rank, 4, two_kv):  # FSDP2 over dp x cp; TP inside each cp rank
+        # the gathered scores' gradient comes back to each rank's own positions once, not cp times
+        assert torch.allclose(split["identical loss"], whole["identical loss"])
         for layout in LAYOUTS:  # the attention alone, on long packed rows and on padded ones
             (want, want_grads), (got, grads) = whole[layout], split[layout]
             assert len(got) == sum(LENGTHS) and torch.allclose(got, want, atol=1e-5), layout

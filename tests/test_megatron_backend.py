@@ -147,11 +147,12 @@ def test_what_megatron_cannot_run_is_refused_together(tmp_path):
     with pytest.raises(ConfigError) as err:
         run(tmp_path, 1, "tiny-arith", MEGATRON, "policy.megatron_cfg.converter_type=Qwen2ForCausalLM",
             "policy.megatron_cfg.expert_model_parallel_size=2", "policy.megatron_cfg.virtual_pipeline_model_parallel_size=2",
-            "policy.megatron_cfg.context_parallel_size=2", "cluster.gpus_per_node=2")
+            "policy.megatron_cfg.context_parallel_size=2", "policy.generation.backend=megatron",
+            "cluster.gpus_per_node=2")
     message = str(err.value)
     for part in ("converter_type='Qwen2ForCausalLM' does not match the model, a LlamaForCausalLM",
                  "needs a Mixture-of-Experts model", "virtual_pipeline_model_parallel_size",
-                 "context_parallel_size=2: context parallelism"):
+                 "context_parallel_size=2 with policy.generation.backend='megatron'"):
         assert part in message
     assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())
 

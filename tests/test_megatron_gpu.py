@@ -96,3 +96,60 @@ def test_generation_on_the_gpu_is_greedy_like_hugging_face_chunked_or_not(tmp_pa
         config = McoreGenerationConfig(block_size_tokens=2, enable_chunked_prefill=chunked)
         got = MegatronGeneration(reference, tokenizer, max_seq_length=16, config=config).generate(prompts, greedy)
         assert [c.text for c in got] == expected, chunked
+
+
+def context_parallel_rank(rank: int, world: int, port: int, results, model: str, cache: str) -> None:
+    """On GPU `rank`: the policy on dp 2, then on cp 2 (each sequence split over both GPUs,
+    Transformer Engine's attention), each measured on the same batch, padded and packed."""
+    import os
+
+    os.environ["NOVARL_MEGATRON_CHECKPOINT_DIR"] = cache
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from novarl.algorithms.losses import make_loss
+    from novarl.backends.training.megatron import MegatronPolicy
+    from novarl.cli import BUNDLED_RECIPE
+    from novarl.config import load_config
+    from tests.helpers.packing import LOSS, batchings, mixed_batch
+    from tests.helpers.spawn import send
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    batch = mixed_batch(rows=8, longest=96)
+    out = {}
+    for name, cp in (("dp2", 1), ("cp2", 2)):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        cfg = load_config(BUNDLED_RECIPE, overrides=[
+            "policy.megatron_cfg.enabled=true", "policy.precision=bfloat16", "cluster.gpus_per_node=2",
+            f"policy.megatron_cfg.context_parallel_size={cp}", "policy.megatron_cfg.optimizer.lr=0.0",
+            "policy.max_total_sequence_length=128", f"policy.model_name={model}"])
+        policy = MegatronPolicy(cfg.policy, model, total_steps=1, temperature=1.0)
+        for layout in ("fixed", "packed"):
+            policy.train_batching, policy.logprob_batching = batchings(layout, policy.packed_sequence_multiple)
+            logprobs = policy.logprobs(batch)
+            metrics = policy.forward_backward(batch, make_loss(LOSS))
+            metrics.update(policy.optim_step())
+            out[name, layout] = (logprobs.cpu(), metrics["loss"], metrics["grad_norm"])
+    send(results, rank, {f"{n} {layout}": value for (n, layout), value in out.items()})
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallelism needs 2 GPUs")
+def test_context_parallelism_over_two_gpus_matches_data_parallelism(tmp_path):
+    """Megatron's context parallelism (Transformer Engine's attention, each sequence in 4 chunks,
+    2 per GPU) gives the logprobs, loss and gradient norm of plain data parallelism on the same
+    batch, on padded rows and on packed ones. (Runs only on a host with 2 GPUs and Transformer
+    Engine; the layout and the loss's gather are checked on the CPU in tests/test_context_parallel.py.)"""
+    from novarl.backends.megatron.model import transformer_engine_available
+    from tests.helpers.spawn import spawned
+
+    if not transformer_engine_available():
+        pytest.skip("Megatron's context parallelism needs Transformer Engine")
+    model = random_llama(tmp_path / "llama")
+    for got in spawned(context_parallel_rank, 2, str(model), str(tmp_path / "cache")):
+        for layout in ("fixed", "packed"):
+            (want, loss, norm), (logprobs, cp_loss, cp_norm) = got[f"dp2 {layout}"], got[f"cp2 {layout}"]
+            difference = (logprobs - want).abs()
+            assert difference.mean() < 0.01 and difference.max() < 0.1, (layout, difference.mean(), difference.max())
+            assert cp_loss == pytest.approx(loss, rel=0.02, abs=1e-3) and cp_norm == pytest.approx(norm, rel=0.02)

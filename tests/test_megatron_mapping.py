@@ -57,6 +57,9 @@ def test_features_that_need_transformer_engine_are_refused_without_it():
         pytest.skip("Transformer Engine is installed here")
     with pytest.raises(ConfigError, match="fp8_cfg.enabled needs Transformer Engine"):
         transformer_config("policy.megatron_cfg.fp8_cfg={enabled: true}")
+    with pytest.raises(ConfigError, match="context_parallel_size=2: megatron-core splits sequences only in "
+                                          "Transformer Engine's attention"):
+        transformer_config("policy.megatron_cfg.context_parallel_size=2")
     with pytest.raises(ConfigError, match="sequence_parallel needs Transformer Engine"):
         from novarl.backends.megatron.model import transformer_config as build
 

@@ -19,6 +19,9 @@ attention: more compute, memory linear in the sequence). So the attention is exa
 holds the row's keys and values (not its activations) whole: the all-gather form of context
 parallelism (Megatron's cp_comm_type all_gather, Llama 3's), not ring attention.
 
+The layout, `shard_rows` and `ContextShard.gather_identical_loss` also serve Megatron's context
+parallelism (backends/training/megatron.py), whose attention is Transformer Engine's.
+
 Logprobs: each rank scores its positions' next tokens; the scores are all-gathered (summing
 gradients on the way back) and read per token as without cp. Every cp rank then computes the same
 loss, so each parameter's gradient is cp times its share; FSDP2, sharding over the dp x cp ranks,
@@ -57,6 +60,27 @@ class ContextShard:
 
         gathered = all_gather_single_autograd(local.movedim(dim, 0).contiguous(), gather_dim=0, group=self.group)
         return gathered.index_select(0, self.restore).movedim(0, dim)
+
+
+    def gather_identical_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D `local` in the row's order, for a loss every cp rank computes alike:
+        the backward hands each rank its own share's gradient as it is (not summed over the
+        ranks), so that gradients summed over the cp ranks (Megatron's data-parallel reduction,
+        which spans them) are the loss's."""
+        return _GatherOwnShare.apply(local, self)
+
+
+class _GatherOwnShare(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+        ctx.local = shard.local
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(shard.group))]
+        dist.all_gather(parts, local.contiguous(), group=shard.group)
+        return torch.cat(parts).index_select(0, shard.restore)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.index_select(0, ctx.local), None
 
 
 def shard_rows(cu_seqlens: torch.Tensor, group: dist.ProcessGroup) -> ContextShard:

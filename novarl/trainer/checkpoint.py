@@ -255,6 +255,7 @@ def _check_megatron(folder: Path) -> str | None:
     try:
         layout = json.loads((folder / "layout.json").read_text())
         tp, pp, dp = (int(layout["parallel"][k]) for k in ("tp", "pp", "dp"))
+        cp = int(layout["parallel"].get("cp", 1))
         ep = int(layout["parallel"].get("ep", 1)) if layout.get("experts") else 0
         etp = int(layout["parallel"].get("etp", 1))
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
@@ -266,7 +267,7 @@ def _check_megatron(folder: Path) -> str | None:
         for e, r in itertools.product(range(ep), range(etp)):
             if not (folder / experts_file(e, p, r, etp)).is_file():
                 return f"Megatron experts of expert-parallel rank {e}, stage {p} missing"
-    for rank in range(tp * pp * dp):
+    for rank in range(tp * pp * cp * dp):
         if not (folder / f"optim_rank{rank}.pt").is_file():
             return f"Megatron optimizer state of rank {rank} missing"
     if not (folder / "scheduler.pt").is_file():

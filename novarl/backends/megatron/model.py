@@ -3,8 +3,10 @@ megatron-core's GPTModel, from `policy.megatron_cfg`.
 
 What maps where (the seeds' keys on the left):
 
-    tensor/pipeline/context_parallel_size,      -> parallel_state.initialize_model_parallel
-    expert_model/expert_tensor_parallel_size
+    tensor/pipeline/context_parallel_size,      -> parallel_state.initialize_model_parallel; context
+    expert_model/expert_tensor_parallel_size       parallelism (Transformer Engine's attention, CUDA
+                                                    only) splits each sequence into 2 x cp chunks,
+                                                    rank r keeping chunks r and 2cp-1-r
     virtual_pipeline_model_parallel_size         -> model chunks per pipeline stage (interleaved
                                                     1F1B schedule: each stage holds vpp chunks of
                                                     layers, stage-major, e.g. pp 2 x vpp 2 puts
@@ -128,9 +130,10 @@ def check_model(hf_config, policy: PolicyConfig) -> LayerShape:
     if mc.distributed_data_parallel_config.use_custom_fsdp:
         problems.append("policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp: Megatron's FSDP is "
                         "not available yet; use the distributed optimizer (ZeRO-1 style) or the DTensor backend.")
-    if mc.context_parallel_size > 1:
-        problems.append(f"policy.megatron_cfg.context_parallel_size={mc.context_parallel_size}: context "
-                        "parallelism needs Transformer Engine's attention; not available yet.")
+    if mc.context_parallel_size > 1 and policy.generation.backend == "megatron":
+        problems.append(f"policy.megatron_cfg.context_parallel_size={mc.context_parallel_size} with "
+                        "policy.generation.backend='megatron': decoding feeds one token at a time, which context "
+                        "parallelism cannot split; use vLLM or Hugging Face generation.")
     window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
     if window and window < policy.max_seq_length:
         problems.append(f"the model attends within a sliding window of {window} tokens, which the Megatron backend "
@@ -187,6 +190,11 @@ def transformer_config(hf_config, shape: LayerShape, policy: PolicyConfig, *, pr
     if mc.sequence_parallel and not te and mc.tensor_model_parallel_size > 1:
         raise ConfigError("policy.megatron_cfg.sequence_parallel needs Transformer Engine's norms "
                           "(pip install transformer-engine on the GPU hosts); set it false without it.")
+    if mc.context_parallel_size > 1 and not (te and torch.cuda.is_available()):
+        raise ConfigError(f"policy.megatron_cfg.context_parallel_size={mc.context_parallel_size}: megatron-core "
+                          "splits sequences only in Transformer Engine's attention, on CUDA GPUs (pip install "
+                          "transformer-engine on the GPU hosts); without it, use the DTensor backend's "
+                          "policy.dtensor_cfg.context_parallel_size.")
     params_dtype = DTYPES[precision]
     kwargs: dict[str, Any] = dict(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -66,10 +67,11 @@ from novarl.backends.training.batching import (
 )
 from novarl.backends.training.megatron_optim import (  # noqa: F401 (ddp_config: read by tests)
     _load_optimizer_state, _optimizer_state, build_optimizer, build_scheduler, ddp_config)
-from novarl.backends.training.rows import accumulate, all_reduce_metrics
+from novarl.backends.training.rows import accumulate, all_reduce_metrics, per_token
 from novarl.config.schema import PolicyConfig
 from novarl.errors import UserError
 from novarl.logging.console import info
+from novarl.models.context_parallel import ContextShard
 from novarl.types import TrainBatch
 
 CHECKPOINT_DIR = "megatron"
@@ -122,13 +124,16 @@ class MegatronModel:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
+        self.cp_group = parallel_state.get_context_parallel_group() if self.cp_size > 1 else None
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()
         self.ep_size = parallel_state.get_expert_model_parallel_world_size()
         self.etp_rank = parallel_state.get_expert_tensor_parallel_rank()
         self.etp_size = parallel_state.get_expert_tensor_parallel_world_size()
         # who holds a copy of each weight to gather or save: data-parallel replica 0 the dense
         # ones, expert-data-parallel replica 0 the experts (each expert-tensor-parallel rank its part)
-        self.holds_dense = self.dp_rank == 0
+        self.holds_dense = self.dp_rank == 0 and self.cp_rank == 0
         self.holds_experts = self.shape.num_experts > 0 and parallel_state.get_expert_data_parallel_rank() == 0
         # tokens of other data-parallel ranks meet in the experts: every rank's micro-batches take one shape
         self.experts_span_data = self.shape.num_experts > 0 and sizes.expert * sizes.expert_tensor > sizes.tensor
@@ -153,11 +158,13 @@ class MegatronModel:
                     if ".mlp.router." in name:
                         param.requires_grad_(False)
         self.model_chunks = list(self.modules)  # what the schedule runs (DDP-wrapped for training)
-        # sequence parallelism splits every row's tokens evenly over the tensor-parallel ranks
-        multiple = policy.make_sequence_length_divisible_by * (self.tp_size if self.config.sequence_parallel else 1)
+        # sequence parallelism splits every row's tokens evenly over the tensor-parallel ranks; context
+        # parallelism every sequence into 2 x cp chunks (of a multiple of the tensor-parallel size then)
+        sp = self.tp_size if self.config.sequence_parallel else 1
+        self.packed_sequence_multiple = 2 * self.cp_size * sp if self.cp_size > 1 else 1
+        multiple = math.lcm(policy.make_sequence_length_divisible_by * sp, self.packed_sequence_multiple)
         self.train_batching = MicroBatching.from_policy(policy, training=True, sequence_multiple=multiple)
         self.logprob_batching = MicroBatching.from_policy(policy, training=False, sequence_multiple=multiple)
-        self.packed_sequence_multiple = 1
         self.empty_unused_memory_level = policy.megatron_cfg.empty_unused_memory_level
 
     @property
@@ -240,33 +247,69 @@ class MegatronModel:
         return folder
 
     # -------------------------------------------------------------- compute
-    def _forward(self, model, inputs: ModelInputs) -> torch.Tensor:
-        """The stage's output for a micro-batch: vocab-parallel logits [R, W, V/tp] on the
-        last stage, hidden states for the next stage otherwise."""
+    def _context_shard(self, inputs: ModelInputs) -> ContextShard | None:
+        """This context-parallel rank's share of a micro-batch's tokens: chunks r and 2cp-1-r of
+        every sequence (of each padded row, or of the packed row's sequences), the layout
+        Transformer Engine's context-parallel attention takes. None without context parallelism."""
+        if self.cp_group is None:
+            return None
+        from novarl.models.context_parallel import shard_rows
+
+        rows, width = inputs.input_ids.shape
+        cu = inputs.cu_seqlens if inputs.attention_mask is None else \
+            torch.arange(rows + 1, device=inputs.input_ids.device) * width
+        return shard_rows(cu, self.cp_group)
+
+    def _forward(self, model, inputs: ModelInputs, shard: ContextShard | None = None) -> torch.Tensor:
+        """The stage's output for a micro-batch (this cp rank's share of its tokens under context
+        parallelism): vocab-parallel logits [R, W, V/tp] on the last stage, hidden states for the
+        next stage otherwise."""
+        ids, positions = inputs.input_ids, inputs.position_ids
+        if shard is not None:
+            ids = ids.reshape(-1).index_select(0, shard.local).view(ids.shape[0], -1)
+            positions = positions.reshape(-1).index_select(0, shard.local).view(ids.shape[0], -1)
         if inputs.attention_mask is not None:  # right-padded rows need only the causal mask (True = masked out)
-            width = inputs.input_ids.shape[1]
-            causal = torch.ones(width, width, dtype=torch.bool, device=inputs.input_ids.device).triu(1)[None, None]
-            return model(inputs.input_ids, inputs.position_ids, causal)
-        # a packed row (Transformer Engine only, see `packable`): varlen attention and per-sequence rotary
+            if shard is not None:  # Transformer Engine's causal attention, split over the cp ranks
+                return model(ids, positions, None)
+            width = ids.shape[1]
+            causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).triu(1)[None, None]
+            return model(ids, positions, causal)
+        # a packed row (Transformer Engine only, see `packable`): varlen attention and per-sequence rotary,
+        # the whole row's sequence boundaries (each sequence padded to its cp split) under cp
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=inputs.cu_seqlens, cu_seqlens_kv=inputs.cu_seqlens,
-                                 max_seqlen_q=inputs.max_seqlen, max_seqlen_kv=inputs.max_seqlen)
-        return model(inputs.input_ids, inputs.position_ids, None, packed_seq_params=packed)
+        cu = inputs.cu_seqlens
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                                 cu_seqlens_kv_padded=cu, max_seqlen_q=inputs.max_seqlen,
+                                 max_seqlen_kv=inputs.max_seqlen)
+        return model(ids, positions, None, packed_seq_params=packed)
 
-    def _token_logprobs(self, logits: torch.Tensor, inputs: ModelInputs, mb: TrainBatch) -> torch.Tensor:
-        """[n] logprobs of the micro-batch's tokens at the sampling temperature from
-        vocab-parallel logits [R, W, V/tp]; 0 at each sequence's first token."""
+    def _position_scores(self, logits: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+        """[R, W] each position's logprob of the token after it, at the sampling temperature, from
+        vocab-parallel logits [R, W, V/tp]."""
         from megatron.core import tensor_parallel
 
-        logits = logits[:, :-1].float() / self.temperature
+        logits = logits.float() / self.temperature
         part = logits.shape[-1]
         columns = torch.arange(self.tp_rank * part, (self.tp_rank + 1) * part, device=logits.device)
         if columns[-1] >= self.shape.vocab_size:  # Megatron's vocabulary padding: never a token
             logits = logits.masked_fill(columns >= self.shape.vocab_size, float("-inf"))
-        nll = tensor_parallel.vocab_parallel_cross_entropy(logits, inputs.input_ids[:, 1:].contiguous())
-        rows = torch.nn.functional.pad(-nll, (1, 0))
-        return rows.reshape(-1)[inputs.index] * (mb.position_ids != 0)
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits, following)
+
+    def _token_logprobs(self, output: torch.Tensor, inputs: ModelInputs, shard: ContextShard | None = None
+                        ) -> torch.Tensor:
+        """[n] the micro-batch's tokens' logprobs (values, for the critic), each read at its
+        predecessor's position; 0 at each sequence's first token. Under context parallelism the
+        cp ranks' positions are gathered first: every cp rank computes the same loss, and each
+        takes back its own positions' gradients (summed over the cp ranks by DDP)."""
+        ids = inputs.input_ids.reshape(-1)
+        following = torch.nn.functional.pad(ids[1:], (0, 1))  # each position's next token (read where it is one)
+        if shard is not None:
+            following = following.index_select(0, shard.local)
+        scores = self._position_scores(output, following.view(output.shape[:2])).reshape(-1)
+        if shard is not None:
+            scores = shard.gather_identical_loss(scores)
+        return per_token(scores, inputs.previous)
 
     def _run_pipeline(self, batch: TrainBatch, batching: MicroBatching, loss_of, forward_only: bool
                       ) -> tuple[Plan, list[Any]]:
@@ -283,14 +326,16 @@ class MegatronModel:
         batch = batch.to(self.device)
         micro = [micro_batch(batch, sequences) for sequences in plan.ranks[self.dp_rank]]
         inputs = self._model_inputs(micro, batching)
+        shards = [self._context_shard(laid) for laid in inputs]
         kept: list[Any] = []
 
         def step(data_iterator, model):
-            mb, laid = next(data_iterator)
-            output = self._forward(model, laid)
+            mb, laid, shard = next(data_iterator)
+            output = self._forward(model, laid, shard)
 
             def loss_func(output_tensor):
-                value, keep = loss_of(self._token_logprobs(output_tensor, laid, mb), mb, laid.tokens_computed)
+                computed = laid.tokens_computed if shard is None else len(shard.local)
+                value, keep = loss_of(self._token_logprobs(output_tensor, laid, shard), mb, computed)
                 kept.append(keep)
                 return value, torch.ones((), dtype=torch.int, device=value.device), {}
 
@@ -298,8 +343,8 @@ class MegatronModel:
 
         # each model chunk reads every micro-batch once (the embedding's chunk the tokens, the
         # head's the targets; every chunk the positions and mask)
-        work = [iter(list(zip(micro, inputs))) for _ in self.model_chunks]
-        get_forward_backward_func()(
+        work = [iter(list(zip(micro, inputs, shards))) for _ in self.model_chunks]
+        get_forward_backward_func()(  # (it divides seq_length by cp for the stages' buffers)
             forward_step_func=step, data_iterator=work, model=self.model_chunks, num_microbatches=len(micro),
             seq_length=max(i.input_ids.shape[1] for i in inputs),
             micro_batch_size=max(i.input_ids.shape[0] for i in inputs), forward_only=forward_only)
@@ -430,7 +475,8 @@ class MegatronPolicy(MegatronModel):
         if dist.get_rank() == 0:
             interleaved = f" ({len(self.modules)} chunks each)" if len(self.modules) > 1 else ""
             experts = f" ep={self.ep_size} etp={self.etp_size}" if self.shape.num_experts else ""
-            info(f"Megatron: tp={self.tp_size} pp={self.pp_size}{interleaved} dp={self.dp_size}{experts}, "
+            context = f" cp={self.cp_size}" if self.cp_size > 1 else ""
+            info(f"Megatron: tp={self.tp_size} pp={self.pp_size}{interleaved}{context} dp={self.dp_size}{experts}, "
                  f"{self.precision}, "
                  f"{'distributed' if self.distributed_optimizer else 'replicated'} {mc.optimizer.optimizer} "
                  f"optimizer, {self.config.recompute_granularity or 'no'} recomputation")
@@ -553,8 +599,8 @@ class MegatronPolicy(MegatronModel):
     def _layout(self) -> dict[str, Any]:
         parallel = {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size, "ep": self.ep_size}
         # written where they are not 1, so that checkpoints without them read as they were
-        parallel.update({name: size for name, size in (("vpp", len(self.modules)), ("etp", self.etp_size))
-                         if size > 1})
+        parallel.update({name: size for name, size in (("vpp", len(self.modules)), ("etp", self.etp_size),
+                                                       ("cp", self.cp_size)) if size > 1})
         return {"parallel": parallel,
                 "vocab_size": self.shape.vocab_size, "experts": self.shape.num_experts, "fused_norms": self.fused_norms,
                 "distributed_optimizer": self.distributed_optimizer}

@@ -7,11 +7,9 @@ from pathlib import Path
 
 import torch
 
-from novarl.backends.training.batching import ModelInputs
 from novarl.backends.training.megatron import MegatronPolicy
 from novarl.config.schema import PolicyConfig
 from novarl.errors import NotAvailableYet
-from novarl.types import TrainBatch
 
 
 class MegatronCritic(MegatronPolicy):
@@ -25,11 +23,10 @@ class MegatronCritic(MegatronPolicy):
         super().__init__(policy, model_path, device, total_steps=total_steps, temperature=1.0, seed=seed,
                          emulate_cuda=emulate_cuda, value_head=True)
 
-    def _token_logprobs(self, output: torch.Tensor, inputs: ModelInputs, mb: TrainBatch) -> torch.Tensor:
-        """[n] float32 values of the micro-batch's tokens from the head's [R, W, 1] output: each read
-        at its predecessor's position; 0 at each sequence's first token."""
-        rows = torch.nn.functional.pad(output[:, :-1, 0].float(), (1, 0))
-        return rows.reshape(-1)[inputs.index] * (mb.position_ids != 0)
+    def _position_scores(self, output: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
+        """[R, W] float32 each position's value from the head's [R, W, 1] output (read for the
+        token after it, as logprobs are: MegatronModel._token_logprobs)."""
+        return output[..., 0].float()
 
     def save_hf(self, path: Path, tokenizer, fmt=None) -> None:
         raise NotAvailableYet("a Hugging Face folder of a Megatron critic is not built yet (its checkpoints resume; "

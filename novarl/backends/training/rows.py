@@ -102,7 +102,7 @@ def model_logprobs(model, attention: str | None, mb: TrainBatch, batching: Micro
         following = torch.nn.functional.pad(ids[1:], (0, 1)).index_select(0, shard.local)
         rows = logits[0].float() / temperature if temperature != 1.0 else logits[0].float()
         scores = rows.gather(-1, following[:, None]).squeeze(-1) - torch.logsumexp(rows, dim=-1)  # next tokens'
-        return _per_token(shard.gather(scores, 0), inputs.previous), len(shard.local)
+        return per_token(shard.gather(scores, 0), inputs.previous), len(shard.local)
     logits, inputs = model_outputs(model, attention, mb, batching)
     return picked_logprobs(logits, inputs, mb, temperature), inputs.tokens_computed
 
@@ -114,12 +114,12 @@ def model_values(model, attention: str | None, mb: TrainBatch, batching: MicroBa
     sequence's first token. And the tokens computed (padding included)."""
     if context is not None:
         outputs, inputs, shard = context_outputs(model, mb, batching, context)
-        return _per_token(shard.gather(outputs.reshape(-1).float(), 0), inputs.previous), len(shard.local)
+        return per_token(shard.gather(outputs.reshape(-1).float(), 0), inputs.previous), len(shard.local)
     outputs, inputs = model_outputs(model, attention, mb, batching)
-    return _per_token(outputs.reshape(-1).float(), inputs.previous), inputs.tokens_computed
+    return per_token(outputs.reshape(-1).float(), inputs.previous), inputs.tokens_computed
 
 
-def _per_token(per_position: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+def per_token(per_position: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     """[n] each token's value read at its predecessor's flat position; 0 at a sequence's first."""
     return per_position.index_select(0, previous.clamp(min=0)) * (previous >= 0)
 
