@@ -93,13 +93,9 @@ def test_unsupported_model_type_and_tp_are_user_errors(model):
 
 
 def tiny_mixtral():
-    from transformers import AutoModelForCausalLM, MixtralConfig
+    from tests.helpers.models import tiny_moe
 
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(MixtralConfig(
-        vocab_size=19, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-        tie_word_embeddings=False))
+    return tiny_moe("mixtral")
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -8,8 +8,9 @@ backends/megatron/cpu.py), each layout built in turn in the same processes:
   checkpoint of the interleaved layout that loads back whole;
 - a 4-expert Mixtral on 4 data-parallel ranks with its experts over 2 expert-parallel ranks,
   whole (2 copies of each), then each split over 2 expert-tensor-parallel ranks: the same;
-- Qwen2-MoE (a gated shared expert, routing weights not renormalised) and Qwen3-MoE (query/key
-  norms), converted and run on expert-parallel ranks: Hugging Face's logprobs.
+- Mixtral, Qwen2-MoE (a gated shared expert, routing weights not renormalised) and Qwen3-MoE
+  (query/key norms), converted and run on expert-parallel ranks: Hugging Face's logprobs, and for
+  Mixtral its loss and gradient norm (routers scaled away from ties: see tests/helpers/models.py).
 """
 
 from __future__ import annotations
@@ -54,18 +55,25 @@ def save_models(folder) -> dict[str, str]:
     return paths
 
 
-def hf_logprobs(path: str, batch, temperature: float) -> torch.Tensor:
-    """The batch's token logprobs under the Hugging Face model, each sequence alone (0 at its first)."""
+def hf_step(path: str, batch, temperature: float) -> tuple[torch.Tensor, float, float]:
+    """Under the Hugging Face model: the batch's token logprobs (each sequence alone, 0 at its
+    first), the loss on them and its gradient norm over every weight."""
     from transformers import AutoModelForCausalLM
+
+    from novarl.algorithms.losses import make_loss
+    from tests.helpers.packing import LOSS
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     out = []
-    with torch.no_grad():
-        for start, end in zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist()):
-            ids = batch.input_ids[start:end]
-            logits = model(ids[None]).logits[0, :-1].float() / temperature
-            out += [torch.zeros(1), logits.log_softmax(-1).gather(1, ids[1:, None])[:, 0]]
-    return torch.cat(out)
+    for start, end in zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist()):
+        ids = batch.input_ids[start:end]
+        logits = model(ids[None]).logits[0, :-1].float() / temperature
+        out += [torch.zeros(1), logits.log_softmax(-1).gather(1, ids[1:, None])[:, 0]]
+    logprobs = torch.cat(out)
+    loss, _ = make_loss(LOSS)(logprobs, batch)
+    loss.backward()
+    norm = torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]).norm()
+    return logprobs.detach(), float(loss), float(norm)
 
 
 def measure(policy, batch, loss) -> dict:
@@ -92,7 +100,7 @@ def layouts_rank(rank: int, world: int, port: int, results, paths: dict, checkpo
     from tests.helpers.packing import LOSS, mixed_batch
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    batch = mixed_batch(rows=10, longest=30)
+    batch = mixed_batch(rows=10, longest=30).with_own_counts()
     out = {}
 
     def build(model: str, overrides: list[str]) -> MegatronPolicy:
@@ -132,12 +140,15 @@ def test_interleaved_pipeline_and_expert_tensor_parallelism_train_like_the_plain
 
     paths = save_models(tmp_path / "models")
     ranks = spawned(layouts_rank, 4, paths, str(tmp_path))
-    batch = mixed_batch(rows=10, longest=30)
+    batch = mixed_batch(rows=10, longest=30).with_own_counts()
     for model in ("qwen2_moe", "qwen3_moe", "mixtral"):  # Megatron's forward of the converted weights is HF's
-        want = hf_logprobs(paths[model], batch, temperature=0.7)
+        want, loss, grad_norm = hf_step(paths[model], batch, temperature=0.7)
         for rank in ranks:
             got = rank[model] if model != "mixtral" else rank["ep2"]["logprobs"]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5, msg=model)
+    for rank in ranks:  # and its backward: expert parallelism's gradients are the whole model's
+        assert rank["ep2"]["loss"] == pytest.approx(loss, rel=1e-5)
+        assert rank["ep2"]["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
     # ranks 0 and 1 (data-parallel) are stage 0, ranks 2 and 3 stage 1: stage 0 holds layers 0
     # and 2, stage 1 layers 1 and 3, in two chunks each
     assert [r["pp2"]["chunks"] for r in ranks] == [[[0, 1]]] * 2 + [[[2, 3]]] * 2

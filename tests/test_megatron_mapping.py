@@ -170,3 +170,19 @@ def test_a_sliding_window_shorter_than_the_sequences_is_refused():
         check_model(hf, policy())
     hf.sliding_window = 4096  # longer than any sequence: the window never cuts
     check_model(hf, policy())
+
+
+def test_the_critic_section_is_checked_like_the_policy_and_must_share_its_virtual_stages():
+    """PPO's critic (`value`, which has no generation section) goes through the same checks with
+    interleaving and context parallelism; its virtual stages must be the policy's (one
+    megatron-core layout per process)."""
+    layout = ["grpo.adv_estimator.name=gae", "value={}", "policy.megatron_cfg.pipeline_model_parallel_size=2",
+              "policy.megatron_cfg.virtual_pipeline_model_parallel_size=2", "policy.megatron_cfg.context_parallel_size=2"]
+    cfg = load_config(BUNDLED_RECIPE, overrides=["policy.megatron_cfg.enabled=true", *layout])
+    assert cfg.value.generation is None
+    assert check_model(tiny(4), cfg.value).num_layers == 4
+    with pytest.raises(ConfigError, match="context_parallel_size=2 with policy.generation.backend='megatron'"):
+        check_model(tiny(4), policy(*layout[2:], "policy.generation.backend=megatron"))
+    with pytest.raises(Exception, match="value.megatron_cfg.virtual_pipeline_model_parallel_size=None differs"):
+        load_config(BUNDLED_RECIPE, overrides=["policy.megatron_cfg.enabled=true", *layout,
+                                               "value.megatron_cfg.virtual_pipeline_model_parallel_size=null"])

@@ -578,7 +578,7 @@ class NovaRLConfig(Section):
                     "dtensor_cfg.tensor_parallel_size", "dtensor_cfg.context_parallel_size",
                     "megatron_cfg.tensor_model_parallel_size", "megatron_cfg.pipeline_model_parallel_size",
                     "megatron_cfg.context_parallel_size", "megatron_cfg.expert_model_parallel_size",
-                    "megatron_cfg.expert_tensor_parallel_size"):
+                    "megatron_cfg.expert_tensor_parallel_size", "megatron_cfg.virtual_pipeline_model_parallel_size"):
             mine, theirs = _get(value, key), _get(policy, key)
             if mine != theirs:
                 raise ValueError(f"value.{key}={mine!r} differs from policy.{key}={theirs!r}: the critic runs on "

@@ -215,6 +215,7 @@ TE_OPTIONS = (
     ("sequence_parallel (with tensor_model_parallel_size > 1)",
      lambda mc: mc.sequence_parallel and mc.tensor_model_parallel_size > 1),
     ("fp8_cfg.enabled", lambda mc: mc.fp8_cfg is not None and mc.fp8_cfg.enabled),
+    ("context_parallel_size (> 1: its attention)", lambda mc: mc.context_parallel_size > 1),
 )
 """Megatron options whose kernels come from Transformer Engine, which GPU hosts have."""
 

@@ -266,7 +266,8 @@ def _check_megatron(folder: Path) -> str | None:
                 return f"Megatron model shard tp{t}_pp{p} missing"
         for e, r in itertools.product(range(ep), range(etp)):
             if not (folder / experts_file(e, p, r, etp)).is_file():
-                return f"Megatron experts of expert-parallel rank {e}, stage {p} missing"
+                return f"Megatron experts of expert-parallel rank {e}" + (f", expert-tensor-parallel rank {r}"
+                                                                         if etp > 1 else "") + f", stage {p} missing"
     for rank in range(tp * pp * cp * dp):
         if not (folder / f"optim_rank{rank}.pt").is_file():
             return f"Megatron optimizer state of rank {rank} missing"

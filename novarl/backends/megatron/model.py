@@ -86,10 +86,11 @@ def check_model(hf_config, policy: PolicyConfig) -> LayerShape:
         problems.append(f"policy.megatron_cfg.converter_type={mc.converter_type!r} does not match the model, "
                         f"a {expected} ({hf_config.model_type}).")
     tp = mc.tensor_model_parallel_size
-    if shape.num_heads % tp or shape.num_kv_heads % tp or shape.ffn_hidden_size % tp:
+    if shape.num_heads % tp or shape.num_kv_heads % tp or shape.ffn_hidden_size % tp or shape.shared_expert_size % tp:
         problems.append(f"policy.megatron_cfg.tensor_model_parallel_size={tp} must divide the {shape.num_heads} "
                         f"attention heads, the {shape.num_kv_heads} key/value heads and the MLP size "
-                        f"{shape.ffn_hidden_size}.")
+                        f"{shape.ffn_hidden_size}" + (f" and the shared expert's {shape.shared_expert_size}"
+                                                      if shape.shared_expert_size else "") + ".")
     pp = mc.pipeline_model_parallel_size
     if pp > 1 and not (mc.num_layers_in_first_pipeline_stage or mc.num_layers_in_last_pipeline_stage) \
             and shape.num_layers % pp:
@@ -119,7 +120,7 @@ def check_model(hf_config, policy: PolicyConfig) -> LayerShape:
                         f"must equal tensor_model_parallel_size={tp}: megatron-core would then reduce each "
                         "expert's gradients over the data-parallel ranks, which hold other parts of it; set "
                         "expert_model_parallel_size > 1 too.")
-    if mc.sequence_parallel and mc.tensor_model_parallel_size > 1 and policy.generation.backend == "megatron":
+    if mc.sequence_parallel and mc.tensor_model_parallel_size > 1 and _megatron_generation(policy):
         problems.append("policy.megatron_cfg.sequence_parallel with policy.generation.backend='megatron': decoding "
                         "feeds one token at a time, which sequence parallelism cannot split over "
                         f"{mc.tensor_model_parallel_size} ranks; turn one of them off.")
@@ -130,7 +131,7 @@ def check_model(hf_config, policy: PolicyConfig) -> LayerShape:
     if mc.distributed_data_parallel_config.use_custom_fsdp:
         problems.append("policy.megatron_cfg.distributed_data_parallel_config.use_custom_fsdp: Megatron's FSDP is "
                         "not available yet; use the distributed optimizer (ZeRO-1 style) or the DTensor backend.")
-    if mc.context_parallel_size > 1 and policy.generation.backend == "megatron":
+    if mc.context_parallel_size > 1 and _megatron_generation(policy):
         problems.append(f"policy.megatron_cfg.context_parallel_size={mc.context_parallel_size} with "
                         "policy.generation.backend='megatron': decoding feeds one token at a time, which context "
                         "parallelism cannot split; use vLLM or Hugging Face generation.")
@@ -146,6 +147,11 @@ def check_model(hf_config, policy: PolicyConfig) -> LayerShape:
         raise ConfigError("The Megatron backend cannot run this model as configured:\n"
                           + "\n".join(f"  - {p}" for p in problems))
     return shape
+
+
+def _megatron_generation(policy: PolicyConfig) -> bool:
+    """The policy generates with its own Megatron model (a critic's section has no generation)."""
+    return getattr(getattr(policy, "generation", None), "backend", None) == "megatron"
 
 
 def _virtual_pipeline_problems(policy: PolicyConfig, shape: LayerShape) -> list[str]:
@@ -167,7 +173,7 @@ def _virtual_pipeline_problems(policy: PolicyConfig, shape: LayerShape) -> list[
                         f"({shape.num_layers} layers"
                         + (f", {first} on the first stage" if first is not None else "")
                         + (f", {last} on the last" if last is not None else "") + ").")
-    if policy.generation.backend == "megatron":
+    if _megatron_generation(policy):
         problems.append(f"{key} with policy.generation.backend='megatron': decoding runs one model chunk per "
                         "stage; use vLLM or Hugging Face generation, or leave it unset.")
     return problems
