@@ -36,13 +36,18 @@ def spawned(target, world: int, *args, timeout: float = 300) -> list:
     for proc in procs:
         proc.start()
     got, deadline = [], time.monotonic() + timeout
-    while len(got) < world:  # a rank that dies before sending fails the test at once
-        try:
-            got.append(results.get(timeout=1))
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            assert not dead and time.monotonic() < deadline, f"spawned ranks ended with {dead or 'a timeout'}"
-    for proc in procs:
-        proc.join(timeout=60)
+    try:
+        while len(got) < world:  # a rank that dies before sending fails the test at once
+            try:
+                got.append(results.get(timeout=1))
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                assert not dead and time.monotonic() < deadline, f"spawned ranks ended with {dead or 'a timeout'}"
+        for proc in procs:
+            proc.join(timeout=60)
+    finally:  # no rank outlives the test (a hung one would hold its ports)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
     assert [p.exitcode for p in procs] == [0] * world
     return [torch.load(io.BytesIO(data), weights_only=True) for _, data in sorted(got, key=lambda g: g[0])]

@@ -115,30 +115,7 @@ class MegatronModel:
         self.config = model.transformer_config(self.hf_config, self.shape, policy, precision=self.precision,
                                                world_size=dist.get_world_size())
         self.fused_norms = model.transformer_engine_available()
-        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.dp_group = parallel_state.get_data_parallel_group()
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
-        self.cp_size = parallel_state.get_context_parallel_world_size()
-        self.cp_rank = parallel_state.get_context_parallel_rank()
-        self.cp_group = parallel_state.get_context_parallel_group() if self.cp_size > 1 else None
-        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
-        self.ep_size = parallel_state.get_expert_model_parallel_world_size()
-        self.etp_rank = parallel_state.get_expert_tensor_parallel_rank()
-        self.etp_size = parallel_state.get_expert_tensor_parallel_world_size()
-        # who holds a copy of each weight to gather or save: data-parallel replica 0 the dense
-        # ones, expert-data-parallel replica 0 the experts (each expert-tensor-parallel rank its part)
-        self.holds_dense = self.dp_rank == 0 and self.cp_rank == 0
-        self.holds_experts = self.shape.num_experts > 0 and parallel_state.get_expert_data_parallel_rank() == 0
-        # tokens of other data-parallel ranks meet in the experts: every rank's micro-batches take one shape
-        self.experts_span_data = self.shape.num_experts > 0 and sizes.expert * sizes.expert_tensor > sizes.tensor
-        self.first_stage = parallel_state.is_pipeline_first_stage()
-        self.last_stage = parallel_state.is_pipeline_last_stage()
+        self._read_layout(sizes)
         self.cpu_group = dist.new_group(backend="gloo")  # weights and checkpoints travel on the CPU
         # this stage's model chunks: one, or virtual_pipeline_model_parallel_size interleaved ones
         self.chunks = model.stage_chunks(self.config)
@@ -166,6 +143,27 @@ class MegatronModel:
         self.train_batching = MicroBatching.from_policy(policy, training=True, sequence_multiple=multiple)
         self.logprob_batching = MicroBatching.from_policy(policy, training=False, sequence_multiple=multiple)
         self.empty_unused_memory_level = policy.megatron_cfg.empty_unused_memory_level
+
+    def _read_layout(self, sizes) -> None:
+        """This rank's place in megatron-core's layout: ranks, sizes and groups."""
+        from megatron.core import parallel_state as ps
+
+        self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
+        self.ep_rank, self.ep_size = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+        self.etp_rank, self.etp_size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+        self.dp_group, self.tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.cp_group = ps.get_context_parallel_group() if self.cp_size > 1 else None
+        # who holds a copy of each weight to gather or save: data-parallel replica 0 the dense
+        # ones, expert-data-parallel replica 0 the experts (each expert-tensor-parallel rank its part)
+        self.holds_dense = self.dp_rank == 0 and self.cp_rank == 0
+        self.holds_experts = self.shape.num_experts > 0 and ps.get_expert_data_parallel_rank() == 0
+        # tokens of other data-parallel ranks meet in the experts: every rank's micro-batches take one shape
+        self.experts_span_data = self.shape.num_experts > 0 and sizes.expert * sizes.expert_tensor > sizes.tensor
+        self.first_stage, self.last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
 
     @property
     def module(self):
