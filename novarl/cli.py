@@ -184,7 +184,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from novarl.config import load_config
     from novarl.models.loading import resolve_model_path
-    from novarl.plan.advisor import advise, format_advice
+    from novarl.plan.advisor import advise
+    from novarl.plan.table import format_advice
     from novarl.plan.auto import apply_auto
     from novarl.plan.model_shape import ModelShape, parse_parameter_count
     from novarl.plan.resolve import (check_available, describe_layout, micro_batch_shape, plan_batches,
