@@ -142,13 +142,28 @@ WEIGHT_BYTES = 4 * (297_984 + 19 * 128)
 """fp32 bytes of the bundled tiny model's state dict: its parameters, and lm_head.weight, tied to the embedding but a key of its own."""
 
 
-def grpo_steps(tmp_path, *extra):
+def grpo_steps(tmp_path, *extra, trainer_out: list | None = None):
+    """The train records of a 4-step run on vLLM; trainer_out, if given, gets the trainer."""
     cfg = load_config(BUNDLED_RECIPE, overrides=[
         f"logger.log_dir={tmp_path}", "logger.progress_bar=false", "grpo.max_train_seconds=null",
         "grpo.max_num_steps=4", "grpo.val_at_start=false", "grpo.val_at_end=false",
         "policy.generation.backend=vllm", "policy.generation.vllm_cfg.enforce_eager=true", *extra])
-    result = GRPOTrainer(cfg).train()
+    trainer = GRPOTrainer(cfg)
+    if trainer_out is not None:
+        trainer_out.append(trainer)
+    result = trainer.train()
     return [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def on_ray(run, *args, **kwargs):
+    """`run` with policy ranks on Ray, which is shut down after it."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    try:
+        return run(*args, **kwargs)
+    finally:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -159,19 +174,13 @@ def one_process_run(tmp_path_factory):
 
 def test_dedicated_generation_on_its_own_ray_actor_matches_colocated(tmp_path, one_process_run):
     """Flip one key: trainer and vLLM generator become two Ray actors; same samples, same updates."""
-    import os
-
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     colocated = one_process_run
-    try:
-        # NeMo RL's count: 2 devices, 1 of them generating -> 1 policy rank + 1 engine actor
-        dedicated = grpo_steps(tmp_path / "dedicated", "policy.generation.colocated.enabled=false",
-                               "cluster.gpus_per_node=2", "policy.generation.colocated.resources.gpus_per_node=1")
-        assert ray.is_initialized()
-    finally:
-        ray.shutdown()
+    # NeMo RL's count: 2 devices, 1 of them generating -> 1 policy rank + 1 engine actor
+    trainers: list = []
+    dedicated = on_ray(grpo_steps, tmp_path / "dedicated", "policy.generation.colocated.enabled=false",
+                       "cluster.gpus_per_node=2", "policy.generation.colocated.resources.gpus_per_node=1",
+                       trainer_out=trainers)
+    assert trainers[0].roles.generator.layout.colocated is False
     for one, two in zip(colocated, dedicated, strict=True):
         # the full fp32 weights: into the in-process engine, then rank to rank over the weight-transfer group
         assert one["weight_sync_mb"] == two["weight_sync_mb"] == pytest.approx(WEIGHT_BYTES / 1e6)
@@ -180,23 +189,54 @@ def test_dedicated_generation_on_its_own_ray_actor_matches_colocated(tmp_path, o
         assert two["logprob_mismatch"] < 1e-3
 
 
-def test_two_colocated_vllm_engines_one_in_each_policy_rank(tmp_path, one_process_run):
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """2 policy ranks, each with a vLLM engine (tp 1) in its own process."""
+    return on_ray(grpo_steps, tmp_path_factory.mktemp("two_ranks"), "cluster.gpus_per_node=2")
+
+
+def test_two_colocated_vllm_engines_one_in_each_policy_rank(two_rank_run, one_process_run):
     """2 policy ranks, each with a vLLM engine in its own process taking half of each step's
     groups and its weights from its own rank: the first step samples exactly what the
     one-engine run samples (per-request seeds follow the sample's place in the step)."""
-    import os
-
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    try:
-        two = grpo_steps(tmp_path, "cluster.gpus_per_node=2")
-    finally:
-        ray.shutdown()
+    two = two_rank_run
     assert two[0]["reward_mean"] == one_process_run[0]["reward_mean"]
     assert two[0]["completion_length_mean"] == one_process_run[0]["completion_length_mean"]
     assert all(r["weight_sync_mb"] == pytest.approx(WEIGHT_BYTES / 1e6) for r in two)  # each rank into its engine
     assert max(r["logprob_mismatch"] for r in two) < 1e-3
+
+
+def test_one_vllm_engine_spanning_two_policy_ranks_by_tensor_parallelism(tmp_path, two_rank_run):
+    """vllm_cfg.tensor_parallel_size=2 colocated on 2 policy ranks: one engine, a tensor-parallel
+    shard of it in each rank's process (vLLM's external launcher). Every step samples what the
+    two tp-1 engines sample (same rewards and completion lengths, so the same training), the
+    engine's logprobs agree with the trainer's after every weight sync, and each rank loaded the
+    full weights of its own gather into its shard (nothing goes through rank 0)."""
+    trainers: list = []
+    spanning = on_ray(grpo_steps, tmp_path, "cluster.gpus_per_node=2",
+                      "policy.generation.vllm_cfg.tensor_parallel_size=2", trainer_out=trainers)
+    generator = trainers[0].roles.generator
+    assert (generator.layout.engines, generator.layout.ranks_per_engine) == (1, 2)
+    assert generator.loaded == [WEIGHT_BYTES, WEIGHT_BYTES]
+    for two_engines, one_engine in zip(two_rank_run, spanning, strict=True):
+        assert one_engine["reward_mean"] == two_engines["reward_mean"]
+        assert one_engine["completion_length_mean"] == two_engines["completion_length_mean"]
+        assert one_engine["loss"] == pytest.approx(two_engines["loss"], abs=1e-6)
+    assert max(r["logprob_mismatch"] for r in spanning) < 1e-3
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tensor_parallel_engine_colocated_on_two_gpus(tmp_path):
+    """The same on 2 GPUs in bf16: one tp-2 engine over the 2 policy ranks (NCCL between the
+    shards, sleeping while the policy trains) against two tp-1 engines."""
+    gpu = ("cluster.gpus_per_node=2", "policy.precision=bfloat16")
+    two = on_ray(grpo_steps, tmp_path / "tp1", *gpu)
+    trainers: list = []
+    spanning = on_ray(grpo_steps, tmp_path / "tp2", *gpu, "policy.generation.vllm_cfg.tensor_parallel_size=2",
+                      trainer_out=trainers)
+    assert trainers[0].roles.generator.layout.ranks_per_engine == 2
+    assert max(r["logprob_mismatch"] for r in spanning) < 5e-2
+    assert abs(spanning[0]["reward_mean"] - two[0]["reward_mean"]) <= 0.25
 
 
 def test_lora_adapters_sent_to_vllm_take_effect_without_the_full_weights(tmp_path):

@@ -2,10 +2,12 @@
 
 - `LocalGeneration`: one engine in the driver's process beside a one-rank policy
   (a laptop run). Weights go by reference, bucket by bucket.
-- `ColocatedEngines`: one engine in each policy rank's process (Ray), so every
-  training device generates. Each rank gathers the full weights bucket by bucket
-  from the training shards and loads them into its own engine: nothing leaves the
-  rank.
+- `ColocatedEngines`: engines in the policy ranks' processes (Ray), so every
+  training device generates: one per rank, or one per tp consecutive ranks, each
+  rank holding one tensor-parallel shard of it (vLLM's external launcher; the
+  ranks of an engine are given the same share and generate it in lockstep). Each
+  rank gathers the full weights bucket by bucket from the training shards and
+  loads them into its own engine (its shard of them): nothing goes through rank 0.
 - `DedicatedEngines`: engine actors on devices of their own
   (`colocated.resources`). The policy's rank 0 broadcasts each bucket, as the
   training ranks gather it, to every engine over a process group of their own
@@ -71,8 +73,10 @@ class RayRollout:
     """Completions of engines on Ray actors: shares in flight, joined in prompt order (each share
     comes with its engine's busy and idle seconds, see RankActor.generate_share)."""
 
-    def __init__(self, group, refs: list) -> None:
-        self.group, self.refs = group, refs
+    def __init__(self, group, refs: list, ranks_per_engine: int = 1) -> None:
+        """refs: one per rank; an engine spanning several ranks answers from each of them (the same
+        completions), and its first rank's answer is kept."""
+        self.group, self.refs, self.ranks_per_engine = group, refs, ranks_per_engine
         self.completions: list[Completion] | None = None
         self.shares: list[dict[str, Any]] = []
 
@@ -84,7 +88,7 @@ class RayRollout:
 
     def result(self) -> list[Completion]:
         if self.completions is None:
-            self.shares = self.group.collect(self.refs)
+            self.shares = self.group.collect(self.refs)[::self.ranks_per_engine]
             self.completions = [c for share in self.shares for c in share["completions"]]
         return self.completions
 
@@ -148,8 +152,8 @@ class LocalGeneration:
 
 
 class ColocatedEngines:
-    """Implements GenerationBackend: an engine in every policy rank's process (role "generator"
-    of the policy's RayWorkerGroup)."""
+    """Implements GenerationBackend: engines in the policy ranks' processes (role "generator" of
+    the policy's RayWorkerGroup), one per rank or one spanning each layout.ranks_per_engine ranks."""
 
     ROLE = "generator"
 
@@ -157,15 +161,22 @@ class ColocatedEngines:
                  bucket_bytes: int, dtype: torch.dtype | None) -> None:
         self.group, self.layout = policy_group, layout
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
+        self.loaded: list[int] = []
+        """Bytes each rank's engine took at the last sync, from its own rank's gather."""
         policy_group.add_role(self.ROLE, factory, kwargs)
 
     def submit(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> RayRollout:
-        work = shares(prompts, sampling, self.layout.engines)
-        return RayRollout(self.group, self.group.submit_each("generate_share", [(self.ROLE, *w) for w in work]))
+        """Each engine's share to every rank it spans (ranks r*k .. r*k+k-1 hold engine r's shards)."""
+        per_engine = self.layout.ranks_per_engine
+        work = [w for w in shares(prompts, sampling, self.layout.engines) for _ in range(per_engine)]
+        return RayRollout(self.group, self.group.submit_each("generate_share", [(self.ROLE, *w) for w in work]),
+                          per_engine)
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        loaded = self.group.call_all_actors("sync_generator", version, self.bucket_bytes, self.dtype)
-        return {"weight_sync_mb": loaded[0] / 1e6}
+        """Every rank loads its own gather into its engine (or its shard of one); weight_sync_mb is
+        what one rank's engine took."""
+        self.loaded = self.group.call_all_actors("sync_generator", version, self.bucket_bytes, self.dtype)
+        return {"weight_sync_mb": self.loaded[0] / 1e6}
 
     def offload(self) -> None:
         self.group.call_all_actors("offload_role", self.ROLE)

