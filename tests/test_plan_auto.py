@@ -53,6 +53,24 @@ def test_small_model_on_a_gpu_follows_the_advisor():
     assert any("<10B" in line for line in why)
 
 
+def test_middle_branch_on_one_node_writes_colocated_vllm_spanning_the_gpus(tmp_path):
+    """The seeds' 10B-70B single-node branch: vLLM TP=8 colocated beside the training backend the
+    memory model picks, a layout that runs (the engine spans the 8 policy ranks), so nothing in it
+    is refused on a GPU host."""
+    from novarl.plan.generation import generation_layout, layout_missing
+    from novarl.plan.resolve import check_available
+
+    cfg, why = auto(f"policy.model_name={model_folder(tmp_path, QWEN_32B)}", "policy.generation.backend=vllm",
+                    "cluster.gpus_per_node=8", on_gpu=True, gpu_memory_gb=80)
+    choice = resolve_backends(cfg)
+    assert choice.generation == "vllm" and any("10B-70B single node" in line for line in why)
+    assert cfg.policy.generation.colocated.enabled and cfg.policy.generation.vllm_cfg.tensor_parallel_size == 8
+    layout = generation_layout(cfg, "vllm")
+    assert layout.ranks_per_engine == 8 and layout_missing(layout, on_gpu=True) == []
+    available = check_available(cfg, choice)
+    assert set(available.missing) <= set(available.gpu_only)  # valid for a GPU host
+
+
 def test_megatron_recommendation_runs_megatron_with_its_sizes(tmp_path):
     cfg, why = auto(f"policy.model_name={model_folder(tmp_path, QWEN_32B)}", "policy.max_total_sequence_length=4096",
                     "policy.train_micro_batch_size=1", "cluster.gpus_per_node=8", "cluster.num_nodes=4",
