@@ -55,7 +55,7 @@ class GenerationLayout:
     def ranks_per_engine(self) -> int:
         """Policy ranks (processes) one colocated engine spans: its tp x pp shards, one in each
         (1 when dedicated: an engine actor holds all of its devices)."""
-        return self.devices_per_engine if self.colocated and self.backend != "megatron" else 1
+        return self.devices_per_engine if self.colocated else 1
 
     @property
     def in_process(self) -> bool:
