@@ -142,7 +142,7 @@ def test_feature_switches_are_refused_when_on_and_accepted_when_off():
                                 "use_dynamic_sampling": False, "dynamic_sampling_max_gen_batches": 10},
                        "policy": {"dtensor_cfg": {"lora_cfg": {"enabled": False, "dim": 8}}}})
     assert off.load_warnings == ()  # off is what novarl does: nothing to warn about
-    msg = error_of({"loss_fn": {"use_cispo": True, "force_on_policy_ratio": True},
+    msg = error_of({"loss_fn": {"use_cispo": True, "positive_example_nll_weight": 0.1},
                     "grpo": {"seq_logprob_error_threshold": 0.5, "stop_at_validation_metric": "val:accuracy"},
                     "policy": {"precision": "float64"}})
     lines = msg.splitlines()
@@ -150,7 +150,7 @@ def test_feature_switches_are_refused_when_on_and_accepted_when_off():
     assert "  - 'loss_fn.use_cispo' = true: CISPO is not built; remove it or turn it off." in lines
     assert any(line.startswith("  - 'grpo.seq_logprob_error_threshold' = 0.5: masking") for line in lines)
     assert any(line.startswith("  - 'grpo.stop_at_validation_metric' = 'val:accuracy': stopping") for line in lines)
-    assert any(line.startswith("  - 'loss_fn.force_on_policy_ratio' = true: forcing the ratio") for line in lines)
+    assert any(line.startswith("  - 'loss_fn.positive_example_nll_weight' = 0.1: VAPO's NLL") for line in lines)
     assert any(line.startswith("  - 'policy.precision' = 'float64'") for line in lines)
 
 

@@ -29,6 +29,8 @@ LAYOUTS = {
                                           "generation: 1 vllm engine(s) x tp=1, in this process beside the policy",
     "2026-08/grpo_math_8B_megatron.yaml": "8 training rank(s) of 1 node(s) x 8 = megatron dp 4 x tp 1 x pp 2 x cp 1; "
                                           "generation: 8 vllm engine(s) x tp=1, colocated with policy ranks 0-7",
+    "2026-08/grpo_math_8B_megatron_fp8.yaml": "8 training rank(s) of 1 node(s) x 8 = megatron dp 4 x tp 1 x pp 2 x cp "
+                                              "1; generation: 8 vllm engine(s) x tp=1, colocated with policy ranks 0-7",
     "2026-08/grpo_math_70B_megatron.yaml": "64 training rank(s) of 8 node(s) x 8 = megatron dp 4 x tp 4 x pp 4 x cp 1; "
                                            "generation: 8 vllm engine(s) x tp=8, colocated with policy ranks 0-63",
     "2026-08/grpo_math_qwen30ba3b_megatron.yaml": "64 training rank(s) of 8 node(s) x 8 = megatron dp 32 x tp 2 x pp 1 "
@@ -80,8 +82,6 @@ LAYOUTS = {
 # file -> the refusals (one line each) of features novarl does not build.
 REFUSED = {
     "2026-08/grpo_math_1B_sglang.yaml": ["'policy.generation.backend' = 'sglang': SGLang generation is not built"],
-    "2026-08/grpo_math_8B_megatron_fp8.yaml": ["'policy.generation.vllm_cfg.precision' = 'fp8': FP8 generation is "
-                                               "not built"],
     "2026-08/ppo_math_1B.yaml": [  # its ppo, value and value_loss_fn sections are read (PPO with a critic)
         "'env.math.math_verify_impl' = 'dapo_math_verify'"],
     "2026-08/recipes/llm/dapo-qwen2.5-7b.v2.yaml": [  # dynamic sampling, reward scaling and shaping are read
@@ -133,6 +133,40 @@ def test_nemo_rl_features_novarl_does_not_build_are_refused_one_line_each(capsys
         assert (cfg.value_loss_fn.scale, cfg.value_loss_fn.cliprange) == (0.4, 0.2)
         assert cfg.value.model_name == cfg.policy.model_name and cfg.value.optimizer.kwargs["lr"] == 1e-5
         assert cfg.policy.optimizer.kwargs["lr"] == 1e-6 and cfg.value.precision == "bfloat16"
+
+
+# NeMo RL's performance switches: loss_fn.force_on_policy_ratio (recipes/llm/performance, added from
+# 7ea279a) and FP8 generation, each file -> the overrides it needs here besides a local data file.
+PERFORMANCE = {
+    "2026-08/recipes/llm/performance/grpo-qwen3-32b-4n8g.yaml": (),
+    # as written its engines of tp 16 span two nodes, which novarl's engines do not (refused on its own)
+    "2026-08/recipes/llm/performance/grpo-qwen3-235b-16n8g.yaml": ("policy.generation.vllm_cfg.tensor_parallel_size=8",),
+    "2026-08/grpo_math_8B_megatron_fp8.yaml": (),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PERFORMANCE))
+def test_nemo_rl_performance_recipes_are_valid_for_a_gpu_host(capsys, tmp_path, monkeypatch, name):
+    from novarl.backends.generation.vllm import fp8_engine_args
+
+    monkeypatch.setattr("novarl.plan.resolve._has_cuda", lambda: False)
+    (tmp_path / "x.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    data = ("data.dataset_name=ResponseDataset", "data.train_data_path=x.jsonl")
+    code, out, err = run(capsys, "validate", str(NEMO_RL / name), *PERFORMANCE[name], *data)
+    assert code == 0, err
+    comments = [line for line in out.splitlines() if line.startswith("# ")]
+    (gpu_host,) = [line for line in comments if line.startswith("# valid for a GPU host")]
+    cfg = load_config(NEMO_RL / name, overrides=[*PERFORMANCE[name], *data])
+    if "performance" in name:  # the ratio forced, with its one optimizer step per batch
+        assert cfg.loss_fn.force_on_policy_ratio and " -> 1 optimizer step(s) of " in comments[0], comments[0]
+    else:  # vLLM's online FP8 with NeMo RL's DeepGEMM settings; the sync sends bf16, quantized by vLLM
+        assert "policy.generation.vllm_cfg.precision='fp8'" in gpu_host
+        assert not any("use_deep_gemm" in line for line in comments)
+        assert fp8_engine_args(cfg.policy.generation.vllm_cfg, "unused") == (
+            {"quantization": "fp8_per_block"}, {"VLLM_USE_DEEP_GEMM": "1", "VLLM_USE_DEEP_GEMM_E8M0": "0"})
+    if PERFORMANCE[name]:
+        code, _, err = run(capsys, "validate", str(NEMO_RL / name), *data)
+        assert code == 2 and "would span nodes of cluster.gpus_per_node=8" in err and "force_on" not in err, err
 
 
 def test_validate_on_a_nemo_rl_recipe_names_what_is_left(capsys, tmp_path, hub_cache, monkeypatch):

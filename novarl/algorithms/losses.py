@@ -50,6 +50,8 @@ class ClippedPGSettings:
     use_on_policy_kl_approximation: bool = False
     kl_input_clamp_value: float | None = None
     kl_output_clamp_value: float | None = None
+    force_on_policy_ratio: bool = False
+    """NeMo RL's: the ratio is 1 in value and the gradient of log p, never clipped (see policy_ratios)."""
 
 
 @POLICY_LOSSES.register("clipped_pg")
@@ -64,20 +66,23 @@ def clipped_pg_loss(
     with dual clipping (A < 0): loss_t = min(loss_t, -ratio_clip_c A); plus
     reference_policy_kl_penalty * KL_t when a reference is given. With
     disable_ppo_ratio (REINFORCE, NeMo RL's key) loss_t = -A log p_t, no ratio, no clip.
+    With force_on_policy_ratio (NeMo RL's key) loss_t = -r A with r forced to 1 (see
+    policy_ratios): the gradient is -A grad log p_t, unclipped, whatever disable_ppo_ratio and
+    sequence_level_importance_ratios say; the importance weights then use this forward's
+    logprobs as pi_old.
     Aggregated over the step as `settings.aggregation` says (see `_reduce`).
     """
     mask = batch.loss_mask.float()
     # None: the policy has not changed since generation and this is the batch's only optimizer
-    # step, so the old logprobs are this forward's own, detached (one policy forward fewer)
-    old_logprobs = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs
+    # step, so the old logprobs are this forward's own, detached (one policy forward fewer);
+    # a forced ratio takes them from this forward too (NeMo RL's), whatever the batch holds
+    old_logprobs = logprobs.detach() if batch.old_logprobs is None or settings.force_on_policy_ratio \
+        else batch.old_logprobs
     advantages = batch.advantages.float()
-    log_ratio = (logprobs - old_logprobs) * mask
-    if settings.sequence_level_importance_ratios:  # GSPO: the sequence's mean log-ratio on each token
-        per_seq = batch.sequence_sum(log_ratio) / batch.sequence_sum(mask).clamp(min=1)
-        log_ratio = per_seq[batch.sequence_index.to(per_seq.device)]
-    ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1 - settings.ratio_clip_min, 1 + settings.ratio_clip_max)
-    if settings.disable_ppo_ratio:
+    log_ratio, ratio, clipped = policy_ratios(logprobs, old_logprobs, batch, settings)
+    if settings.force_on_policy_ratio:
+        token_loss = -ratio * advantages
+    elif settings.disable_ppo_ratio:
         token_loss = -advantages * logprobs
     else:
         token_loss = -torch.minimum(ratio * advantages, clipped * advantages)
@@ -116,6 +121,28 @@ def clipped_pg_loss(
     loss = reduce(token_loss)
     metrics["loss"] = loss.detach()
     return loss, metrics
+
+
+def policy_ratios(logprobs: torch.Tensor, old_logprobs: torch.Tensor, batch: TrainBatch,
+                  settings: ClippedPGSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[n] each (log_ratio, ratio, clipped ratio) of the micro-batch's tokens, 0 / 1 off the loss
+    mask: ratio = exp(logprobs - old_logprobs), or with sequence_level_importance_ratios (GSPO)
+    its sequence's mean log-ratio on each token; clipped to [1 - ratio_clip_min, 1 + ratio_clip_max].
+    With force_on_policy_ratio (NeMo RL's ClippedPGLossFn) ratio = exp(logprobs - logprobs.detach()):
+    1 in value, with the gradient of logprobs, and the clipped ratio is the ratio itself (no
+    clipping, no sequence ratio): the update of a batch trained once by the policy that sampled
+    it, without the numerical noise of a ratio of two forwards."""
+    mask = batch.loss_mask.float()
+    if settings.force_on_policy_ratio:
+        log_ratio = (logprobs - logprobs.detach()) * mask
+        ratio = torch.exp(log_ratio)
+        return log_ratio, ratio, ratio
+    log_ratio = (logprobs - old_logprobs) * mask
+    if settings.sequence_level_importance_ratios:  # GSPO: the sequence's mean log-ratio on each token
+        per_seq = batch.sequence_sum(log_ratio) / batch.sequence_sum(mask).clamp(min=1)
+        log_ratio = per_seq[batch.sequence_index.to(per_seq.device)]
+    ratio = torch.exp(log_ratio)
+    return log_ratio, ratio, ratio.clamp(1 - settings.ratio_clip_min, 1 + settings.ratio_clip_max)
 
 
 def importance_weights(old_logprobs: torch.Tensor, batch: TrainBatch, settings: ClippedPGSettings
@@ -231,6 +258,7 @@ def make_loss(loss_cfg, max_new_tokens: int = 1) -> LossFn:
         use_on_policy_kl_approximation=loss_cfg.use_on_policy_kl_approximation,
         kl_input_clamp_value=loss_cfg.kl_input_clamp_value,
         kl_output_clamp_value=loss_cfg.kl_output_clamp_value,
+        force_on_policy_ratio=loss_cfg.force_on_policy_ratio,
     )
     return partial(POLICY_LOSSES.get(loss_cfg.loss), settings=settings)
 

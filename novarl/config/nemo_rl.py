@@ -101,7 +101,6 @@ RULES: tuple[Rule, ...] = (
               "policy.megatron_cfg.optimizer.optimizer_offload_fraction",
               "policy.megatron_cfg.optimizer.overlap_cpu_optimizer_d2h_h2d", "policy.generation.sglang_cfg",
               "policy.generation.trtllm_cfg", "policy.generation.trtllm_kwargs", "policy.generation.dynamo_cfg",
-              "policy.generation.vllm_cfg.quantization_ignored_layer_kws",
               "policy.megatron_cfg.fused_linear_logprobs_chunk_size"),
     off("grpo.seq_logprob_error_threshold", _is(None), "masking sequences by logprob error is not built"),
     off("grpo.invalid_tool_call_advantage", _is(None), "tool calls are not built (single-turn rollouts)"),
@@ -122,7 +121,6 @@ RULES: tuple[Rule, ...] = (
     off("on_policy_distillation", _disabled, "on-policy distillation is not built"),
     off("reward_penalties", _all_off, "NeMo-Gym reward penalties are not built"),
     # ---------------------------------------------------------------- loss
-    off("loss_fn.force_on_policy_ratio", _is(False), "forcing the ratio to 1 is not built"),
     off("loss_fn.positive_example_nll_weight", _is(0, 0.0), "VAPO's NLL term is not built"),
     off("loss_fn.use_cispo", _is(False), "CISPO is not built"),
     # ---------------------------------------------------------------- policy
@@ -151,7 +149,14 @@ RULES: tuple[Rule, ...] = (
     off("policy.generation.real_quant_ignore", _empty, "quantised generation is not built"),
     off("policy.generation.mcore_generation_config.num_speculative_tokens", _is(0, None),
         "speculative decoding is not built"),
-    off("policy.generation.vllm_cfg.kv_cache_dtype", _is("auto", None), "a quantised KV cache is not built"),
+    off("policy.generation.vllm_cfg.kv_cache_dtype", _is("auto", None), "a quantised KV cache is not built (FP8 "
+        "generation, vllm_cfg.precision: fp8, keeps the KV cache in the policy's dtype)"),
+    off("policy.generation.vllm_cfg.is_mx", _is(False, None), "MXFP8 generation (ModelOpt's) is not built; "
+        "vllm_cfg.precision: fp8 quantizes in 128 x 128 blocks"),
+    off("policy.generation.vllm_cfg.pow2_weight_scaling_factors", _is(False, None),
+        "power-of-two FP8 scales are not built (vLLM's online FP8 keeps float32 scales)"),
+    off("policy.generation.vllm_cfg.pow2_activation_scaling_factors", _is(False, None),
+        "power-of-two FP8 scales are not built (vLLM's online FP8 keeps float32 scales)"),
     off("policy.generation.vllm_cfg.logprobs_mode", _is("processed_logprobs", None),
         "novarl's vLLM engines return processed logprobs (after temperature and top-p/top-k)"),
     off("data.use_multiple_dataloader", _is(False), f"several dataloaders are {ISSUE_DATA}"),
@@ -526,8 +531,6 @@ VALUE_NOTES: dict[tuple[str, Any], str] = {
     ("policy.generation.backend", "trtllm"): "TensorRT-LLM generation is not built in novarl; use 'vllm', 'hf' or "
                                              "'megatron'",
     ("policy.generation.backend", "dynamo"): "Dynamo generation is not built in novarl; use 'vllm', 'hf' or 'megatron'",
-    ("policy.generation.vllm_cfg.precision", "fp8"): "FP8 generation is not built in novarl; use 'bfloat16' (or null: "
-                                                     "the policy's precision)",
 }
 """Values of keys novarl's schema holds that name a NeMo RL feature novarl does not build:
 the refusal says so instead of listing the allowed values."""

@@ -54,7 +54,11 @@ class ColocatedConfig(Section):
 
 class VllmConfig(Section):
     async_engine: bool = False
-    precision: Precision | None = None
+    precision: Precision | Literal["fp8"] | None = None
+    """The engines' dtype; None: the policy's. 'fp8' (NeMo RL's): vLLM's online FP8 quantization, weights
+    in 128 x 128 blocks with dynamic activation scales, computed in the policy's dtype and re-quantized at
+    each weight sync (CUDA GPUs with FP8, compute capability 8.9 or newer; backends/generation/vllm.py:
+    fp8_engine_args)."""
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     expert_parallel_size: int = Field(1, ge=1)
@@ -62,8 +66,14 @@ class VllmConfig(Section):
     max_model_len: int | None = Field(None, ge=1)
     enforce_eager: bool = False
     use_deep_gemm: bool = False
+    """With precision 'fp8': DeepGEMM's FP8 kernels, with float32 scales (VLLM_USE_DEEP_GEMM=1,
+    VLLM_USE_DEEP_GEMM_E8M0=0, as NeMo RL sets); False: vLLM's own choice."""
     num_last_layers_in_bf16: int = Field(0, ge=0)
+    """With precision 'fp8': the last N decoder layers are not quantized."""
     num_first_layers_in_bf16: int = Field(0, ge=0)
+    """With precision 'fp8': the first N decoder layers are not quantized."""
+    quantization_ignored_layer_kws: list[str] = []
+    """With precision 'fp8': layers whose name contains one of these words are not quantized."""
 
 
 class McoreGenerationConfig(Section):
@@ -551,6 +561,7 @@ class NovaRLConfig(Section):
                 "so it cannot be dedicated: set policy.generation.colocated.enabled=true, or use 'vllm' "
                 "for generation on GPUs of its own")
         self._critic_checks()
+        self._forced_ratio_checks()
         if self.loss_fn.ratio_clip_min >= 1:
             raise ValueError(f"loss_fn.ratio_clip_min={self.loss_fn.ratio_clip_min} must be < 1 "
                              "(the ratio is clipped to [1 - min, 1 + max])")
@@ -586,6 +597,35 @@ class NovaRLConfig(Section):
         if value.dtensor_cfg.lora_cfg.enabled:
             raise ValueError("value.dtensor_cfg.lora_cfg.enabled=true: LoRA on the critic is not built yet "
                              "(the critic trains all its weights)")
+
+
+    def _forced_ratio_checks(self) -> None:
+        """loss_fn.force_on_policy_ratio holds only for a batch trained once by the policy that
+        generated it (NeMo RL's rules: grpo.py's and ppo.py's setup assert the batch sizes, and
+        its KL-in-reward check refuses the pair below)."""
+        if not self.loss_fn.force_on_policy_ratio:
+            return
+        grpo, policy, key = self.grpo, self.policy, "loss_fn.force_on_policy_ratio=true"
+        samples = grpo.num_prompts_per_step * grpo.num_generations_per_prompt
+        shown = (f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {grpo.num_prompts_per_step} x "
+                 f"{grpo.num_generations_per_prompt} = {samples}")
+        if policy.train_global_batch_size not in (None, samples):
+            raise ValueError(f"{key} needs one optimizer step per batch (NeMo RL's rule): "
+                             f"policy.train_global_batch_size={policy.train_global_batch_size} must equal {shown}; "
+                             f"set it to {samples}, or force_on_policy_ratio=false")
+        if policy.train_global_batch_size is None and grpo.gradient_accumulation_steps is not None:
+            raise ValueError(f"{key} needs one optimizer step per batch: with grpo.gradient_accumulation_steps="
+                             f"{grpo.gradient_accumulation_steps} the samples per step depend on the data-parallel "
+                             f"size; set policy.train_global_batch_size={samples} ({shown}) instead")
+        if grpo.ppo_epochs > 1:
+            raise ValueError(f"{key} needs one optimizer step per batch: grpo.ppo_epochs={grpo.ppo_epochs} trains "
+                             "each batch again with a changed policy, whose ratio is not 1; set ppo_epochs=1, or "
+                             "force_on_policy_ratio=false")
+        if self.loss_fn.use_kl_in_reward and self.loss_fn.reference_policy_kl_penalty > 0:
+            raise ValueError(f"{key} with loss_fn.use_kl_in_reward (reference_policy_kl_penalty="
+                             f"{self.loss_fn.reference_policy_kl_penalty:g}) is refused, as NeMo RL refuses it (a "
+                             "forced ratio skips the forward of the policy before the update, which the KL in the "
+                             "reward reads); turn one of them off")
 
 
 def _get(section: Section, dotted: str) -> Any:

@@ -43,9 +43,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("policy.dtensor_cfg._v2", lambda v: v is True, False, "novarl has one DTensor worker"),
     Setting("policy.generation.vllm_cfg.async_engine", _off, False,
             "novarl's vLLM engines are the synchronous LLM, each serving its share of a step at once"),
-    Setting("policy.generation.vllm_cfg.use_deep_gemm", _off, False, "DeepGEMM kernels are for FP8 generation"),
-    Setting("policy.generation.vllm_cfg.num_last_layers_in_bf16", _off, False, "it applies to FP8 generation"),
-    Setting("policy.generation.vllm_cfg.num_first_layers_in_bf16", _off, False, "it applies to FP8 generation"),
     Setting("checkpointing.save_consolidated", _off, False,
             "checkpoints hold the training shards; `novarl convert` (and the end of every run) writes the Hugging "
             "Face folder"),

@@ -65,6 +65,8 @@ def default_generation_backend(cfg: NovaRLConfig) -> tuple[str, str]:
     size: a hub id), Hugging Face below; Hugging Face wherever vLLM is not installed."""
     if "vllm" not in BUILT_GENERATION_BACKENDS or not installed("vllm"):
         return "hf", "vLLM is not installed"
+    if cfg.policy.generation.vllm_cfg.precision == "fp8":
+        return "vllm", "policy.generation.vllm_cfg.precision 'fp8' is vLLM's FP8 quantization"
     if _has_cuda():
         return "vllm", "vLLM on GPU"
     shape = _model_shape(cfg)
@@ -169,6 +171,10 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
         warnings.append("policy.generation.lora_sync: adapter applies with LoRA (policy.dtensor_cfg.lora_cfg."
                         "enabled), which is off: the engines get the full weights")
     warnings.extend(algorithm_warnings(cfg))
+    fp8_refused, fp8_host, fp8_warnings = fp8_generation_needs(cfg, choice.generation)
+    missing.extend([*fp8_refused, *fp8_host])
+    gpu_only.extend(fp8_host)
+    warnings.extend(fp8_warnings)
     if choice.generation not in BUILT_GENERATION_BACKENDS:
         missing.append(f"generation backend '{choice.generation}' (policy.generation.backend); "
                        "'hf', 'vllm' and 'megatron' work today")
@@ -196,6 +202,29 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
                         "other trackers")
 
     return Availability(tuple(missing), tuple(warnings), tuple(gpu_only))
+
+
+FP8_ONLY = ("use_deep_gemm", "num_first_layers_in_bf16", "num_last_layers_in_bf16", "quantization_ignored_layer_kws")
+"""vllm_cfg's keys that only FP8 generation reads (backends/generation/vllm.py: fp8_engine_args)."""
+
+
+def fp8_generation_needs(cfg: NovaRLConfig, generation: str) -> tuple[list[str], list[str], list[str]]:
+    """(what FP8 generation lacks on any host, what it lacks that a GPU host has, warnings).
+    vllm_cfg.precision 'fp8' is vLLM's online FP8 quantization: vLLM generation on CUDA GPUs; the
+    keys only it reads, set without it, are not used (said once each)."""
+    v = cfg.policy.generation.vllm_cfg
+    if v.precision != "fp8":
+        given = [key for key in FP8_ONLY if getattr(v, key)]
+        return [], [], [f"policy.generation.vllm_cfg.{key} is set and applies to FP8 generation "
+                        "(vllm_cfg.precision: fp8), which is off: it is not used" for key in given]
+    if generation != "vllm":
+        return [f"FP8 generation by '{generation}' (policy.generation.vllm_cfg.precision='fp8' is vLLM's online "
+                "FP8 quantization): set policy.generation.backend=vllm, or vllm_cfg.precision to null"], [], []
+    if not _has_cuda():
+        return [], [("a CUDA GPU with FP8 (compute capability 8.9 or newer: Ada, Hopper) for policy.generation."
+                     "vllm_cfg.precision='fp8' (vLLM's online FP8 quantization); this host has none: set it to "
+                     "null (the policy's precision) to generate here")], []
+    return [], [], []
 
 
 def require_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:

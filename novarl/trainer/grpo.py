@@ -305,6 +305,11 @@ def one_forward_fewer(cfg: NovaRLConfig, inputs: RunInputs) -> bool:
 
 
 def old_logprobs_source(cfg: NovaRLConfig, inputs: RunInputs) -> str:
+    if cfg.loss_fn.force_on_policy_ratio:
+        forward = "" if one_forward_fewer(cfg, inputs) else \
+            "; a policy forward before training still runs (PPO, or the KL in the reward, reads it)"
+        return ("loss_fn.force_on_policy_ratio: the ratio is 1 (exp(log p - log p detached): the gradient of log p, "
+                f"unclipped) and pi_old is the training forward's own (1 optimizer step per generated batch){forward}")
     if one_forward_fewer(cfg, inputs):
         return ("old logprobs: from the training forward, detached (1 optimizer step per generated batch: "
                 "one policy forward fewer per step)")

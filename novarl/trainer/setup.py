@@ -296,7 +296,11 @@ def split_prompts(cfg: NovaRLConfig, tokenizer, split: str, examples: list[Examp
 
 
 def generation_precision(cfg: NovaRLConfig, device: torch.device) -> str:
-    return cfg.policy.generation.vllm_cfg.precision or cfg.policy.precision or \
+    """The engines' dtype, which the weight sync sends: vllm_cfg.precision, else the policy's.
+    FP8 (vllm_cfg.precision 'fp8') is vLLM's quantization of weights sent in the policy's dtype
+    (backends/generation/vllm.py: fp8_engine_args)."""
+    own = cfg.policy.generation.vllm_cfg.precision
+    return (own if own != "fp8" else None) or cfg.policy.precision or \
         ("bfloat16" if device.type == "cuda" else "float32")
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from novarl.backends.generation.hf import sample_seed
-from novarl.config.schema import GenerationConfig, LoraConfig
+from novarl.config.schema import GenerationConfig, LoraConfig, VllmConfig
 from novarl.errors import RunFailed, UserError
 from novarl.logging.quiet import quiet_third_party
 from novarl.types import Completion, Prompt, SamplingConfig
@@ -45,6 +45,43 @@ def check_vllm_version(version: str) -> None:
         raise UserError(f"vLLM {version} is installed; novarl supports {low[0]}.{low[1]} up to (not including) "
                         f"{high[0]}.{high[1]}. Install a supported version, or set "
                         "policy.generation.backend=hf.")
+
+
+FP8_QUANTIZATION = "fp8_per_block"
+"""vLLM's online FP8 scheme for vllm_cfg.precision 'fp8': what NeMo RL's FP8 generation asks of vLLM
+(its quantization/fp8.py: weight_block_size [128, 128], dynamic e4m3 activations): weights in
+128 x 128 blocks with float32 scales, activations quantized per 128-wide group as they come;
+quantized when loaded and again at every weight sync (vLLM's layerwise reload)."""
+
+BF16_LAYER_NAMES = ("layers.{}.", "layer.{}.", "transformer.h.{}.")
+"""Where a decoder layer's index sits in a module's name (NeMo RL's templates)."""
+
+
+def fp8_engine_args(v: VllmConfig, model_path: str, *, trust_remote_code: bool = False
+                    ) -> tuple[dict, dict[str, str]]:
+    """(vllm.LLM's arguments, environment variables to set before vLLM starts) for FP8 generation
+    (v.precision 'fp8'); ({}, {}) for any other precision. The engine's dtype stays the policy's
+    (trainer/setup.py: generation_precision): the weights arrive in it and vLLM quantizes them.
+    Layers left in that dtype, by fnmatch pattern on vLLM's module names (quantization_config.ignore):
+    the first num_first_layers_in_bf16 and last num_last_layers_in_bf16 decoder layers (the count
+    read from model_path's config only then), and names holding a quantization_ignored_layer_kws word.
+    use_deep_gemm: DeepGEMM's kernels with float32 scales, as NeMo RL sets them."""
+    if v.precision != "fp8":
+        return {}, {}
+    layers = list(range(v.num_first_layers_in_bf16))
+    if v.num_last_layers_in_bf16:
+        from transformers import AutoConfig
+
+        total = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
+        total = total.num_hidden_layers
+        layers += range(max(total - v.num_last_layers_in_bf16, 0), total)
+    ignore = [f"*{name.format(i)}*" for i in sorted(set(layers)) for name in BF16_LAYER_NAMES]
+    ignore += [f"*{word}*" for word in v.quantization_ignored_layer_kws]
+    args: dict = {"quantization": FP8_QUANTIZATION}
+    if ignore:
+        args["quantization_config"] = {"ignore": ignore}
+    env = {"VLLM_USE_DEEP_GEMM": "1", "VLLM_USE_DEEP_GEMM_E8M0": "0"} if v.use_deep_gemm else {}
+    return args, env
 
 
 class VllmGeneration:
@@ -67,6 +104,8 @@ class VllmGeneration:
         with them through vLLM's LoRA support, over the base weights of `model_path`."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, on CPU hosts
+        fp8_args, fp8_env = fp8_engine_args(cfg.vllm_cfg, model_path, trust_remote_code=trust_remote_code)
+        os.environ.update(fp8_env)  # before vLLM reads its settings
         quiet_third_party()  # vLLM at ERROR unless the user raised it; also on a dedicated generator's actor
         import vllm
 
@@ -88,6 +127,7 @@ class VllmGeneration:
             # traceback without one); prompts still go in as token ids, and detokenize=False below.
             enable_sleep_mode=self.sleep_mode, use_tqdm_on_load=False,
         )
+        engine_args.update(fp8_args)
         self.adapters = AdapterFolders(lora, model_path) if lora is not None else None
         if self.adapters is not None:
             engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=self.adapters.max_rank)

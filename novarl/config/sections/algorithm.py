@@ -166,6 +166,12 @@ class LossConfig(Section):
     use_on_policy_kl_approximation: bool = False
     disable_ppo_ratio: bool = False
     """REINFORCE's surrogate, -A log p per token: no ratio, no clipping (NeMo RL's key)."""
+    force_on_policy_ratio: bool = False
+    """NeMo RL's key: the ratio pi / pi_old is 1 (exp(log p - log p detached): the gradient of
+    log p), never clipped, and pi_old in the importance weights is the training forward's own: the
+    update of a batch trained once, by the policy that generated it. It needs one optimizer step
+    per batch: policy.train_global_batch_size = grpo.num_prompts_per_step x
+    num_generations_per_prompt, grpo.ppo_epochs 1 (checked with the whole config)."""
     use_kl_in_reward: bool = False
     """REINFORCE++ (grpo.adv_estimator.name: reinforce_plus_plus): reference_policy_kl_penalty x each
     token's KL (the policy before the update against the reference) is subtracted from its
