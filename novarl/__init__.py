@@ -7,7 +7,8 @@ Public API (kept light: no vllm, deepspeed, megatron or ray at import time)::
     trainer = novarl.GRPOTrainer.from_pretrained("tiny-arith", max_num_steps=50)
     trainer = novarl.GRPOTrainer(novarl.load_config("recipe.yaml"))
 
-With no config, `train` and `GRPOTrainer` start from the bundled recipe (`novarl train`'s default).
+With no config, `train` and `GRPOTrainer` start from a recipe for the model (`novarl train`'s too):
+the bundled tiny one for a bundled model, NeMo RL's grpo_math_1B sizes for any other.
 """
 
 from __future__ import annotations

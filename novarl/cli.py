@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 ("plan", cmd_plan, "which backends a config runs on, and its batch arithmetic")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("-c", "--config", type=Path, default=None,
-                       help=f"YAML config (default: the bundled {BUNDLED_RECIPE.name})")
+                       help=f"YAML config (default: the bundled {BUNDLED_RECIPE.name} for a bundled model, "
+                            "NeMo RL's grpo_math_1B sizes for policy.model_name=<any other>)")
         p.add_argument("--preset", default=None, metavar="NAME",
                        help="a training-strategy preset merged over the config, under the overrides: "
                             "fsdp, zero2, zero3, zero3-offload (see novarl/core/distributed.py)")
@@ -125,7 +126,11 @@ def _config(args: argparse.Namespace):
     from novarl.core.distributed import get_preset
 
     preset = get_preset(args.preset) if getattr(args, "preset", None) else {}
-    return load_config(args.config or BUNDLED_RECIPE, overrides=args.overrides, **preset)
+    if args.config is None:  # the recipe for the model named (bundled: the tiny one), fitted to this host
+        from novarl.config.starting import load_starting_config
+
+        return load_starting_config(preset, args.overrides)
+    return load_config(args.config, overrides=args.overrides, **preset)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

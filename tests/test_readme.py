@@ -31,7 +31,9 @@ README = ROOT / "README.md"
 SHORT = ["grpo.max_num_steps=2", "grpo.max_val_samples=50", "policy.generation.backend=hf",
          "logger.progress_bar=false"]
 SHORT_KEYWORDS = dict(max_num_steps=2, grpo__max_val_samples=50, policy__generation__backend="hf",
-                      logger__progress_bar=False, max_seq_length=16, policy__generation__max_new_tokens=4)
+                      logger__progress_bar=False, max_seq_length=16, policy__generation__max_new_tokens=4,
+                      # 32 samples a step: a model folder starts from NeMo RL's sizes (512 samples in micro-batches of 4)
+                      num_prompts_per_step=8, num_generations_per_prompt=4, policy__train_micro_batch_size=8)
 
 CLUSTER_ONLY = re.compile(r"^(ray start|srun|sleep|head=|RAY_ADDRESS=)")
 """Lines of the multi-node and Slurm examples: they need a cluster."""

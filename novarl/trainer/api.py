@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from novarl.config import BUNDLED_RECIPE, NovaRLConfig, dump_config, load_config
+from novarl.config import NovaRLConfig, dump_config, load_config
 from novarl.config.loading import with_warnings
+from novarl.config.starting import load_api_config
 from novarl.data.arithmetic import Example
 from novarl.data.datasets import BUNDLED_DATASETS
 from novarl.errors import CheckpointLoadFailed, RunFailed, UserError
@@ -46,8 +47,12 @@ class GRPOTrainer:
         trainer = GRPOTrainer.from_pretrained("tiny-arith", max_num_steps=100)
         result = trainer.train()
 
-    config: a NovaRLConfig, a dict, a YAML path, or None for the bundled recipe
-    (`novarl train`'s default: tiny model, arithmetic task); keyword overrides go on top.
+    config: a NovaRLConfig, a dict, a YAML path, or None: the recipe for the model the
+    overrides name (model_name=...): the bundled one (tiny model, arithmetic task) for a bundled
+    model, NeMo RL's grpo_math_1B sizes for any other, fitted to this host and said in the log
+    (config/starting.py). Keyword overrides go on top. tensor_parallel_size= (and
+    context_parallel_size=) without a cluster size takes this host's visible GPUs as
+    cluster.gpus_per_node, and refuses what they cannot hold.
     """
 
     def __init__(self, config: NovaRLConfig | Mapping[str, Any] | str | Path | None = None, *,
@@ -59,7 +64,7 @@ class GRPOTrainer:
                                        config.load_warnings, config.load_notes)
             self.config = config
         else:
-            self.config = load_config(BUNDLED_RECIPE if config is None else config, **overrides)
+            self.config = load_api_config(config, overrides)
         self.reward_fn = reward_fn
         self.roles = None
         """The policy, reference and generator of the last `train()`, kept for inspection."""
@@ -308,7 +313,8 @@ def train(model: str | None = None, dataset: str | Sequence[Mapping[str, Any]] |
       list of {"prompt": ..., "answer": ...} dicts.
     reward_fn: a callable fn(completion, answer) -> float, a registered name
       ("exact_match"), or "module:function".
-    config: a YAML path or a dict; None starts from the bundled recipe (as `novarl train`).
+    config: a YAML path or a dict; None starts from the recipe for `model` (as `novarl train`
+      does): the bundled tiny recipe for a bundled model, NeMo RL's grpo_math_1B sizes otherwise.
     overrides: keyword overrides (see `load_config`), e.g. max_num_steps=200.
 
     Each call is a new run: checkpoints (when enabled) go to <run folder>/checkpoints

@@ -14,8 +14,12 @@ CHATML_TEMPLATE = (
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def build_tiny_chatml_qwen2(folder: Path) -> Path:
-    """Write the folder (config.json, safetensors weights, tokenizer files) and return it."""
+def build_tiny_chatml_qwen2(folder: Path, *, hidden_size: int = 64, num_attention_heads: int = 4,
+                            num_key_value_heads: int = 2, max_position_embeddings: int = 256) -> Path:
+    """Write the folder (config.json, safetensors weights, tokenizer files) and return it.
+
+    The defaults give head_dim 16, which vLLM's CPU attention refuses: hidden_size=128 with
+    num_attention_heads=2 gives 64, which it runs."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
@@ -31,8 +35,9 @@ def build_tiny_chatml_qwen2(folder: Path) -> Path:
     tokenizer.chat_template = CHATML_TEMPLATE
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen2Config(
-        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
         eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"], bos_token_id=None))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
