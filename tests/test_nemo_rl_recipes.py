@@ -264,13 +264,15 @@ def test_megatron_model_constraints_are_listed_with_the_other_problems(capsys, m
 
 def test_megatron_with_a_cached_hub_id_converts_from_the_cache(capsys, megatron_on_cpu, hub_cache, monkeypatch):
     from tests.helpers.hub import cache_snapshot
+    from novarl.config import BUNDLED_RECIPE
     from novarl.models.bundled import resolve_bundled
 
     folder = resolve_bundled("tiny-arith")
     snapshot = cache_snapshot(hub_cache, "someorg/tiny", {p.name: p.read_bytes() for p in folder.iterdir()
                                                           if p.is_file()})
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code, out, err = run(capsys, "validate", *MEGATRON, "policy.model_name=someorg/tiny")
+    # the tiny model's own recipe: a hub id alone would start from the real-model one (512 tokens)
+    code, out, err = run(capsys, "validate", "-c", str(BUNDLED_RECIPE), *MEGATRON, "policy.model_name=someorg/tiny")
     assert code == 0, err
     assert f"# model: someorg/tiny ({snapshot}); " in out  # every check read the cached snapshot's files
 
