@@ -436,13 +436,17 @@ def test_seed_001_advanced_yaml(tmp_path):
 
 
 def test_seed_003_roll_role_blocks_become_the_megatron_policy(tmp_path):
-    # ROLL's default estimator is GAE (a critic): without adv_estimator the file asks for PPO.
-    assert "'adv_estimator' = 'gae': advantage estimators other than 'grpo'" in config_error(write(tmp_path, SEED_003_ROLES))
-    cfg = load_config(write(tmp_path, "adv_estimator: grpo\n" + SEED_003_ROLES))
+    # ROLL's default estimator is GAE: the blocks as printed are PPO, with a critic built like the policy
+    cfg = load_config(write(tmp_path, SEED_003_ROLES))
+    assert cfg.grpo.adv_estimator.name == "gae" and cfg.value is not None
+    assert cfg.value.megatron_cfg.tensor_model_parallel_size == 2 and cfg.value.model_name == cfg.policy.model_name
     mc = cfg.policy.megatron_cfg
     assert mc.enabled and (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size,
                            mc.virtual_pipeline_model_parallel_size, mc.expert_model_parallel_size) == (2, 2, 8, 4)
-    assert mc.sequence_parallel and mc.moe_grouped_gemm and mc.moe_layer_recompute and mc.use_distributed_optimizer
+    # grouped GEMM is a kernel choice: the same experts run as SequentialMLP, said in a warning
+    assert not mc.moe_grouped_gemm and any("moe_grouped_gemm=true: novarl runs the experts" in w
+                                           for w in cfg.load_warnings)
+    assert mc.sequence_parallel and mc.moe_layer_recompute and mc.use_distributed_optimizer
     assert mc.optimizer.lr == 1e-6 and mc.scheduler.lr_warmup_iters == 20 and mc.activation_checkpointing
     assert cfg.policy.precision == "bfloat16" and cfg.policy.logprob_batch_size == 2
     assert (cfg.cluster.gpus_per_node, cfg.cluster.num_nodes) == (8, 4)  # list(range(0,32)), 8 a node
@@ -928,11 +932,15 @@ def test_megatron_sizes_that_do_not_fit_name_the_megatron_keys(tmp_path):
 
 
 def test_deepspeed_data_parallel_size_is_the_world_size():
-    # ZeRO has no model parallelism: a leftover dtensor_cfg.tensor_parallel_size does not shrink dp.
-    plan = plan_batches(load_config(BUNDLED_RECIPE, overrides=[
-        "policy.deepspeed_cfg.enabled=true", "policy.dtensor_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=2",
-        "policy.generation.backend=hf"]))
+    # ZeRO has no model parallelism: a disabled dtensor_cfg's tensor_parallel_size does not shrink dp ...
+    zero = ["policy.deepspeed_cfg.enabled=true", "policy.dtensor_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=2",
+            "policy.generation.backend=hf"]
+    plan = plan_batches(load_config(BUNDLED_RECIPE, overrides=[*zero, "policy.dtensor_cfg.enabled=false"]))
     assert plan.data_parallel_size == 2
+    # ... and an enabled one, which DeepSpeed takes precedence over, would be dropped: refused, saying what to do
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 with policy.deepspeed_cfg.enabled: DeepSpeed takes "
+                                          r"precedence over DTensor.*Set policy.dtensor_cfg.tensor_parallel_size=1"):
+        plan_batches(load_config(BUNDLED_RECIPE, overrides=zero))
 
 
 # ============================================================ DeepSpeed JSON config

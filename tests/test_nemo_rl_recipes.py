@@ -97,9 +97,11 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 @pytest.fixture(autouse=True)
-def offline(monkeypatch, tmp_path):
-    """Nothing reaches the network, and the checks' folders are writable ones."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def online_host(monkeypatch, tmp_path):
+    """validate and plan read local files only (nothing reaches the network), here as on a host
+    that may download: without HF_HUB_OFFLINE a hub model or dataset not cached is a note
+    (`novarl train` downloads it); with it, a problem. The checks' folders are writable ones."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.chdir(tmp_path)
 
 
@@ -140,7 +142,9 @@ def test_nemo_rl_features_novarl_does_not_build_are_refused_one_line_each(capsys
 PERFORMANCE = {
     "2026-08/recipes/llm/performance/grpo-qwen3-32b-4n8g.yaml": (),
     # as written its engines of tp 16 span two nodes, which novarl's engines do not (refused on its own)
-    "2026-08/recipes/llm/performance/grpo-qwen3-235b-16n8g.yaml": ("policy.generation.vllm_cfg.tensor_parallel_size=8",),
+    # (and its grouped-GEMM experts are refused: their converted weights would not load)
+    "2026-08/recipes/llm/performance/grpo-qwen3-235b-16n8g.yaml": ("policy.generation.vllm_cfg.tensor_parallel_size=8",
+                                                                  "policy.megatron_cfg.moe_grouped_gemm=false"),
     "2026-08/grpo_math_8B_megatron_fp8.yaml": (),
 }
 
@@ -170,22 +174,27 @@ def test_nemo_rl_performance_recipes_are_valid_for_a_gpu_host(capsys, tmp_path, 
 
 
 def test_validate_on_a_nemo_rl_recipe_names_what_is_left(capsys, tmp_path, hub_cache, monkeypatch):
-    # As written, the math recipe names NeMo RL's OpenMathInstruct-2: offline and in no cache, that is
-    # the one problem validate reports; the model (a hub id, not cached) is a note.
+    # As written, the math recipe names NeMo RL's OpenMathInstruct-2 and Llama-3.1-8B: offline and in no
+    # cache, validate names both in one error (train could download neither).
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     recipe = str(NEMO_RL / "2026-08/grpo_math_8B.yaml")
     code, _, err = run(capsys, "validate", recipe)
-    assert code == 2 and err.startswith("novarl: error: data.dataset_name='OpenMathInstruct-2' (hub dataset "
-                                        "'nvidia/OpenMathInstruct-2'): it is in no local cache"), err
-    assert "HF_HUB_OFFLINE is set" in err
+    assert code == 2 and err.startswith("novarl: error: 2 problems stop this run:"), err
+    assert "  - data.dataset_name='OpenMathInstruct-2' (hub dataset 'nvidia/OpenMathInstruct-2'): it is in no local " \
+           "cache" in err and "HF_HUB_OFFLINE is set" in err
+    assert "  - policy.model_name='meta-llama/Llama-3.1-8B-Instruct': it is not in the local Hugging Face cache" in err
     # With the dataset in the hub cache (laid out as on the hub: its card names the train_1M split),
-    # the recipe is valid; a GPU-sized engine layout is said in one line.
+    # the model is what is left offline; on a host that may download it, the recipe is valid and a
+    # GPU-sized engine layout is said in one line.
     card = ("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-*\n"
             "  - split: train_1M\n    path: data/train_1M-*\n---\n").encode()
     cache_snapshot(hub_cache, "nvidia/OpenMathInstruct-2", {
         "README.md": card, "data/train_1M-00000-of-00001.parquet": parquet_bytes(
             [{"problem": "1+1=", "generated_solution": "...", "expected_answer": "2", "problem_source": "x"}])},
         repo_type="dataset")
+    code, _, err = run(capsys, "validate", recipe)
+    assert code == 2 and err.startswith("novarl: error: policy.model_name='meta-llama/Llama-3.1-8B-Instruct'"), err
+    monkeypatch.delenv("HF_HUB_OFFLINE")
     code, out, err = run(capsys, "validate", recipe)
     assert code == 0, err
     comments = [line for line in out.splitlines() if line.startswith("# ")]
@@ -203,7 +212,7 @@ def test_validate_without_a_local_model_imports_no_torch(tmp_path):
             "'data.dataset_name=ResponseDataset', 'data.train_data_path=x.jsonl']); "
             "heavy = [m for m in ('torch', 'transformers', 'megatron', 'vllm') if m in sys.modules]; "
             "print(rc, heavy)")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}  # (validate reads local files only)
     (tmp_path / "x.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
                          cwd=tmp_path)
@@ -238,16 +247,19 @@ MEGATRON = ("policy.megatron_cfg.enabled=true", "policy.generation.backend=hf")
 
 @pytest.mark.skipif(installed("transformer_engine"), reason="Transformer Engine is installed: its options run")
 def test_transformer_engine_options_are_valid_for_a_gpu_host_and_stop_train_here(capsys, megatron_on_cpu, tmp_path):
-    args = (*MEGATRON, "policy.megatron_cfg.apply_rope_fusion=true", "policy.megatron_cfg.moe_grouped_gemm=true",
+    args = (*MEGATRON, "policy.megatron_cfg.apply_rope_fusion=true", "policy.megatron_cfg.moe_permute_fusion=true",
             f"logger.log_dir={tmp_path / 'logs'}")
     code, out, err = run(capsys, "validate", *args)
     assert code == 0, err
     (line,) = [line for line in out.splitlines() if "valid for a GPU host" in line]
     assert ("Transformer Engine (installed with megatron-core on GPU hosts) for policy.megatron_cfg.apply_rope_fusion, "
-            "policy.megatron_cfg.moe_grouped_gemm") in line
+            "policy.megatron_cfg.moe_permute_fusion") in line
     code, _, err = run(capsys, "train", *args)
     assert code == 2 and "this host lacks Transformer Engine" in err and "Traceback" not in err
     assert not (tmp_path / "logs").exists()
+    # grouped-GEMM experts are refused on any host: the converted weights have SequentialMLP's names
+    code, out, err = run(capsys, "validate", *args, "policy.megatron_cfg.moe_grouped_gemm=true")
+    assert code == 2 and out == "" and "Set policy.megatron_cfg.moe_grouped_gemm=false" in err, err
 
 
 def test_megatron_model_constraints_are_listed_with_the_other_problems(capsys, megatron_on_cpu, tmp_path):

@@ -210,4 +210,66 @@ def test_rolls_advantage_settings_become_an_estimator(keys, estimator, normalize
     assert grpo.normalize_rewards is normalize
     batch_mean = {**tree, "adv_estimator": "reinforce", "norm_mean_type": "batch"}
     assert "'norm_mean_type' = 'batch'" in error_of(batch_mean)
-    assert "'gamma' = 0.99: novarl's returns are undiscounted" in error_of({**tree, "gamma": 0.99})
+    assert "'gamma' = 0.99: novarl's group-baseline returns are undiscounted" in error_of({**tree, "gamma": 0.99})
+
+
+# ------------------------------------------------------------------ PPO: ROLL's gae and its critic
+def test_seed_003_blocks_as_printed_validate_as_ppo_with_a_critic_like_the_policy(in_tmp, hub_cache, capsys):
+    """Seed 003's two blocks exactly as printed, with the model ROLL's example of them names:
+    ROLL's default estimator (gae) becomes PPO with a critic built like the policy (the file
+    has no critic block), the reference's own layout and grouped GEMM are said, not dropped."""
+    from tests.test_config import SEED_003_ROLES
+
+    (in_tmp / "s003.yaml").write_text("pretrain: Qwen/Qwen3-30B-A3B\n" + SEED_003_ROLES)
+    assert main(["validate", str(in_tmp / "s003.yaml")]) == 0
+    out = capsys.readouterr().out
+    for line in ("# note: ROLL: actor_train (megatron_train on 32 device(s)) -> policy: megatron (tp 2, pp 2, cp 1, ep 4)",
+                 "# note: ROLL: reference (megatron_infer) -> the frozen reference, on the training backend (megatron)",
+                 "# note: ROLL: critic (no critic block; adv_estimator gae) -> value: a critic built like the policy, on "
+                 "the policy's model ('Qwen/Qwen3-30B-A3B') with a scalar head, on the training backend (megatron: tp 2, "
+                 "pp 2, cp 1, ep 4), the policy's ranks and settings",
+                 "# warning: reference: its strategy_config (tensor_model_parallel_size=1, pipeline_model_parallel_size=1, "
+                 "expert_model_parallel_size=4, moe_token_dispatcher_type='alltoall', moe_grouped_gemm=true): the "
+                 "reference runs on the training backend's layout (actor_train's megatron_train: tp 2, pp 2, cp 1, ep 4)",
+                 "# warning: actor_train.strategy_args.strategy_config.moe_grouped_gemm=true: novarl runs the experts as "
+                 "megatron-core's SequentialMLP"):
+        assert sum(line in o for o in out.splitlines()) == 1, (line, out[-3000:])
+    assert "\nvalue:\n  model_name: Qwen/Qwen3-30B-A3B\n" in out and "    name: gae\n" in out
+
+
+PPO_TREE = {"pretrain": "tiny-arith", "response_length": 8, "num_gpus_per_node": 2, "lambd": 0.9, "gamma": 0.99,
+            "whiten_advantages": True, "value_clip": 0.5, "critic_warmup": 2,
+            "actor_train": {"strategy_args": {"strategy_name": "fsdp2_train"}, "device_mapping": "list(range(0,2))",
+                            "training_args": {"learning_rate": 1e-5}},
+            "critic": {"strategy_args": {"strategy_name": "fsdp2_train", "strategy_config": {"param_dtype": "bf16"}},
+                       "device_mapping": "list(range(0,2))", "model_args": {"dtype": "bf16", "model_type": "trl"},
+                       "training_args": {"learning_rate": 2e-5, "per_device_train_batch_size": 4},
+                       "infer_batch_size": 3}}
+
+
+def test_rolls_gae_and_critic_block_become_ppo_with_the_critic_beside_the_policy():
+    cfg = load_config(PPO_TREE)
+    gae = cfg.grpo.adv_estimator
+    assert (gae.name, gae.gae_lambda, gae.gae_gamma, gae.normalize_advantages) == ("gae", 0.9, 0.99, True)
+    assert cfg.value_loss_fn.cliprange == 0.5 and cfg.grpo.policy_training_start_step == 2
+    value = cfg.value
+    assert (value.model_name, value.precision, value.optimizer.kwargs["lr"]) == ("tiny-arith", "bfloat16", 2e-5)
+    assert (value.train_micro_batch_size, value.logprob_batch_size, cfg.policy.optimizer.kwargs["lr"]) == (4, 3, 1e-5)
+    assert "ROLL: critic (fsdp2_train) -> value: the critic, on the policy's model ('tiny-arith')" in cfg.load_notes[-1]
+    assert load_config({**PPO_TREE, "value_clip": None}).value_loss_fn.cliprange is None  # ROLL: no clip
+    # the critic runs on the policy's backend, ranks and devices: another strategy is refused, other devices said
+    other = {**PPO_TREE, "critic": {**PPO_TREE["critic"], "strategy_args": {"strategy_name": "deepspeed_train"},
+                                    "device_mapping": "list(range(2,4))", "worker_cls": "my.Critic"}}
+    message = error_of(other)
+    assert "'critic.strategy_args.strategy_name' = 'deepspeed_train': novarl's critic runs on the policy's" in message
+    assert "'critic.worker_cls' = 'my.Critic'" in message
+    cfg = load_config({**PPO_TREE, "critic": {**PPO_TREE["critic"], "device_mapping": "list(range(2,4))"}})
+    assert "critic: its device_mapping differs from actor_train's" in cfg.load_warnings[-1]
+    # without gae, the critic block and the critic's keys are said once, not used
+    cfg = load_config({**PPO_TREE, "adv_estimator": "grpo", "whiten_advantages": False, "gamma": 1})
+    assert cfg.value is None and cfg.load_warnings == (
+        "ROLL settings accepted and not used: lambd, value_clip, critic_warmup (read with adv_estimator: gae (PPO "
+        "with a critic), and this file's is 'grpo')",
+        "critic: ROLL trains a critic only with adv_estimator: gae, and this file's is 'grpo'; the block is not used")
+    assert "'norm_mean_type' = 'group': with adv_estimator gae novarl reads each reward as it is" in error_of(
+        {**PPO_TREE, "norm_mean_type": "group"})

@@ -180,9 +180,15 @@ def _mandatory(node: Any, path: str) -> list[str]:
 def check_tree(tree: Any, where: str, *, prefix: str = "") -> None:
     """Refuse, naming `where` and the key path, what the recursive steps after it cannot
     take: a key that is not a string (YAML reads unquoted null, true, no, 1 as values), more
-    than MAX_DEPTH levels of nesting, more than MAX_VALUES values (YAML aliases counted as
-    often as they are used), and a value that contains itself (a recursive alias).
+    than MAX_DEPTH levels of nesting (counting the levels of `prefix`, the dotted path the
+    tree goes under), more than MAX_VALUES values (YAML aliases counted as often as they are
+    used), and a value that contains itself (a recursive alias).
     Iterative, and never visits more than MAX_VALUES values."""
+    levels = prefix.count(".") + 1 if prefix else 0
+    if levels > MAX_DEPTH:
+        raise ConfigError(f"{where}: the key path has {levels:,} levels ('{_clip(prefix, 60)}'); no setting is nested "
+                          f"more than {MAX_DEPTH} levels deep. Give the setting's own path (e.g. "
+                          "policy.precision=bfloat16).")
     stack: list[tuple[Any, str, tuple[int, ...]]] = [(tree, prefix, ())]
     visited = 0
     while stack:
@@ -197,8 +203,9 @@ def check_tree(tree: Any, where: str, *, prefix: str = "") -> None:
             continue
         if id(node) in parents:
             raise ConfigError(f"{where}: '{path}' contains itself (a YAML alias inside its own anchor).")
-        if len(parents) >= MAX_DEPTH:
-            raise ConfigError(f"{where}: '{path}' is nested more than {MAX_DEPTH} levels deep; no setting is.")
+        if levels + len(parents) >= MAX_DEPTH:
+            raise ConfigError(f"{where}: '{_clip(path, 120)}' is nested more than {MAX_DEPTH} levels deep; no setting "
+                              "is.")
         inner = (*parents, id(node))
         if isinstance(node, list):
             stack.extend((value, f"{path}[{i}]", inner) for i, value in enumerate(node))
@@ -284,6 +291,8 @@ def canonical(tree: Any, parent: str = "") -> Any:
 
 
 def canonical_path(path: str) -> str:
+    if path.count(".") >= MAX_DEPTH:  # no alias is that deep; check_tree refuses the path (this loop is quadratic)
+        return path
     parts = path.split(".")
     fixed: list[str] = []
     for part in parts:

@@ -91,11 +91,11 @@ def load_config(
     tree = canonical(tree)
     overrides = list(overrides)
     if overrides or keyword_overrides:
-        where += " with overrides " + " ".join([*(f"{k}=..." for k in keyword_overrides),
+        where += " with overrides " + " ".join([*(f"{_clip(k, 80)}=..." for k in keyword_overrides),
                                                 *(_clip(item, 80) for item in overrides)])
     for key, value in keyword_overrides.items():
         path = keyword_path(key)
-        check_tree(value, f"Keyword override {key}=", prefix=path)
+        check_tree(value, f"Keyword override {_clip(key, 80)}=", prefix=path)
         set_path(tree, path, canonical(dict(value), path) if isinstance(value, Mapping) else value, merge=True)
     for item in overrides:
         path, value = parse_override(item)

@@ -83,7 +83,6 @@ def governed(*paths: str) -> list[Rule]:
     return [Rule(p, "governed") for p in paths]
 
 
-ISSUE_ALGORITHMS = "not built yet (the PPO-family issue)"
 ISSUE_ASYNC = "not built yet (asynchronous GRPO runs without it)"
 ISSUE_DATA = "not built yet"
 
@@ -478,9 +477,20 @@ def _dataset_lists(data: dict[str, Any], train: Any, validation: Any, default: A
     return refused
 
 
+NEMO_RL_ENVIRONMENTS = ("math", "math_default", "math_multi_reward", "dapo", "code", "code_jaccard", "reward_model",
+                        "vlm", "nemo_gym", "sliding_puzzle_game", "clevr-cogent", "geometry3k", "refcoco", "mmpr-tiny",
+                        "should_use_nemo_gym", "should_log_nemo_gym_responses")
+"""The names under `env` that NeMo RL's code registers or its example configs use (NVIDIA-NeMo/RL
+at 7ea279a: environments/utils.py ENV_REGISTRY, examples/configs): any other is refused as a
+misspelling."""
+
+
 def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
     """NeMo RL's environments: novarl scores with reward.function. The math environment is
-    reward.function 'math_verify' (said once in a warning); the others are not built."""
+    reward.function 'math_verify' (said once in a warning); NeMo RL's others are not built;
+    a name NeMo RL does not have is refused, with the closest one it does."""
+    import difflib
+
     data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
     used = data.pop("_env_names", set()) if data else set()
     env = tree.get("env")
@@ -491,7 +501,12 @@ def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
         if name == "math":
             continue
         block = env.pop(name)
-        if name in used:
+        if name not in NEMO_RL_ENVIRONMENTS:
+            close = difflib.get_close_matches(name, NEMO_RL_ENVIRONMENTS, n=1, cutoff=0.6)
+            refused.append(f"unknown key 'env.{name}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+                           + ": env holds NeMo RL's environments (math is built: reward.function math_verify); "
+                           "novarl scores completions with reward.function.")
+        elif name in used:
             refused.append(f"'env.{name}': NeMo RL's '{name}' environment is not built; novarl scores completions "
                            "with reward.function.")
         elif isinstance(block, dict) and block.get("enabled", False):

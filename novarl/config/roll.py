@@ -17,19 +17,26 @@ tree into novarl's sections:
   the cluster is the devices all roles name, `num_gpus_per_node` a node.
 - `infer_batch_size` of actor_train / reference -> policy.logprob_batch_size.
 
+- `adv_estimator`: grpo and reinforce -> novarl's group-baseline estimators; gae (ROLL's
+  default) -> PPO: grpo.adv_estimator gae (lambd, gamma, whiten_advantages) with a critic, the
+  `critic` block on the policy's backend and ranks, or without one a critic built like the
+  policy (ROLL's critic model is reward_pretrain; the policy's model when it is not given).
+
 Every other key is used, refused in one line when it asks for what novarl does not build
-(the GAE estimator, difficulty masks, reward workers other than a math rule, ...), or
-warned about when it is operational. `describe` gives the lines the log shows: what each
-block became.
+(difficulty masks, reward workers other than a math rule, ...), or warned about when it is
+operational or read only with a switch that is off. `Translation.became` gives the lines the
+log shows: what each block became.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from novarl.config.files import show_value
+from novarl.config.roll_algorithm import algorithm, estimator_of, read_only_with
 from novarl.config.roll_devices import ROLES, Placement, Translation, _number, parse_devices  # noqa: F401 (tests)
 from novarl.config.roll_devices import placement as place
 
@@ -43,7 +50,6 @@ def is_roll(tree: Mapping[str, Any]) -> bool:
 
 # Top-level keys: (ROLL key, novarl path or None, neutral values or None). A key with a path is
 # copied there; a key with neutral values only is accepted at them and refused otherwise.
-ISSUE_ALGORITHMS = "not built yet (the PPO-family issue)"
 COPIED = {
     "seed": "grpo.seed",
     "logging_dir": "logger.log_dir",
@@ -63,21 +69,26 @@ COPIED = {
     "ppo_epochs": "grpo.ppo_epochs",
 }
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "whiten_rewards": ((False,), f"whitening rewards is {ISSUE_ALGORITHMS}"),
-    "use_reward_scaling": ((False,), f"reward scaling is {ISSUE_ALGORITHMS}"),
-    "use_reward_norm": ((False,), f"reward normalisation over the batch is {ISSUE_ALGORITHMS}"),
-    "reward_norm": ((None,), f"reward normalisation over the batch is {ISSUE_ALGORITHMS}"),
-    "reward_shift": ((None, 0, 0.0), f"reward shifting is {ISSUE_ALGORITHMS}"),
-    "reward_scale": ((None, 1, 1.0), f"reward scaling is {ISSUE_ALGORITHMS}"),
-    "difficulty_mask": ((False,), f"dropping groups by difficulty (dynamic filtering) is {ISSUE_ALGORITHMS}"),
-    "error_max_len_clip": ((False,), "clipping error rewards at the maximum length is not built"),
-    "difficulty_loss_weight": ((False,), "weighting the loss by difficulty is not built"),
-    "length_loss_weight": ((False,), "weighting the loss by length is not built"),
-    "add_token_level_kl": ((False,), f"a KL penalty in the reward is {ISSUE_ALGORITHMS}"),
-    "add_len_reward": ((False,), "a length reward is not built"),
-    "init_kl_coef": ((0, 0.0), f"a KL penalty in the reward is {ISSUE_ALGORITHMS}"),
-    "entropy_loss_coef": ((0, 0.0), "an entropy bonus is not built"),
-    "async_generation_ratio": ((0, 0.0), "asynchronous generation is not built yet (the asynchronous GRPO issue)"),
+    "whiten_rewards": ((False,), "whitening the rewards is not built; set it false (whiten_advantages whitens the "
+                                 "advantages)"),
+    "use_reward_scaling": ((False,), "ROLL's running reward scaling is not built; set it false"),
+    "use_reward_norm": ((False,), "ROLL's running reward normalisation is not built; set it false"),
+    "reward_norm": ((None,), "ROLL's running reward normalisation is not built; set it null"),
+    "reward_shift": ((None, 0, 0.0, False), "shifting the rewards is not built; set it false"),
+    "reward_scale": ((None, 1, 1.0, False), "scaling the rewards is not built; set it false"),
+    "difficulty_mask": ((False,), "dropping groups by difficulty thresholds is not built; set it false "
+                                  "(novarl's grpo.use_dynamic_sampling drops groups whose rewards are all equal)"),
+    "error_max_len_clip": ((False,), "clipping error rewards at the maximum length is not built; set it false"),
+    "difficulty_loss_weight": ((False,), "weighting the loss by difficulty is not built; set it false"),
+    "length_loss_weight": ((False,), "weighting the loss by length is not built; set it false"),
+    "add_token_level_kl": ((False,), "ROLL's KL controller in the reward is not built; set it false and use "
+                                     "use_kl_loss with kl_loss_coef, or novarl's loss_fn.use_kl_in_reward=true with "
+                                     "loss_fn.reference_policy_kl_penalty (a fixed coefficient)"),
+    "add_len_reward": ((False,), "a length reward is not built; set it false"),
+    "entropy_loss_coef": ((0, 0.0), "an entropy bonus is not built; set it 0"),
+    "async_generation_ratio": ((0, 0.0), "ROLL's asynchronous generation is not mapped; set it 0 and use novarl's "
+                                         "grpo.async_grpo.enabled=true (dedicated generation, with "
+                                         "loss_fn.use_importance_sampling_correction=true)"),
     "is_num_return_sequences_expand": ((False, True), ""),
     "use_pg_clip_range": ((False, True), ""),
 }
@@ -87,7 +98,7 @@ GOVERNED = ("difficulty_low_threshold", "difficulty_high_threshold", "value_clip
             "whiten_advantages",
             "advantage_clip", "loss_agg_mode", "prompt_length", "response_length", "sequence_length",
             "output_dir", "checkpoint_config", "track_with", "validation", "rewards", "num_nodes", "enable_reference",
-            *ROLES)
+            "init_kl_coef", "critic", *ROLES)
 """Read below, with the keys they go with."""
 OPERATIONAL = ("hydra", "exp_name", "resume_from_checkpoint", "tracker_kwargs", "system_envs", "rpc_timeout",
                "profiler_timeline", "profiler_memory", "profiler_output_dir", "report_length_and_rewards",
@@ -130,78 +141,18 @@ def from_roll(tree: Mapping[str, Any]) -> Translation:
         out.warnings.append(f"ROLL settings about logging, profiling, the environment or resuming accepted and not "
                             f"used: {', '.join(ignored)} (novarl resumes from checkpointing.checkpoint_dir when it "
                             "holds a checkpoint; `novarl train --no-resume` refuses to)")
-    _algorithm(tree, out)
+    algorithm(tree, out)
     _lengths(tree, out)
     _outputs(tree, out)
     placement = place(tree, out)
-    training = _actor_train(tree.get("actor_train"), out, placement)
+    read_only_with(tree, out)
+    train = _actor_train(tree.get("actor_train"), out, placement)
     _actor_infer(tree.get("actor_infer"), out, placement, tree)
-    _reference(tree.get("reference"), out, placement, training)
+    _reference(tree.get("reference"), out, placement, train)
+    _critic(tree, out, placement, train)
     _rewards(tree.get("rewards"), out)
     _validation(tree.get("validation"), out)
     return out
-
-
-# ------------------------------------------------------------------ algorithm
-def _algorithm(tree: Mapping[str, Any], out: Translation) -> None:
-    _estimator(tree, out)
-    clip, low, high, advantage, kl = (_number(tree, k, out) for k in ("pg_clip", "pg_clip_low", "pg_clip_high",
-                                                                     "advantage_clip", "kl_loss_coef"))
-    if tree.get("use_pg_clip_range"):
-        out.set("loss_fn.ratio_clip_min", low if low is not None else 0.2)
-        out.set("loss_fn.ratio_clip_max", high if high is not None else 0.2)
-    elif clip is not None:
-        out.set("loss_fn.ratio_clip_min", clip)
-        out.set("loss_fn.ratio_clip_max", clip)
-    if tree.get("dual_clip_loss"):  # ROLL: loss = min(loss, -(1 + 2 pg_clip) A) where A < 0
-        out.set("loss_fn.ratio_clip_c", 1 + 2 * (clip if clip is not None else 0.2))
-    if advantage is not None:
-        out.set("grpo.advantage_clip_low", -advantage)
-        out.set("grpo.advantage_clip_high", advantage)
-    if tree.get("use_kl_loss"):  # ROLL's KL loss: k3, clamped to [-10, 10]
-        out.set("loss_fn.reference_policy_kl_penalty", kl or 0.0)
-        out.set("loss_fn.kl_estimator", "k3")
-        out.set("loss_fn.kl_output_clamp_value", 10.0)
-    mode = tree.get("loss_agg_mode", "seq-mean-token-mean")
-    if mode not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        out.refuse("loss_agg_mode", mode, "novarl aggregates token-mean, seq-mean-token-mean, seq-mean-token-sum or "
-                                          "seq-mean-token-sum-norm")
-    else:
-        out.set("loss_fn.loss_agg_mode", mode)
-
-
-def _estimator(tree: Mapping[str, Any], out: Translation) -> None:
-    """ROLL's advantage: rewards normalised by norm_mean_type / norm_std_type (grpo: both 'group'),
-    the return (gamma 1: the reward on every token), then whitened over the step's tokens with
-    whiten_advantages. In novarl's estimators: grpo is ROLL's grpo, and ROLL's reinforce with a
-    group mean (or none) and whitening is reinforce_plus_plus (with or without minus_baseline);
-    without whitening it is grpo with a group mean, normalised by the group's std or not."""
-    estimator = tree.get("adv_estimator", "gae")
-    if tree.get("gamma", 1) not in (1, 1.0) and estimator in ("grpo", "reinforce"):
-        out.refuse("gamma", tree["gamma"], "novarl's returns are undiscounted (gamma 1): the reward counts "
-                                           "on every token of its completion")
-    mean, std, whiten = tree.get("norm_mean_type"), tree.get("norm_std_type"), bool(tree.get("whiten_advantages"))
-    if estimator == "grpo":
-        mean, std = "group", "group"
-    elif estimator != "reinforce":
-        out.refuse("adv_estimator", estimator, f"advantage estimators other than 'grpo' and 'reinforce' are "
-                                               f"{ISSUE_ALGORITHMS}")
-        return
-    for key, value in (("norm_mean_type", mean), ("norm_std_type", std)):
-        if value not in (None, "group"):
-            out.refuse(key, value, "novarl normalises rewards within each GRPO group, or (REINFORCE++) whitens "
-                                   "advantages over the step")
-    if whiten and std is None:
-        out.set("grpo.adv_estimator", {"name": "reinforce_plus_plus", "minus_baseline": mean == "group"})
-    elif not whiten and mean == "group":
-        out.set("grpo.adv_estimator", {"name": "grpo"})
-        out.set("grpo.normalize_rewards", std == "group")
-    elif estimator == "reinforce":
-        out.refuse("adv_estimator", estimator, f"with norm_mean_type={mean!r}, norm_std_type={std!r} and "
-                   f"whiten_advantages={whiten}: novarl's REINFORCE estimators subtract a group mean or whiten over "
-                   "the step (reinforce_plus_plus)")
-    elif whiten:
-        out.refuse("whiten_advantages", True, "whitening GRPO's group-normalised advantages again is not built")
 
 
 def _lengths(tree: Mapping[str, Any], out: Translation) -> None:
@@ -245,7 +196,24 @@ def _strategy(block: Mapping[str, Any], role: str, known: Mapping[str, str], out
     return name, config, backend
 
 
-def _actor_train(block: Any, out: Translation, placement: Placement | None) -> str | None:
+@dataclass(frozen=True)
+class Training:
+    """What actor_train became: what the reference and the critic run on."""
+
+    strategy: str
+    """ROLL's strategy_name (megatron_train, ...)."""
+    backend: str
+    """novarl's training backend (megatron, dtensor, deepspeed)."""
+    sizes: Mapping[str, int]
+    """Its parallel sizes (tp, pp, cp, ep), as the log shows them."""
+    dtype: Any = None
+    """actor_train.model_args.dtype."""
+
+    def layout(self) -> str:
+        return ", ".join(f"{k} {v}" for k, v in self.sizes.items()) or "data parallel"
+
+
+def _actor_train(block: Any, out: Translation, placement: Placement | None) -> Training | None:
     if not isinstance(block, Mapping):
         out.refused.append("'actor_train' is missing: novarl needs the training role.")
         return None
@@ -255,28 +223,39 @@ def _actor_train(block: Any, out: Translation, placement: Placement | None) -> s
     out.set("policy.megatron_cfg.enabled", training == "megatron")
     out.set("policy.deepspeed_cfg.enabled", training == "deepspeed")
     out.set("policy.dtensor_cfg.enabled", training == "dtensor")
-    sizes = {"megatron": _megatron, "dtensor": _fsdp2, "deepspeed": _deepspeed}[training](config, out, placement)
+    sizes = _trainer(block, "actor_train", config, training, out, placement)
+    _data_args(block.get("data_args") or {}, out)
+    _role_extras(block, "actor_train", out, ("model_args", "training_args", "data_args", "strategy_args",
+                                             "device_mapping", "infer_batch_size"))
+    devices = len(placement.train) if placement else "?"
+    done = Training(name, training, sizes, (block.get("model_args") or {}).get("dtype"))
+    out.became.append(f"actor_train ({name} on {devices} device(s)) -> policy: {training} ({done.layout()})")
+    return done
+
+
+def _trainer(block: Mapping[str, Any], role: str, config: Mapping[str, Any], training: str, out: Translation,
+             placement: Placement | None) -> dict[str, int]:
+    """A training role's strategy_config, model_args, training_args and infer_batch_size onto
+    `policy` (the critic's are moved to `value` after); its parallel sizes."""
+    sizes = {"megatron": _megatron, "dtensor": _fsdp2, "deepspeed": _deepspeed}[training](config, out, placement,
+                                                                                         role)
     model = block.get("model_args") or {}
-    _model_args(model, "actor_train", out)
+    _model_args(model, role, out)
     checkpointing = not model.get("disable_gradient_checkpointing", False)
     section = {"megatron": "megatron_cfg", "dtensor": "dtensor_cfg", "deepspeed": "deepspeed_cfg"}[training]
     if checkpointing and not (training == "megatron" and config.get("recompute_granularity")):
         out.set(f"policy.{section}.activation_checkpointing", True)
-    _training_args(block.get("training_args") or {}, out, training, placement, sizes)
-    _data_args(block.get("data_args") or {}, out)
+    _training_args(block.get("training_args") or {}, out, training, placement, sizes, role)
     if block.get("infer_batch_size"):
         out.set("policy.logprob_batch_size", block["infer_batch_size"])
-    _role_extras(block, "actor_train", out, ("model_args", "training_args", "data_args", "strategy_args",
-                                             "device_mapping", "infer_batch_size"))
-    devices = len(placement.train) if placement else "?"
-    out.became.append(f"actor_train ({name} on {devices} device(s)) -> policy: {training} "
-                      f"({', '.join(f'{k} {v}' for k, v in sizes.items()) or 'data parallel'})")
-    return training
+    return sizes
 
 
-def _megatron(config: Mapping[str, Any], out: Translation, placement: Placement | None) -> dict[str, int]:
+def _megatron(config: Mapping[str, Any], out: Translation, placement: Placement | None,
+              role: str = "actor_train") -> dict[str, int]:
     from novarl.config.loading import schema_has
 
+    where = f"{role}.strategy_args.strategy_config."
     for key, value in config.items():
         if key in MEGATRON_KEYS_OPERATIONAL:
             if key == "overlap_grad_reduce":
@@ -284,38 +263,42 @@ def _megatron(config: Mapping[str, Any], out: Translation, placement: Placement 
             elif key == "bf16" and value:
                 out.set("policy.precision", "bfloat16")
         elif key == "additional_configs":
-            out.refuse("actor_train.strategy_args.strategy_config.additional_configs", value,
-                       "extra megatron-core arguments are not passed through")
+            out.refuse(where + "additional_configs", value, "extra megatron-core arguments are not passed through")
+        elif key == "moe_grouped_gemm" and value is True:  # a kernel choice: the same experts, the same maths
+            out.set("policy.megatron_cfg.moe_grouped_gemm", False)
+            out.warnings.append(f"{where}moe_grouped_gemm=true: novarl runs the experts as megatron-core's "
+                                "SequentialMLP, one GEMM each (the same experts; its weight conversion does not "
+                                "write the grouped-GEMM layout)")
         elif schema_has(f"policy.megatron_cfg.{key}"):
             out.set(f"policy.megatron_cfg.{key}", value)
         else:
-            out.refused.append(f"unknown key 'actor_train.strategy_args.strategy_config.{key}' (megatron_train): "
-                               "not a megatron_cfg setting novarl has.")
+            out.refused.append(f"unknown key '{where}{key}' (megatron_train): not a megatron_cfg setting novarl has.")
     return {"tp": config.get("tensor_model_parallel_size", 1), "pp": config.get("pipeline_model_parallel_size", 1),
             "cp": config.get("context_parallel_size", 1),
             **({"ep": config["expert_model_parallel_size"]} if config.get("expert_model_parallel_size", 1) > 1 else {})}
 
 
-def _fsdp2(config: Mapping[str, Any], out: Translation, placement: Placement | None) -> dict[str, int]:
+def _fsdp2(config: Mapping[str, Any], out: Translation, placement: Placement | None,
+           role: str = "actor_train") -> dict[str, int]:
+    where = f"{role}.strategy_args.strategy_config."
     for key, value in config.items():
         if key == "param_dtype":
             out.set("policy.precision", DTYPES.get(value, value))
         elif key == "reduce_dtype" and value not in ("float32", "fp32"):
-            out.refuse("actor_train.strategy_args.strategy_config.reduce_dtype", value,
-                       "novarl reduces gradients in float32")
+            out.refuse(where + "reduce_dtype", value, "novarl reduces gradients in float32")
         elif key == "offload_policy":
             out.set("policy.dtensor_cfg.cpu_offload", bool(value))
         elif key == "fsdp_size" and placement is not None and value not in (len(placement.train), -1):
-            out.refuse("actor_train.strategy_args.strategy_config.fsdp_size", value,
-                       f"novarl shards over every training rank ({len(placement.train)}); hybrid sharding is not "
-                       "built")
+            out.refuse(where + "fsdp_size", value, f"novarl shards over every training rank ({len(placement.train)}); "
+                                                   "hybrid sharding is not built")
         elif key not in FSDP_KEYS:
-            out.refused.append(f"unknown key 'actor_train.strategy_args.strategy_config.{key}' (fsdp2_train): not a "
-                               "setting novarl's DTensor backend has.")
+            out.refused.append(f"unknown key '{where}{key}' (fsdp2_train): not a setting novarl's DTensor backend "
+                               "has.")
     return {}
 
 
-def _deepspeed(config: Mapping[str, Any], out: Translation, placement: Placement | None) -> dict[str, int]:
+def _deepspeed(config: Mapping[str, Any], out: Translation, placement: Placement | None,
+               role: str = "actor_train") -> dict[str, int]:
     zero = dict(config.get("zero_optimization") or {})
     if "stage" in zero:
         out.set("policy.deepspeed_cfg.zero_stage", zero.pop("stage"))
@@ -333,7 +316,7 @@ def _model_args(model: Mapping[str, Any], role: str, out: Translation) -> None:
     if dtype is not None:
         if dtype not in DTYPES:
             out.refuse(f"{role}.model_args.dtype", dtype, "novarl's precisions are bf16, fp16 and fp32")
-        elif role == "actor_train":
+        elif role in ("actor_train", "critic"):
             out.set("policy.precision", DTYPES[dtype])
     _lora(model, role, out)
     if model.get("ulysses_size", 1) not in (1, None):
@@ -377,8 +360,8 @@ def _lora(model: Mapping[str, Any], role: str, out: Translation) -> None:
 
 
 def _training_args(args: Mapping[str, Any], out: Translation, training: str, placement: Placement | None,
-                   sizes: Mapping[str, int]) -> None:
-    where = "actor_train.training_args."
+                   sizes: Mapping[str, int], role: str = "actor_train") -> None:
+    where = f"{role}.training_args."
     lr = _number(args, "learning_rate", out, where)
     decay = _number(args, "weight_decay", out, where, positive=False)
     micro, accumulation, warmup = (_number(args, k, out, where, integer=True) for k in (
@@ -409,7 +392,7 @@ def _training_args(args: Mapping[str, Any], out: Translation, training: str, pla
         out.set("grpo.max_num_epochs", epochs)
     unknown = set(args) - {"learning_rate", "weight_decay", "warmup_steps", "per_device_train_batch_size",
                            "gradient_accumulation_steps", "num_train_epochs"}
-    out.refused.extend(f"unknown key 'actor_train.training_args.{k}'." for k in sorted(unknown))
+    out.refused.extend(f"unknown key '{where}{k}'." for k in sorted(unknown))
 
 
 def _data_args(args: Mapping[str, Any], out: Translation) -> None:
@@ -473,25 +456,111 @@ def _actor_infer(block: Any, out: Translation, placement: Placement | None, tree
     out.became.append(f"actor_infer ({name} on {devices} device(s)) -> policy.generation: {backend}, {where}")
 
 
-def _reference(block: Any, out: Translation, placement: Placement | None, training: str | None) -> None:
+def _reference(block: Any, out: Translation, placement: Placement | None, train: Training | None) -> None:
+    """ROLL's reference: novarl's frozen reference runs on the policy's backend, devices and
+    layout, in its precision; what the block asks otherwise is said in one warning."""
     if not isinstance(block, Mapping):
         return
-    name = (block.get("strategy_args") or {}).get("strategy_name")
+    strategy = block.get("strategy_args") or {}
+    name = strategy.get("strategy_name")
     if name not in ("megatron_infer", "hf_infer", "fsdp2_infer", "deepspeed_infer", None):
         out.refuse("reference.strategy_args.strategy_name", name, "the reference runs on a training backend")
     _role_extras(block, "reference", out, ("model_args", "data_args", "strategy_args", "device_mapping",
                                            "infer_batch_size"))
+    layout = f"actor_train's {train.strategy}: {train.layout()}" if train else "actor_train's"
+    unused = _beside_the_policy(block, "reference", placement, train)
+    if strategy.get("strategy_config"):
+        shown = ", ".join(f"{k}={show_value(v)}" for k, v in strategy["strategy_config"].items())
+        unused.insert(0, f"its strategy_config ({shown}): the reference runs on the training backend's layout "
+                         f"({layout})")
+    if unused:
+        out.warnings.append(f"reference: {'; '.join(unused)}")
+    out.became.append(f"reference ({name}) -> the frozen reference, on the training backend "
+                      f"({train.backend if train else None}); it is loaded when loss_fn.reference_policy_kl_penalty > "
+                      "0 (ROLL: use_kl_loss, kl_loss_coef)")
+
+
+def _beside_the_policy(block: Mapping[str, Any], role: str, placement: Placement | None,
+                       train: Training | None) -> list[str]:
+    """What a role that novarl runs on the policy's devices and precision (the reference, the
+    critic) asks otherwise: devices, and for the reference its dtype."""
+    unused = []
     mapping = block.get("device_mapping")
     if placement is not None and mapping is not None:
         try:
-            same = parse_devices(mapping, "reference.device_mapping") == placement.train
-        except ValueError:
-            same = True  # refused with the placement
+            same = parse_devices(mapping, f"{role}.device_mapping") == placement.train
+        except ValueError as err:
+            same = True
+            if role == "critic":  # (the reference's is refused with the placement)
+                raise ValueError(f"'{role}.device_mapping': {err}") from None
         if not same:
-            out.warnings.append("reference.device_mapping differs from actor_train's: novarl's reference runs on the "
-                                "policy's devices")
-    out.became.append(f"reference ({name}) -> the frozen reference, on the training backend ({training}); it is "
-                      "loaded when loss_fn.reference_policy_kl_penalty > 0 (ROLL: use_kl_loss, kl_loss_coef)")
+            unused.append(f"its device_mapping differs from actor_train's: novarl's {role} runs on the policy's "
+                          "devices")
+    dtype = (block.get("model_args") or {}).get("dtype")
+    if role == "reference" and train is not None and dtype is not None and dtype != train.dtype:
+        unused.append(f"model_args.dtype={show_value(dtype)}: novarl's reference computes in the policy's precision "
+                      f"(actor_train's dtype {show_value(train.dtype)})")
+    return unused
+
+
+CRITIC_KEYS = ("model_args", "training_args", "data_args", "strategy_args", "device_mapping", "infer_batch_size")
+
+
+def _critic(tree: Mapping[str, Any], out: Translation, placement: Placement | None, train: Training | None) -> None:
+    """PPO's critic (adv_estimator gae) as novarl's `value` section: it runs on the policy's
+    backend, ranks and layout. ROLL's `critic` block gives its model (model_args.model_name_or_path,
+    else reward_pretrain), optimizer, micro-batches and precision, and must name actor_train's
+    strategy and sizes; without the block the critic is built like the policy (as NeMo RL's
+    `value: {}`), on reward_pretrain when the file gives it, else on the policy's model."""
+    block = tree.get("critic")
+    if estimator_of(tree) != "gae":
+        if isinstance(block, Mapping) and block:
+            out.warnings.append(f"critic: ROLL trains a critic only with adv_estimator: gae, and this file's is "
+                                f"{show_value(estimator_of(tree))}; the block is not used")
+        return
+    if train is None:
+        return
+    model = (block.get("model_args") or {}).get("model_name_or_path") if isinstance(block, Mapping) else None
+    model = model or tree.get("reward_pretrain")
+    policy_model = f" ({show_value(tree['pretrain'])})" if tree.get("pretrain") else ""
+    shown = show_value(model) if model else f"the policy's model{policy_model}"
+    if not isinstance(block, Mapping):
+        out.set("value", {"model_name": model} if model else {})
+        out.became.append(f"critic (no critic block; adv_estimator gae) -> value: a critic built like the policy, on "
+                          f"{shown} with a scalar head, on the training backend ({train.backend}: {train.layout()}), "
+                          "the policy's ranks and settings")
+        return
+    sub = Translation()
+    name, config, backend = _strategy(block, "critic", TRAIN_STRATEGIES, sub)
+    if backend is not None and name != train.strategy:
+        sub.refuse("critic.strategy_args.strategy_name", name, f"novarl's critic runs on the policy's backend and "
+                   f"ranks ({train.strategy}); name it, with actor_train's parallel sizes, or remove the critic block "
+                   "to build the critic like the policy")
+    elif backend is not None:
+        sizes = _trainer(block, "critic", config, backend, sub, placement)
+        if sizes != dict(train.sizes):
+            sub.refused.append(f"'critic.strategy_args.strategy_config': its parallel sizes "
+                               f"({', '.join(f'{k} {v}' for k, v in sizes.items()) or 'data parallel'}) differ from "
+                               f"actor_train's ({train.layout()}): novarl's critic runs on the policy's ranks, laid "
+                               "out like it; give actor_train's sizes.")
+    worker = str(block.get("worker_cls") or "CriticWorker").rsplit(".", 1)[-1]
+    if worker != "CriticWorker":
+        sub.refuse("critic.worker_cls", block["worker_cls"], "novarl's critic is ROLL's CriticWorker (a scalar value "
+                                                               "head trained on GAE's returns); remove worker_cls")
+    unused = _beside_the_policy(block, "critic", placement, train)
+    if block.get("data_args"):
+        unused.append("data_args: the critic reads the policy's samples")
+    out.refused.extend(sub.refused)
+    out.warnings.extend(sub.warnings)
+    if unused:
+        out.warnings.append(f"critic: {'; '.join(unused)}")
+    value = dict(sub.tree.get("policy", {}))
+    if model:
+        value["model_name"] = model
+    out.set("value", value)
+    _role_extras(block, "critic", out, (*CRITIC_KEYS, "worker_cls"))
+    out.became.append(f"critic ({name}) -> value: the critic, on {shown} with a scalar head, on the training backend "
+                      f"({train.backend}: {train.layout()}) and the policy's ranks")
 
 
 def _rewards(rewards: Any, out: Translation) -> None:

@@ -42,7 +42,9 @@ def apply_auto(cfg: NovaRLConfig, *, gpu_memory_gb: float | None = None,
     if cfg.value is not None:  # the critic runs on the policy's backend and ranks, laid out like it
         overrides += [f"value.{o.removeprefix('policy.')}" for o in overrides
                       if o.startswith("policy.") and not o.startswith(("policy.generation.", "policy.backend"))]
-    resolved = load_config(cfg.model_dump(by_alias=True), overrides=overrides)
+    # only the keys the config gives (not every default): what loading says of keys set (unused
+    # settings, say) stays about what the user set
+    resolved = load_config(cfg.model_dump(by_alias=True, exclude_unset=True), overrides=overrides)
     return with_warnings(resolved, cfg.load_warnings, cfg.load_notes), why
 
 
@@ -108,7 +110,7 @@ def _layout_overrides(*, tp: int, activation_checkpointing: bool, cpu_offload: b
             f"policy.dtensor_cfg.activation_checkpointing={str(activation_checkpointing).lower()}",
             f"policy.dtensor_cfg.cpu_offload={str(cpu_offload).lower()}",
             f"policy.generation.backend={generation}",
-            f"policy.generation.vllm_cfg.tensor_parallel_size={generation_tp}",
+            *([f"policy.generation.vllm_cfg.tensor_parallel_size={generation_tp}"] if generation == "vllm" else []),
             f"policy.generation.colocated.enabled={str(colocated).lower()}"]
 
 

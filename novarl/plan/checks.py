@@ -191,12 +191,14 @@ def _check_sources(data: DataConfig, problems: list[UserError]) -> list[str]:
 def locate(cfg: NovaRLConfig, report: ConfigReport) -> None:
     """The model's local folder, without the network: sets report.model_path (weights here)
     and report.model_config_dir (config.json here), or notes that train downloads it."""
-    from novarl.models.locate import _has_safetensors_weights, resolve_model_path
+    from novarl.models.locate import _has_safetensors_weights, hub_offline, resolve_model_path
 
     name = cfg.policy.model_name
     found = resolve_model_path(name, download=False)
     folder = Path(found)
     if not (folder / "config.json").is_file():
+        if hub_offline():  # train cannot download it: the error train gives, listed with the data's
+            resolve_model_path(name)
         report.notes.append(f"policy.model_name='{name}' is not in the local Hugging Face cache: `novarl train` "
                             "downloads it, and checks its tokenizer, the data's lengths and the reward then")
         return
@@ -211,7 +213,6 @@ def locate(cfg: NovaRLConfig, report: ConfigReport) -> None:
 TE_OPTIONS = (
     ("apply_rope_fusion", lambda mc: mc.apply_rope_fusion),
     ("moe_permute_fusion", lambda mc: mc.moe_permute_fusion),
-    ("moe_grouped_gemm", lambda mc: mc.moe_grouped_gemm),
     ("sequence_parallel (with tensor_model_parallel_size > 1)",
      lambda mc: mc.sequence_parallel and mc.tensor_model_parallel_size > 1),
     ("fp8_cfg.enabled", lambda mc: mc.fp8_cfg is not None and mc.fp8_cfg.enabled),

