@@ -1,4 +1,4 @@
-"""The DeepSpeed ZeRO backend on 2 CPU ranks (Ray actors, gloo): every stage trains like
+"""The DeepSpeed ZeRO backend on 2 CPU ranks (Ray actors, gloo): every stage (0 to 3) trains like
 the DTensor backend, offload runs, checkpoints resume after a kill and convert."""
 
 import os
@@ -66,7 +66,7 @@ def hf_weights(folder) -> dict:
     return AutoModelForCausalLM.from_pretrained(folder).state_dict()
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])  # 0: plain data parallel (its grad_norm measured by novarl)
 def test_zero_stage_trains_like_dtensor_and_exports_the_trained_weights(tmp_path, dtensor_run, stage):
     import torch
 

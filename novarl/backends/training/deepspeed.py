@@ -1,4 +1,4 @@
-"""The DeepSpeed ZeRO training backend: stages 1, 2 and 3, CPU offload, bf16.
+"""The DeepSpeed ZeRO training backend: stages 0 (plain data parallel), 1, 2 and 3, CPU offload, bf16.
 
 Same contract as the DTensor backend (TrainingBackend) and the same Ray worker
 groups: every rank runs each method; data-parallel ranks split each batch into
@@ -221,12 +221,21 @@ class TrainableDeepSpeedModel(DeepSpeedModel, AccumulatingRows):
         return gpu_stats()
 
     def optim_step(self) -> dict[str, float]:
-        """Clip (gradient_clipping), step the optimizer and the schedule, zero the gradients."""
+        """Clip (gradient_clipping), step the optimizer and the schedule, zero the gradients.
+        grad_norm: the norm of the step's reduced gradients before clipping."""
         lr = self.optimizer.param_groups[0]["lr"]
+        # DeepSpeed keeps the norm its ZeRO and bf16/fp16 optimizers compute; ZeRO stage 0 in fp32 steps the
+        # plain torch optimizer and keeps none: measured here, on the gradients it has already all-reduced
+        own = None if hasattr(self.engine.optimizer, "_global_grad_norm") else self._gradient_norm()
         self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = self.engine.get_global_grad_norm() if own is None else own
         grad_norm = float(grad_norm) if grad_norm is not None else math.nan
         return {"grad_norm": grad_norm, "lr": lr}
+
+    def _gradient_norm(self) -> float:
+        """The 2-norm of every gradient of the module (whole on each rank: ZeRO stage 0)."""
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
     def save(self, path: Path) -> None:
         """The engine's partitioned state (weights, optimizer, schedule) under path/deepspeed/;
