@@ -518,7 +518,8 @@ def _critic(tree: Mapping[str, Any], out: Translation, placement: Placement | No
             out.warnings.append(f"critic: ROLL trains a critic only with adv_estimator: gae, and this file's is "
                                 f"{show_value(estimator_of(tree))}; the block is not used")
         return
-    if train is None:
+    if train is None:  # refused for its actor_train: a critic like the policy keeps the error to that line
+        out.set("value", {})
         return
     model = (block.get("model_args") or {}).get("model_name_or_path") if isinstance(block, Mapping) else None
     model = model or tree.get("reward_pretrain")
