@@ -102,6 +102,10 @@ class VllmGeneration:
                  lora: LoraConfig | None = None) -> None:
         """`lora`: the engine takes adapters at each sync (lora_sync 'adapter') and generates
         with them through vLLM's LoRA support, over the base weights of `model_path`."""
+        v = cfg.vllm_cfg
+        spans_ranks = cfg.colocated.enabled and v.tensor_parallel_size * v.pipeline_parallel_size > 1
+        if spans_ranks:  # vLLM's external launcher runs only in-process (its engines must stay in lockstep)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, on CPU hosts
         fp8_args, fp8_env = fp8_engine_args(cfg.vllm_cfg, model_path, trust_remote_code=trust_remote_code)
@@ -112,7 +116,6 @@ class VllmGeneration:
         _quiet_rotary_reload_warning()
 
         check_vllm_version(vllm.__version__)
-        v = cfg.vllm_cfg
         # Colocated on GPUs: sleep (weights to CPU, KV cache freed) while the trainer runs.
         self.sleep_mode = cfg.colocated.enabled and torch.cuda.is_available()
         self.sleeping: set[str] = set()
@@ -128,6 +131,8 @@ class VllmGeneration:
             enable_sleep_mode=self.sleep_mode, use_tqdm_on_load=False,
         )
         engine_args.update(fp8_args)
+        if spans_ranks:
+            engine_args.update(spanning_engine_args())
         self.adapters = AdapterFolders(lora, model_path) if lora is not None else None
         if self.adapters is not None:
             engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=self.adapters.max_rank)
@@ -208,6 +213,18 @@ class VllmGeneration:
         self.__dict__.pop("llm", None)
         if self.adapters is not None:
             self.adapters.remove()
+
+
+def spanning_engine_args() -> dict:
+    """A colocated engine larger than one device, built in each of the policy ranks that share its
+    devices (verl's way, SPMD in the training processes): vLLM's external launcher takes the
+    ranks' process group as its world (RANK and LOCAL_RANK are the ranks'), makes tensor-parallel
+    groups of consecutive ranks, and each rank holds one shard of the engine and its own
+    scheduler; the ranks of an engine get the same prompts and seeds, so they generate the same
+    completions in lockstep. Weights load rank-locally: each rank's engine takes its shard of the
+    full tensors its own rank gathered. Custom all-reduce is off: it needs every GPU of the group
+    visible to each process, and a Ray rank sees only its own."""
+    return dict(distributed_executor_backend="external_launcher", disable_custom_all_reduce=True)
 
 
 class AdapterFolders:
