@@ -176,6 +176,15 @@ def test_sequence_longer_than_the_model_positions_with_vllm(capsys, log_dir, com
     assert "at most 64" in msg
 
 
+def test_vllm_max_model_len_longer_than_the_model_positions_is_refused_by_validate(capsys, log_dir):
+    """Seed 000's vLLM block sets max_model_len: 512; over a 64-position model vLLM would refuse the
+    engine at start, so validate says so (it used to call the config valid)."""
+    code, _, err = run_cli(capsys, "validate", f"logger.log_dir={log_dir}", "policy.generation.backend=vllm",
+                           "policy.generation.vllm_cfg.max_model_len=512")
+    msg = assert_refused_cleanly(code, err, log_dir)
+    assert "policy.generation.vllm_cfg.max_model_len=512 is longer than the model's max_position_embeddings=64" in msg
+
+
 def test_a_start_that_fails_after_the_checks_leaves_no_run_folder(capsys, log_dir):
     """More ranks than this machine's Ray cluster has: refused when the workers are placed,
     after the run folder was made; the folder goes again."""

@@ -249,15 +249,18 @@ def check_sequence_length(cfg: NovaRLConfig, model_path: str, choice: BackendCho
         limit = json.loads((Path(model_path) / "config.json").read_text()).get("max_position_embeddings")
     except (OSError, ValueError, AttributeError):
         return  # a hub id, or a config.json that the loader reports on
-    length = cfg.policy.max_seq_length
-    if not isinstance(limit, int) or length <= limit:
+    if not isinstance(limit, int):
         return
-    problem = (f"policy.max_seq_length={length} is longer than the model's max_position_embeddings={limit} "
-               f"({model_path}/config.json)")
-    if choice.generation == "vllm" and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
-        raise UserError(f"{problem}: vLLM refuses such an engine. Set policy.max_seq_length to at most {limit} "
+    where = f"longer than the model's max_position_embeddings={limit} ({model_path}/config.json)"
+    engine_length = cfg.policy.generation.vllm_cfg.max_model_len  # vLLM's own length, when set
+    key, length = (("policy.generation.vllm_cfg.max_model_len", engine_length) if engine_length is not None
+                   else ("policy.max_seq_length", cfg.policy.max_seq_length))
+    if choice.generation == "vllm" and length > limit and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
+        raise UserError(f"{key}={length} is {where}: vLLM refuses such an engine. Set {key} to at most {limit} "
                         "(or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, for a model whose positions extrapolate).")
-    warnings.append(f"{problem}: positions past {limit} were never trained")
+    if cfg.policy.max_seq_length > limit:
+        warnings.append(f"policy.max_seq_length={cfg.policy.max_seq_length} is {where}: positions past {limit} "
+                        "were never trained")
 
 
 def check_megatron_model(cfg: NovaRLConfig, model_path: str) -> None:
