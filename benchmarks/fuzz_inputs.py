@@ -5,8 +5,9 @@
 
 Part 1, `validate` and `plan`: every bad value listed for every setting of the schema
 (not a sample of them, as in the test), the YAML / key, override, data, prompt-file,
-model-folder and reward-function cases, and `--mutations` random one-byte edits of the
-bundled recipe. The cases run in-process (`novarl.cli.main`, as a user's shell would call it
+model-folder and reward-function cases, key paths (dotted overrides up to 100,000 levels
+deep, unknown names under `env`), and `--mutations` random one-byte edits of the bundled
+recipe. The cases run in-process (`novarl.cli.main`, as a user's shell would call it
 but without the interpreter start) in a worker process that the driver kills and replaces
 when a case runs past twice its limit: that case counts as a hang.
 
@@ -42,18 +43,43 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models import cpu_name  # noqa: E402
-from tests.test_fuzz import (TRAIN, Case, all_cases, base_args, data_cases, model_cases, model_folder,  # noqa: E402
-                             refused_at_load, reward, reward_cases, train_cases)
+from tests.test_fuzz import (CONFIG_LIMIT_S, TRAIN, Case, all_cases, base_args, data_cases, model_cases,  # noqa: E402
+                             model_folder, overrides, refused_at_load, reward, reward_cases, train_cases)
 
 KILL_NINE_HEADING = "## Kill -9 resume trials"
 
 
 # ============================================================ part 1: in-process, in a worker
+def key_path_cases(rng: random.Random) -> list[Case]:
+    """Dotted key paths past the nesting limit (64 levels), alone and with a nested value, and
+    names under `env` that NeMo RL does not have: each refused naming it; NeMo RL's own
+    environments are accepted (said in a warning)."""
+    cases = [Case(f"key-path:{depth}-levels", overrides(".".join(["a"] * depth) + "=1"), 2, limit_s=CONFIG_LIMIT_S,
+                  says=f"the key path has {depth:,} levels")
+             for depth in (65, 100, 1000, 5000, 100_000)]
+    cases += [Case(f"key-path:{prefix}-x-{depth}-levels", overrides(".".join([prefix] * depth) + "=1"), 2,
+                   limit_s=CONFIG_LIMIT_S, says="levels")
+              for prefix in ("policy", "grpo.seed", "env") for depth in (65, 5000)]
+    cases.append(Case("key-path:60-levels-with-a-nested-value",
+                      overrides(".".join(["a"] * 60) + "={b: {c: {d: {e: {f: 1}}}}}"), 2, limit_s=CONFIG_LIMIT_S,
+                      says="nested more than 64 levels deep"))
+    letters = "abcdefghijklmnopqrstuvwxyz_"
+    names = ["zz_unknown_key", "maht", "Math", "math_", "MATH", "code_", "nemo-gym", "", *(
+        "".join(rng.choice(letters) for _ in range(rng.randrange(1, 12))) for _ in range(20))]
+    cases += [Case(f"env:unknown-{name or 'empty'}", overrides(f"env.{name}.num_workers=1" if name else "env.=1"), 2,
+                   limit_s=CONFIG_LIMIT_S, says=f"env.{name}" if name else "") for name in names]
+    cases += [Case(f"env:{item}", overrides(item), 2, limit_s=CONFIG_LIMIT_S, says=key) for item, key in (
+        ("env.zz_unknown_key=1", "env.zz_unknown_key"), ("env.math.zz=1", "env.math.zz"),
+        ("env.code.enabled=true", "env.code"), ("env=[1]", "env"), ("env.math=3", "env.math"))]
+    cases += [Case(f"env-valid:{name}", overrides(f"env.{name}.num_workers=1"), 0) for name in ("dapo", "code", "vlm")]
+    return cases
+
+
 def part1_cases(seed: int, mutations: int) -> list[Case]:
-    """The test's cases at full size, and `plan` on each model folder (plan reads config.json
-    only: a folder with damaged weights may plan fine, so either exit code is right)."""
+    """The test's cases at full size, the key paths, and `plan` on each model folder (plan reads
+    config.json only: a folder with damaged weights may plan fine, so either exit code is right)."""
     plans = [Case(f"plan:{c.id}", c.make, None, "plan", c.limit_s) for c in model_cases()]
-    return [*all_cases(per_field=99, mutations=mutations, seed=seed), *plans]
+    return [*all_cases(per_field=99, mutations=mutations, seed=seed), *key_path_cases(random.Random(seed)), *plans]
 
 
 def run_worker(start: int, seed: int, mutations: int) -> None:
@@ -280,7 +306,8 @@ path names over 255 bytes), YAML keys that are null / booleans / numbers, nestin
 billion-laughs alias bomb and its `${{...}}` twin, malformed overrides, data rows and files, prompt templates,
 model folders (no config.json, damaged or mismatched config.json, empty / garbage / truncated safetensors,
 tokenizer files), reward functions that raise, return nan / inf / 1e308 / strings / None, sleep, spin,
-backtrack, `plan --gpu-memory-gb nan / inf / 0 / -1`, `plan` on each bad model folder, and
+backtrack, `plan --gpu-memory-gb nan / inf / 0 / -1`, `plan` on each bad model folder, dotted override
+paths 65 to 100,000 levels deep, names under `env` NeMo RL does not have (misspellings and random ones), and
 {args.mutations} random one-byte edits of the bundled recipe.
 Part 2: the bad model folders, rewards and data through `train` (2 steps, 4 prompts x 2
 samples), rewards that turn bad only inside the first step, and random combinations of extreme but valid
