@@ -6,6 +6,7 @@ once, without torch when the model is not local."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,17 @@ LAYOUTS = {
         "tp=4, colocated with policy ranks 0-31",
 }
 
+
+def _spanning(layout: str) -> str:
+    """A colocated vLLM engine of tp > 1 spans tp policy ranks; the layout line says so."""
+    found = re.search(r"x tp=(\d+), colocated with policy ranks [0-9-]+$", layout)
+    tp = int(found.group(1)) if found else 1
+    return layout + (f", each spanning {tp} of them (a tensor-parallel shard in each rank's process)"
+                     if tp > 1 else "")
+
+
+LAYOUTS = {name: _spanning(layout) for name, layout in LAYOUTS.items()}
+
 # file -> the refusals (one line each) of features novarl does not build.
 REFUSED = {
     "2026-08/grpo_math_1B_sglang.yaml": ["'policy.generation.backend' = 'sglang': SGLang generation is not built"],
@@ -141,10 +153,9 @@ def test_nemo_rl_features_novarl_does_not_build_are_refused_one_line_each(capsys
 # 7ea279a) and FP8 generation, each file -> the overrides it needs here besides a local data file.
 PERFORMANCE = {
     "2026-08/recipes/llm/performance/grpo-qwen3-32b-4n8g.yaml": (),
-    # as written its engines of tp 16 span two nodes, which novarl's engines do not (refused on its own)
-    # (and its grouped-GEMM experts are refused: their converted weights would not load)
-    "2026-08/recipes/llm/performance/grpo-qwen3-235b-16n8g.yaml": ("policy.generation.vllm_cfg.tensor_parallel_size=8",
-                                                                  "policy.megatron_cfg.moe_grouped_gemm=false"),
+    # as written its engines of tp 16 span two nodes, which novarl's engines do not (refused on its own);
+    # its grouped-GEMM experts run as SequentialMLP, with a warning
+    "2026-08/recipes/llm/performance/grpo-qwen3-235b-16n8g.yaml": ("policy.generation.vllm_cfg.tensor_parallel_size=8",),
     "2026-08/grpo_math_8B_megatron_fp8.yaml": (),
 }
 
@@ -257,9 +268,11 @@ def test_transformer_engine_options_are_valid_for_a_gpu_host_and_stop_train_here
     code, _, err = run(capsys, "train", *args)
     assert code == 2 and "this host lacks Transformer Engine" in err and "Traceback" not in err
     assert not (tmp_path / "logs").exists()
-    # grouped-GEMM experts are refused on any host: the converted weights have SequentialMLP's names
+    # grouped-GEMM experts run as SequentialMLP (the converted weights have its names): said once
     code, out, err = run(capsys, "validate", *args, "policy.megatron_cfg.moe_grouped_gemm=true")
-    assert code == 2 and out == "" and "Set policy.megatron_cfg.moe_grouped_gemm=false" in err, err
+    assert code == 0, err
+    assert sum("'policy.megatron_cfg.moe_grouped_gemm' = True: novarl runs the experts as megatron-core's "
+               "SequentialMLP" in line for line in out.splitlines()) == 1, out
 
 
 def test_megatron_model_constraints_are_listed_with_the_other_problems(capsys, megatron_on_cpu, tmp_path):

@@ -46,6 +46,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("checkpointing.save_consolidated", _off, False,
             "checkpoints hold the training shards; `novarl convert` (and the end of every run) writes the Hugging "
             "Face folder"),
+    Setting("policy.megatron_cfg.moe_grouped_gemm", _off, False,
+            "novarl runs the experts as megatron-core's SequentialMLP, one GEMM each (the same experts and maths; "
+            "its weight conversion writes SequentialMLP's names, which a grouped-GEMM layer does not have)"),
     Setting("logger.gpu_monitoring.collection_interval", lambda v: v == 10, False,
             "the GPUs are read once per training step"),
     Setting("logger.gpu_monitoring.flush_interval", lambda v: v == 10, False,

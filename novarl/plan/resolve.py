@@ -90,12 +90,6 @@ def _has_cuda() -> bool:
     return any(Path("/dev").glob("nvidia[0-9]*"))
 
 
-GROUPED_GEMM = ("grouped-GEMM experts (policy.megatron_cfg.moe_grouped_gemm=true): novarl converts each expert's "
-                "weights to megatron-core's SequentialMLP names (experts.local_experts.<j>.linear_fc1.weight), which a "
-                "grouped-GEMM layer (TEGroupedMLP: linear_fc1.weight<j>) does not have, so its weights would not "
-                "load. Set policy.megatron_cfg.moe_grouped_gemm=false: the same experts, one GEMM each")
-"""Refused for any host: the conversion to and from the grouped layout is not written."""
-
 MEGATRON_ON_CPU = "NOVARL_MEGATRON_ON_CPU"
 """backends/megatron/cpu.py's switch (read here without importing it: it imports torch)."""
 
@@ -148,8 +142,6 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
         not_installed, host = _megatron_missing()
         missing.extend([*not_installed, *host])
         gpu_only.extend(host)
-        if policy.megatron_cfg.moe_grouped_gemm:
-            missing.append(GROUPED_GEMM)
     if choice.training == "deepspeed" and not installed("deepspeed"):
         missing.append("DeepSpeed, for policy.deepspeed_cfg.enabled: pip install 'novarl[deepspeed]' "
                        "(the Makefile shows how on a CPU-only host)")

@@ -265,7 +265,8 @@ def _moe(mc, shape: LayerShape) -> dict[str, Any]:
         expert_model_parallel_size=mc.expert_model_parallel_size,
         expert_tensor_parallel_size=mc.expert_tensor_parallel_size,
         moe_router_load_balancing_type=mc.moe_router_load_balancing_type,
-        moe_token_dispatcher_type=mc.moe_token_dispatcher_type, moe_grouped_gemm=mc.moe_grouped_gemm,
+        moe_token_dispatcher_type=mc.moe_token_dispatcher_type,
+        moe_grouped_gemm=False,  # SequentialMLP whatever megatron_cfg says (config/unused.py warns)
         moe_permute_fusion=mc.moe_permute_fusion, moe_router_bias_update_rate=mc.moe_router_bias_update_rate)
     if shape.shared_expert_size:
         moe.update(moe_shared_expert_intermediate_size=shape.shared_expert_size, moe_shared_expert_gate=True)
