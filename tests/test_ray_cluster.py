@@ -1,10 +1,17 @@
 """The same config runs on a Ray cluster started beforehand (`ray start --head`),
-joined through RAY_ADDRESS. Runs last among the Ray tests: `ray stop` ends it."""
+joined through RAY_ADDRESS.
+
+The cluster keeps its files in a temporary folder of its own and is ended by killing its own
+processes: `ray stop` would kill every Ray instance on the machine (another test session's
+too), and a run killed before its end would leave /tmp/ray/ray_current_cluster naming a dead
+cluster, which every later `ray.init()` on the machine tries to join for minutes."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,18 +31,36 @@ def test_two_ranks_on_an_existing_ray_cluster(tmp_path):
     ray_cli = str(Path(sys.executable).parent / "ray")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     port = free_port()
-    subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                    "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
-                   check=True, env=env, capture_output=True, timeout=120)
+    temp_dir = tempfile.mkdtemp(prefix="ray_", dir="/tmp")  # short: Ray's socket paths live under it
     try:
+        subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                        "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
+                        f"--temp-dir={temp_dir}"], check=True, env=env, capture_output=True, timeout=120)
         run = subprocess.run(
             [sys.executable, "-m", "novarl.cli", "train", "-c", str(RECIPE), "grpo.max_num_steps=2",
              "grpo.val_at_start=false", "grpo.val_at_end=false", "logger.progress_bar=false",
              f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"],
             env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, capture_output=True, text=True, timeout=300)
     finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_cluster(temp_dir)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "starting 2 policy ranks on Ray" in run.stderr
     assert "Started a local Ray instance" not in run.stderr  # it joined the running cluster
     assert (tmp_path / "ckpt" / "step_2").is_dir()
+
+
+def stop_cluster(temp_dir: str) -> None:
+    """Kill the processes of the cluster whose files are in temp_dir (each names it on its command
+    line; its workers end with its raylet), then remove the folder."""
+    import psutil
+
+    own = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(temp_dir in arg for arg in proc.info["cmdline"] or []):
+            own.append(proc)
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+    psutil.wait_procs(own, timeout=30)
+    shutil.rmtree(temp_dir, ignore_errors=True)
