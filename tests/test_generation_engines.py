@@ -243,9 +243,13 @@ def one_step(cfg, inputs, roles, step):
       "policy.generation.colocated.resources.gpus_per_node=2"), 2),
 ], ids=["colocated", "dedicated"])
 def test_engines_share_the_step_and_take_weights_rank_to_rank(ray_cluster, overrides, engines):
+    """Each engine takes whole groups of the step and samples what one in-process engine would;
+    weights go rank to rank, never through the driver. Dedicated: a killed engine actor is then
+    reported by name (on these engines, rather than on a layout started for that alone)."""
     import ray
 
     from novarl.distributed.generation import RayRollout
+    from novarl.distributed.ray_group import WorkerDied
 
     shapes = weight_shapes(BUNDLED_MODEL)
     before = driver_weight_tensors(shapes)  # what other tests of this process left behind
@@ -271,21 +275,10 @@ def test_engines_share_the_step_and_take_weights_rank_to_rank(ray_cluster, overr
         assert first["weight_sync_mb"] == pytest.approx(4 * (297_984 + 19 * 128) / 1e6)
         assert second["logprob_mismatch"] < 1e-3  # the engines sample from the trained weights
         assert driver_weight_tensors(shapes) == before  # ... and after a step and a sync there are none
-    finally:
-        roles.shutdown()
-
-
-def test_a_killed_engine_is_reported_by_name(ray_cluster):
-    import ray
-
-    from novarl.distributed.ray_group import WorkerDied
-
-    cfg, inputs, roles = build("cluster.gpus_per_node=3", "policy.generation.colocated.enabled=false",
-                               "policy.generation.colocated.resources.gpus_per_node=2")
-    try:
-        os.kill(ray.get(roles.generator.group.actors[1].pid.remote()), signal.SIGKILL)
-        with pytest.raises(WorkerDied, match="generation engine rank 1 died"):
-            roles.generator.submit(step_prompts(inputs, cfg), SamplingConfig(max_new_tokens=4, seed=1)).result()
+        if not roles.generator.layout.colocated:
+            os.kill(ray.get(roles.generator.group.actors[1].pid.remote()), signal.SIGKILL)
+            with pytest.raises(WorkerDied, match="generation engine rank 1 died"):
+                roles.generator.submit(step_prompts(inputs, cfg), SamplingConfig(max_new_tokens=4, seed=1)).result()
     finally:
         roles.shutdown()
 
