@@ -254,19 +254,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from novarl.config import load_config
     from novarl.distributed.local import default_device
-    from novarl.logging.console import info
     from novarl.trainer.evaluate import evaluate
     from novarl.trainer.setup import prepare_eval
 
     refuse_checkpoint_as_model(args.model)
-    run_config = None if args.config is not None else run_config_of(args.model)
-    if run_config is not None:
-        cfg = load_config(run_config, overrides=args.overrides)
-        info(f"using the run's own config {run_config} (data, reward, generation); -c CONFIG uses another")
-    else:
-        cfg = _config(args)
+    cfg = eval_config(args)
     inputs = prepare_eval(cfg, args.model, default_device())
     result = evaluate(inputs.generator, inputs.prompts, inputs.scorer, cfg.policy.generation.max_new_tokens,
                       batch_size=cfg.grpo.val_batch_size)
@@ -274,6 +267,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "greedy accuracy (on training prompts: the data has no held-out split)"
     print(f"{which} of {args.model}: {_pct(result['accuracy'])} on {int(result['num_samples'])} prompts")
     return 0
+
+
+def eval_config(args: argparse.Namespace):
+    """The config `novarl eval MODEL` runs on: -c CONFIG with the overrides; else the run's own
+    config.yaml when MODEL is a run's policy folder; else the recipe for MODEL itself, as `novarl
+    train policy.model_name=MODEL` starts from (the bundled one for a bundled model, NeMo RL's
+    grpo_math_1B sizes for any other, fitted to this host: config/starting.py), the overrides on top."""
+    from novarl.config import load_config
+    from novarl.config.starting import load_starting_config
+    from novarl.logging.console import info
+
+    if args.config is not None:
+        return _config(args)
+    run_config = run_config_of(args.model)
+    if run_config is None:
+        return load_starting_config({"model_name": args.model}, args.overrides)
+    info(f"using the run's own config {run_config} (data, reward, generation); -c CONFIG uses another")
+    return load_config(run_config, overrides=args.overrides)
 
 
 def run_config_of(model: str) -> Path | None:

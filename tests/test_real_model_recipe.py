@@ -158,3 +158,67 @@ def test_an_uncached_hub_id_from_python_is_one_clear_line(hub_cache, monkeypatch
     assert "HF_HUB_OFFLINE=1 forbids downloading it" in message
     assert err.__cause__ is None and (err.__context__ is None or err.__suppress_context__)
     assert not (hub_cache.parent / "logs").exists()
+
+
+def test_keyword_overrides_nested_too_deep_or_in_themselves_are_refused_before_the_recipe():
+    """GRPOTrainer with no config reads the keyword overrides to pick its recipe: a tree that
+    load_config refuses is refused there too, the same way (not a RecursionError)."""
+    deep = inner = {}
+    for _ in range(5_000):
+        inner["x"] = {}
+        inner = inner["x"]
+    with pytest.raises(ConfigError, match=r"^Keyword override policy=: 'policy\.x\.x.*' is nested more than 64 levels"):
+        novarl.GRPOTrainer(policy=deep)
+    looped: dict = {}
+    looped["x"] = looped
+    with pytest.raises(ConfigError, match=r"^Keyword override policy=: 'policy\.x' contains itself"):
+        novarl.GRPOTrainer(policy=looped)
+
+
+def test_engines_are_sized_only_when_the_fitted_recipe_generates_on_vllm(tmp_path, monkeypatch, gpus):
+    """vLLM absent: the recipe generates on Hugging Face, and tensor_parallel_size= sizes the
+    cluster without a vLLM engine size (no line about engines, no warning about vllm_cfg)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    gpus(2)
+    model = config_only(tmp_path / "m", hidden_size=128, num_attention_heads=2, max_position_embeddings=256)
+    cfg = novarl.GRPOTrainer.from_pretrained(str(model), tensor_parallel_size=2).config
+    assert (cfg.policy.generation.backend, cfg.cluster.gpus_per_node) == ("hf", 2)
+    assert not any("vllm_cfg" in warning for warning in check_config(cfg).warnings)
+    assert "cluster: gpus_per_node=2, this host's visible GPUs, for tensor_parallel_size=2: 1 data-parallel rank(s) " \
+           "x 2" in cfg.load_notes
+    assert not any("vLLM engines" in n for n in cfg.load_notes)
+
+
+def test_the_cut_sequence_lengths_reason_names_the_generation_backend_in_force(tmp_path, gpus):
+    gpus(0)  # head_dim 16: vLLM's CPU attention refuses it, so the recipe generates on Hugging Face
+    head16 = config_only(tmp_path / "head16", hidden_size=64, num_attention_heads=4, max_position_embeddings=256)
+    notes = novarl.GRPOTrainer.from_pretrained(str(head16)).config.load_notes
+    cut = [n for n in notes if n.startswith("recipe: policy.max_seq_length 512 -> 256")]
+    assert cut == ["recipe: policy.max_seq_length 512 -> 256, the model's max_position_embeddings (its positions "
+                   "end there); new tokens follow it"]
+    head64 = config_only(tmp_path / "head64", hidden_size=128, num_attention_heads=2, max_position_embeddings=256)
+    if installed("vllm"):
+        assert ("recipe: policy.max_seq_length 512 -> 256, the model's max_position_embeddings (its positions end "
+                "there, and vLLM refuses a longer engine); new tokens and the engine follow it"
+                ) in novarl.GRPOTrainer.from_pretrained(str(head64)).config.load_notes
+
+
+def test_tensor_parallel_size_sizes_the_cluster_of_a_loaded_config_too(gpus):
+    gpus(8)
+    given = {"policy": {"model_name": "someorg/somemodel"}}
+    loaded = novarl.GRPOTrainer(load_config(given), tensor_parallel_size=4).config
+    assert (loaded.cluster.gpus_per_node, loaded.policy.generation.vllm_cfg.tensor_parallel_size) == (8, 4)
+    assert loaded.model_dump() == novarl.GRPOTrainer(given, tensor_parallel_size=4).config.model_dump()
+
+
+def test_eval_without_a_config_starts_from_the_recipe_for_the_model_it_evaluates(tmp_path):
+    from novarl.cli import eval_config
+
+    model = config_only(tmp_path / "m", hidden_size=128, num_attention_heads=2, max_position_embeddings=1024)
+    cfg = eval_config(build_parser().parse_args(["eval", str(model), "grpo.max_val_samples=5"]))
+    assert f"{RECIPE_LINE}{model}" in cfg.load_notes
+    assert (cfg.policy.max_seq_length, cfg.grpo.max_val_samples) == (512, 5)
+    assert eval_config(build_parser().parse_args(["eval", "tiny-arith"])).policy.max_seq_length == 16

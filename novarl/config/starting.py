@@ -15,8 +15,8 @@ user gives (a file, a dict) is never replaced by a recipe.
 The cluster (`cluster_overrides`): when `tensor_parallel_size=` (or `context_parallel_size=`)
 is given and the user set no cluster size, cluster.gpus_per_node becomes the visible CUDA
 device count (`cuda_device_count`, the one hardware query, which tests replace), and the
-vLLM engines take the same tensor-parallel size; what cannot be honoured is refused with
-its arithmetic.
+vLLM engines, where generation is still on vLLM after fitting, take the same tensor-parallel
+size; what cannot be honoured is refused with its arithmetic.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from novarl.config.files import canonical, canonical_path
+from novarl.config.files import _clip, canonical, canonical_path, check_tree
 from novarl.config.loading import BUNDLED_RECIPE, keyword_path, load_config, parse_override, with_warnings
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import ConfigError, UserError
@@ -75,8 +75,11 @@ def load_starting_config(keyword_overrides: Mapping[str, Any] | None = None,
     cfg = load_config(recipe.path, overrides=overrides, **keyword_overrides)
     lines = [f"recipe: {recipe.name} ({recipe.source}) for policy.model_name={cfg.policy.model_name}"]
     fitted, why = fit_to_host(cfg, given) if recipe is REAL_MODEL_RECIPE else ([], [])
+    if fitted:  # only keys the user did not set: their overrides still win
+        cfg = load_config(recipe.path, overrides=[*overrides, *fitted], **keyword_overrides)
+    # sized from the fitted config: engines get a size only where generation is still on vLLM
     sized, more = cluster_overrides(cfg, keyword_overrides, lambda path: _given(given, path))
-    if fitted or sized:  # only keys the user did not set: their overrides still win
+    if sized:
         cfg = load_config(recipe.path, overrides=[*overrides, *fitted, *sized], **keyword_overrides)
     return with_warnings(cfg, (), [*lines, *why, *more])
 
@@ -110,18 +113,21 @@ def fit_to_host(cfg: NovaRLConfig, given: Mapping[str, Any]) -> tuple[list[str],
     this host or the model cannot give; keys in `given` (the user's) are left as they are."""
     extra, why = [], []
     model = local_model_config(cfg.policy.model_name)
+    on_gpu = cuda_device_count() > 0
+    asks_vllm = cfg.policy.generation.backend == "vllm"
+    no_vllm = vllm_cannot_run(model, on_gpu=on_gpu) \
+        if asks_vllm and not _given(given, "policy.generation.backend") else None
     limit = model.get("max_position_embeddings")
     length = cfg.policy.max_seq_length
     if not _given(given, "policy.max_seq_length") and isinstance(limit, int) and 2 <= limit < length:
         extra.append(f"policy.max_seq_length={limit}")
+        followed = ("there, and vLLM refuses a longer engine); new tokens and the engine follow it"
+                    if asks_vllm and not no_vllm else "there); new tokens follow it")
         why.append(f"recipe: policy.max_seq_length {length} -> {limit}, the model's max_position_embeddings (its "
-                   "positions end there, and vLLM refuses a longer engine); new tokens and the engine follow it")
-    on_gpu = cuda_device_count() > 0
-    if cfg.policy.generation.backend == "vllm" and not _given(given, "policy.generation.backend"):
-        reason = vllm_cannot_run(model, on_gpu=on_gpu)
-        if reason:
-            extra.append("policy.generation.backend=hf")
-            why.append(f"recipe: generation on Hugging Face, not vLLM: {reason}")
+                   f"positions end {followed}")
+    if no_vllm:
+        extra.append("policy.generation.backend=hf")
+        why.append(f"recipe: generation on Hugging Face, not vLLM: {no_vllm}")
     if not on_gpu and cfg.policy.precision is None:
         why.append("recipe: precision float32 on this host without a GPU (bfloat16, NeMo RL's, on GPUs)")
     return extra, why
@@ -217,13 +223,19 @@ def _asked(tp: int, cp: int) -> str:
 # ------------------------------------------------------------------ what the user set
 def given_values(keyword_overrides: Mapping[str, Any], overrides: Iterable[str] = ()) -> dict[str, Any]:
     """{canonical dotted path: value} of every leaf the overrides set (a section given as a
-    dict is read down to its leaves), in load_config's order: a later one wins."""
+    dict is read down to its leaves), in load_config's order: a later one wins. Each value is
+    first checked as load_config checks it (`check_tree`: depth, size, a value inside itself),
+    so what it refuses is the same ConfigError here, before the recursive walk."""
     values: dict[str, Any] = {}
     for key, value in keyword_overrides.items():
-        _leaves(keyword_path(key), value, values)
+        path = keyword_path(key)
+        check_tree(value, f"Keyword override {_clip(key, 80)}=", prefix=path)
+        _leaves(path, value, values)
     for item in overrides:
         path, value = parse_override(item)
-        _leaves(canonical_path(path), value, values)
+        path = canonical_path(path)
+        check_tree(value, f"Override '{_clip(item)}'", prefix=path)
+        _leaves(path, value, values)
     return values
 
 

@@ -59,8 +59,8 @@ class GRPOTrainer:
                  reward_fn: str | RewardFn | None = None, train_examples: Sequence[Example] | None = None,
                  checkpoints_in_run_folder: bool = False, **overrides: Any) -> None:
         if isinstance(config, NovaRLConfig):
-            if overrides:
-                config = with_warnings(load_config(config.model_dump(by_alias=True, exclude_unset=True), **overrides),
+            if overrides:  # read again from what it sets, as a dict is (tensor_parallel_size= sizes the cluster)
+                config = with_warnings(load_api_config(config.model_dump(by_alias=True, exclude_unset=True), overrides),
                                        config.load_warnings, config.load_notes)
             self.config = config
         else:
