@@ -3,6 +3,7 @@ and bad input ends in one clear error. All at validate (or load) time: nothing i
 
 - vLLM's settings given with Hugging Face generation: one warning, only for keys the config sets.
 - Unknown names under `env`: refused, with NeMo RL's closest environment name.
+- `env.math_default` (NeMo RL's math environment under its other registered name): read as `env.math`.
 - `policy.backend: auto` warns about nothing the config did not set.
 - Key paths thousands of levels deep (command line and Python): a ConfigError, not a RecursionError.
 - `novarl validate` offline names every missing hub resource (model and data) in one error.
@@ -50,6 +51,26 @@ def test_unknown_environment_names_are_refused_with_the_closest():
     # NeMo RL's own environments are known: not built, the block said once and left out
     cfg = load_config(BUNDLED_RECIPE, overrides=["env.dapo.num_workers=2"])
     assert any(w.startswith("env.dapo: NeMo RL's 'dapo' environment is not built") for w in cfg.load_warnings)
+
+
+def test_nemo_rls_math_default_environment_is_its_math_environment():
+    """NeMo RL registers MathEnvironment as both 'math' and 'math_default' (environments/utils.py
+    ENV_REGISTRY): env.math_default is read as env.math is, a dataset naming it included."""
+    def tree(**env) -> dict:
+        return {"data": {"train": {"data_path": "train.jsonl"},
+                         "default": {"dataset_name": "ResponseDataset", "env_name": "math_default"}}, "env": env}
+
+    cfg = load_config(tree(math_default={"num_workers": 4}))
+    assert cfg.reward.function == "math_verify"
+    assert cfg.load_warnings == ("env.math_default: completions are scored by reward.function='math_verify' "
+                                 "(math-verify, as NeMo RL's hf_math_verify); num_workers=4 is not used (the reward "
+                                 "runs in the driver)",)
+    with pytest.raises(ConfigError, match=r"'env.math_default.math_verify_impl' = 'dapo_math_verify': DAPO's answer "
+                                          "checker is not built"):
+        load_config(tree(math_default={"math_verify_impl": "dapo_math_verify"}))
+    assert load_config(tree(math={"num_workers": 2}, math_default={"num_workers": 1})).load_warnings == (
+        "env.math and env.math_default: completions are scored by reward.function='math_verify' (math-verify, as "
+        "NeMo RL's hf_math_verify); env.math.num_workers=2 is not used (the reward runs in the driver)",)
 
 
 def test_backend_auto_warns_only_about_what_the_config_sets():

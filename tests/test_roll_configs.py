@@ -273,3 +273,32 @@ def test_rolls_gae_and_critic_block_become_ppo_with_the_critic_beside_the_policy
         "critic: ROLL trains a critic only with adv_estimator: gae, and this file's is 'grpo'; the block is not used")
     assert "'norm_mean_type' = 'group': with adv_estimator gae novarl reads each reward as it is" in error_of(
         {**PPO_TREE, "norm_mean_type": "group"})
+
+
+def test_the_critic_blocks_run_settings_are_said_not_dropped():
+    """The critic block is translated as a training role and only its `policy` settings become
+    `value`: what it sets elsewhere (training_args.num_train_epochs, the run's epochs) is named
+    in the block's warning; a reward_pretrain beside the critic's own model is said too."""
+    training = {**PPO_TREE["critic"]["training_args"], "num_train_epochs": 3}
+    cfg = load_config({**PPO_TREE, "critic": {**PPO_TREE["critic"], "training_args": training}})
+    assert cfg.load_warnings == ("critic: training_args.num_train_epochs=3: the run's epochs (grpo.max_num_epochs) "
+                                 "are actor_train's; the critic trains at every step the policy does",)
+    assert cfg.grpo.max_num_epochs == load_config(PPO_TREE).grpo.max_num_epochs  # actor_train's, not the critic's
+    model_args = {**PPO_TREE["critic"]["model_args"], "model_name_or_path": "tiny-arith"}
+    cfg = load_config({**PPO_TREE, "reward_pretrain": "someorg/reward",
+                       "critic": {**PPO_TREE["critic"], "model_args": model_args}})
+    assert cfg.load_warnings == ("reward_pretrain='someorg/reward' is not used: the critic is critic.model_args."
+                                 "model_name_or_path ('tiny-arith'), and novarl has no reward-model role (its math "
+                                 "rule reward, reward.function, loads no model)",)
+
+
+def test_reward_pretrain_without_gae_is_said_as_rolls_reward_model():
+    """ROLL's own examples set reward_pretrain with adv_estimator: reinforce: the model its reward
+    workers load. The warning says novarl has no reward-model role, not only that gae reads it."""
+    tree = {"pretrain": "tiny-arith", "response_length": 8, "adv_estimator": "reinforce", "norm_mean_type": "group",
+            "reward_pretrain": "Qwen/Qwen2.5-7B",
+            "actor_train": {"strategy_args": {"strategy_name": "fsdp2_train"}, "device_mapping": [0]}}
+    assert load_config(tree).load_warnings == (
+        "ROLL settings accepted and not used: reward_pretrain (the model ROLL's reward workers and its critic load: "
+        "novarl has no reward-model role (its math rule reward, reward.function, loads no model) and builds a critic "
+        "on it only with adv_estimator: gae, and this file's is 'reinforce')",)

@@ -94,12 +94,47 @@ def test_fp8_arguments_reach_the_engine_in_the_policys_dtype(monkeypatch):
 def test_a_cpu_host_is_told_fp8_needs_a_gpu_in_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("novarl.plan.resolve._has_cuda", lambda: False)
-    code = main(["validate", "policy.generation.vllm_cfg.precision=fp8"])
+    code = main(["validate", "policy.generation.vllm_cfg.precision=fp8", "policy.precision=bfloat16"])
     out, err = capsys.readouterr()
     assert code == 0, err
     (line,) = [line for line in out.splitlines() if "valid for a GPU host" in line]
-    assert ("a CUDA GPU with FP8 (compute capability 8.9 or newer: Ada, Hopper) for policy.generation.vllm_cfg."
-            "precision='fp8' (vLLM's online FP8 quantization); this host has none: set it to null") in line
+    assert ("a CUDA GPU of compute capability 7.5 or newer for policy.generation.vllm_cfg.precision='fp8' (vLLM's "
+            "online FP8 quantization: FP8 matmuls on Hopper and Blackwell, FP8 weights through vLLM's Marlin kernels, "
+            "computed in the policy's dtype, on Turing, Ampere and Ada); this host has none: set it to null") in line
+
+
+def test_the_gpus_named_are_those_vllms_online_fp8_runs_on():
+    """The installed vLLM's own figures behind the line above: fp8_per_block is its online
+    quantization, from compute capability 7.5, in bfloat16 or float16; CUTLASS's block-scaled FP8
+    kernels start at Hopper, and Marlin (FP8 weights) is chosen before Triton below it."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_BLOCK_KERNELS
+    from vllm.model_executor.layers.quantization import get_quantization_config
+    from vllm.platforms import PlatformEnum
+
+    online = get_quantization_config("fp8_per_block")
+    assert online.get_min_capability() == 75
+    assert set(online.get_supported_act_dtypes()) == {torch.bfloat16, torch.float16}
+    names = [kernel.__name__ for kernel in _POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CUDA]]
+    assert names.index("MarlinFP8ScaledMMLinearKernel") < names.index("TritonFp8BlockScaledMMKernel")
+
+
+def test_fp8_with_a_float32_policy_is_refused_at_validate(capsys, monkeypatch, tmp_path):
+    """vLLM's online FP8 computes in bfloat16 or float16 only, and the engine takes the policy's
+    dtype: refused on any host (not 'valid for a GPU host'), saying what to set."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("novarl.plan.resolve._has_cuda", lambda: True)
+    code = main(["validate", "policy.generation.vllm_cfg.precision=fp8", "policy.precision=float32",
+                 "policy.generation.backend=vllm"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in err
+    assert ("FP8 generation computing in float32 (policy.precision='float32' with policy.generation.vllm_cfg."
+            "precision='fp8'): vLLM's online FP8 computes in bfloat16 or float16 only; set policy.precision to "
+            "bfloat16") in err
+    for precision in ("bfloat16", "float16"):
+        cfg = load_config(None, overrides=["policy.generation.vllm_cfg.precision=fp8", f"policy.precision={precision}",
+                                           "policy.generation.backend=vllm"])
+        assert not any("float32" in m for m in check_available(cfg, resolve_backends(cfg)).missing)
 
 
 def test_fp8_is_refused_for_other_engines_and_its_keys_are_said_unused_without_it():

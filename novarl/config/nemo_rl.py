@@ -485,10 +485,15 @@ at 7ea279a: environments/utils.py ENV_REGISTRY, examples/configs): any other is 
 misspelling."""
 
 
+MATH_ENVIRONMENTS = ("math", "math_default")
+"""NeMo RL's math environment under both names its ENV_REGISTRY gives it (environments/utils.py:
+each runs MathEnvironment on its own block)."""
+
+
 def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
-    """NeMo RL's environments: novarl scores with reward.function. The math environment is
-    reward.function 'math_verify' (said once in a warning); NeMo RL's others are not built;
-    a name NeMo RL does not have is refused, with the closest one it does."""
+    """NeMo RL's environments: novarl scores with reward.function. The math environment (env.math
+    or env.math_default) is reward.function 'math_verify' (said once in a warning); NeMo RL's
+    others are not built; a name NeMo RL does not have is refused, with the closest one it does."""
     import difflib
 
     data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
@@ -498,7 +503,7 @@ def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
         return []
     refused = []
     for name in list(env):
-        if name == "math":
+        if name in MATH_ENVIRONMENTS:
             continue
         block = env.pop(name)
         if name not in NEMO_RL_ENVIRONMENTS:
@@ -514,29 +519,38 @@ def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
         else:
             warnings.append(f"env.{name}: NeMo RL's '{name}' environment is not built; the block is not used "
                             "(novarl scores completions with reward.function)")
-    if "math" in env:
-        refused.extend(_math_environment(tree, env["math"], warnings))
+    math = {name: env[name] for name in MATH_ENVIRONMENTS if name in env}
+    if math:
+        refused.extend(_math_environment(tree, math, warnings))
     return refused
 
 
-def _math_environment(tree: dict[str, Any], block: Any, warnings: list[str]) -> list[str]:
-    """NeMo RL's math environment scores with math-verify (hf_math_verify): novarl's reward
-    function 'math_verify', unless the config names a reward function of its own."""
-    block = block if isinstance(block, dict) else {}
-    impl = block.get("math_verify_impl", "hf_math_verify")
-    if impl not in (None, "hf_math_verify"):
-        what = "DAPO's answer checker" if impl == "dapo_math_verify" else "that checker"
-        return [f"'env.math.math_verify_impl' = {show_value(impl)}: {what} is not built; 'hf_math_verify' "
-                "(reward.function: math_verify) is."]
+def _math_environment(tree: dict[str, Any], blocks: dict[str, Any], warnings: list[str]) -> list[str]:
+    """NeMo RL's math environment (`blocks`: its block under each name given) scores with
+    math-verify (hf_math_verify): novarl's reward function 'math_verify', unless the config names
+    a reward function of its own."""
+    blocks = {name: block if isinstance(block, dict) else {} for name, block in blocks.items()}
+    refused = []
+    for name, block in blocks.items():
+        impl = block.get("math_verify_impl", "hf_math_verify")
+        if impl not in (None, "hf_math_verify"):
+            what = "DAPO's answer checker" if impl == "dapo_math_verify" else "that checker"
+            refused.append(f"'env.{name}.math_verify_impl' = {show_value(impl)}: {what} is not built; "
+                           "'hf_math_verify' (reward.function: math_verify) is.")
+    if refused:
+        return refused
     reward = tree.setdefault("reward", {}) if isinstance(tree.get("reward", {}), dict) else {}
-    workers = f"; num_workers={block['num_workers']} is not used (the reward runs in the driver)" \
-        if block.get("num_workers", 1) != 1 else ""
+    given = " and ".join(f"env.{name}" for name in blocks)
+    counts = [(f"env.{name}." if len(blocks) > 1 else "") + f"num_workers={block['num_workers']}"
+              for name, block in blocks.items() if block.get("num_workers", 1) != 1]
+    workers = (f"; {' and '.join(counts)} {'is' if len(counts) == 1 else 'are'} not used (the reward runs in the "
+               "driver)" if counts else "")
     if "function" in reward:
-        warnings.append(f"env.math is not used: reward.function={show_value(reward['function'])} scores the "
-                        "completions")
+        warnings.append(f"{given} {'is' if len(blocks) == 1 else 'are'} not used: reward.function="
+                        f"{show_value(reward['function'])} scores the completions")
     else:
         reward["function"] = "math_verify"
-        warnings.append(f"env.math: completions are scored by reward.function='math_verify' (math-verify, as NeMo "
+        warnings.append(f"{given}: completions are scored by reward.function='math_verify' (math-verify, as NeMo "
                         f"RL's hf_math_verify){workers}")
     return []
 

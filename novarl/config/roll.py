@@ -511,7 +511,9 @@ def _critic(tree: Mapping[str, Any], out: Translation, placement: Placement | No
     backend, ranks and layout. ROLL's `critic` block gives its model (model_args.model_name_or_path,
     else reward_pretrain), optimizer, micro-batches and precision, and must name actor_train's
     strategy and sizes; without the block the critic is built like the policy (as NeMo RL's
-    `value: {}`), on reward_pretrain when the file gives it, else on the policy's model."""
+    `value: {}`), on reward_pretrain when the file gives it, else on the policy's model. The block
+    is translated as a training role and its `policy` settings become `value`; the run's settings
+    it gives (training_args.num_train_epochs) are said in its warning, not used."""
     block = tree.get("critic")
     if estimator_of(tree) != "gae":
         if isinstance(block, Mapping) and block:
@@ -522,6 +524,10 @@ def _critic(tree: Mapping[str, Any], out: Translation, placement: Placement | No
         out.set("value", {})
         return
     model = (block.get("model_args") or {}).get("model_name_or_path") if isinstance(block, Mapping) else None
+    if model and tree.get("reward_pretrain") not in (None, model):
+        out.warnings.append(f"reward_pretrain={show_value(tree['reward_pretrain'])} is not used: the critic is "
+                            f"critic.model_args.model_name_or_path ({show_value(model)}), and novarl has no "
+                            "reward-model role (its math rule reward, reward.function, loads no model)")
     model = model or tree.get("reward_pretrain")
     policy_model = f" ({show_value(tree['pretrain'])})" if tree.get("pretrain") else ""
     shown = show_value(model) if model else f"the policy's model{policy_model}"
@@ -553,6 +559,7 @@ def _critic(tree: Mapping[str, Any], out: Translation, placement: Placement | No
         unused.append("data_args: the critic reads the policy's samples")
     out.refused.extend(sub.refused)
     out.warnings.extend(sub.warnings)
+    unused.extend(_not_the_critics(sub.tree, block))
     if unused:
         out.warnings.append(f"critic: {'; '.join(unused)}")
     value = dict(sub.tree.get("policy", {}))
@@ -562,6 +569,35 @@ def _critic(tree: Mapping[str, Any], out: Translation, placement: Placement | No
     _role_extras(block, "critic", out, (*CRITIC_KEYS, "worker_cls"))
     out.became.append(f"critic ({name}) -> value: the critic, on {shown} with a scalar head, on the training backend "
                       f"({train.backend}: {train.layout()}) and the policy's ranks")
+
+
+RUN_SETTINGS = {
+    "grpo.max_num_epochs": ("training_args.num_train_epochs", "the run's epochs (grpo.max_num_epochs) are "
+                                                             "actor_train's; the critic trains at every step the "
+                                                             "policy does"),
+}
+"""A training role's keys that translate outside `policy`, to settings of the run: novarl's path
+-> (the ROLL key under the role, why the critic's is not used)."""
+
+
+def _not_the_critics(translated: Mapping[str, Any], block: Mapping[str, Any]) -> list[str]:
+    """The critic block's keys whose translation lies outside `policy` (only `policy` becomes
+    `value`): one line each, naming the key, for the block's warning."""
+    lines = []
+    for path in _leaf_paths({k: v for k, v in translated.items() if k != "policy"}):
+        if path not in RUN_SETTINGS:  # translated elsewhere and not named here yet: still said
+            lines.append(f"a key that became {path}, a setting of the run: not used")
+            continue
+        key, why = RUN_SETTINGS[path]
+        section, _, leaf = key.partition(".")
+        lines.append(f"{key}={show_value((block.get(section) or {}).get(leaf))}: {why}")
+    return lines
+
+
+def _leaf_paths(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The dotted paths of `tree`'s values that are not mappings, in order."""
+    return [path for key, value in tree.items() for path in (
+        _leaf_paths(value, f"{prefix}{key}.") if isinstance(value, Mapping) and value else [f"{prefix}{key}"])]
 
 
 def _rewards(rewards: Any, out: Translation) -> None:

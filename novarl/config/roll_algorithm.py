@@ -108,8 +108,12 @@ def _gae(tree: Mapping[str, Any], out: Translation) -> None:
 
 
 READ_ONLY_WITH = (
-    (("lambd", "value_clip", "critic_warmup", "reward_pretrain"), lambda tree: estimator_of(tree) != "gae",
+    (("lambd", "value_clip", "critic_warmup"), lambda tree: estimator_of(tree) != "gae",
      "read with adv_estimator: gae (PPO with a critic), and this file's is {estimator}"),
+    (("reward_pretrain",), lambda tree: estimator_of(tree) != "gae",
+     "the model ROLL's reward workers and its critic load: novarl has no reward-model role (its math rule reward, "
+     "reward.function, loads no model) and builds a critic on it only with adv_estimator: gae, and this file's is "
+     "{estimator}"),
     (("init_kl_coef", "kl_penalty", "target_kl", "kl_horizon"), lambda tree: not tree.get("add_token_level_kl"),
      "ROLL's KL in the reward, which add_token_level_kl: false leaves off"),
     (("difficulty_low_threshold", "difficulty_high_threshold"), lambda tree: not tree.get("difficulty_mask"),

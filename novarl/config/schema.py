@@ -56,9 +56,10 @@ class VllmConfig(Section):
     async_engine: bool = False
     precision: Precision | Literal["fp8"] | None = None
     """The engines' dtype; None: the policy's. 'fp8' (NeMo RL's): vLLM's online FP8 quantization, weights
-    in 128 x 128 blocks with dynamic activation scales, computed in the policy's dtype and re-quantized at
-    each weight sync (CUDA GPUs with FP8, compute capability 8.9 or newer; backends/generation/vllm.py:
-    fp8_engine_args)."""
+    in 128 x 128 blocks with dynamic activation scales, computed in the policy's dtype (bfloat16 or
+    float16; float32 is refused) and re-quantized at each weight sync. CUDA GPUs of compute capability
+    7.5 or newer, as vLLM has it: FP8 matmuls on Hopper and Blackwell, FP8 weights through vLLM's Marlin
+    kernels on Turing, Ampere and Ada (backends/generation/vllm.py: fp8_engine_args)."""
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     expert_parallel_size: int = Field(1, ge=1)

@@ -211,8 +211,13 @@ FP8_ONLY = ("use_deep_gemm", "num_first_layers_in_bf16", "num_last_layers_in_bf1
 
 def fp8_generation_needs(cfg: NovaRLConfig, generation: str) -> tuple[list[str], list[str], list[str]]:
     """(what FP8 generation lacks on any host, what it lacks that a GPU host has, warnings).
-    vllm_cfg.precision 'fp8' is vLLM's online FP8 quantization: vLLM generation on CUDA GPUs; the
-    keys only it reads, set without it, are not used (said once each)."""
+    vllm_cfg.precision 'fp8' is vLLM's online FP8 quantization (quantization 'fp8_per_block'), as
+    vLLM 0.32 has it: vLLM generation on a CUDA GPU of compute capability 7.5 or newer
+    (OnlineQuantizationConfig.get_min_capability), computing in bfloat16 or float16
+    (get_supported_act_dtypes), so a float32 policy is refused. Its block-scaled FP8 kernels
+    (DeepGEMM, CUTLASS) need 9.0 or newer; below that vLLM picks MarlinFP8ScaledMMLinearKernel:
+    FP8 weights, activations and matmuls in the policy's dtype. The keys only it reads, set
+    without it, are not used (said once each)."""
     v = cfg.policy.generation.vllm_cfg
     if v.precision != "fp8":
         given = [key for key in FP8_ONLY if getattr(v, key)]
@@ -221,11 +226,17 @@ def fp8_generation_needs(cfg: NovaRLConfig, generation: str) -> tuple[list[str],
     if generation != "vllm":
         return [f"FP8 generation by '{generation}' (policy.generation.vllm_cfg.precision='fp8' is vLLM's online "
                 "FP8 quantization): set policy.generation.backend=vllm, or vllm_cfg.precision to null"], [], []
-    if not _has_cuda():
-        return [], [("a CUDA GPU with FP8 (compute capability 8.9 or newer: Ada, Hopper) for policy.generation."
-                     "vllm_cfg.precision='fp8' (vLLM's online FP8 quantization); this host has none: set it to "
-                     "null (the policy's precision) to generate here")], []
-    return [], [], []
+    refused = []
+    if cfg.policy.precision == "float32":  # the engine computes in the policy's dtype (trainer/setup.py)
+        refused.append("FP8 generation computing in float32 (policy.precision='float32' with policy.generation."
+                       "vllm_cfg.precision='fp8'): vLLM's online FP8 computes in bfloat16 or float16 only; set "
+                       "policy.precision to bfloat16")
+    if not _has_cuda():  # vLLM itself refuses a GPU below 7.5 when the engine starts
+        return refused, ["a CUDA GPU of compute capability 7.5 or newer for policy.generation.vllm_cfg.precision="
+                         "'fp8' (vLLM's online FP8 quantization: FP8 matmuls on Hopper and Blackwell, FP8 weights "
+                         "through vLLM's Marlin kernels, computed in the policy's dtype, on Turing, Ampere and Ada); "
+                         "this host has none: set it to null (the policy's precision) to generate here"], []
+    return refused, [], []
 
 
 def require_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
