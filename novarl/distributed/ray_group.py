@@ -105,6 +105,10 @@ class RankActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The address of the node this rank runs on."""
+        return self.host
+
     def setup(self, factory: Callable[..., Any], kwargs: dict[str, Any]) -> None:
         from novarl.distributed.memory import current_rss_bytes
 

@@ -106,6 +106,10 @@ class VllmGeneration:
         spans_ranks = cfg.colocated.enabled and v.tensor_parallel_size * v.pipeline_parallel_size > 1
         if spans_ranks:  # vLLM's external launcher runs only in-process (its engines must stay in lockstep)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            for name, value in SPANNING_ENVIRONMENT.items():
+                os.environ.setdefault(name, value)
+            if not torch.cuda.is_available():
+                remove_stale_cpu_shm()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, on CPU hosts
         fp8_args, fp8_env = fp8_engine_args(cfg.vllm_cfg, model_path, trust_remote_code=trust_remote_code)
@@ -213,6 +217,45 @@ class VllmGeneration:
         self.__dict__.pop("llm", None)
         if self.adapters is not None:
             self.adapters.remove()
+
+
+SPANNING_ENVIRONMENT = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0"}
+"""vLLM's other peer-memory all-reduces (torch symmetric memory, FlashInfer's fusion) off for an
+engine spanning Ray ranks, for the reason custom all-reduce is (spanning_engine_args): they map
+the other ranks' GPU memory through CUDA IPC. NCCL all-reduces instead. A value the user set wins."""
+
+
+def remove_stale_cpu_shm(folder: Path = Path("/dev/shm")) -> list[str]:
+    """vllm-cpu's tensor-parallel all-reduce works through shared-memory segments whose names depend
+    only on the group's ranks (`-tp:0-[0-1]-cpushm_<rank>`, as its external launcher initialises
+    every engine from env://), and vLLM leaves them behind when its processes end; the next engine
+    of the same ranks then fails to create them (errno 17). Before a spanning engine starts, each
+    of its ranks removes the segments no live process maps, then all wait for each other, so no
+    rank removes one that another has just made. The names removed."""
+    import torch.distributed as dist
+
+    removed = []
+    if folder.is_dir():
+        mapped = _mapped_shm_names(folder)
+        for segment in folder.glob("*-cpushm_*"):
+            if segment.name not in mapped:
+                segment.unlink(missing_ok=True)
+                removed.append(segment.name)
+    if dist.is_initialized():
+        dist.barrier()
+    return removed
+
+
+def _mapped_shm_names(folder: Path) -> set[str]:
+    """Names of the files in `folder` that some process on this machine has mapped (/proc/*/maps)."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            lines = maps.read_text().splitlines()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        names.update(Path(line.split(maxsplit=5)[-1]).name for line in lines if f" {folder}/" in line)
+    return names
 
 
 def spanning_engine_args() -> dict:
