@@ -13,7 +13,7 @@ from novarl.cli import BUNDLED_RECIPE, main
 from novarl.config import load_config
 from novarl.errors import UserError
 from novarl.trainer.api import GRPOTrainer
-from tests.helpers import HF, train_steps
+from tests.helpers import HF, rank_pids, train_steps
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # tests/conftest.py
@@ -49,6 +49,19 @@ def dtensor_steps(dtensor_run):
     return dtensor_run[1]
 
 
+CHECKPOINTED_ZERO3 = ["checkpointing.enabled=true", "checkpointing.save_period=1", "checkpointing.keep_top_k=10",
+                      "policy.deepspeed_cfg.zero_stage=3", ZERO]
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory):
+    """(trainer, TrainResult, {step: train metrics}, checkpoint_dir) of 4 ZeRO-3 steps checkpointed at every
+    step: stage 3's run against FSDP2, and the uninterrupted run the resume test is held against."""
+    folder = tmp_path_factory.mktemp("zero3")
+    return (*run_trainer(folder, 4, *CHECKPOINTED_ZERO3, f"checkpointing.checkpoint_dir={folder / 'ckpt'}"),
+            folder / "ckpt")
+
+
 def assert_same_training(got, expected, *, loss_abs=1e-6, grad_rel=1e-4):
     assert sorted(got) == sorted(expected)
     for step in expected:
@@ -67,12 +80,15 @@ def hf_weights(folder) -> dict:
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])  # 0: plain data parallel (its grad_norm measured by novarl)
-def test_zero_stage_trains_like_dtensor_and_exports_the_trained_weights(tmp_path, dtensor_run, stage):
+def test_zero_stage_trains_like_dtensor_and_exports_the_trained_weights(tmp_path, request, dtensor_run, stage):
     import torch
 
     from novarl.models.loading import resolve_model_path
 
-    trainer, result, got = run_trainer(tmp_path, 4, ZERO, f"policy.deepspeed_cfg.zero_stage={stage}")
+    if stage == 3:  # the module's checkpointed run (checkpoints change nothing of the training)
+        _, result, got, _ = request.getfixturevalue("zero3_run")
+    else:
+        _, result, got = run_trainer(tmp_path, 4, ZERO, f"policy.deepspeed_cfg.zero_stage={stage}")
     assert_same_training(got, dtensor_run[1])
     # The exported folder holds the final weights, gathered from the partitions; each step's
     # sync gathered them the same way into each rank's own engine (logprob_mismatch above) ...
@@ -107,43 +123,38 @@ def test_offload_param_needs_stage_3(tmp_path):
         run(tmp_path, 1, ZERO, "policy.deepspeed_cfg.zero_stage=2", "policy.deepspeed_cfg.offload_param=true")
 
 
-def test_resume_after_a_killed_rank_matches_and_converts(tmp_path):
-    ckpt = ["checkpointing.enabled=true", "checkpointing.save_period=2", "checkpointing.keep_top_k=10",
-            "policy.deepspeed_cfg.zero_stage=3", ZERO]
-    reference, expected = run(tmp_path / "ref", 8, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'ref_ckpt'}")
+def test_resume_after_a_killed_rank_matches_and_converts(tmp_path, zero3_run):
+    _, reference, expected, ref_ckpt = zero3_run  # the uninterrupted run
+    ckpt = CHECKPOINTED_ZERO3
 
     where = [f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}", f"logger.log_dir={tmp_path / 'logs'}"]
-    cmd = [sys.executable, "-m", "novarl.cli", "train", f"grpo.max_num_steps=8", *COMMON, *ckpt, *where]
+    cmd = [sys.executable, "-m", "novarl.cli", "train", "grpo.max_num_steps=4", *COMMON, *ckpt, *where]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
-    while not (tmp_path / "ckpt" / "step_4").exists() and time.monotonic() < deadline and proc.poll() is None:
+    while not (tmp_path / "ckpt" / "step_2").exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    ranks = subprocess.run(["pgrep", "-f", "ray::RankActor"], capture_output=True, text=True).stdout.split()
+    ranks = rank_pids(proc.pid)
     assert ranks, "no rank processes found"
-    os.kill(int(ranks[-1]), signal.SIGKILL)
+    os.kill(ranks[-1], signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "died" in err
-    assert (tmp_path / "ckpt" / "step_4").exists() and not (tmp_path / "ckpt" / "step_8").exists()
+    assert (tmp_path / "ckpt" / "step_2").exists() and not (tmp_path / "ckpt" / "step_4").exists()
 
-    _, got = run(tmp_path, 8, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}")
+    _, got = run(tmp_path, 4, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}")
     first = min(got)
-    assert 5 <= first <= 7 and max(got) == 8  # it went on from the newest complete checkpoint
-    assert_same_training(got, {s: expected[s] for s in range(first, 9)}, loss_abs=1e-7, grad_rel=1e-6)
+    assert 3 <= first <= 4 and max(got) == 4  # it went on from the newest complete checkpoint
+    assert_same_training(got, {s: expected[s] for s in range(first, 5)}, loss_abs=1e-7, grad_rel=1e-6)
 
     # The partitioned checkpoint of the finished reference run, converted offline, is its final policy.
     import torch
     from transformers import AutoModelForCausalLM
 
-    assert main(["convert", str(tmp_path / "ref_ckpt" / "step_8"), str(tmp_path / "hf")]) == 0
+    assert main(["convert", str(ref_ckpt / "step_4"), str(tmp_path / "hf")]) == 0
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     final = AutoModelForCausalLM.from_pretrained(reference.model_dir).state_dict()
     assert converted.keys() == final.keys()
     assert all(torch.equal(converted[k], final[k]) for k in final)
 
-
-def test_resume_on_another_number_of_ranks_is_refused(tmp_path):
-    ckpt = ["checkpointing.enabled=true", "checkpointing.save_period=1", f"checkpointing.checkpoint_dir={tmp_path}/c",
-            ZERO]
-    run(tmp_path, 1, *ckpt)
+    # Resuming it on another number of ranks is refused (before any rank starts).
     with pytest.raises(UserError, match="written by 2 ranks; ZeRO's partitions load only on as many ranks"):
-        run(tmp_path, 2, *ckpt, "cluster.gpus_per_node=1")
+        run(tmp_path / "one_rank", 5, *ckpt, f"checkpointing.checkpoint_dir={ref_ckpt}", "cluster.gpus_per_node=1")

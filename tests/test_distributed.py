@@ -11,6 +11,7 @@ from novarl.config import load_config
 from novarl.errors import UserError
 from novarl.logging.metrics import read_jsonl
 from novarl.trainer.api import GRPOTrainer
+from tests.helpers import rank_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]  # tests/conftest.py
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -159,9 +160,9 @@ def test_a_rank_killed_mid_run_stops_it_naming_the_rank_and_the_checkpoint(tmp_p
     deadline = time.monotonic() + 180
     while not (tmp_path / "ckpt" / "step_2").exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
-    ranks = subprocess.run(["pgrep", "-f", "ray::RankActor"], capture_output=True, text=True).stdout.split()
+    ranks = rank_pids(proc.pid)
     assert ranks, "no rank processes found"
-    os.kill(int(ranks[0]), signal.SIGKILL)
+    os.kill(ranks[0], signal.SIGKILL)
     _, err = proc.communicate(timeout=120)  # stops, does not hang
     assert proc.returncode == 1
     assert "Traceback" not in err

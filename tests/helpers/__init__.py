@@ -41,3 +41,19 @@ def train_until_killed(overrides: list[str], marker, *, env: dict | None = None,
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+def rank_pids(driver_pid: int) -> list[int]:
+    """Process ids, ascending, of the Ray rank actors (ray::RankActor) of the run in process
+    `driver_pid`: the workers of the local Ray instance it started are its descendants. Never
+    another run's ranks (`pgrep -f ray::RankActor` finds every test session's on the machine)."""
+    import psutil
+
+    pids = []
+    for child in psutil.Process(driver_pid).children(recursive=True):
+        try:
+            if "ray::RankActor" in " ".join(child.cmdline()):
+                pids.append(child.pid)
+        except psutil.Error:  # ended meanwhile
+            pass
+    return sorted(pids)
