@@ -4,6 +4,7 @@ message; every estimator and loss setting runs a step; reward shaping reaches th
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,7 @@ def test_dynamic_sampling_resumes_exactly(tmp_path):
     ckpt = ["checkpointing.enabled=true", "checkpointing.save_period=2", "grpo.use_dynamic_sampling=true",
             "grpo.batch_multiplier=1.5"]
     whole = run(tmp_path / "whole", 4, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c1'}")
-    run(tmp_path / "first", 2, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c2'}")
+    shutil.copytree(tmp_path / "c1" / "step_2", tmp_path / "c2" / "step_2")  # as a run stopped after step 2 leaves it
     resumed = run(tmp_path / "second", 4, *ckpt, f"checkpointing.checkpoint_dir={tmp_path / 'c2'}")
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
