@@ -1,6 +1,7 @@
 """Checkpoints: atomic saves, resume after kill -9 equals the uninterrupted run,
 corrupt checkpoints skipped, export to a Hugging Face folder."""
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,19 @@ COMMON = ["logger.progress_bar=false", "grpo.max_train_seconds=null", "grpo.val_
 def overrides(tmp_path, steps, *extra):
     return [f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
             f"grpo.max_num_steps={steps}", *COMMON, *extra]
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory):
+    """The folder (logs/, ckpt/step_2) of one finished 2-step run, made once: `copy_to` gives a
+    test its own copy."""
+    folder = tmp_path_factory.mktemp("two_steps")
+    GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(folder, 2))).train()
+    return folder
+
+
+def copy_to(run, tmp_path):
+    shutil.copytree(run, tmp_path, dirs_exist_ok=True)
 
 
 def test_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
@@ -70,8 +84,8 @@ def test_partial_checkpoint_is_skipped_for_the_previous_good_one(tmp_path, capsy
     assert "step_4 is not usable (policy shards missing)" in capsys.readouterr().err
 
 
-def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path, capsys):
-    GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path, 2))).train()
+def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path, capsys, two_step_run):
+    copy_to(two_step_run, tmp_path)
     before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     code = main(["train", "--no-resume", *overrides(tmp_path, 2)])
     assert code == 2
@@ -119,8 +133,8 @@ def test_keep_top_k_ranks_by_the_metric_and_keeps_the_newest(tmp_path):
     assert state["step"] == 2 and state["summary"]["val_reward"] == 0.9
 
 
-def test_resume_refuses_another_run_or_a_finished_one(tmp_path):
-    GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path, 2))).train()
+def test_resume_refuses_another_run_or_a_finished_one(tmp_path, two_step_run):
+    copy_to(two_step_run, tmp_path)
     other_model = overrides(tmp_path, 4, f"policy.model_name={tmp_path / 'logs' / 'exp_001' / 'policy'}")
     with pytest.raises(UserError, match=r"holds a checkpoint of another run \(policy.model_name: 'tiny-arith' there"):
         GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=other_model)).train()
@@ -128,7 +142,7 @@ def test_resume_refuses_another_run_or_a_finished_one(tmp_path):
         GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path, 2))).train()
 
 
-def test_convert_reads_the_weights_only_and_writes_the_runs_precision_and_format(tmp_path):
+def test_convert_reads_the_weights_only_and_writes_the_runs_precision_and_format(tmp_path, two_step_run):
     """A checkpoint converts in the run's precision (bf16: half the bytes) and file format, sharded
     past the shard size; the optimizer's state is not read."""
     import json
@@ -141,7 +155,7 @@ def test_convert_reads_the_weights_only_and_writes_the_runs_precision_and_format
     from novarl.models.loading import ExportFormat, load_tokenizer, resolve_model_path, save_hf_folder
     from novarl.trainer.checkpoint import POLICY_DIR
 
-    GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path, 2))).train()
+    copy_to(two_step_run, tmp_path)
     step = tmp_path / "ckpt" / "step_2"
     cfg = load_config(step / "config.yaml")
     ensure_single_process_group()
