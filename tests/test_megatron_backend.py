@@ -32,6 +32,8 @@ COMMON = ["logger.progress_bar=false", "grpo.max_train_seconds=null", "grpo.val_
           # a frozen reference in the policy's rank processes, laid out like it
           "loss_fn.reference_policy_kl_penalty=0.05"]
 MEGATRON = "policy.megatron_cfg.enabled=true"
+PACKING_MEGATRON = [MEGATRON, "policy.megatron_cfg.optimizer.lr=0.0", "policy.megatron_cfg.optimizer.weight_decay=0.0"]
+"""lr 0 for the micro-batch layout measurements (tests/helpers/packing.py)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -158,7 +160,10 @@ def test_what_megatron_cannot_run_is_refused_together(tmp_path):
 # ---------------------------------------------------------------- generation
 def test_megatron_generation_is_greedy_like_hugging_face_on_tp_and_pp_ranks(two_kv_heads):
     """The driver's MegatronGeneration asks the policy's ranks to decode; greedy completions
-    equal transformers' for the same weights, prompts of different lengths included."""
+    equal transformers' for the same weights, prompts of different lengths included. The
+    pipeline's ranks are built as the micro-batch layout test's pp2 ranks are (lr 0), and then
+    take its measurements (test_packed_and_dynamic_micro_batches_match_padded: one start of 2
+    Megatron ranks fewer)."""
     from novarl.backends.generation.hf import HFGeneration
     from novarl.backends.generation.megatron import MegatronGeneration
     from novarl.backends.training.megatron import MegatronPolicy
@@ -166,17 +171,20 @@ def test_megatron_generation_is_greedy_like_hugging_face_on_tp_and_pp_ranks(two_
     from novarl.distributed.remote import RemotePolicy
     from novarl.models.loading import load_tokenizer
     from novarl.types import Prompt, SamplingConfig
+    from tests.helpers.packing import FROZEN
 
     tokenizer = load_tokenizer(str(two_kv_heads))
     prompts = [Prompt(text, tokenizer(text)["input_ids"]) for text in
                ("12+34=", "56+7=", "99+99=", "1+2=", "40+60=", "8+75=")]
     greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
     expected = [c.text for c in HFGeneration(str(two_kv_heads), tokenizer, max_seq_length=16).generate(prompts, greedy)]
-    for layout in (["policy.megatron_cfg.tensor_model_parallel_size=2"],
-                   ["policy.megatron_cfg.pipeline_model_parallel_size=2",
-                    "policy.generation.mcore_generation_config.block_size_tokens=2",  # chunked prefill
-                    "policy.generation.mcore_generation_config.buffer_size_gb=1e-6"]):  # one sequence per batch
-        cfg = load_config(BUNDLED_RECIPE, overrides=[MEGATRON, f"policy.model_name={two_kv_heads}", *COMMON, *layout])
+    tp2 = load_config(BUNDLED_RECIPE, overrides=[MEGATRON, f"policy.model_name={two_kv_heads}", *COMMON,
+                                                 "policy.megatron_cfg.tensor_model_parallel_size=2"])
+    pp2 = load_config(None, overrides=[*FROZEN, "cluster.gpus_per_node=2", *PACKING_MEGATRON,
+                                       "policy.megatron_cfg.pipeline_model_parallel_size=2",
+                                       "policy.generation.mcore_generation_config.block_size_tokens=2",  # chunked prefill
+                                       "policy.generation.mcore_generation_config.buffer_size_gb=1e-6"])  # 1 a batch
+    for layout, cfg in (("tp2", tp2), ("pp2", pp2)):
         group = RayWorkerGroup(MegatronPolicy, dict(policy=cfg.policy, model_path=str(two_kv_heads), total_steps=1,
                                                     temperature=1.0, emulate_cuda=True), world_size=2)
         try:
@@ -187,6 +195,8 @@ def test_megatron_generation_is_greedy_like_hugging_face_on_tp_and_pp_ranks(two_
             assert all(c.finish_reason in ("stop", "length") and len(c.logprobs) == len(c.token_ids) for c in got)
             sampled = generator.generate(prompts * 4, SamplingConfig(max_new_tokens=4, temperature=1.0, seed=7))
             assert len({c.text for c in sampled}) > len(prompts)  # it samples
+            if layout == "pp2":
+                assert_micro_batch_layouts_match(group)
         finally:
             group.shutdown()
 
@@ -257,20 +267,30 @@ def test_frozen_router_and_expert_checkpoints(tmp_path, tiny_mixtral):
     assert converted.keys() == after.keys() and all(torch.equal(converted[k], after[k]) for k in after)
 
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2"])
-def test_packed_and_dynamic_micro_batches_match_padded(layout):
+def test_packed_and_dynamic_micro_batches_match_padded():
     """The same policy (lr 0) under the three micro-batch layouts: token-budgeted micro-batches
     (without Transformer Engine, whose varlen attention packed rows need, packing runs as
-    dynamic batching, or as fixed rows on a pipeline) give the padded logprobs, loss and gradient norm, through a pipeline (one buffer
-    shape for every micro-batch) and over data-parallel ranks (shares gathered back in order)."""
+    dynamic batching, or as fixed rows on a pipeline) give the padded logprobs, loss and gradient
+    norm over data-parallel ranks (shares gathered back in order), and through a pipeline (one
+    buffer shape for every micro-batch: on the generation test's pp2 ranks, above)."""
     from novarl.backends.training.megatron import MegatronPolicy
+    from novarl.distributed.ray_group import RayWorkerGroup
     from novarl.models.loading import resolve_model_path
-    from tests.helpers.packing import assert_same, group_results, mixed_batch
+    from tests.helpers.packing import FROZEN
 
-    overrides = [MEGATRON, "policy.megatron_cfg.optimizer.lr=0.0", "policy.megatron_cfg.optimizer.weight_decay=0.0"]
-    if layout == "pp2":
-        overrides.append("policy.megatron_cfg.pipeline_model_parallel_size=2")
-    results = group_results(MegatronPolicy, resolve_model_path("tiny-arith"), overrides, mixed_batch(rows=14))
+    cfg = load_config(None, overrides=[*FROZEN, "cluster.gpus_per_node=2", *PACKING_MEGATRON])
+    group = RayWorkerGroup(MegatronPolicy, dict(policy=cfg.policy, model_path=resolve_model_path("tiny-arith"),
+                                                total_steps=1, temperature=0.7), world_size=2)
+    try:
+        assert_micro_batch_layouts_match(group)
+    finally:
+        group.shutdown()
+
+
+def assert_micro_batch_layouts_match(group) -> None:
+    from tests.helpers.packing import assert_same, layout_results, mixed_batch
+
+    results = layout_results(group, mixed_batch(rows=14))
     assert_same(results["packed"], results["fixed"])
     assert_same(results["dynamic"], results["fixed"])
     # without Transformer Engine packing runs as dynamic batching, or as fixed rows on a pipeline

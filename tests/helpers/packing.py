@@ -80,12 +80,17 @@ def group_results(factory, model_path, overrides, batch, *, sequence_multiple: i
     group = RayWorkerGroup(factory, dict(policy=cfg.policy, model_path=str(model_path), total_steps=1,
                                          temperature=0.7), world_size=2)
     try:
-        results = {}
-        for layout in LAYOUTS:
-            train, logprob = batchings(layout, sequence_multiple)
-            group.call_all("__setattr__", "train_batching", train)
-            group.call_all("__setattr__", "logprob_batching", logprob)
-            results[layout] = measure(group.call, batch)
-        return results
+        return layout_results(group, batch, sequence_multiple=sequence_multiple)
     finally:
         group.shutdown()
+
+
+def layout_results(group, batch, *, sequence_multiple: int = 1) -> dict:
+    """A group's policy (built with FROZEN's lr 0) measured under every layout in turn."""
+    results = {}
+    for layout in LAYOUTS:
+        train, logprob = batchings(layout, sequence_multiple)
+        group.call_all("__setattr__", "train_batching", train)
+        group.call_all("__setattr__", "logprob_batching", logprob)
+        results[layout] = measure(group.call, batch)
+    return results
