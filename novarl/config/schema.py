@@ -255,6 +255,15 @@ class DeepSpeedConfig(Section):
     config: dict[str, Any] | None = None
     """Raw DeepSpeed JSON config, merged over the preset."""
 
+    @model_validator(mode="after")
+    def _offload_param_needs_stage_3(self) -> "DeepSpeedConfig":
+        # here rather than only where the ranks build DeepSpeed's config: validate says so, and
+        # a run refuses before it starts them
+        if self.enabled and self.offload_param and self.zero_stage != 3:
+            raise ValueError(f"policy.deepspeed_cfg.offload_param needs zero_stage 3 (it is {self.zero_stage}): "
+                             "only stage 3 partitions the parameters.")
+        return self
+
 
 class SequencePackingConfig(Section):
     """Sequences end to end in one row per micro-batch, each attending only to itself
