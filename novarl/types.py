@@ -96,6 +96,10 @@ class TrainBatch:
     """Sequences with at least one loss token in the whole step."""
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     """Further per-token tensors, [N, ...]."""
+    host: TrainBatch | None = field(default=None, repr=False, compare=False)
+    """On a device: the CPU batch it was moved from, whose sequence layout (input_ids, cu_seqlens,
+    position_ids, prompt_lengths, group_ids: fixed once a batch is made) micro-batching and
+    layouts read without waiting for the device."""
 
     def __len__(self) -> int:
         """S, the number of sequences."""
@@ -134,8 +138,14 @@ class TrainBatch:
         """The batch of `sequences` (indices, in that order), the global counts kept: a
         micro-batch, or a data-parallel rank's share."""
         sequences = torch.as_tensor(sequences, dtype=torch.long)
-        index = self.token_index(sequences).to(self.input_ids.device)
-        lengths = self.lengths.cpu()[sequences]
+        if self.host is not None:  # the layout from the host copy: no wait for the device
+            host = self.host.select(sequences)
+            index = self.host.token_index(sequences).to(self.input_ids.device, non_blocking=True)
+            lengths = host.lengths
+        else:
+            host = None
+            index = self.token_index(sequences).to(self.input_ids.device)
+            lengths = self.lengths.cpu()[sequences]
         cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(self.cu_seqlens.device)
 
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -151,7 +161,7 @@ class TrainBatch:
             reference_logprobs=cut(self.reference_logprobs), prompt_lengths=per_sequence(self.prompt_lengths),
             group_ids=per_sequence(self.group_ids), global_valid_tokens=self.global_valid_tokens,
             global_valid_sequences=self.global_valid_sequences,
-            extras={k: v[index] for k, v in self.extras.items()},
+            extras={k: v[index] for k, v in self.extras.items()}, host=host,
         )
 
     def slice(self, start: int, stop: int) -> "TrainBatch":
@@ -163,6 +173,7 @@ class TrainBatch:
             return self
         moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
         moved["extras"] = {k: v.to(device) for k, v in self.extras.items()}
+        moved["host"] = self if self.input_ids.device.type == "cpu" else None
         return TrainBatch(**moved)
 
     @classmethod

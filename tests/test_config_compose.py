@@ -301,7 +301,7 @@ def test_unbuilt_settings_are_refused_and_operational_ones_warned():
                                                    "distributed_data_parallel_config": {"overlap_param_gather": True}}},
                        "checkpointing": {"save_consolidated": True}})
     warned = "\n".join(cfg.load_warnings)
-    for key in ("policy.logprob_chunk_size", "policy.dtensor_cfg._v2", "checkpointing.save_consolidated",
+    for key in ("'policy.logprob_chunk_size' = 1024: logprobs come from chunks", "policy.dtensor_cfg._v2", "checkpointing.save_consolidated",
                 "distributed_data_parallel_config.overlap_param_gather"):
         assert key in warned
     assert load_config({}).load_warnings == ()

@@ -77,15 +77,24 @@ def test_saved_policy_reloads_with_identical_greedy_output(short_run):
         assert torch.equal(tensor, trained[name]), name
 
 
-def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path):
-    """Two micro-batches of 256 accumulate to the same update as one of 512."""
-    metrics = []
-    for micro in (512, 256):
-        cfg = recipe(tmp_path / str(micro), "grpo.max_num_steps=2", "grpo.val_at_start=false",
-                     "grpo.val_at_end=false", f"policy.train_micro_batch_size={micro}")
-        result = GRPOTrainer(cfg).train()
-        metrics.append([r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"])
-    for one, accumulated in zip(*metrics):
+def steps_of(tmp_path, steps, *overrides) -> list[dict]:
+    """The train records of a run of `steps` steps without evaluations."""
+    cfg = recipe(tmp_path, f"grpo.max_num_steps={steps}", "grpo.val_at_start=false", "grpo.val_at_end=false",
+                 *overrides)
+    result = GRPOTrainer(cfg).train()
+    return [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def plain_steps(tmp_path_factory):
+    """3 steps of the recipe as it is: 512 samples a step in 2 micro-batches of 256."""
+    return steps_of(tmp_path_factory.mktemp("plain"), 3)
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path, plain_steps):
+    """Two micro-batches of 256 (the recipe's) accumulate to the same update as one of 512."""
+    one_micro_batch = steps_of(tmp_path, 2, "policy.train_micro_batch_size=512")
+    for one, accumulated in zip(one_micro_batch, plain_steps[:2], strict=True):
         assert accumulated["reward_mean"] == one["reward_mean"]
         assert accumulated["loss"] == pytest.approx(one["loss"], abs=1e-6)
         assert accumulated["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
@@ -102,14 +111,11 @@ def test_kl_penalty_to_the_frozen_reference(tmp_path):
     assert kl[-1] > 1e-5
 
 
-def test_cpu_offload_and_activation_checkpointing_change_nothing_but_memory(tmp_path):
-    runs = {}
-    for name, extra in (("plain", []), ("offload", ["policy.dtensor_cfg.cpu_offload=true"]),
+def test_cpu_offload_and_activation_checkpointing_change_nothing_but_memory(tmp_path, plain_steps):
+    runs = {"plain": plain_steps}
+    for name, extra in (("offload", ["policy.dtensor_cfg.cpu_offload=true"]),
                         ("recompute", ["policy.dtensor_cfg.activation_checkpointing=true"])):
-        cfg = recipe(tmp_path / name, "grpo.max_num_steps=3", "grpo.val_at_start=false",
-                     "grpo.val_at_end=false", *extra)
-        result = GRPOTrainer(cfg).train()
-        runs[name] = [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
+        runs[name] = steps_of(tmp_path / name, 3, *extra)
     for name in ("offload", "recompute"):
         for base, other in zip(runs["plain"], runs[name], strict=True):
             assert other["loss"] == pytest.approx(base["loss"], abs=1e-6), name

@@ -157,6 +157,12 @@ class DTensorConfig(Section):
     sequence_parallel: bool = False
     custom_parallel_plan: str | None = None
     """Import path `module:object` of a parallel plan for tensor parallelism."""
+    torch_compile: bool | None = None
+    """novarl's: each decoder layer compiled with torch.compile (inductor) before it is sharded, fusing
+    the norms, rotary and gated MLP's elementwise work; the first steps compile (~15-25 s). None: on
+    where it was measured to win (benchmarks/results/train_gpu_*.md: +23-26 % tokens/s on an H100):
+    CUDA, a Llama/Qwen/Mistral model, no tensor or context parallelism, LoRA or activation
+    checkpointing; off elsewhere."""
     lora_cfg: LoraConfig = Field(default_factory=LoraConfig)
 
 
@@ -409,6 +415,8 @@ class PolicyConfig(Section):
     precision: Precision | None = None
     """None: bfloat16 on GPU, float32 on CPU."""
     logprob_chunk_size: int | None = Field(None, ge=1)
+    """Tokens whose float32 logits are computed at once for their logprobs (models/logprob_head.py);
+    None: as many as 1 GiB of them holds. DTensor (without tensor parallelism) and DeepSpeed."""
     dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
     megatron_cfg: MegatronConfig = Field(default_factory=MegatronConfig)
     deepspeed_cfg: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)

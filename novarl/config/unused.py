@@ -37,9 +37,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("checkpointing.checkpoint_must_save_by", _off, True,
             "saving before a wall-clock deadline is not built; grpo.max_train_seconds ends a run on time, with a "
             "checkpoint"),
-    Setting("policy.logprob_chunk_size", _off, False,
-            "logprobs are computed a micro-batch at a time (policy.logprob_batch_size, or logprob_mb_tokens when "
-            "packing), not in vocabulary chunks"),
     Setting("policy.dtensor_cfg._v2", lambda v: v is True, False, "novarl has one DTensor worker"),
     Setting("policy.generation.vllm_cfg.async_engine", _off, False,
             "novarl's vLLM engines are the synchronous LLM, each serving its share of a step at once"),
@@ -54,6 +51,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("logger.gpu_monitoring.flush_interval", lambda v: v == 10, False,
             "GPU readings go out with each step's metrics"),
 )
+SETTINGS += (Setting("value.logprob_chunk_size", _off, False, "the critic's head is one value wide: no logits to chunk"),)
 # PPO's critic (`value`) is a policy block: the policy's settings hold for it too (said for the critic only
 # where it differs from the policy, which it starts from)
 SETTINGS += tuple(dataclasses.replace(s, path="value." + s.path.removeprefix("policy.")) for s in SETTINGS
@@ -86,6 +84,11 @@ def check_settings(config: NovaRLConfig) -> list[str]:
         if not setting.refuse and not setting.neutral(value):
             warnings.append(f"'{setting.path}' = {value!r}: {setting.why}")
     ddp = config.policy.megatron_cfg.distributed_data_parallel_config
+    chunk = config.policy.logprob_chunk_size
+    if chunk and (config.policy.megatron_cfg.enabled or config.policy.dtensor_cfg.tensor_parallel_size > 1):
+        warnings.append(f"'policy.logprob_chunk_size' = {chunk}: logprobs come from chunks of that many tokens on the "
+                        "DTensor (without tensor parallelism) and DeepSpeed backends; this run computes each "
+                        "micro-batch's logits whole")
     if config.policy.megatron_cfg.enabled:
         if ddp.overlap_param_gather:
             warnings.append("'policy.megatron_cfg.distributed_data_parallel_config.overlap_param_gather' = True: the "

@@ -13,12 +13,19 @@ on the packed tokens alone. Without boundaries it is causal SDPA on right-padded
 rows: the padding comes after every real token, so no mask is needed (and none
 is built: transformers makes masks only for implementations it knows).
 
+On CUDA (bf16/fp16, torch 2.10+) packed rows go to torch's variable-length flash kernel instead
+(`flash_varlen`): no padding, no gather; with shared prompts each completion's queries attend to
+its prompt's keys gathered before its own (`SharedKeys`). Everywhere else the padded-rows path
+computes the same attention (tested against each other).
+
 It is used for architectures whose attention is plain causal softmax attention
 (no sliding window, no logit soft-capping); others keep their own attention and
 pack through the T x T mask, and flash-attention reads the same keywords.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -57,11 +64,35 @@ def _register() -> None:
         _registered = True
 
 
+@dataclass(frozen=True)
+class SharedKeys:
+    """A packed row with shared prompts as a varlen kernel takes it: attention row a's queries are
+    the row's tokens whose output it gives (a group's first row: its prompt and completion; the
+    others: their completion), consecutive in the packed row; its keys are the prompt's and its
+    completion's, gathered. Its queries are its last keys, so causal attention aligned at the
+    bottom right (flash-attention's, for fewer queries than keys) is each completion's attention
+    to its prompt and itself."""
+
+    index: torch.Tensor
+    """[K] int64 the row positions of every attention row's keys, row after row."""
+    cu_queries: torch.Tensor
+    """[A + 1] int32 boundaries of each attention row's queries in the packed row."""
+    cu_keys: torch.Tensor
+    """[A + 1] int32 boundaries of each attention row's keys in `index`."""
+    longest_queries: int
+    longest_keys: int
+
+    def to(self, device: torch.device) -> "SharedKeys":
+        return SharedKeys(self.index.to(device), self.cu_queries.to(device), self.cu_keys.to(device),
+                          self.longest_queries, self.longest_keys)
+
+
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None,
                      novarl_attention_rows: torch.Tensor | None = None,
-                     novarl_attention_take: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                     novarl_attention_take: torch.Tensor | None = None,
+                     novarl_shared_keys: SharedKeys | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """query [B, H, T, D], key and value [B, Hkv, T, D] -> ([B, T, H, D], None).
 
     With cu_seq_lens_q ([k + 1] boundaries of one packed row, B = 1): each sequence attends
@@ -77,6 +108,16 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
                                                                scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
+    kernel = varlen_kernel(query, dropout)
+    if kernel is not None and novarl_attention_rows is None:
+        cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
+        longest = int(max_length_q) if max_length_q is not None else int(cu.diff().max())
+        return kernel(query, key, value, cu, cu, longest, longest, scaling), None
+    if kernel is not None and novarl_shared_keys is not None:
+        keys = novarl_shared_keys
+        gathered = [t.index_select(2, keys.index) for t in (key, value)]  # a prompt's keys once per row
+        return kernel(query, *gathered, keys.cu_queries, keys.cu_keys, keys.longest_queries, keys.longest_keys,
+                      scaling), None
     if novarl_attention_rows is None:
         novarl_attention_rows, novarl_attention_take = sequence_rows(cu_seq_lens_q, max_length_q)
     rows = novarl_attention_rows.to(query.device)
@@ -93,6 +134,73 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                                                            enable_gqa=gqa)
     flat = out.transpose(1, 2).reshape(-1, out.shape[1] * out.shape[3])  # [A * L, H * D]
     return flat.index_select(0, take).view(1, len(take), out.shape[1], out.shape[3]), None
+
+
+def varlen_kernel(query: torch.Tensor, dropout: float):
+    """torch's variable-length flash-attention kernel (`torch.nn.attention.varlen`, torch 2.10+) where it
+    runs: CUDA, bf16 or fp16, no dropout. A packed row's attention then costs its sequences' own
+    work, with no padding and no gather. None elsewhere (the CPU, float32, an older torch): the
+    padded-rows path below, which computes the same attention. On CUDA each path is said in the log
+    the first time it runs."""
+    global packed_kernel
+    kernel = None
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout and _flash_varlen() is not None:
+        kernel = flash_varlen
+    packed_kernel = "flash_varlen" if kernel else "padded_sdpa"
+    if query.is_cuda and packed_kernel not in _said:  # the CPU's is the only one it has
+        from novarl.logging.console import info
+
+        _said.add(packed_kernel)
+        info("packed attention: " + ("torch's flash varlen kernel (torch.nn.attention.varlen)" if kernel else
+                                     "causal SDPA over each sequence's padded row (no varlen kernel for "
+                                     f"{str(query.dtype).removeprefix('torch.')}{' with dropout' if dropout else ''} "
+                                     f"in torch {torch.__version__})"))
+    return kernel
+
+
+packed_kernel: str | None = None
+"""What this process's latest packed attention ran: "flash_varlen" or "padded_sdpa"."""
+_said: set[str] = set()
+
+
+def _flash_varlen():
+    """torch.nn.attention.varlen.varlen_attn and the names of its keyword arguments, or None."""
+    global _varlen_api
+    if _varlen_api is None:
+        try:
+            import inspect
+
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            _varlen_api = False
+        else:
+            _varlen_api = (varlen_attn, set(inspect.signature(varlen_attn).parameters))
+    return _varlen_api or None
+
+
+_varlen_api = None
+
+
+def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_queries: torch.Tensor,
+                 cu_keys: torch.Tensor, longest_queries: int, longest_keys: int, scaling: float | None) -> torch.Tensor:
+    """query [1, H, Tq, D], key and value [1, Hkv, Tk, D], boundaries [k + 1] int32 of the k
+    sequences' queries and keys -> [1, Tq, H, D]: causal attention of each sequence's queries to
+    its keys, aligned at the bottom right (its queries are its last keys); torch's varlen kernel."""
+    varlen_attn, keywords = _flash_varlen()
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    options: dict = {"scale": scaling}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in keywords:
+            options["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    if "window_size" in keywords:
+        options["window_size"] = (-1, 0)
+    else:
+        options["is_causal"] = True
+    out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_queries, cu_keys, longest_queries,
+                      longest_keys, **options)
+    return out[None]
 
 
 def sequence_rows(cu_seqlens: torch.Tensor, longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

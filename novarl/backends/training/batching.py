@@ -26,6 +26,7 @@ how sequences are cut and laid out changes nothing but the floating-point order.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from novarl.models.attention import SharedKeys
 from novarl.types import TrainBatch
 
 Layout = Literal["packed", "dynamic", "fixed"]
@@ -304,10 +306,20 @@ class ModelInputs:
     attention_take: torch.Tensor | None = None
     """Shared prompts: [W] int64 where in the flattened [A * L] attention outputs each row
     position's output is (a prompt's from its group's first attention row)."""
+    shared_keys: SharedKeys | None = None
+    """Shared prompts: the same attention rows as a varlen kernel takes them (models/attention.py)."""
 
     @property
     def tokens_computed(self) -> int:
         return int(self.input_ids.numel())
+
+    def to(self, device: torch.device) -> "ModelInputs":
+        """On `device` (copies queued without waiting; a CPU layout is freshly made, nothing changes it)."""
+        def move(t):
+            return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+
+        return ModelInputs(*(move(getattr(self, f.name)) for f in dataclasses.fields(self)[:-1]),
+                           self.shared_keys and self.shared_keys.to(device))
 
 
 def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple: int = 1,
@@ -318,10 +330,11 @@ def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple:
     Padded (fixed, dynamic): one row per sequence, padded to the longest, rounded up to
     `multiple`. `width` and `rows` fix R and W instead (pipeline buffers have one shape)."""
     device = mb.input_ids.device
+    if share_prompts and layout == "packed" and mb.group_ids is not None and mb.prompt_lengths is not None:
+        return _shared_prompt_row(mb.host or mb, multiple, width).to(device)
+    mb = mb.host or mb  # the layout computed on the CPU, from the host copy where there is one
     lengths = mb.lengths.cpu()
     first = mb.position_ids.cpu() == 0
-    if layout == "packed" and share_prompts and mb.group_ids is not None and mb.prompt_lengths is not None:
-        return _shared_prompt_row(mb, multiple, width)
     if layout == "packed":
         slots = torch.tensor([round_up(int(n), sequence_multiple) for n in lengths.tolist()], dtype=torch.long)
         starts = torch.nn.functional.pad(torch.cumsum(slots, 0), (1, 0))
@@ -357,7 +370,6 @@ def _shared_prompt_row(mb: TrainBatch, multiple: int, width: int | None) -> Mode
     once (positions 0..P-1), then every sequence's completion (positions P..), then padding to
     a multiple of `multiple`. Attention rows pair the prompt with each completion; the row's
     padding is cut into pieces of its own. Vectorised: it runs for every micro-batch."""
-    device = mb.input_ids.device
     cu, positions, ids = mb.cu_seqlens.cpu(), mb.position_ids.cpu(), mb.input_ids.cpu()
     prompts, groups = mb.prompt_lengths.cpu(), mb.group_ids.cpu()
     sequence = mb.sequence_index.cpu()
@@ -382,14 +394,26 @@ def _shared_prompt_row(mb: TrainBatch, multiple: int, width: int | None) -> Mode
     for piece, (begin, end) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
         rows[len(mb) + piece, :end - begin] = torch.arange(begin, end)
         take[begin:end] = (len(mb) + piece) * longest + torch.arange(end - begin)
+    keys = _shared_keys(rows, take, torch.cat([mb.lengths.cpu(), ends - starts]))
     row_ids = torch.zeros(total, dtype=torch.long)
     row_ids[slot[laid]] = ids[laid]
     row_positions = torch.arange(total) - used  # the padding counts from 0
     row_positions[index] = positions
     previous = torch.where(positions == 0, -1, index[(torch.arange(len(ids)) - 1).clamp(min=0)])
     cu_rows = torch.tensor([0, total], dtype=torch.int32)
-    return ModelInputs(row_ids[None].to(device), row_positions[None].to(device), None, index.to(device),
-                       previous.to(device), cu_rows.to(device), total, rows.to(device), take.to(device))
+    return ModelInputs(row_ids[None], row_positions[None], None, index, previous, cu_rows, total, rows, take, keys)
+
+
+def _shared_keys(rows: torch.Tensor, take: torch.Tensor, lengths: torch.Tensor) -> SharedKeys:
+    """Attention rows [A, L] (their `lengths` [A] real positions each) and the row's take [W] as
+    queries and gathered keys for a varlen kernel: row a's queries are the row positions whose
+    output take reads from row a (consecutive, in row order)."""
+    width = rows.shape[1]
+    queries = torch.bincount(take // width, minlength=len(rows))
+    cu_queries = torch.nn.functional.pad(torch.cumsum(queries, 0), (1, 0)).to(torch.int32)
+    cu_keys = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+    index = rows[torch.arange(width) < lengths[:, None]]
+    return SharedKeys(index, cu_queries, cu_keys, int(queries.max()), int(lengths.max()))
 
 
 def tail_pieces(used: int, total: int, longest: int) -> torch.Tensor:

@@ -40,6 +40,7 @@ from novarl.config.schema import PolicyConfig
 from novarl.distributed.weight_sync import bucketed, in_dtype
 from novarl.errors import ConfigError
 from novarl.models.attention import use_varlen_attention
+from novarl.models.logprob_head import use_picking_head
 from novarl.models.loading import ExportFormat, load_causal_lm
 from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf, sends_adapter
 
@@ -146,6 +147,8 @@ class DeepSpeedModel(DataParallelRows):
                 info(trainable_summary(model, adapted, self.lora))
         else:
             model.requires_grad_(trainable)
+        if not value_head:
+            use_picking_head(model, policy.logprob_chunk_size)
         if trainable and policy.deepspeed_cfg.activation_checkpointing:
             apply_activation_checkpointing(model)
         model.train(trainable)

@@ -34,6 +34,8 @@ from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.parallelize import (
     ParallelDims,
     apply_activation_checkpointing,
+    apply_compile,
+    compiles,
     apply_fsdp,
     apply_tp,
     build_mesh,
@@ -48,6 +50,7 @@ from novarl.distributed.weight_sync import bucketed, full_weights, in_dtype
 from novarl.models.attention import use_varlen_attention
 from novarl.models.context_parallel import use_context_parallel_attention
 from novarl.models.loading import DTYPES, ExportFormat, load_causal_lm
+from novarl.models.logprob_head import use_picking_head
 from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf, sends_adapter
 
 
@@ -106,10 +109,19 @@ class ShardedModel(DataParallelRows):
                 from novarl.logging.console import info
 
                 info(trainable_summary(model, adapted, self.lora))
+        if not value_head and dims.tensor_parallel == 1:  # tensor parallelism splits the head over the vocabulary
+            use_picking_head(model, policy.logprob_chunk_size)
         if dims.tensor_parallel > 1:
             apply_tp(model, self.mesh["tp"], dt)
         if trainable and dt.activation_checkpointing:
             apply_activation_checkpointing(model)
+        if compiles(dt, model, self.device):
+            apply_compile(model)
+            if trainable and dist.get_rank() == 0 and dt.torch_compile is None:
+                from novarl.logging.console import info
+
+                info("decoder layers compiled (policy.dtensor_cfg.torch_compile: on by default on CUDA; "
+                     "the first steps compile)")
         apply_fsdp(model, fsdp_mesh(self.mesh), param_dtype=DTYPES[precision], cpu_offload=dt.cpu_offload)
         model.train(trainable)
         if self.lora is None:
@@ -126,7 +138,8 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         super().__init__(policy, model_path, device, trainable=True, temperature=temperature, seed=seed,
                          value_head=value_head)
         self.policy = policy
-        self.optimizer = build_optimizer(policy.optimizer, [p for p in self.model.parameters() if p.requires_grad])
+        self.optimizer = build_optimizer(policy.optimizer, [p for p in self.model.parameters() if p.requires_grad],
+                                         self.device)
         self.scheduler = build_scheduler(policy.scheduler, self.optimizer, total_steps)
 
     def accumulation_boundary(self, last: bool) -> None:

@@ -10,9 +10,19 @@ from novarl.config.schema import OptimizerConfig, SchedulerMilestones, Scheduler
 from novarl.errors import ConfigError
 
 
-def build_optimizer(cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    cls = getattr(torch.optim, cfg.name.removeprefix("torch.optim."))
+FUSED = ("Adam", "AdamW", "SGD", "Adagrad")
+"""torch.optim classes with a fused CUDA kernel (one launch for all parameters, no host sync)."""
+
+
+def build_optimizer(cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter],
+                    device: torch.device | None = None) -> torch.optim.Optimizer:
+    """The configured torch optimizer; on a CUDA device its fused kernel where the class has one and
+    policy.optimizer.kwargs chooses no implementation (neither `fused` nor `foreach`)."""
+    name = cfg.name.removeprefix("torch.optim.")
+    cls = getattr(torch.optim, name)
     kwargs = dict(cfg.kwargs)
+    if device is not None and device.type == "cuda" and name in FUSED and not {"fused", "foreach"} & set(kwargs):
+        kwargs["fused"] = True
     try:
         if "betas" in kwargs:
             kwargs["betas"] = tuple(kwargs["betas"])

@@ -249,6 +249,26 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def compiles(cfg: DTensorConfig, model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether the decoder layers are compiled: dtensor_cfg.torch_compile, or where it is None, on
+    the layout it was measured to win on (CUDA, a PLAIN_CAUSAL model, no tp, cp, LoRA or
+    activation checkpointing)."""
+    if cfg.torch_compile is not None:
+        return cfg.torch_compile
+    from novarl.plan.model_shape import PLAIN_CAUSAL
+
+    return (device.type == "cuda" and model.config.model_type in PLAIN_CAUSAL and cfg.tensor_parallel_size == 1
+            and cfg.context_parallel_size == 1 and not cfg.lora_cfg.enabled and not cfg.activation_checkpointing)
+
+
+def apply_compile(model: torch.nn.Module) -> None:
+    """Compile each decoder layer in place (its module and parameter names unchanged), as torchtitan
+    does: after tensor parallelism and activation checkpointing, before FSDP. Each layer is its own
+    graph (the same code for every layer: compiled once, reused), graph breaks allowed."""
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=None)
+
+
 def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype,
                cpu_offload: bool) -> None:
     """Shard each decoder layer, then the root (embeddings, final norm, head)."""

@@ -25,6 +25,7 @@ from novarl.backends.training.batching import (
 )
 from novarl.distributed.local import collective_device
 from novarl.models.attention import VARLEN
+from novarl.models.logprob_head import picking_head
 from novarl.errors import UserError
 from novarl.types import TrainBatch
 
@@ -103,8 +104,13 @@ def model_logprobs(model, attention: str | None, mb: TrainBatch, batching: Micro
         rows = logits[0].float() / temperature if temperature != 1.0 else logits[0].float()
         scores = rows.gather(-1, following[:, None]).squeeze(-1) - torch.logsumexp(rows, dim=-1)  # next tokens'
         return per_token(shard.gather(scores, 0), inputs.previous), len(shard.local)
-    logits, inputs = model_outputs(model, attention, mb, batching)
-    return picked_logprobs(logits, inputs, mb, temperature), inputs.tokens_computed
+    inputs = model_inputs(mb, batching, attention)
+    head = picking_head(model)
+    if head is None:
+        return picked_logprobs(run_model(model, attention, inputs), inputs, mb, temperature), inputs.tokens_computed
+    with head.picking(inputs.previous, mb.input_ids, temperature):  # no full logits: models/logprob_head.py
+        picked = run_model(model, attention, inputs)
+    return picked * (inputs.previous >= 0), inputs.tokens_computed
 
 
 def model_values(model, attention: str | None, mb: TrainBatch, batching: MicroBatching, *,
@@ -115,7 +121,8 @@ def model_values(model, attention: str | None, mb: TrainBatch, batching: MicroBa
     if context is not None:
         outputs, inputs, shard = context_outputs(model, mb, batching, context)
         return per_token(shard.gather(outputs.reshape(-1).float(), 0), inputs.previous), len(shard.local)
-    outputs, inputs = model_outputs(model, attention, mb, batching)
+    inputs = model_inputs(mb, batching, attention)
+    outputs = run_model(model, attention, inputs)
     return per_token(outputs.reshape(-1).float(), inputs.previous), inputs.tokens_computed
 
 
@@ -124,22 +131,26 @@ def per_token(per_position: torch.Tensor, previous: torch.Tensor) -> torch.Tenso
     return per_position.index_select(0, previous.clamp(min=0)) * (previous >= 0)
 
 
-def model_outputs(model, attention: str | None, mb: TrainBatch, batching: MicroBatching):
-    """The model's output head [R, W, V] over the micro-batch laid out as `batching` says, and the
-    layout (batching.ModelInputs)."""
-    inputs = lay_out(mb, batching.layout, batching.length_multiple,
-                     share_prompts=batching.share_prompts and attention == VARLEN)
+def model_inputs(mb: TrainBatch, batching: MicroBatching, attention: str | None):
+    """The micro-batch laid out as `batching` says (batching.ModelInputs), prompts shared where
+    the attention implementation reads shared-prompt rows."""
+    return lay_out(mb, batching.layout, batching.length_multiple,
+                   share_prompts=batching.share_prompts and attention == VARLEN)
+
+
+def run_model(model, attention: str | None, inputs) -> torch.Tensor:
+    """The model's output head over laid-out inputs: [R, W, V] logits (or what a picking head returns)."""
     boundaries = {}
     if inputs.attention_rows is not None:  # a prompt once, attended by each of its completions
-        boundaries = dict(novarl_attention_rows=inputs.attention_rows, novarl_attention_take=inputs.attention_take)
+        boundaries = dict(novarl_attention_rows=inputs.attention_rows, novarl_attention_take=inputs.attention_take,
+                          novarl_shared_keys=inputs.shared_keys)
     elif inputs.attention_mask is None and attention:  # each sequence's attention alone
         boundaries = dict(cu_seq_lens_q=inputs.cu_seqlens, cu_seq_lens_k=inputs.cu_seqlens,
                           max_length_q=inputs.max_seqlen, max_length_k=inputs.max_seqlen)
     # no KV cache: with one, transformers would not read packed rows' position ids as
     # sequence boundaries (and a training forward has no use for it)
-    logits = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                   attention_mask=None if attention else inputs.attention_mask, use_cache=False, **boundaries).logits
-    return logits, inputs
+    return model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
+                 attention_mask=None if attention else inputs.attention_mask, use_cache=False, **boundaries).logits
 
 
 def context_outputs(model, mb: TrainBatch, batching: MicroBatching, group: dist.ProcessGroup):

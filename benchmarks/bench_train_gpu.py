@@ -1,0 +1,347 @@
+"""Training speed on one GPU: novarl's DTensor policy against a plain PyTorch loop, in MFU.
+
+    python benchmarks/bench_train_gpu.py [--cases plain,fixed,packed,...] [--steps 3] [--out FILE]
+    python benchmarks/bench_train_gpu.py --tiny     # the same code on a tiny model (CPU or GPU)
+
+Model: random-initialised, of Qwen2.5-1.5B's shape (28 layers, hidden 1536, MLP 8960, 12 heads,
+2 KV heads, vocabulary 151,936, tied embeddings: 1.54 B parameters), saved once as safetensors.
+One training step = one logprob pass over the batch (no grad) + forward/backward in
+micro-batches + the optimizer step, bf16 compute. Each case runs in a process of its own (a
+fresh CUDA context, its own peak memory): a warm-up step (two with torch.compile), then
+--steps timed steps, the median reported.
+
+MFU = 4 x forward FLOPs / (seconds x 989 TFLOP/s, the H100 SXM's dense bf16 peak), with the
+forward FLOPs of a sequence of L tokens = L x 2 x parameters + 2 x layers x hidden x L^2
+(causal attention); only real tokens count (padding is waste). Equal lengths: 16 sequences
+x 2,048 tokens (a 256-token prompt), micro-batches of 4 sequences (8,192 tokens when packed).
+Variable lengths: 64 sequences of a 256-token prompt and a completion of 124-3,840 tokens
+(log-normal, seeded), packed in micro-batches of at most 8,192 tokens. The attention kernels
+that ran are read from the profiler (one profiled step per case), not assumed.
+
+Needs torch, transformers and pydantic (and novarl from this checkout); no network.
+Writes benchmarks/results/train_gpu_<device>.md (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PEAK_TFLOPS = 989.0
+SHAPES = {
+    "qwen2.5-1.5b": dict(vocab_size=151_936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32_768),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096),
+}
+CASES = {
+    # name: (batch, layout, torch_compile, implementation)
+    "plain": ("equal", "fixed", False, "plain"),
+    "fixed": ("equal", "fixed", False, "novarl"),
+    "packed": ("equal", "packed", False, "novarl"),
+    "fixed-compile": ("equal", "fixed", True, "novarl"),
+    "packed-compile": ("equal", "packed", True, "novarl"),
+    "var-packed": ("variable", "packed", False, "novarl"),
+    "var-packed-compile": ("variable", "packed", True, "novarl"),
+    "var-fixed": ("variable", "fixed", False, "novarl"),
+    "var-plain": ("variable", "fixed", False, "plain"),
+}
+DEFAULT_CASES = "plain,fixed,packed,var-packed,fixed-compile,packed-compile,var-packed-compile"
+ATTENTION_KERNELS = ("flash", "fmha", "attention", "cudnn", "efficient", "sdpa", "bmm")
+
+
+def batch_lengths(kind: str, tiny: bool) -> tuple[list[int], int]:
+    """(sequence lengths, prompt length) of the batch."""
+    import random
+
+    scale = 16 if tiny else 1
+    if kind == "equal":
+        return [2048 // scale] * 16, 256 // scale
+    rng = random.Random(0)
+    completions = [min(3840, max(124, round(rng.lognormvariate(math.log(700), 0.9)))) // scale for _ in range(64)]
+    return [256 // scale + c for c in completions], 256 // scale
+
+
+def make_batch(lengths: list[int], prompt: int, vocab: int):
+    import torch
+
+    from novarl.types import TrainBatch
+
+    generator = torch.Generator().manual_seed(0)
+    longest = max(lengths)
+    ids = torch.randint(1, vocab, (len(lengths), longest), generator=generator)
+    mask = torch.arange(longest) < torch.tensor(lengths)[:, None]
+    loss_mask = mask & (torch.arange(longest) >= prompt)
+    batch = TrainBatch.from_rows(ids, mask, loss_mask, torch.randn(len(lengths), generator=generator))
+    batch.prompt_lengths = torch.full((len(lengths),), prompt)
+    batch.group_ids = torch.arange(len(lengths))
+    return batch
+
+
+def save_model(folder: Path, shape: str) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**SHAPES[shape], tie_word_embeddings=True, rope_theta=1_000_000.0, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    return model.num_parameters()
+
+
+def forward_flops(lengths: list[int], params: int, layers: int, hidden: int) -> float:
+    return sum(L * 2 * params + 2 * layers * hidden * L * L for L in lengths)
+
+
+def attention_work(batch, batching) -> float:
+    """Attention score work the layout computes over the real tokens' (sum of L^2): a packed
+    micro-batch costs its sequences' own under the varlen kernel, each padded to its longest otherwise."""
+    from novarl.backends.training.batching import plan_for
+    from novarl.models import attention
+
+    lengths = batch.lengths.tolist()
+    real = sum(L * L for L in lengths)
+    done = 0
+    for sequences in plan_for(batch, 1, batching).ranks[0]:
+        chosen = [lengths[i] for i in sequences]
+        if batching.layout == "packed" and attention.packed_kernel == "flash_varlen":
+            done += sum(L * L for L in chosen)
+        else:
+            done += len(chosen) * max(chosen) ** 2
+    return done / real
+
+
+def novarl_policy(folder: str, layout: str, compile_layers: bool, micro: int, longest: int):
+    from novarl.backends.training.dtensor import DTensorPolicy
+    from novarl.config import load_config
+    from novarl.distributed.local import ensure_single_process_group
+
+    ensure_single_process_group()
+    overrides = [f"policy.model_name={folder}", f"policy.max_seq_length={longest}",
+                 f"policy.train_micro_batch_size={micro}", f"policy.logprob_batch_size={micro}",
+                 "policy.scheduler=[]", f"policy.dtensor_cfg.torch_compile={str(compile_layers).lower()}",
+                 "policy.optimizer.kwargs.lr=1e-6", "policy.max_grad_norm=1.0"]
+    if layout == "packed":
+        tokens = micro * 2048 if longest <= 2048 else 8192
+        tokens = max(tokens, longest)
+        overrides += ["policy.sequence_packing.enabled=true", f"policy.sequence_packing.train_mb_tokens={tokens}",
+                      f"policy.sequence_packing.logprob_mb_tokens={tokens}"]
+    cfg = load_config(None, overrides=overrides)
+    policy = DTensorPolicy(cfg.policy, folder, total_steps=1_000, temperature=1.0)
+    return policy
+
+
+def novarl_step(policy, loss, batch) -> None:
+    batch.old_logprobs = policy.logprobs(batch)
+    policy.forward_backward(batch, loss)
+    policy.optim_step()
+
+
+def plain_model(folder: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.to("cuda" if torch.cuda.is_available() else "cpu").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=torch.cuda.is_available())
+    return model, optimizer
+
+
+def plain_step(model, optimizer, rows, masks, micro: int) -> None:
+    """A plain loop on padded rows: logprobs (no grad), then forward/backward, then AdamW."""
+    import torch
+
+    def logprobs(ids, mask):
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+    with torch.no_grad():
+        old = [logprobs(rows[i:i + micro], masks[i:i + micro]) for i in range(0, len(rows), micro)]
+    for j, i in enumerate(range(0, len(rows), micro)):
+        new = logprobs(rows[i:i + micro], masks[i:i + micro])
+        weight = masks[i:i + micro, 1:].float()
+        loss = -((new - old[j]).exp() * weight).sum() / weight.sum()
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def run_case(name: str, folder: str, steps: int, tiny: bool, trace: bool) -> dict:
+    """One case in this process: timings, peak memory, kernels."""
+    import torch
+
+    from novarl.algorithms.losses import make_loss
+    from novarl.config.schema import LossConfig
+
+    kind, layout, compile_layers, implementation = CASES[name]
+    cuda = torch.cuda.is_available()
+    config = json.loads((Path(folder) / "config.json").read_text())
+    lengths, prompt = batch_lengths(kind, tiny)
+    batch = make_batch(lengths, prompt, config["vocab_size"])
+    micro = 4 if kind == "equal" else 2
+    if implementation == "plain":
+        model, optimizer = plain_model(folder)
+        device = next(model.parameters()).device
+        rows = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+        masks = torch.zeros_like(rows)
+        for i, (start, end) in enumerate(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())):
+            rows[i, :end - start], masks[i, :end - start] = batch.input_ids[start:end], 1
+        rows, masks = rows.to(device), masks.to(device)
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # rows of similar lengths together
+        rows, masks = rows[order], masks[order]
+        step = lambda: plain_step(model, optimizer, rows, masks, micro)  # noqa: E731
+        work = sum(len(lengths[i:i + micro]) * max(lengths[i:i + micro]) ** 2
+                   for i in range(0, len(lengths), micro)) / sum(L * L for L in lengths) if kind == "variable" else 1.0
+    else:
+        policy = novarl_policy(folder, layout, compile_layers, micro, max(lengths))
+        loss = make_loss(LossConfig())
+        step = lambda: novarl_step(policy, loss, batch)  # noqa: E731
+    times = []
+    for i in range((2 if compile_layers else 1) + steps):
+        if cuda:
+            torch.cuda.synchronize()
+            if i == (2 if compile_layers else 1):
+                torch.cuda.reset_peak_memory_stats()
+        tic = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - tic)
+    timed = times[-steps:]
+    if implementation != "plain":
+        work = attention_work(batch, policy.train_batching)
+    kernels = profile_kernels(step) if trace else {}
+    seconds = statistics.median(timed)
+    params = json.loads((Path(folder).parent / "params.json").read_text())
+    flops = 4 * forward_flops(lengths, params, config["num_hidden_layers"], config["hidden_size"])
+    return {"case": name, "kind": kind, "layout": layout, "compile": compile_layers, "implementation": implementation,
+            "s_per_step": seconds, "all_s": times, "tokens": sum(lengths), "tokens_per_s": sum(lengths) / seconds,
+            "mfu": flops / seconds / (PEAK_TFLOPS * 1e12), "peak_gb": torch.cuda.max_memory_allocated() / 1e9
+            if cuda else float("nan"), "attention_work": work, "kernels": kernels}
+
+
+def profile_kernels(step) -> dict:
+    """GPU time (ms) of the attention kernels of one step, by kernel name (the 6 largest)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return {}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        name = event.key
+        if any(k in name.lower() for k in ATTENTION_KERNELS):
+            totals[name[:90]] = totals.get(name[:90], 0.0) + getattr(event, "device_time_total",
+                                                                     getattr(event, "cuda_time_total", 0)) / 1e3
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:6])
+
+
+def report(results: list[dict], device: str, commit: str, shape: str, params: int, steps: int) -> str:
+    lines = [f"# Training speed on one {device}", "",
+             f"- date: {date.today()}; commit {commit}; `python benchmarks/bench_train_gpu.py` "
+             f"(torch {_version('torch')}, transformers {_version('transformers')})",
+             f"- model: random {shape} shape, {params / 1e9:.2f} B parameters, bf16 compute (novarl: fp32 master "
+             "weights under FSDP2 mixed precision; plain: bf16 weights, fused AdamW)",
+             "- step = logprob pass (no grad) + forward/backward in micro-batches + optimizer step; "
+             f"median of {steps} timed steps after warm-up; each case in a fresh process",
+             f"- MFU = 4 x forward FLOPs of the real tokens / (s x {PEAK_TFLOPS:.0f} TFLOP/s); attention work = "
+             "score work computed / the real tokens' (sum of L^2)", "",
+             "| case | batch | layout | compile | s/step | tokens/s | MFU | peak GB | attention work | "
+             "attention kernels (ms in one step) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['case']} | | | | failed: {r['error'][:200]} | | | | | |")
+            continue
+        kernels = "; ".join(f"{k} {v:.0f}" for k, v in r["kernels"].items()) or "-"
+        label = "plain PyTorch loop" if r["implementation"] == "plain" else "novarl DTensor"
+        lines.append(f"| {r['case']} ({label}) | {r['kind']} | {r['layout']} | {'yes' if r['compile'] else 'no'} "
+                     f"| {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gb']:.1f} "
+                     f"| {r['attention_work']:.2f} | {kernels} |")
+    return "\n".join(lines) + "\n"
+
+
+def _version(name: str) -> str:
+    import importlib.metadata as metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default=DEFAULT_CASES)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model and batch (checks the script)")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=240, help="seconds per case")
+    args = parser.parse_args()
+    if args.case:  # a child: one case
+        result = run_case(args.case, args.folder, args.steps, args.tiny, trace=True)
+        Path(args.result).write_text(json.dumps(result))
+        return
+    import torch
+
+    shape = "tiny" if args.tiny else "qwen2.5-1.5b"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip() or "?"
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "model"
+        params = save_model(folder, shape)
+        (Path(tmp) / "params.json").write_text(json.dumps(params))
+        for name in args.cases.split(","):
+            out = Path(tmp) / f"{name}.json"
+            command = [sys.executable, __file__, "--case", name, "--folder", str(folder), "--result", str(out),
+                       "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
+            tic = time.perf_counter()
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
+                                      env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
+                error = None if out.exists() else (done.stderr.strip().splitlines() or ["no output"])[-1]
+                if error:
+                    sys.stderr.write(done.stderr[-3000:])
+            except subprocess.TimeoutExpired:
+                error = f"over {args.timeout:.0f} s"
+            result = {"case": name, "error": error} if error else json.loads(out.read_text())
+            results.append(result)
+            if args.out:  # as it goes: a run stopped from outside keeps the cases done
+                args.out.write_text(report(results, device, commit, shape, params, args.steps))
+            print(f"{name}: {time.perf_counter() - tic:.0f} s " + (f"failed: {error}" if error else
+                  f"{result['s_per_step']:.3f} s/step, {result['tokens_per_s']:,.0f} tokens/s, MFU "
+                  f"{result['mfu']:.1%}, peak {result['peak_gb']:.1f} GB, attention work "
+                  f"{result['attention_work']:.2f}, kernels {result['kernels']}"), flush=True)
+    text = report(results, device, commit, shape, params, args.steps)
+    print(text)
+    slug = "".join(c if c.isalnum() else "_" for c in device.lower()).strip("_")
+    out = args.out or ROOT / "benchmarks" / "results" / f"train_gpu_{slug}.md"
+    if not args.tiny or args.out:
+        out.write_text(text)
+        print(f"wrote {out}")
+    Path(os.environ.get("OUT", tempfile.gettempdir()), "train_gpu.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The output head that computes the chosen tokens' logprobs without the full logits.
+
+A training forward needs one number per token, log p(token | prefix), but a Hugging Face
+causal LM returns logits for every position and every vocabulary entry: for a micro-batch
+of 8,192 tokens of a 151,936-entry vocabulary that is 2.5 GB in bf16, 5 GB more in float32
+for the softmax, and as much again for their gradient. `PickingHead` is the model's
+`lm_head` (a plain `nn.Linear`, same weight, same names in the state dict) that, while a
+`picking` request is set, takes the rows of the final hidden states whose next token is
+scored and returns their logprobs [n] instead of logits: `chunked_logprobs` computes the
+logits chunk by chunk of rows (at most CHUNK_BYTES of float32 logits at a time) and keeps
+only each row's logsumexp; the backward recomputes each chunk's logits. It costs one more
+head matmul in the backward and saves the logits' memory and their round trips through it.
+
+It runs inside the model's forward, where FSDP2 has the head's weight gathered and DeepSpeed
+ZeRO-3 has it in place, so their hooks see an ordinary forward and backward. Without a
+request the head is the plain linear layer (generation, the critic's head, context
+parallelism). Installed for architectures whose logits are the head's output as is
+(PLAIN_CAUSAL: no final soft-capping) and only where the weight is a whole tensor on each
+rank (not under tensor parallelism, whose head is split over the vocabulary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from novarl.plan.model_shape import PLAIN_CAUSAL
+
+CHUNK_BYTES = 1 << 30
+"""The float32 logits computed at once: 1 GiB (1,766 rows of a 151,936-entry vocabulary)."""
+
+
+def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Rows of float32 logits over the vocabulary that fit in chunk_bytes (at least 1)."""
+    return max(1, chunk_bytes // (4 * vocab_size))
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """hidden [n, H], weight [V, H], targets [n] -> [n] float32 log softmax(hidden @ weight.T / T)[target]."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                rows: int) -> torch.Tensor:
+        picked = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(picked)
+        for start in range(0, len(hidden), rows):
+            logits = _scaled_logits(hidden[start:start + rows], weight, temperature)
+            lse[start:start + rows] = torch.logsumexp(logits, dim=-1)
+            picked[start:start + rows] = logits.gather(-1, targets[start:start + rows, None]).squeeze(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.rows = temperature, rows
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        for start in range(0, len(hidden), ctx.rows):
+            end = start + ctx.rows
+            chunk, g = hidden[start:end], grad[start:end].float()
+            logits = _scaled_logits(chunk, weight, ctx.temperature)
+            # d logprob[target] / d logits = onehot(target) - softmax
+            d_logits = (logits - lse[start:end, None]).exp_().mul_(-g[:, None])
+            d_logits.scatter_add_(-1, targets[start:end, None], g[:, None])
+            if ctx.temperature != 1.0:
+                d_logits.div_(ctx.temperature)
+            d_logits = d_logits.to(hidden.dtype)
+            if want_hidden:
+                grad_hidden[start:end] = d_logits @ weight
+            if want_weight:
+                grad_weight += (d_logits.t() @ chunk).float()
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
+
+
+def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits of a chunk, computed in the weight's dtype as the plain head computes them."""
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                     rows: int | None = None) -> torch.Tensor:
+    """[n] float32 logprobs of targets [n] under the logits hidden [n, H] @ weight [V, H].T / temperature,
+    computed `rows` rows at a time (default: chunk_rows of the vocabulary); differentiable in
+    hidden and weight, the backward recomputing each chunk's logits."""
+    return ChunkedLogprobs.apply(hidden, weight, targets, temperature, rows or chunk_rows(weight.shape[0]))
+
+
+class PickingHead(torch.nn.Linear):
+    """A causal LM's output head that, inside `picking(...)`, returns logprobs of chosen tokens."""
+
+    _request: tuple[torch.Tensor, torch.Tensor, float] | None = None
+    rows: int | None = None
+    """Rows of logits computed at once (policy.logprob_chunk_size); None: chunk_rows of the vocabulary."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._request is None:
+            return super().forward(hidden)
+        previous, targets, temperature = self._request
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, previous.clamp(min=0))
+        return chunked_logprobs(rows, self.weight, targets, temperature, self.rows)
+
+    @contextmanager
+    def picking(self, previous: torch.Tensor, targets: torch.Tensor, temperature: float) -> Iterator[None]:
+        """While inside: the head returns [n] logprobs of targets [n], token i's read from the
+        hidden state at flat position previous[i] of the [R, W] input (clamped at 0: a sequence's
+        first token, which the caller masks)."""
+        self._request = (previous, targets, temperature)
+        try:
+            yield
+        finally:
+            self._request = None
+
+
+def use_picking_head(model: torch.nn.Module, rows: int | None = None) -> bool:
+    """Make a loaded Hugging Face causal LM's output head a PickingHead (computing `rows` rows of
+    logits at once) where its logits are the head's output as is (an unbiased linear layer of a
+    PLAIN_CAUSAL architecture). Before any sharding. True if the head now picks."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or head.bias is not None or model.config.model_type not in PLAIN_CAUSAL:
+        return False
+    head.__class__ = PickingHead
+    head.rows = rows
+    return True
+
+
+def picking_head(model) -> PickingHead | None:
+    """The model's PickingHead (through a DeepSpeed engine's `module`), or None."""
+    module = getattr(model, "module", model)
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    return head if isinstance(head, PickingHead) else None

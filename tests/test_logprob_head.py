@@ -1,0 +1,116 @@
+"""Logprobs without the full logits (models/logprob_head.py): the chunked computation and its
+gradients equal log_softmax over the whole logits, and a Hugging Face model whose head picks
+gives the training forward's logprobs and weight gradients of the plain head, packed and padded."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from novarl.models.logprob_head import PickingHead, chunk_rows, chunked_logprobs, picking_head, use_picking_head
+from novarl.types import TrainBatch
+
+
+def full_logprobs(hidden, weight, targets, temperature):
+    logits = torch.nn.functional.linear(hidden, weight).float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("rows", [3, 4, 64])  # chunks of 3 (the last one short), of 4, one chunk
+def test_chunked_logprobs_and_gradients_equal_the_full_softmax(rows):
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 16, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 50, (10,), generator=generator)
+    upstream = torch.randn(10, dtype=torch.float64, generator=generator)
+    expected = full_logprobs(hidden, weight, targets, 0.7).double()
+    grads = torch.autograd.grad((expected * upstream).sum(), (hidden, weight))
+    picked = chunked_logprobs(hidden, weight, targets, 0.7, rows)
+    assert picked.dtype == torch.float32  # as the plain path's .float() gives
+    assert torch.allclose(picked.double(), expected, atol=1e-6)
+    chunked_grads = torch.autograd.grad((picked.double() * upstream).sum(), (hidden, weight))
+    for got, want in zip(chunked_grads, grads, strict=True):
+        assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+
+
+def test_bfloat16_matches_the_plain_heads_numbers():
+    """In bf16 the logits are the head's bf16 matmul, as the plain path computes them; gradients
+    within bf16's rounding (the weight's is summed over chunks in float32)."""
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(40, 32, generator=generator).bfloat16().requires_grad_()
+    weight = torch.randn(300, 32, generator=generator).bfloat16().requires_grad_()
+    targets = torch.randint(0, 300, (40,), generator=generator)
+    expected = full_logprobs(hidden, weight, targets, 1.0)
+    picked = chunked_logprobs(hidden, weight, targets, 1.0, 7)
+    assert torch.allclose(picked, expected, atol=1e-5)
+    want = torch.autograd.grad(expected.sum(), (hidden, weight))
+    got = torch.autograd.grad(picked.sum(), (hidden, weight))
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.bfloat16
+        assert torch.allclose(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_chunk_rows_keep_the_float32_logits_under_the_budget():
+    assert chunk_rows(151_936) == 1766
+    assert chunk_rows(151_936, chunk_bytes=1) == 1
+    assert chunk_rows(64) == (1 << 30) // 256
+
+
+def tiny_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    return Qwen2ForCausalLM(config).float()
+
+
+@pytest.mark.parametrize("layout", ["packed", "fixed"])
+def test_a_picking_model_trains_on_the_plain_heads_logprobs_and_gradients(layout):
+    from novarl.backends.training.batching import MicroBatching
+    from novarl.backends.training.rows import model_logprobs
+    from novarl.models.attention import use_varlen_attention
+
+    plain = tiny_qwen2()
+    picking = copy.deepcopy(plain)
+    assert use_picking_head(picking, rows=5) and picking_head(picking) is picking.lm_head  # chunks of 5 rows
+    assert picking.lm_head.weight is picking.model.embed_tokens.weight  # still tied
+    assert picking_head(plain) is None
+    generator = torch.Generator().manual_seed(2)
+    lengths = torch.tensor([19, 7, 12])
+    ids = torch.randint(1, 96, (3, 19), generator=generator)
+    mask = torch.arange(19) < lengths[:, None]
+    mb = TrainBatch.from_rows(ids, mask, mask.clone(), torch.zeros(3))
+    batching = MicroBatching(layout, 3, 64, 1)
+    upstream = torch.linspace(-1, 1, int(lengths.sum()))
+    results = []
+    for model in (plain, picking):
+        attention = use_varlen_attention(model)
+        logprobs, computed = model_logprobs(model, attention, mb, batching, 0.8)
+        (logprobs * upstream).sum().backward()
+        results.append((logprobs.detach(), computed, {n: p.grad for n, p in model.named_parameters()}))
+    (want, want_computed, want_grads), (got, got_computed, got_grads) = results
+    assert got_computed == want_computed
+    assert torch.allclose(got, want, atol=1e-6)
+    assert (got[torch.tensor([0, 19, 26])] == 0).all()  # each sequence's first token
+    for name, grad in want_grads.items():
+        assert torch.allclose(got_grads[name], grad, atol=1e-6), name
+
+
+def test_only_a_plain_linear_head_of_a_plain_causal_model_picks():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=32))
+    assert not use_picking_head(gpt2)  # not a PLAIN_CAUSAL architecture
+    model = tiny_qwen2()
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(96))
+    assert not use_picking_head(model)
+    model = tiny_qwen2()
+    assert use_picking_head(model)
+    hidden = torch.randn(2, 3, 32)
+    assert isinstance(model.lm_head, PickingHead)
+    assert torch.equal(model.lm_head(hidden), hidden @ model.lm_head.weight.t())  # no request: the plain head

@@ -1,0 +1,214 @@
+"""The fast paths of a training step on a GPU, and their CPU fallbacks: packed attention through
+torch's varlen flash kernel (models/attention.py) equals each sequence's own causal attention; the
+optimizer is the fused kernel on CUDA (backends/training/optim.py); the chunked logprob head
+(models/logprob_head.py) in bf16 on CUDA equals the full softmax. The CUDA tests skip without
+CUDA; the fallbacks and the choice between them are tested here on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from novarl.backends.training.optim import build_optimizer
+from novarl.config.schema import OptimizerConfig
+from novarl.models import attention
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+LENGTHS = (300, 17, 128, 1, 64)
+
+
+def per_sequence_attention(query, key, value, lengths):
+    """[1, H, T, D] each sequence's causal attention alone, [1, T, H, D] out (the reference)."""
+    outs, start = [], 0
+    for length in lengths:
+        q, k, v = (t[:, :, start:start + length] for t in (query, key, value))
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        start += length
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def packed_qkv(device, dtype, heads=8, kv_heads=2, dim=64):
+    generator = torch.Generator().manual_seed(0)
+    total = sum(LENGTHS)
+    make = lambda h: torch.randn(1, h, total, dim, generator=generator).to(device, dtype).requires_grad_()  # noqa: E731
+    cu = torch.nn.functional.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0))
+    return make(heads), make(kv_heads), make(kv_heads), cu
+
+
+def attention_and_grads(fn, query, key, value):
+    out = fn(query, key, value)
+    weights = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out).to(out.dtype)
+    grads = torch.autograd.grad((out * weights).sum(), (query, key, value))
+    return out.float(), [g.float() for g in grads]
+
+
+def test_on_the_cpu_packed_rows_take_the_padded_sdpa_path_with_equal_results(monkeypatch):
+    monkeypatch.setattr(attention, "packed_kernel", None)
+    query, key, value, cu = packed_qkv("cpu", torch.float32)
+    module = torch.nn.Module()
+    got, got_grads = attention_and_grads(
+        lambda q, k, v: attention.varlen_attention(module, q, k, v, None, cu_seq_lens_q=cu, max_length_q=300)[0],
+        query, key, value)
+    assert attention.packed_kernel == "padded_sdpa"
+    want, want_grads = attention_and_grads(lambda q, k, v: per_sequence_attention(q, k, v, LENGTHS), query, key, value)
+    assert torch.allclose(got, want, atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert torch.allclose(g, w, atol=1e-5)
+
+
+def test_the_optimizer_is_fused_on_cuda_unless_the_config_chooses():
+    param = [torch.nn.Parameter(torch.zeros(3))]
+    adamw = OptimizerConfig(name="torch.optim.AdamW", kwargs={"lr": 1e-3})
+    assert not build_optimizer(adamw, param).defaults.get("fused")  # no device given: torch's default
+    assert not build_optimizer(adamw, param, torch.device("cpu")).defaults.get("fused")
+    chosen = OptimizerConfig(name="torch.optim.AdamW", kwargs={"lr": 1e-3, "foreach": True})
+    if torch.cuda.is_available():
+        on_gpu = [torch.nn.Parameter(torch.zeros(3, device="cuda"))]
+        assert build_optimizer(adamw, on_gpu, torch.device("cuda")).defaults["fused"] is True
+        assert not build_optimizer(chosen, on_gpu, torch.device("cuda")).defaults.get("fused")
+
+
+@cuda
+def test_packed_attention_runs_the_varlen_kernel_on_cuda_and_equals_per_sequence_attention(monkeypatch):
+    monkeypatch.setattr(attention, "packed_kernel", None)
+    query, key, value, cu = packed_qkv("cuda", torch.bfloat16)
+    module = torch.nn.Module()
+    got, got_grads = attention_and_grads(
+        lambda q, k, v: attention.varlen_attention(module, q, k, v, None, cu_seq_lens_q=cu, max_length_q=300)[0],
+        query, key, value)
+    assert attention.packed_kernel == "flash_varlen"
+    want, want_grads = attention_and_grads(lambda q, k, v: per_sequence_attention(q, k, v, LENGTHS),
+                                           *(t.detach().float().requires_grad_() for t in (query, key, value)))
+    assert (got - want).norm() / want.norm() < 1e-2
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert (g - w).norm() / w.norm() < 2e-2
+
+
+@cuda
+def test_chunked_logprobs_on_cuda_in_bf16_equal_the_full_softmax():
+    from novarl.models.logprob_head import chunked_logprobs
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3000, 256, generator=generator).cuda().bfloat16().requires_grad_()
+    weight = (torch.randn(32_000, 256, generator=generator) / 16).cuda().bfloat16().requires_grad_()
+    targets = torch.randint(0, 32_000, (3000,), generator=generator).cuda()
+    full = torch.log_softmax(torch.nn.functional.linear(hidden, weight).float(), -1).gather(-1, targets[:, None])[:, 0]
+    picked = chunked_logprobs(hidden, weight, targets, 1.0, 700)
+    assert torch.allclose(picked, full, atol=1e-4)
+    want = torch.autograd.grad(full.sum(), (hidden, weight))
+    got = torch.autograd.grad(picked.sum(), (hidden, weight))
+    for g, w in zip(got, want, strict=True):
+        assert (g.float() - w.float()).norm() / w.float().norm() < 1e-2
+
+
+def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients():
+    """policy.dtensor_cfg.torch_compile: each decoder layer compiled in place (inductor on the CPU)."""
+    import copy
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from novarl.backends.training.batching import MicroBatching
+    from novarl.backends.training.parallelize import apply_compile
+    from novarl.backends.training.rows import model_logprobs
+    from novarl.types import TrainBatch
+
+    torch.manual_seed(0)
+    eager = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    compiled = copy.deepcopy(eager)
+    apply_compile(compiled)
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.arange(12) < torch.tensor([[12], [9]])
+    mb = TrainBatch.from_rows(ids, mask, mask.clone(), torch.zeros(2))
+    results = []
+    for model in (eager, compiled):
+        logprobs, _ = model_logprobs(model, None, mb, MicroBatching("fixed", 2, 64, 1), 1.0)
+        logprobs.sum().backward()
+        results.append((logprobs.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (want, want_grads), (got, got_grads) = results
+    assert torch.allclose(got, want, atol=1e-5)
+    for name, grad in want_grads.items():
+        assert torch.allclose(got_grads[name], grad, atol=1e-5), name
+
+
+def bottom_right_varlen(query, key, value, cu_queries, cu_keys, longest_queries, longest_keys, scaling):
+    """What flash-attention's varlen kernel computes, in plain torch on the CPU: [1, Tq, H, D]."""
+    outs = []
+    for a in range(len(cu_queries) - 1):
+        q = query[:, :, cu_queries[a]:cu_queries[a + 1]]
+        k, v = (t[:, :, cu_keys[a]:cu_keys[a + 1]] for t in (key, value))
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        allowed = torch.arange(k.shape[2]) <= torch.arange(q.shape[2])[:, None] + (k.shape[2] - q.shape[2])
+        outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling))
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_the_varlen_kernels_inputs_give_the_padded_paths_logprobs(shared, device, monkeypatch):
+    """A packed micro-batch (with shared prompts: each completion's keys gathered after its prompt's)
+    through torch's varlen kernel (CUDA, bf16), or on the CPU through a kernel that computes what it
+    does: the logprobs and gradients of the padded-rows path."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from novarl.backends.training.batching import MicroBatching
+    from novarl.backends.training.rows import model_logprobs
+    from novarl.types import TrainBatch
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    assert attention.use_varlen_attention(model) == attention.VARLEN
+    lengths, prompts, groups = [13, 9, 11, 6, 15], [5, 5, 5, 3, 4], [0, 0, 0, 1, 2]
+    ids = torch.randint(1, 64, (5, 15), generator=torch.Generator().manual_seed(4))
+    for s in (1, 2):
+        ids[s, :5] = ids[0, :5]
+    mask = torch.arange(15) < torch.tensor(lengths)[:, None]
+    mb = TrainBatch.from_rows(ids, mask, mask & (torch.arange(15) >= torch.tensor(prompts)[:, None]), torch.zeros(5))
+    mb.prompt_lengths, mb.group_ids = torch.tensor(prompts), torch.tensor(groups)
+    batching = MicroBatching("packed", 5, 96, 8, share_prompts=shared)
+    if device == "cuda":
+        model, mb = model.cuda().bfloat16(), mb.to(torch.device("cuda"))
+    calls = []
+
+    def counted(*args):
+        calls.append(args[3])
+        return (attention.flash_varlen if device == "cuda" else bottom_right_varlen)(*args)
+
+    results = []
+    for kernel in (None, counted):
+        monkeypatch.setattr(attention, "varlen_kernel", lambda query, dropout: kernel)
+        model.zero_grad()
+        logprobs, _ = model_logprobs(model, attention.VARLEN, mb, batching, 1.0)
+        logprobs.sum().backward()
+        results.append((logprobs.detach().float(), [p.grad.float().clone() for p in model.parameters()]))
+    assert len(calls) == 2  # each layer's attention went through the kernel
+    # queries: a prompt once (13 = 5 + 8), the completions of its followers (4, 6), then the row's padding
+    assert calls[0].tolist() == ([0, 13, 17, 23, 29, 44, 48] if shared else [0, 13, 22, 33, 39, 54, 56])
+    (want, want_grads), (got, got_grads) = results
+    tolerance = 1e-5 if device == "cpu" else 3e-2
+    assert torch.allclose(got, want, atol=tolerance)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert (g - w).norm() <= tolerance * max(w.norm(), 1.0)
+
+
+def test_decoder_layers_compile_by_default_only_where_it_was_measured_to_win():
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    from novarl.backends.training.parallelize import compiles
+    from novarl.config.schema import DTensorConfig
+
+    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1))
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    default = DTensorConfig()
+    assert compiles(default, qwen, gpu) and not compiles(default, qwen, cpu)
+    for unmeasured in ({"tensor_parallel_size": 2}, {"context_parallel_size": 2}, {"activation_checkpointing": True},
+                       {"lora_cfg": {"enabled": True}}):
+        assert not compiles(DTensorConfig.model_validate(unmeasured), qwen, gpu), unmeasured
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=32))
+    assert not compiles(default, gpt2, gpu)
+    assert compiles(DTensorConfig(torch_compile=True), qwen, cpu)
+    assert not compiles(DTensorConfig(torch_compile=False), qwen, gpu)
