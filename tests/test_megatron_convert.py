@@ -216,19 +216,59 @@ def megatron_rank(rank: int, world: int, port: int, results) -> None:
                 checks[f"{name} mlp{i}"] = torch.allclose(mlp, theirs.mlp(x), atol=1e-5)
                 checks[f"{name} norm{i}"] = torch.allclose(ours.input_layernorm(x), theirs.input_layernorm(x),
                                                            atol=1e-6)
+    checks.update(core_attention_checks(world))
     send(results, rank, checks)
 
 
+def core_attention_checks(world: int) -> dict[str, bool]:
+    """novarl's SDPAttention against megatron-core's DotProductAttention on this rank's heads
+    (4 query heads on 2 key/value heads, of 8 on 4): outputs and q/k/v gradients of causal
+    attention on padded rows, and a prompt chunk's queries on its keys so far with an explicit
+    mask (Megatron generation's chunked prefill)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from novarl.backends.megatron import cpu
+    from novarl.backends.megatron.attention import SDPAttention
+
+    cpu.install()  # DotProductAttention forks megatron-core's CUDA RNG (for its dropout, off here)
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    config = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=8, num_query_groups=4,
+                               kv_channels=16, attention_dropout=0.0, tensor_model_parallel_size=world)
+    built = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    heads, groups = 8 // world, 4 // world
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(7, 3, n, 16) for n in (heads, groups, groups))  # [s, b, heads, dim]
+    weights = torch.randn(7, 3, heads * 16)
+    chunk = torch.ones(3, 7, dtype=torch.bool).triu(4 + 1)[None, None]  # queries 4-6 on keys 0-6, True = hidden
+    results = []
+    for module in (SDPAttention(**built), DotProductAttention(**built)):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = module(*inputs, None)
+        (out * weights).sum().backward()
+        with torch.no_grad():
+            chunked = module(q[4:], k, v, chunk)
+        results.append((out.detach(), *(t.grad for t in inputs), chunked))
+    (out, *grads, chunked), (want, *want_grads, want_chunked) = results
+    return {"core attention": torch.allclose(out, want, atol=1e-5) and
+            all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, want_grads)),
+            "core attention, a chunk with a mask": torch.allclose(chunked, want_chunked, atol=1e-5)}
+
+
 def test_megatron_core_loads_and_computes_like_hugging_face():
-    """Llama and Qwen2 (q/k/v biases) split over 2 tensor-parallel gloo ranks. (Whole models on one
-    rank, the bundled one among them, are held against Hugging Face end to end in
-    tests/test_megatron_backend.py and tests/test_megatron_layouts.py.)"""
+    """Llama and Qwen2 (q/k/v biases) split over 2 tensor-parallel gloo ranks, and novarl's core
+    attention against megatron-core's on them. (Whole models on one rank, the bundled one among
+    them, are held against Hugging Face end to end in tests/test_megatron_backend.py and
+    tests/test_megatron_layouts.py.)"""
     pytest.importorskip("megatron.core")
     from tests.helpers.spawn import spawned
 
     for checks in spawned(megatron_rank, 2):
         assert checks and all(checks.values()), checks
-        assert len(checks) == 2 * (1 + 3 * 2)  # per model: strict load, then qkv/mlp/norm for each of 2 layers
+        # per model: strict load, then qkv/mlp/norm for each of 2 layers; then the core attention, twice
+        assert len(checks) == 2 * (1 + 3 * 2) + 2
 
 
 # ---------------------------------------------------------------- the cache

@@ -1,5 +1,6 @@
 """Megatron-core on a CUDA GPU: its logprobs match the Hugging Face model's on the same
-weights in bf16, and a GRPO run on it learns the bundled task. Skipped without CUDA
+weights in bf16, packed rows through torch's varlen kernel match padded SDPA (the core
+attention used without Transformer Engine), and a GRPO run on it learns the bundled task. Skipped without CUDA
 (the CPU suite runs the same backend through tests/test_megatron_backend.py)."""
 
 import pytest
@@ -48,6 +49,22 @@ def test_logprobs_match_hugging_face_in_bf16(tmp_path, monkeypatch):
     difference = (ours - theirs).abs()
     # bf16 weights and activations, different kernels: agreement to bf16's resolution
     assert difference.mean() < 0.02 and difference.max() < 0.25, (difference.mean(), difference.max())
+
+
+def test_packed_rows_through_the_varlen_kernel_match_padded_sdpa_in_bf16():
+    """Without Transformer Engine, Megatron's packed rows go through novarl's SDPAttention, on
+    CUDA in bf16 torch's varlen flash kernel: the real tokens' outputs and q/k/v gradients agree
+    with each sequence's causal SDPA as a padded row of its own, to bf16's resolution."""
+    from novarl.models import attention
+    from tests.test_megatron_attention import packed_and_padded, sdp_attention
+
+    if attention._flash_varlen() is None:
+        pytest.skip(f"torch {torch.__version__} has no varlen kernel (torch.nn.attention.varlen)")
+    packed, padded = packed_and_padded(sdp_attention(), torch.bfloat16, "cuda")
+    assert attention.packed_kernel == "flash_varlen"
+    for name, got, want in zip(("output", "dq", "dk", "dv"), packed, padded):
+        error = (got.float() - want.float()).abs().max() / want.float().abs().max()
+        assert error < 0.02, (name, error)
 
 
 def test_grpo_on_megatron_learns_the_bundled_task(tmp_path, monkeypatch):

@@ -78,6 +78,24 @@ def test_a_fusion_without_its_kernel_is_a_config_error():
         transformer_config("policy.megatron_cfg.apply_rope_fusion=true")
 
 
+def test_without_transformer_engine_the_layers_attend_through_sdpa():
+    """megatron-core's local layers, dense and Mixture-of-Experts, with novarl's SDPA core
+    attention in place of its unfused DotProductAttention (packed rows included)."""
+    from novarl.backends.megatron.attention import SDPAttention
+    from novarl.backends.megatron.model import layer_spec, transformer_engine_available
+    from novarl.backends.megatron.model import transformer_config as build
+    from tests.helpers.models import tiny_moe
+
+    if transformer_engine_available():
+        pytest.skip("Transformer Engine is installed here: its layer spec is used")
+    mixtral = tiny_moe("mixtral").config
+    moe = build(mixtral, check_model(mixtral, policy()), policy(), precision="float32", world_size=1)
+    for config in (transformer_config(), moe):
+        attention = layer_spec(config).submodules.self_attention.submodules
+        assert attention.core_attention is SDPAttention
+    assert layer_spec(moe).submodules.mlp.module.__name__ == "MoELayer"  # still the experts' spec
+
+
 def test_pipeline_stages_cut_and_join_the_weights():
     from transformers import AutoModelForCausalLM
 

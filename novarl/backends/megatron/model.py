@@ -33,7 +33,10 @@ What maps where (the seeds' keys on the left):
                                                     and after optimizer steps too (2)
     env_vars                                     -> set in each rank's environment first
 
-The optimizer, scheduler and DDP keys are mapped in backends/training/megatron.py.
+The layers are Transformer Engine's where it is installed; without it, megatron-core's local
+ones with novarl's core attention (attention.py: torch's SDPA and varlen kernels, packed rows
+included) in place of megatron-core's unfused one. The optimizer, scheduler and DDP keys are
+mapped in backends/training/megatron.py.
 megatron-core is imported inside functions only.
 """
 
@@ -298,16 +301,22 @@ def _rope(hf_config) -> dict[str, Any]:
 
 
 def layer_spec(config):
-    """Transformer Engine's layer spec where it is installed (fused norms, FP8, sequence
-    parallelism), else megatron-core's local one; with experts when the model has them."""
+    """Transformer Engine's layer spec where it is installed (fused norms and attention, FP8,
+    sequence and context parallelism), else megatron-core's local one with novarl's SDPA core
+    attention (backends/megatron/attention.py: torch's fused kernels, packed rows included) in
+    place of its unfused one; with experts when the model has them."""
     from megatron.core.models.gpt import gpt_layer_specs
+
+    from novarl.backends.megatron.attention import SDPAttention
 
     experts = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
                    qk_layernorm=config.qk_layernorm)
     if transformer_engine_available():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**experts)
     _moe_router_without_transformer_engine()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **experts)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **experts)
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention  # (a spec built for this call)
+    return spec
 
 
 def _moe_router_without_transformer_engine() -> None:

@@ -10,7 +10,8 @@ exclude each other):
   Position ids restart at 0 at each sequence, and each sequence attends only to
   itself: transformers builds the block-diagonal causal mask from the position ids
   for SDPA and eager attention, and runs flash-attention's varlen kernel on them;
-  Megatron gets `PackedSeqParams` (Transformer Engine) or the block-diagonal mask.
+  Megatron gets `PackedSeqParams` (Transformer Engine's varlen attention, or without it
+  novarl's, backends/megatron/attention.py).
 - dynamic (`dynamic_batching.enabled`): sequences sorted by length, grouped while
   rows x padded length stays within the token budget; each micro-batch is padded to
   its own longest sequence, rounded up to `sequence_length_round`.

@@ -10,8 +10,8 @@ groups. Every rank runs each method. Ranks are laid out by megatron-core
 hold consecutive layers (or v interleaved chunks of them), context-parallel ranks
 two chunks of every sequence, data-parallel ranks compute their shares of each batch's
 sequences in the micro-batches of backends/training/batching.py (packed sequences
-run varlen through `PackedSeqParams` with Transformer Engine; without it, packing runs
-as dynamic batching: see megatron_model.py `packable`).
+run varlen through `PackedSeqParams`: Transformer Engine's attention, or without it
+novarl's SDPAttention, backends/megatron/attention.py).
 
 - Weights: the Hugging Face checkpoint is converted once (backends/megatron/
   cache.py, by global rank 0 while the others wait) and each rank loads its

@@ -38,7 +38,6 @@ from novarl.backends.training.batching import (
 )
 from novarl.backends.training.rows import per_token
 from novarl.config.schema import PolicyConfig
-from novarl.logging.console import info
 from novarl.models.context_parallel import ContextShard
 from novarl.types import TrainBatch
 
@@ -229,14 +228,13 @@ class MegatronModel:
         if shard is not None:
             ids = ids.reshape(-1).index_select(0, shard.local).view(ids.shape[0], -1)
             positions = positions.reshape(-1).index_select(0, shard.local).view(ids.shape[0], -1)
-        if inputs.attention_mask is not None:  # right-padded rows need only the causal mask (True = masked out)
-            if shard is not None:  # Transformer Engine's causal attention, split over the cp ranks
-                return model(ids, positions, None)
-            width = ids.shape[1]
-            causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).triu(1)[None, None]
-            return model(ids, positions, causal)
-        # a packed row (Transformer Engine only, see `packable`): varlen attention and per-sequence rotary,
-        # the whole row's sequence boundaries (each sequence padded to its cp split) under cp
+        if inputs.attention_mask is not None:
+            # right-padded rows need only causal attention (the padding follows every real token), which the
+            # layers' causal core attention applies without a mask: Transformer Engine's (split over the cp
+            # ranks under cp) or novarl's SDPAttention (is_causal, so that torch picks its flash kernel)
+            return model(ids, positions, None)
+        # a packed row: varlen attention (Transformer Engine's, or novarl's SDPAttention) and per-sequence
+        # rotary, the whole row's sequence boundaries (each sequence padded to its cp split) under cp
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = inputs.cu_seqlens
@@ -280,7 +278,6 @@ class MegatronModel:
         (empty micro-batches included)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        batching = packable(batching, transformer_engine=self.fused_norms and self.on_gpu, pipeline=self.pp_size)
         plan = plan_micro_batches(batch.lengths.tolist(), self.dp_size, batching)
         if len(self.model_chunks) > 1:
             plan = interleavable(plan, self.pp_size)
@@ -405,26 +402,6 @@ class MegatronModel:
         return shards_to_hf([(tp, pp, d) for tp, pp, d, *_ in parts if d is not None], self.shape,
                             tensor_parallel_size=self.tp_size, fused_norms=self.fused_norms,
                             experts=join_expert_tensor_parts(by_etp))
-
-
-_packing_fallback_said = False
-
-
-def packable(batching: MicroBatching, *, transformer_engine: bool, pipeline: int) -> MicroBatching:
-    """Packing needs Transformer Engine: megatron-core applies rotary embeddings per sequence only
-    through PackedSeqParams ("thd"), which its local layers do not take; a packed row without it
-    would rotate each sequence by its offset in the row. Without it, micro-batches are sized by
-    tokens in padded rows (dynamic batching), or, on a pipeline (whose buffers have one shape),
-    are fixed rows; said once."""
-    global _packing_fallback_said
-    if batching.layout != "packed" or transformer_engine:
-        return batching
-    layout = "dynamic" if pipeline == 1 else "fixed"
-    if dist.get_rank() == 0 and not _packing_fallback_said:
-        info(f"Megatron without Transformer Engine: policy.sequence_packing runs as {layout} micro-batches; "
-             "packed rows need Transformer Engine's varlen attention")
-        _packing_fallback_said = True
-    return dataclasses.replace(batching, layout=layout, share_prompts=False)
 
 
 def interleavable(plan: Plan, pipeline: int) -> Plan:
