@@ -33,8 +33,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/novarl train
 
+# whole test files spread over one worker per core (pytest-xdist), the longest first (tests/conftest.py)
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --dist loadfile tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_demo_steps.py

@@ -12,3 +12,17 @@ def ray_session():
     ray = pytest.importorskip("ray")
     yield
     ray.shutdown()
+
+
+LONGEST_FIRST = ("test_megatron_backend.py", "test_deepspeed.py", "test_vllm.py", "test_distributed.py", "test_e2e.py",
+                 "test_ppo.py", "test_lora_parallel.py", "test_generation_engines.py", "test_packing.py",
+                 "test_async_grpo.py", "test_network_safety.py", "test_ray_cluster.py", "test_megatron_layouts.py",
+                 "test_context_parallel.py", "test_readme.py")
+"""The test files that take longest (most start ranks), longest first (a serial run, 2026-11-26)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files first, each file's tests in their order: `make test` spreads whole files over
+    pytest-xdist workers in this order, so the long ones start at once instead of ending the run alone."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

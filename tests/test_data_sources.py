@@ -15,7 +15,7 @@ from novarl.config.schema import DataConfig
 from novarl.data.datasets import load_examples
 from novarl.data.sources import NotInCache, locate, split_files
 from novarl.errors import UserError
-from novarl.plan.checks import data_problems
+from novarl.data.checks import data_problems
 from tests.helpers.hub import cache_snapshot, parquet_bytes
 
 ROWS = [{"question": f"{a}+{a}=", "solution": str(2 * a), "level": a % 3} for a in range(1, 5)]

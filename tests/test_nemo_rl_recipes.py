@@ -164,7 +164,7 @@ PERFORMANCE = {
 def test_nemo_rl_performance_recipes_are_valid_for_a_gpu_host(capsys, tmp_path, monkeypatch, name):
     from novarl.backends.generation.vllm import fp8_engine_args
 
-    monkeypatch.setattr("novarl.plan.resolve._has_cuda", lambda: False)
+    monkeypatch.setattr("novarl.host.has_cuda", lambda: False)
     (tmp_path / "x.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     data = ("data.dataset_name=ResponseDataset", "data.train_data_path=x.jsonl")
     code, out, err = run(capsys, "validate", str(NEMO_RL / name), *PERFORMANCE[name], *data)

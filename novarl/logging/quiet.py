@@ -44,9 +44,9 @@ def quiet_third_party() -> None:
         os.environ.setdefault(name, value)
     # DeepSpeed, imported by transformers and peft when present, warns about its accelerator
     # unless told which: the one this host has.
-    from novarl.plan.resolve import _has_cuda
+    from novarl import host
 
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if _has_cuda() else "cpu")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if host.has_cuda() else "cpu")
     # vLLM's torch.compile and kernel caches beside novarl's own instead of ~/.cache/vllm.
     os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_dir() / "vllm"))
     # vLLM logs a few lines while it is imported, before it configures its own logger: the level

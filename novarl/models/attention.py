@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from novarl.plan.model_shape import PLAIN_CAUSAL
+from novarl.models.architectures import PLAIN_CAUSAL
 
 VARLEN = "novarl_varlen"
 READS_BOUNDARIES = (VARLEN, "flash_attention_2", "flash_attention_3")

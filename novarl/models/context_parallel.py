@@ -121,7 +121,7 @@ def use_context_parallel_attention(model: torch.nn.Module) -> str:
     """Switch a loaded causal LM to CP_ATTENTION; the architectures it computes exactly are
     models/attention.py's plain causal ones (refused otherwise, naming the setting)."""
     from novarl.errors import UserError
-    from novarl.plan.model_shape import PLAIN_CAUSAL
+    from novarl.models.architectures import PLAIN_CAUSAL
 
     config = model.config
     sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 
 import torch
 
-from novarl.plan.model_shape import PLAIN_CAUSAL
+from novarl.models.architectures import PLAIN_CAUSAL
 
 CHUNK_BYTES = 1 << 30
 """The float32 logits computed at once: 1 GiB (1,766 rows of a 151,936-entry vocabulary)."""

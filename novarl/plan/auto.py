@@ -49,9 +49,9 @@ def apply_auto(cfg: NovaRLConfig, *, gpu_memory_gb: float | None = None,
 
 
 def _probe_gpu() -> tuple[bool, float | None]:
-    from novarl.plan.resolve import _has_cuda
+    from novarl import host
 
-    if not _has_cuda():  # without importing torch
+    if not host.has_cuda():  # without importing torch
         return False, None
     import torch
 

@@ -30,9 +30,7 @@ from typing import Any
 
 from novarl.errors import UserError
 
-PLAIN_CAUSAL = ("llama", "qwen2", "qwen3", "mistral")
-"""Architectures whose attention is plain causal softmax attention (when no sliding window is
-active): what novarl's varlen and context-parallel attention compute exactly (models/attention.py)."""
+from novarl.models.architectures import PLAIN_CAUSAL
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,8 +11,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from novarl import host
 from novarl.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
 from novarl.config.schema import VLLM_LORA_RANKS, NovaRLConfig
+from novarl.host import installed  # noqa: F401 (re-exported)
 from novarl.errors import ConfigError, NotAvailableYet, UserError
 from novarl.models.bundled import resolve_bundled
 from novarl.plan.generation import generation_layout, layout_missing, training_devices
@@ -67,27 +69,13 @@ def default_generation_backend(cfg: NovaRLConfig) -> tuple[str, str]:
         return "hf", "vLLM is not installed"
     if cfg.policy.generation.vllm_cfg.precision == "fp8":
         return "vllm", "policy.generation.vllm_cfg.precision 'fp8' is vLLM's FP8 quantization"
-    if _has_cuda():
+    if host.has_cuda():
         return "vllm", "vLLM on GPU"
     shape = _model_shape(cfg)
     if shape is not None and shape.parameters < CPU_VLLM_MIN_PARAMETERS:
         return "hf", (f"on CPU, Hugging Face generates faster than vLLM below {CPU_VLLM_MIN_PARAMETERS / 1e6:.0f}M "
                       f"parameters; this model has {shape.parameters / 1e6:.1f}M")
     return "vllm", f"on CPU, vLLM generates faster from {CPU_VLLM_MIN_PARAMETERS / 1e6:.0f}M parameters"
-
-
-def _has_cuda() -> bool:
-    """Whether this host has a CUDA GPU. Without torch imported (`novarl validate` and `plan`
-    stay light), the driver's device files decide: /dev/nvidia0, ... (none where
-    CUDA_VISIBLE_DEVICES hides them all)."""
-    import os
-    import sys
-
-    if "torch" in sys.modules:
-        return sys.modules["torch"].cuda.is_available()
-    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
-        return False
-    return any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 MEGATRON_ON_CPU = "NOVARL_MEGATRON_ON_CPU"
@@ -100,27 +88,10 @@ def _megatron_missing() -> tuple[list[str], list[str]]:
 
     if not installed("megatron.core"):
         return ["megatron-core, for policy.megatron_cfg.enabled: pip install 'novarl[megatron]'"], []
-    if not _has_cuda() and os.environ.get(MEGATRON_ON_CPU, "") in ("", "0"):
+    if not host.has_cuda() and os.environ.get(MEGATRON_ON_CPU, "") in ("", "0"):
         return [], ["a CUDA GPU: Megatron-core trains and generates on CUDA GPUs only, and this host has none "
                     f"(its weight conversion runs anywhere; {MEGATRON_ON_CPU}=1 runs it on the CPU for tests, slowly)"]
     return [], []
-
-
-def installed(module: str) -> bool:
-    """Whether `module` can be imported, without importing it or its parent packages
-    (importlib's find_spec of 'a.b' imports 'a': megatron's, for one, is not light)."""
-    import importlib.util
-    import sys
-
-    top, _, rest = module.partition(".")
-    if top in sys.modules:
-        return importlib.util.find_spec(module) is not None
-    spec = importlib.util.find_spec(top)
-    if spec is None or not rest:
-        return spec is not None
-    folders = [Path(p) for p in spec.submodule_search_locations or ()]
-    path = Path(*rest.split("."))
-    return any((f / path).is_dir() or (f / path).with_suffix(".py").is_file() for f in folders)
 
 
 @dataclass(frozen=True)
@@ -139,9 +110,9 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     if choice.training not in BUILT_TRAINING_BACKENDS:
         missing.append(f"training backend '{choice.training}' (policy.{choice.training}_cfg.enabled)")
     if choice.training == "megatron":
-        not_installed, host = _megatron_missing()
-        missing.extend([*not_installed, *host])
-        gpu_only.extend(host)
+        not_installed, gpu_host = _megatron_missing()
+        missing.extend([*not_installed, *gpu_host])
+        gpu_only.extend(gpu_host)
     if choice.training == "deepspeed" and not installed("deepspeed"):
         missing.append("DeepSpeed, for policy.deepspeed_cfg.enabled: pip install 'novarl[deepspeed]' "
                        "(the Makefile shows how on a CPU-only host)")
@@ -187,9 +158,9 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     except ConfigError:
         layout = None  # the device arithmetic does not fit: plan_batches says how
     else:
-        needs = layout_missing(layout, on_gpu=_has_cuda())
+        needs = layout_missing(layout, on_gpu=host.has_cuda())
         missing.extend(needs)
-        gpu_only.extend(needs if not _has_cuda() else [])
+        gpu_only.extend(needs if not host.has_cuda() else [])
     ranks = layout.training_ranks if layout else max(cfg.cluster.gpus_per_node, 1) * cfg.cluster.num_nodes
     if ranks > 1 and not installed("ray"):
         missing.append(f"Ray, to run {ranks} ranks (cluster: {cfg.cluster.num_nodes} node(s) x "
@@ -231,7 +202,7 @@ def fp8_generation_needs(cfg: NovaRLConfig, generation: str) -> tuple[list[str],
         refused.append("FP8 generation computing in float32 (policy.precision='float32' with policy.generation."
                        "vllm_cfg.precision='fp8'): vLLM's online FP8 computes in bfloat16 or float16 only; set "
                        "policy.precision to bfloat16")
-    if not _has_cuda():  # vLLM itself refuses a GPU below 7.5 when the engine starts
+    if not host.has_cuda():  # vLLM itself refuses a GPU below 7.5 when the engine starts
         return refused, ["a CUDA GPU of compute capability 7.5 or newer for policy.generation.vllm_cfg.precision="
                          "'fp8' (vLLM's online FP8 quantization: FP8 matmuls on Hopper and Blackwell, FP8 weights "
                          "through vLLM's Marlin kernels, computed in the policy's dtype, on Turing, Ampere and Ada); "

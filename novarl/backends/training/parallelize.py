@@ -255,7 +255,7 @@ def compiles(cfg: DTensorConfig, model: torch.nn.Module, device: torch.device) -
     activation checkpointing)."""
     if cfg.torch_compile is not None:
         return cfg.torch_compile
-    from novarl.plan.model_shape import PLAIN_CAUSAL
+    from novarl.models.architectures import PLAIN_CAUSAL
 
     return (device.type == "cuda" and model.config.model_type in PLAIN_CAUSAL and cfg.tensor_parallel_size == 1
             and cfg.context_parallel_size == 1 and not cfg.lora_cfg.enabled and not cfg.activation_checkpointing)
