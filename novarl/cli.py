@@ -127,7 +127,7 @@ def _config(args: argparse.Namespace):
 
     preset = get_preset(args.preset) if getattr(args, "preset", None) else {}
     if args.config is None:  # the recipe for the model named (bundled: the tiny one), fitted to this host
-        from novarl.config.starting import load_starting_config
+        from novarl.trainer.starting import load_starting_config
 
         return load_starting_config(preset, args.overrides)
     return load_config(args.config, overrides=args.overrides, **preset)
@@ -273,9 +273,9 @@ def eval_config(args: argparse.Namespace):
     """The config `novarl eval MODEL` runs on: -c CONFIG with the overrides; else the run's own
     config.yaml when MODEL is a run's policy folder; else the recipe for MODEL itself, as `novarl
     train policy.model_name=MODEL` starts from (the bundled one for a bundled model, NeMo RL's
-    grpo_math_1B sizes for any other, fitted to this host: config/starting.py), the overrides on top."""
+    grpo_math_1B sizes for any other, fitted to this host: trainer/starting.py), the overrides on top."""
     from novarl.config import load_config
-    from novarl.config.starting import load_starting_config
+    from novarl.trainer.starting import load_starting_config
     from novarl.logging.console import info
 
     if args.config is not None:

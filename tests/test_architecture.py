@@ -30,9 +30,6 @@ LAYERS = (
 others and below (see docs/architecture.md for what each holds)."""
 LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}
 KNOWN_UPWARD = {
-    ("config/nemo_rl.py", "data.named"): "NeMo RL's dataset names: the name table moves into config",
-    ("config/starting.py", "models.bundled"): "real-model defaults fitted to the host: move above models",
-    ("config/starting.py", "models.locate"): "the same",
     ("distributed/generation.py", "backends.protocols"): "the roles' Protocols move below distributed",
     ("distributed/ray_group.py", "backends.protocols"): "the same",
     ("distributed/generation.py", "plan.generation"): "the generation layout moves under backends/",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import novarl
-import novarl.config.starting as starting
+import novarl.trainer.starting as starting
 from novarl.cli import _config, build_parser
 from novarl.config import load_config
 from novarl.errors import ConfigError, UserError

@@ -433,7 +433,7 @@ def _dataset_lists(data: dict[str, Any], train: Any, validation: Any, default: A
                    grpo_seed: Any) -> list[str]:
     """NeMo RL's list form (several datasets): data.default's keys under each block, as NeMo RL
     merges them; the prompt files, processor and environment are one for all datasets in novarl."""
-    from novarl.data.named import NAMED_DATASETS
+    from novarl.config.named_datasets import NAMED_DATASETS
 
     default = default if isinstance(default, dict) else {}
     refused: list[str] = []

@@ -1,10 +1,9 @@
-"""NeMo RL's named math datasets, and which source, split and fields each data split reads.
+"""Which source, split and fields each data split reads, NeMo RL's named math datasets included.
 
-A named dataset (`data.dataset_name: OpenMathInstruct-2`, NeMo RL's
-`data.train.dataset_name`) is a hub dataset with fixed fields, as NeMo RL's
-`nemo_rl/data/datasets/response_datasets/` classes read it (contract: NeMo RL 7ea279a):
-the prompt is the user's turn, the answer what the reward compares against. Imports no
-torch: `novarl validate` resolves the same specs `novarl train` reads.
+A named dataset (`data.dataset_name: OpenMathInstruct-2`, NeMo RL's `data.train.dataset_name`;
+the table is config/named_datasets.py) is a hub dataset with fixed fields: the prompt is the
+user's turn, the answer what the reward compares against. Imports no torch: `novarl validate`
+resolves the same specs `novarl train` reads.
 """
 
 from __future__ import annotations
@@ -12,37 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from novarl.config.named_datasets import NAMED_DATASETS, NamedDataset  # noqa: F401 (re-exported)
 from novarl.config.schema import BUNDLED_TASKS, DataConfig
 
 NEMO_RL_PROMPTS = Path(__file__).parent / "prompts" / "nemo_rl"
 """NeMo RL's math prompt files (cot.txt, math.txt), shipped for its recipes (README there)."""
-
-
-@dataclass(frozen=True)
-class NamedDataset:
-    repo_id: str
-    input_key: str
-    """Dotted path to the prompt (`prompt.0.content`: the first message's text)."""
-    output_key: str
-    split: str = "train"
-    subsets: tuple[str | None, ...] = (None,)
-    """Subsets read one after the other (AIME 2025 is two)."""
-    answer_after: str | None = None
-    """The answer is the text after this marker (GSM8K's '#### 42')."""
-
-
-NAMED_DATASETS = {
-    "OpenMathInstruct-2": NamedDataset("nvidia/OpenMathInstruct-2", "problem", "expected_answer", split="train_1M"),
-    "DAPOMath17K": NamedDataset("BytedTsinghua-SIA/DAPO-Math-17k", "prompt.0.content", "reward_model.ground_truth"),
-    "DAPOMathAIME2024": NamedDataset("BytedTsinghua-SIA/AIME-2024", "prompt.0.content", "reward_model.ground_truth"),
-    "DeepScaler": NamedDataset("agentica-org/DeepScaleR-Preview-Dataset", "problem", "answer"),
-    "AIME2024": NamedDataset("HuggingFaceH4/aime_2024", "problem", "answer"),
-    "AIME2025": NamedDataset("opencompass/AIME2025", "question", "answer", split="test",
-                             subsets=("AIME2025-I", "AIME2025-II")),
-    "AIME2026": NamedDataset("MathArena/aime_2026", "problem", "answer"),
-    "GSM8K": NamedDataset("openai/gsm8k", "question", "answer", subsets=("main",), answer_after="####"),
-    "gsm8k": NamedDataset("openai/gsm8k", "question", "answer", subsets=("main",), answer_after="####"),
-}
 
 
 @dataclass(frozen=True)

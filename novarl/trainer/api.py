@@ -11,7 +11,7 @@ from typing import Any
 
 from novarl.config import NovaRLConfig, dump_config, load_config
 from novarl.config.loading import with_warnings
-from novarl.config.starting import load_api_config
+from novarl.trainer.starting import load_api_config
 from novarl.data.arithmetic import Example
 from novarl.data.datasets import BUNDLED_DATASETS
 from novarl.errors import CheckpointLoadFailed, RunFailed, UserError
@@ -50,7 +50,7 @@ class GRPOTrainer:
     config: a NovaRLConfig, a dict, a YAML path, or None: the recipe for the model the
     overrides name (model_name=...): the bundled one (tiny model, arithmetic task) for a bundled
     model, NeMo RL's grpo_math_1B sizes for any other, fitted to this host and said in the log
-    (config/starting.py). Keyword overrides go on top. tensor_parallel_size= (and
+    (trainer/starting.py). Keyword overrides go on top. tensor_parallel_size= (and
     context_parallel_size=) without a cluster size takes this host's visible GPUs as
     cluster.gpus_per_node, and refuses what they cannot hold.
     """

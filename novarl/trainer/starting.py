@@ -42,7 +42,7 @@ class Recipe:
 
 
 TINY_RECIPE = Recipe(BUNDLED_RECIPE, "tiny_arith", "the bundled tiny model's CPU demo")
-REAL_MODEL_RECIPE = Recipe(Path(__file__).parent / "recipes" / "grpo_real_model.yaml", "grpo_real_model",
+REAL_MODEL_RECIPE = Recipe(BUNDLED_RECIPE.parent / "grpo_real_model.yaml", "grpo_real_model",
                            "NeMo RL grpo_math_1B's sizes")
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
