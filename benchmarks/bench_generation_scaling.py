@@ -47,7 +47,7 @@ How a layout becomes config keys depends on the code under test (`--accounting`)
   new  (NeMo RL accounting): generation devices come out of the cluster:
        dedicated-T+E = cluster.gpus_per_node=T+E policy.generation.colocated.enabled=false
                        policy.generation.colocated.resources.gpus_per_node=E
-  auto (default): "new" when the module novarl/plan/generation.py exists, else "old"
+  auto (default): "new" when the module novarl/backends/generation/layout.py exists, else "old"
        (with --baseline: the baseline's accounting is always detected, this flag is the new side's).
 
 The Ray instance of each layout is started with `start_local_ray(num_cpus=max(--num-cpus,
@@ -146,7 +146,7 @@ def layout_overrides(name: str, accounting: str) -> list[str] | str:
 
 
 def detect_accounting() -> str:
-    return "new" if importlib.util.find_spec("novarl.plan.generation") is not None else "old"
+    return "new" if importlib.util.find_spec("novarl.backends.generation.layout") is not None else "old"
 
 
 # ----------------------------------------------------------------------------- machine

@@ -29,11 +29,7 @@ LAYERS = (
 """novarl's top-level packages and modules, lowest first: a package imports only from its own layer's
 others and below (see docs/architecture.md for what each holds)."""
 LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}
-KNOWN_UPWARD = {
-    ("distributed/generation.py", "backends.protocols"): "the roles' Protocols move below distributed",
-    ("distributed/ray_group.py", "backends.protocols"): "the same",
-    ("distributed/generation.py", "plan.generation"): "the generation layout moves under backends/",
-}
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 """(file under novarl/, imported module under novarl.) -> what removes it."""
 BACKEND_NAMES = {"dtensor", "deepspeed", "megatron", "vllm", "hf", "sglang"}
 BACKEND_COMPARISONS_AT_MOST = 69

@@ -12,7 +12,7 @@ import torch
 from novarl.cli import BUNDLED_RECIPE
 from novarl.config import load_config
 from novarl.errors import ConfigError
-from novarl.plan.generation import generation_layout
+from novarl.backends.generation.layout import generation_layout
 from novarl.types import Prompt, SamplingConfig
 from tests.helpers import HF, train_steps
 
@@ -66,7 +66,7 @@ def test_placement_that_cannot_be_satisfied_is_refused_with_the_arithmetic(overr
 
 
 def test_colocated_engines_span_ranks_by_tensor_parallelism_and_dedicated_ones_need_gpus():
-    from novarl.plan.generation import layout_missing
+    from novarl.backends.generation.layout import layout_missing
 
     tp2 = layout("policy.generation.vllm_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=4")
     assert (tp2.engines, tp2.ranks_per_engine) == (2, 2)  # ranks 0-1 and 2-3
@@ -109,7 +109,7 @@ def test_validate_refuses_dedicated_resources_that_leave_devices_idle(capsys):
 
 # ------------------------------------------------------------------- sharing
 def test_groups_stay_whole_and_shares_are_balanced():
-    from novarl.distributed.generation import share_groups, shares
+    from novarl.backends.generation.engines import share_groups, shares
 
     groups = [Prompt(str(i), [i]) for i in range(5)]
     prompts = [p for p in groups for _ in range(4)]
@@ -124,7 +124,7 @@ def test_engines_spanning_ranks_get_their_share_on_each_rank_and_must_sample_ali
     """4 policy ranks, 2 engines of tp 2: ranks 0-1 hold engine 0 (vLLM's tensor-parallel groups are
     consecutive ranks) and get its share, ranks 2-3 engine 1's; ranks of one engine that sampled
     different tokens stop the run; an engine whose ranks sit on two nodes is refused."""
-    from novarl.distributed.generation import check_engine_nodes, check_lockstep, rank_work, shares
+    from novarl.backends.generation.engines import check_engine_nodes, check_lockstep, rank_work, shares
     from novarl.errors import RunFailed, UserError
     from novarl.types import Completion
 
@@ -246,7 +246,7 @@ def step_prompts(inputs, cfg):
 def in_process_engine(inputs):
     """Today's single-engine path: one HF engine in this process, at the starting weights."""
     from novarl.backends.generation.hf import HFGeneration
-    from novarl.distributed.generation import LocalGeneration
+    from novarl.backends.generation.engines import LocalGeneration
 
     return LocalGeneration(HFGeneration(inputs.model_path, inputs.tokenizer, max_seq_length=256))
 
@@ -289,7 +289,7 @@ def test_engines_share_the_step_and_take_weights_rank_to_rank(ray_cluster, overr
     reported by name (on these engines, rather than on a layout started for that alone)."""
     import ray
 
-    from novarl.distributed.generation import RayRollout
+    from novarl.backends.generation.engines import RayRollout
     from novarl.distributed.ray_group import WorkerDied
 
     shapes = weight_shapes(BUNDLED_MODEL)

@@ -57,7 +57,7 @@ def test_middle_branch_on_one_node_writes_colocated_vllm_spanning_the_gpus(tmp_p
     """The seeds' 10B-70B single-node branch: vLLM TP=8 colocated beside the training backend the
     memory model picks, a layout that runs (the engine spans the 8 policy ranks), so nothing in it
     is refused on a GPU host."""
-    from novarl.plan.generation import generation_layout, layout_missing
+    from novarl.backends.generation.layout import generation_layout, layout_missing
     from novarl.plan.resolve import check_available
 
     cfg, why = auto(f"policy.model_name={model_folder(tmp_path, QWEN_32B)}", "policy.generation.backend=vllm",

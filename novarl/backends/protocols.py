@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from novarl.algorithms.losses import LossFn
+from novarl.distributed.lifecycle import Offloadable, Stoppable  # noqa: F401 (re-exported)
 from novarl.types import Completion, Prompt, SamplingConfig, TrainBatch
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -133,18 +134,3 @@ class QueuedWeights(Protocol):
         """Until the engines have taken the weights queued last (raising what they raised)."""
         ...
 
-
-@runtime_checkable
-class Offloadable(Protocol):
-    """What colocation needs: free the accelerator memory while the other role runs."""
-
-    def offload(self) -> None: ...
-
-    def onload(self) -> None: ...
-
-
-@runtime_checkable
-class Stoppable(Protocol):
-    """A role with processes or engines of its own to stop (Ray ranks, engine actors)."""
-
-    def shutdown(self) -> None: ...

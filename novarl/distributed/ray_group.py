@@ -173,7 +173,7 @@ class RankActor:
         return loaded[0]
 
     def offload_role(self, role: str) -> None:
-        from novarl.backends.protocols import Offloadable
+        from novarl.distributed.lifecycle import Offloadable
 
         if isinstance(self.others[role], Offloadable):
             self.others[role].offload()

@@ -5,7 +5,7 @@ the policy is an in-process object or ranks behind Ray; these classes forward
 each call to every rank (the methods are collective) and return rank 0's
 result, which the backends make the whole group's (metrics all-reduced,
 logprobs all-gathered). Weights never come back to the driver: the generation
-engines get them rank to rank (see distributed/generation.py).
+engines get them rank to rank (see backends/generation/engines.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from novarl.config.schema import VLLM_LORA_RANKS, NovaRLConfig
 from novarl.host import installed  # noqa: F401 (re-exported)
 from novarl.errors import ConfigError, NotAvailableYet, UserError
 from novarl.models.bundled import resolve_bundled
-from novarl.plan.generation import generation_layout, layout_missing, training_devices
+from novarl.backends.generation.layout import generation_layout, layout_missing, training_devices
 from novarl.plan.model_shape import ModelShape
 
 BUILT_TRAINING_BACKENDS = TRAINING_BACKENDS
@@ -220,7 +220,7 @@ def require_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
 
 def world_size(cfg: NovaRLConfig) -> int:
     """The policy's ranks: the cluster's devices, less those of dedicated generation
-    (see plan/generation.py)."""
+    (see backends/generation/layout.py)."""
     return training_devices(cfg)[0]
 
 

@@ -123,7 +123,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
 def start_async_rollouts(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, max_steps: int,
                          resume: Checkpoint | None, step: int):
     """Asynchronous GRPO's rounds in flight (async_rollouts.py), those of `resume` restored."""
-    from novarl.distributed.generation import LocalGeneration
+    from novarl.backends.generation.engines import LocalGeneration
     from novarl.trainer.async_rollouts import AsyncRollouts, async_description
 
     pipeline = AsyncRollouts(cfg, inputs, roles, max_steps)

@@ -24,7 +24,7 @@ from novarl.errors import NotAvailableYet, UserError
 from novarl.logging.console import info
 from novarl.models.loading import check_model_folder, load_tokenizer, resolve_model_path
 from novarl.models.locate import download_snapshot
-from novarl.plan.generation import generation_layout
+from novarl.backends.generation.layout import generation_layout
 from novarl.plan.checks import ConfigReport, check_config, one_error
 from novarl.plan.resolve import BackendChoice, BatchPlan, world_size
 from novarl.rewards.scorer import RewardScorer
@@ -321,7 +321,7 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
     """The generator, evaluation prompts and scorer to evaluate the model `model`; the
     reward and data are checked before the weights load."""
     from novarl.backends.generation.hf import HFGeneration
-    from novarl.distributed.generation import LocalGeneration
+    from novarl.backends.generation.engines import LocalGeneration
 
     model_path = resolve_model_path(model)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.policy.trust_remote_code)
@@ -352,14 +352,14 @@ class Roles:
             self.generator.offload()
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """The policy's current weights into every engine (see distributed/generation.py);
+        """The policy's current weights into every engine (see backends/generation/engines.py);
         metrics: weight_sync_mb, the MB each engine took (none when the generator samples
         with the policy's own model)."""
         return self.generator.sync_weights(version)
 
     def queue_weights(self, version: int) -> dict[str, float]:
         """Asynchronous GRPO's weight update: the policy's weights go to the engines behind the
-        rounds submitted to them, the trainer not waiting for those (distributed/generation.py)."""
+        rounds submitted to them, the trainer not waiting for those (backends/generation/engines.py)."""
         return self.generator.queue_weights(version)
 
     def shutdown(self) -> None:
@@ -371,7 +371,7 @@ class Roles:
 
 
 def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device, policy) -> GenerationBackend:
-    """The generation engines the config resolved to (see plan/generation.py): one in this
+    """The generation engines the config resolved to (see backends/generation/layout.py): one in this
     process beside a one-rank policy, one in each policy rank's process when colocated, actors
     of their own when dedicated; Megatron generation runs on the policy's own ranks."""
     from novarl.backends.registry import ENGINES, engine_class, on_policy_class
@@ -390,17 +390,17 @@ def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device, 
     if isinstance(policy, RemotePolicy):
         layout = dataclasses.replace(layout, local_policy=False)
     if layout.in_process:
-        from novarl.distributed.generation import LocalGeneration
+        from novarl.backends.generation.engines import LocalGeneration
 
         engine = factory(**{**kwargs, **({"device": device} if "device" in kwargs else {})})
         return LocalGeneration(engine, policy, layout, **sync)
     from novarl.distributed.ray_group import RayWorkerGroup
 
     if layout.colocated:
-        from novarl.distributed.generation import ColocatedEngines
+        from novarl.backends.generation.engines import ColocatedEngines
 
         return ColocatedEngines(policy.group, factory, kwargs, layout, **sync)
-    from novarl.distributed.generation import DedicatedEngines
+    from novarl.backends.generation.engines import DedicatedEngines
 
     gpus = layout.devices_per_engine if device.type == "cuda" else 0
     group = RayWorkerGroup(factory, kwargs, world_size=layout.engines, gpus_per_rank=gpus,

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from novarl.backends.generation.hf import make_completion
 from novarl.config.schema import McoreGenerationConfig
-from novarl.distributed.generation import Ready
+from novarl.backends.generation.engines import Ready
 from novarl.types import Completion, Prompt, SamplingConfig
 
 Sampled = tuple[list[int], list[float]]

@@ -35,7 +35,7 @@ import torch
 from novarl.backends.protocols import Engine, Offloadable, Stoppable, WeightSender
 from novarl.distributed.weight_sync import BUCKET_BYTES, flatten
 from novarl.errors import RunFailed, UserError
-from novarl.plan.generation import GenerationLayout
+from novarl.backends.generation.layout import GenerationLayout
 from novarl.types import Completion, Prompt, SamplingConfig
 
 
