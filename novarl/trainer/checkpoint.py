@@ -97,7 +97,8 @@ class Checkpoint:
 class Checkpointer:
     def __init__(self, cfg: CheckpointingConfig, config_yaml: str) -> None:
         self.cfg = cfg
-        self.root = Path(cfg.checkpoint_dir)
+        # absolute: the policy's Ray ranks write their shards here, and their working directory may differ
+        self.root = Path(cfg.checkpoint_dir).absolute()
         self.config_yaml = config_yaml
         self._said_unverified = False
 
