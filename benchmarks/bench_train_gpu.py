@@ -307,6 +307,9 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip() or "?"
+    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                      cwd=ROOT).stdout.strip():
+        commit += " + uncommitted changes"
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
