@@ -316,11 +316,12 @@ class ModelInputs:
 
     def to(self, device: torch.device) -> "ModelInputs":
         """On `device` (copies queued without waiting; a CPU layout is freshly made, nothing changes it)."""
-        def move(t):
-            return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+        def move(value):
+            if isinstance(value, torch.Tensor):
+                return value.to(device, non_blocking=True)
+            return value.to(device) if isinstance(value, SharedKeys) else value
 
-        return ModelInputs(*(move(getattr(self, f.name)) for f in dataclasses.fields(self)[:-1]),
-                           self.shared_keys and self.shared_keys.to(device))
+        return ModelInputs(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
 
 def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple: int = 1,
