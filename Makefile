@@ -33,9 +33,10 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/novarl train
 
-# whole test files spread over one worker per core (pytest-xdist), the longest first (tests/conftest.py)
+# whole test files spread over one worker per core (pytest-xdist), the longest first (tests/conftest.py;
+# --no-loadscope-reorder keeps that order: xdist would otherwise sort files by their number of tests)
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadfile tests
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_demo_steps.py
