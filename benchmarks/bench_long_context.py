@@ -113,7 +113,7 @@ def run(length: int, cp: int) -> tuple[float, float]:
 
 def predicted(length: int, cp: int) -> float:
     from novarl.plan.memory import Parallelism, Workload, estimate_memory
-    from novarl.plan.model_shape import ModelShape
+    from novarl.backends.contract.model_shape import ModelShape
 
     shape = ModelShape.from_hf_config({"model_type": "llama", "tie_word_embeddings": False, **CONFIG})
     work = Workload(sequence_length=length, micro_batch_size=1, precision="float32", flash_attention=True)

@@ -113,7 +113,7 @@ def measure(model_path: str, layout: tuple, workload: tuple[int, int, int]) -> d
 
 def predict(model_path: str, layout: tuple, workload: tuple[int, int, int]) -> dict[str, float]:
     from novarl.plan.memory import Parallelism, Workload, estimate_memory
-    from novarl.plan.model_shape import ModelShape
+    from novarl.backends.contract.model_shape import ModelShape
 
     _, _, ranks, _, strategy = layout
     _, micro, length = workload

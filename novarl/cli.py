@@ -149,13 +149,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """The checks `novarl train` makes before it starts anything (the same functions:
-    plan/checks.py, then trainer.setup.inspect_inputs when the model's files are here), all of
+    backends/contract/checks.py, then trainer.setup.inspect_inputs when the model's files are here), all of
     them, then the resolved config. Starts no worker, loads no weights; imports no torch when
     the model is not local. Exit 2 naming every problem; exit 0 with one line when only a GPU
     host can run it."""
     from novarl.config import dump_config
     from novarl.plan.auto import apply_auto
-    from novarl.plan.checks import check_config, one_error
+    from novarl.backends.contract.checks import check_config, one_error
 
     cfg, why = apply_auto(_config(args))
     report = check_config(cfg)
@@ -192,8 +192,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from novarl.plan.advisor import advise
     from novarl.plan.table import format_advice
     from novarl.plan.auto import apply_auto
-    from novarl.plan.model_shape import ModelShape, parse_parameter_count
-    from novarl.plan.resolve import (check_available, describe_layout, micro_batch_shape, plan_batches,
+    from novarl.backends.contract.model_shape import ModelShape, parse_parameter_count
+    from novarl.backends.contract.resolve import (check_available, describe_layout, micro_batch_shape, plan_batches,
                                      resolve_backends, separate_reference)
 
     model_only = args.model is not None and args.config is None

@@ -16,7 +16,7 @@ import pytest
 from novarl.cli import BUNDLED_RECIPE, main
 from novarl.config import load_config
 from novarl.errors import ConfigError
-from novarl.plan.resolve import check_available, resolve_backends
+from novarl.backends.contract.resolve import check_available, resolve_backends
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -75,7 +75,7 @@ def test_nemo_rls_math_default_environment_is_its_math_environment():
 
 def test_backend_auto_warns_only_about_what_the_config_sets():
     from novarl.plan.auto import apply_auto
-    from novarl.plan.checks import check_config
+    from novarl.backends.contract.checks import check_config
 
     cfg, why = apply_auto(load_config(BUNDLED_RECIPE, overrides=["policy.backend=auto"]), on_gpu=False)
     assert why and check_config(cfg).warnings == []  # not the GAE keys that nobody set

@@ -80,7 +80,7 @@ def test_every_estimator_and_aggregation_trains_a_step(tmp_path, overrides, grpo
 
 
 def test_settings_that_would_train_nothing_are_refused_and_unread_ones_said():
-    from novarl.plan.checks import check_config
+    from novarl.backends.contract.checks import check_config
 
     def report(*overrides):
         return check_config(load_config(BUNDLED_RECIPE, overrides=list(overrides)))

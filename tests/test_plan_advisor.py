@@ -13,7 +13,7 @@ import pytest
 from novarl.cli import main
 from novarl.errors import UserError
 from novarl.plan.advisor import HEADROOM, advise, tree_branch
-from novarl.plan.model_shape import ModelShape
+from novarl.backends.contract.model_shape import ModelShape
 from tests.helpers import default_generation
 
 QWEN = {"model_type": "qwen2", "tie_word_embeddings": False, "vocab_size": 152064}

@@ -10,7 +10,7 @@ from novarl.cli import BUNDLED_RECIPE, main
 from novarl.config import load_config
 from novarl.errors import UserError
 from novarl.plan.auto import apply_auto
-from novarl.plan.resolve import installed, resolve_backends
+from novarl.backends.contract.resolve import installed, resolve_backends
 
 QWEN = {"model_type": "qwen2", "tie_word_embeddings": False, "vocab_size": 152064, "num_key_value_heads": 8}
 QWEN_32B = {**QWEN, "hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 40, "intermediate_size": 27648}
@@ -58,7 +58,7 @@ def test_middle_branch_on_one_node_writes_colocated_vllm_spanning_the_gpus(tmp_p
     memory model picks, a layout that runs (the engine spans the 8 policy ranks), so nothing in it
     is refused on a GPU host."""
     from novarl.backends.generation.layout import generation_layout, layout_missing
-    from novarl.plan.resolve import check_available
+    from novarl.backends.contract.resolve import check_available
 
     cfg, why = auto(f"policy.model_name={model_folder(tmp_path, QWEN_32B)}", "policy.generation.backend=vllm",
                     "cluster.gpus_per_node=8", on_gpu=True, gpu_memory_gb=80)

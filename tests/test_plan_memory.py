@@ -35,7 +35,7 @@ from novarl.plan.memory import (
     stack_activation_bytes,
     zero_model_states,
 )
-from novarl.plan.model_shape import ModelShape, parse_parameter_count
+from novarl.backends.contract.model_shape import ModelShape, parse_parameter_count
 
 # config.json excerpts, as published on the Hugging Face hub.
 LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -473,8 +473,8 @@ def test_colocated_generator_adds_to_the_total():
 
 def test_memory_modules_import_nothing_heavy():
     allowed = {"__future__", "json", "math", "os", "re", "dataclasses", "pathlib", "typing",
-               "novarl.errors", "novarl.plan.model_shape", "novarl.models.architectures"}
-    for module in (memory, __import__("novarl.plan.model_shape", fromlist=["x"]),
+               "novarl.errors", "novarl.backends.contract.model_shape", "novarl.models.architectures"}
+    for module in (memory, __import__("novarl.backends.contract.model_shape", fromlist=["x"]),
                    __import__("novarl.models.architectures", fromlist=["x"])):
         tree = ast.parse(Path(module.__file__).read_text())
         top = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}

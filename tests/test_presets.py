@@ -7,7 +7,7 @@ from novarl.cli import BUNDLED_RECIPE, main
 from novarl.config import load_config
 from novarl.core.distributed import PRESETS, get_default_fsdp_preset, get_preset, get_zero3_preset
 from novarl.errors import UserError
-from novarl.plan.resolve import resolve_backends
+from novarl.backends.contract.resolve import resolve_backends
 
 
 @pytest.mark.parametrize(("name", "backend", "stage", "offload"), [

@@ -14,8 +14,8 @@ import novarl.trainer.starting as starting
 from novarl.cli import _config, build_parser
 from novarl.config import load_config
 from novarl.errors import ConfigError, UserError
-from novarl.plan.checks import check_config
-from novarl.plan.resolve import installed, plan_batches
+from novarl.backends.contract.checks import check_config
+from novarl.backends.contract.resolve import installed, plan_batches
 from tests.helpers.tiny_chatml import build_tiny_chatml_qwen2
 
 RECIPE_LINE = "recipe: grpo_real_model (NeMo RL grpo_math_1B's sizes) for policy.model_name="

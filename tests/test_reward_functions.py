@@ -125,7 +125,7 @@ def test_nemo_rl_math_environment_scores_with_math_verify():
 
 
 def test_validate_says_when_a_registered_reward_lacks_its_package(monkeypatch):
-    from novarl.plan.checks import check_config
+    from novarl.backends.contract.checks import check_config
     from novarl.rewards import registry
 
     monkeypatch.setitem(registry.NEEDS, "math_verify", ("novarl_no_such_package", "pip install 'novarl[math]'"))

@@ -14,7 +14,7 @@ from novarl.cli import main
 from novarl.config import load_config
 from novarl.logging.metrics import read_jsonl
 from novarl.logging.trackers import missing_packages
-from novarl.plan.checks import check_config
+from novarl.backends.contract.checks import check_config
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")

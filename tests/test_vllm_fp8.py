@@ -14,7 +14,7 @@ from novarl.cli import main
 from novarl.config import load_config
 from novarl.config.schema import VllmConfig
 from novarl.models.loading import resolve_model_path
-from novarl.plan.resolve import check_available, resolve_backends
+from novarl.backends.contract.resolve import check_available, resolve_backends
 from novarl.trainer.setup import generation_precision
 
 DEEP_GEMM = {"VLLM_USE_DEEP_GEMM": "1", "VLLM_USE_DEEP_GEMM_E8M0": "0"}

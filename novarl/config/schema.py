@@ -7,7 +7,7 @@ models see it: `dtensor_config` -> `dtensor_cfg`, `max_total_sequence_length`
 -> `max_seq_length`, `algorithm` -> `grpo`.
 
 Every section forbids unknown keys and is immutable once validated. Fields whose
-backend is not built yet are still typed here; `novarl.plan.resolve` reports
+backend is not built yet are still typed here; `novarl.backends.contract.resolve` reports
 them as "not available yet" only when a run would need them.
 
 Rules every section applies: floats are finite (no field takes inf or nan; a
@@ -90,7 +90,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 class GenerationConfig(Section):
     backend: Literal["vllm", "hf", "megatron"] | None = None
-    """None: the one measured faster for the model and host (plan/resolve.py: default_generation_backend)."""
+    """None: the one measured faster for the model and host (backends/contract/resolve.py: default_generation_backend)."""
     max_new_tokens: int = Field(512, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)

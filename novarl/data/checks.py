@@ -1,7 +1,7 @@
 """The data's checks that need neither torch nor the network: the data names something novarl
 reads (a bundled task, a named dataset, or files, folders and cached hub datasets whose splits
 exist) and its prompt files are there. `novarl validate` lists their problems with the rest
-(plan/checks.py); `load_datasets` raises the first."""
+(backends/contract/checks.py); `load_datasets` raises the first."""
 
 from __future__ import annotations
 

@@ -92,8 +92,8 @@ from novarl.plan.memory import (
     generator_weight_bytes,
     kv_cache_bytes,
 )
-from novarl.plan.model_shape import ModelShape
-from novarl.plan.resolve import BUILT_GENERATION_BACKENDS, BUILT_TRAINING_BACKENDS
+from novarl.backends.contract.model_shape import ModelShape
+from novarl.backends.contract.resolve import BUILT_GENERATION_BACKENDS, BUILT_TRAINING_BACKENDS
 
 HEADROOM = 0.9
 """Share of the GPU memory a layout may plan to use (the rest: CUDA context,

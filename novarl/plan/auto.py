@@ -24,7 +24,7 @@ def apply_auto(cfg: NovaRLConfig, *, gpu_memory_gb: float | None = None,
     if cfg.policy.backend != "auto":
         return cfg, []
     from novarl.config.loading import load_config, with_warnings
-    from novarl.plan.resolve import installed
+    from novarl.backends.contract.resolve import installed
 
     if on_gpu is None or (on_gpu and gpu_memory_gb is None):
         on_gpu, gpu_memory_gb = _probe_gpu()
@@ -63,8 +63,8 @@ def _probe_gpu() -> tuple[bool, float | None]:
 def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tuple[list[str], list[str]]:
     from novarl.models.loading import resolve_model_path
     from novarl.plan.advisor import advise
-    from novarl.plan.model_shape import ModelShape
-    from novarl.plan.resolve import micro_batch_shape, separate_reference
+    from novarl.backends.contract.model_shape import ModelShape
+    from novarl.backends.contract.resolve import micro_batch_shape, separate_reference
 
     shape = ModelShape.from_name(resolve_model_path(cfg.policy.model_name, download=False))
     advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from novarl.errors import UserError
-from novarl.plan.model_shape import ModelShape
+from novarl.backends.contract.model_shape import ModelShape
 
 GB = 10**9
 

@@ -17,7 +17,7 @@ from novarl.data.datasets import BUNDLED_DATASETS
 from novarl.errors import CheckpointLoadFailed, RunFailed, UserError
 from novarl.logging.metrics import JsonlSink, read_jsonl
 from novarl.logging.trackers import open_trackers
-from novarl.plan.resolve import world_size
+from novarl.backends.contract.resolve import world_size
 from novarl.trainer.checkpoint import POLICY_DIR, STATE_FILE, Checkpoint, Checkpointer, mark_finished
 
 RewardFn = Callable[..., float]

@@ -25,8 +25,8 @@ from novarl.logging.console import info
 from novarl.models.loading import check_model_folder, load_tokenizer, resolve_model_path
 from novarl.models.locate import download_snapshot
 from novarl.backends.generation.layout import generation_layout
-from novarl.plan.checks import ConfigReport, check_config, one_error
-from novarl.plan.resolve import BackendChoice, BatchPlan, world_size
+from novarl.backends.contract.checks import ConfigReport, check_config, one_error
+from novarl.backends.contract.resolve import BackendChoice, BatchPlan, world_size
 from novarl.rewards.scorer import RewardScorer
 from novarl.types import Completion, Prompt
 
@@ -66,7 +66,7 @@ class RunInputs:
 def preflight(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = None,
               train_examples: list[Example] | None = None) -> RunInputs:
     """Every check `novarl train` makes before it starts a worker or writes a folder:
-    the config's own (plan/checks.py: backends and their availability, batch arithmetic,
+    the config's own (backends/contract/checks.py: backends and their availability, batch arithmetic,
     output folders), then those that read the model's files (`inspect_inputs`). Loads no
     weights. Keeps going after a problem and raises one UserError naming every one.
 

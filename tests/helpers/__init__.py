@@ -21,7 +21,7 @@ def default_generation() -> str:
     """The generation backend the bundled recipe gets when it sets none (the one measured faster
     for its tiny model on this host: Hugging Face on a CPU host)."""
     from novarl.config import BUNDLED_RECIPE, load_config
-    from novarl.plan.resolve import resolve_backends
+    from novarl.backends.contract.resolve import resolve_backends
 
     return resolve_backends(load_config(BUNDLED_RECIPE)).generation
 

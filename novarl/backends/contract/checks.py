@@ -24,7 +24,7 @@ from novarl.config.schema import NovaRLConfig
 from novarl.data.checks import data_problems
 from novarl.errors import NotAvailableYet, UserError
 from novarl.host import installed
-from novarl.plan.resolve import BackendChoice, BatchPlan, check_available, plan_batches, resolve_backends
+from novarl.backends.contract.resolve import BackendChoice, BatchPlan, check_available, plan_batches, resolve_backends
 
 
 @dataclass

@@ -18,7 +18,7 @@ from novarl.host import installed  # noqa: F401 (re-exported)
 from novarl.errors import ConfigError, NotAvailableYet, UserError
 from novarl.models.bundled import resolve_bundled
 from novarl.backends.generation.layout import generation_layout, layout_missing, training_devices
-from novarl.plan.model_shape import ModelShape
+from novarl.backends.contract.model_shape import ModelShape
 
 BUILT_TRAINING_BACKENDS = TRAINING_BACKENDS
 BUILT_GENERATION_BACKENDS = GENERATION_BACKENDS
