@@ -250,7 +250,11 @@ def test_the_advisor_splits_long_sequences_over_context_parallel_ranks_when_reco
 
 
 def test_megatron_pipelines_run_interleaved_where_the_stages_split_evenly_and_it_fits():
-    from novarl.plan.auto import _megatron_overrides
+    from novarl.backends.registry import training_spec
+    from novarl.plan.auto import planned_layout
+
+    def _megatron_overrides(pick):
+        return training_spec("megatron").layout_overrides(planned_layout(pick, pick.generation_backend))
 
     advice = advise(QWEN_32B, gpus_per_node=8, num_nodes=5, sequence_length=SEQ)  # 64 layers, vLLM generation
     deep = next(c for c in advice.candidates if (c.tensor_parallel_size, c.pipeline_parallel_size) == (1, 4))

@@ -1,64 +1,54 @@
-"""Backend name -> implementation: the one place a new backend is added.
+"""Backend name -> spec: the one place a new backend is added.
 
-Each entry names a module and its classes, imported only when a run uses them
-(so `import novarl` stays light). A new training backend is a module with a
-policy and a reference class (TrainingBackend / ReferenceBackend and
-WeightSender, see protocols.py) plus a line in TRAINING; a new generation engine
-(SGLang, say) is a module with an Engine class that has `engine_kwargs` plus a
-line in ENGINES.
+A spec (backends/spec.py) says what the run's contract, the planner and the
+trainer need to know of a backend, and names its implementation, imported only
+when a run uses it (so `import novarl` stays light). A new training backend is a
+module with its spec and classes (TrainingBackend / ReferenceBackend and
+WeightSender, see protocols.py) plus a line in TRAINING; a new generation backend
+(SGLang, say) a module with its spec and an Engine class plus a line in
+GENERATION.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-TRAINING: dict[str, tuple[str, str, str]] = {
-    "dtensor": ("novarl.backends.training.dtensor", "DTensorPolicy", "DTensorReference"),
-    "deepspeed": ("novarl.backends.training.deepspeed", "DeepSpeedPolicy", "DeepSpeedReference"),
-    "megatron": ("novarl.backends.training.megatron", "MegatronPolicy", "MegatronReference"),
-}
-"""Training backend -> (module, policy class, reference class)."""
+if TYPE_CHECKING:
+    from novarl.backends.spec import GenerationSpec, TrainingSpec
 
-CRITICS: dict[str, tuple[str, str]] = {
-    "dtensor": ("novarl.backends.training.dtensor", "DTensorCritic"),
-    "deepspeed": ("novarl.backends.training.deepspeed", "DeepSpeedCritic"),
-    "megatron": ("novarl.backends.training.megatron_critic", "MegatronCritic"),
+TRAINING: dict[str, str] = {
+    "megatron": "novarl.backends.training.megatron_spec",
+    "deepspeed": "novarl.backends.training.deepspeed_spec",
+    "dtensor": "novarl.backends.training.dtensor_spec",
 }
-"""Training backend -> (module, PPO critic class): a TrainingBackend whose logprobs are values."""
+"""Training backend -> the module of its SPEC, in the seeds' precedence (the first enabled one
+trains; DTensor, the last, is the default)."""
 
-ENGINES: dict[str, tuple[str, str]] = {
-    "hf": ("novarl.backends.generation.hf", "HFGeneration"),
-    "vllm": ("novarl.backends.generation.vllm", "VllmGeneration"),
+GENERATION: dict[str, str] = {
+    "hf": "novarl.backends.generation.hf_spec",
+    "vllm": "novarl.backends.generation.vllm_spec",
+    "megatron": "novarl.backends.generation.megatron_spec",
 }
-"""Generation backend with engines of its own -> (module, Engine class)."""
-
-ON_POLICY_RANKS: dict[str, tuple[str, str]] = {
-    "megatron": ("novarl.backends.generation.megatron", "MegatronGeneration"),
-}
-"""Generation backend that samples with the policy's own model on its ranks -> (module,
-GenerationBackend class taking the policy)."""
+"""Generation backend -> the module of its SPEC."""
 
 TRAINING_BACKENDS = tuple(TRAINING)
-GENERATION_BACKENDS = (*ENGINES, *ON_POLICY_RANKS)
+GENERATION_BACKENDS = tuple(GENERATION)
+DEFAULT_TRAINING = TRAINING_BACKENDS[-1]
+PREFERRED_GENERATION = "vllm"
+"""The generation backend measured fastest on GPUs (and on CPUs for models of 10M parameters or more)."""
+FALLBACK_GENERATION = "hf"
+"""The generation backend that runs wherever the policy's model does (transformers alone)."""
 
 
-def training_classes(name: str) -> tuple[type, type]:
-    """(policy class, reference class) of a training backend."""
-    module, policy, reference = TRAINING[name]
-    loaded = importlib.import_module(module)
-    return getattr(loaded, policy), getattr(loaded, reference)
+def training_spec(name: str) -> TrainingSpec:
+    return importlib.import_module(TRAINING[name]).SPEC
 
 
-def critic_class(name: str) -> type:
-    module, cls = CRITICS[name]
-    return getattr(importlib.import_module(module), cls)
+def generation_spec(name: str) -> GenerationSpec:
+    return importlib.import_module(GENERATION[name]).SPEC
 
 
-def engine_class(name: str) -> type:
-    module, cls = ENGINES[name]
-    return getattr(importlib.import_module(module), cls)
-
-
-def on_policy_class(name: str) -> type:
-    module, cls = ON_POLICY_RANKS[name]
-    return getattr(importlib.import_module(module), cls)
+def training_specs() -> list[TrainingSpec]:
+    """Every training backend's spec, in precedence order."""
+    return [training_spec(name) for name in TRAINING]

