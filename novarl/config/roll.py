@@ -213,6 +213,10 @@ class Training:
         return ", ".join(f"{k} {v}" for k, v in self.sizes.items()) or "data parallel"
 
 
+SECTIONS = {"megatron": "megatron_cfg", "deepspeed": "deepspeed_cfg", "dtensor": "dtensor_cfg"}
+"""novarl's training backend -> its config section under policy (ROLL's strategies map to the backends)."""
+
+
 def _actor_train(block: Any, out: Translation, placement: Placement | None) -> Training | None:
     if not isinstance(block, Mapping):
         out.refused.append("'actor_train' is missing: novarl needs the training role.")
@@ -220,9 +224,8 @@ def _actor_train(block: Any, out: Translation, placement: Placement | None) -> T
     name, config, training = _strategy(block, "actor_train", TRAIN_STRATEGIES, out)
     if training is None:
         return None
-    out.set("policy.megatron_cfg.enabled", training == "megatron")
-    out.set("policy.deepspeed_cfg.enabled", training == "deepspeed")
-    out.set("policy.dtensor_cfg.enabled", training == "dtensor")
+    for backend, section in SECTIONS.items():
+        out.set(f"policy.{section}.enabled", training == backend)
     sizes = _trainer(block, "actor_train", config, training, out, placement)
     _data_args(block.get("data_args") or {}, out)
     _role_extras(block, "actor_train", out, ("model_args", "training_args", "data_args", "strategy_args",
@@ -242,7 +245,7 @@ def _trainer(block: Mapping[str, Any], role: str, config: Mapping[str, Any], tra
     model = block.get("model_args") or {}
     _model_args(model, role, out)
     checkpointing = not model.get("disable_gradient_checkpointing", False)
-    section = {"megatron": "megatron_cfg", "dtensor": "dtensor_cfg", "deepspeed": "deepspeed_cfg"}[training]
+    section = SECTIONS[training]
     if checkpointing and not (training == "megatron" and config.get("recompute_granularity")):
         out.set(f"policy.{section}.activation_checkpointing", True)
     _training_args(block.get("training_args") or {}, out, training, placement, sizes, role)

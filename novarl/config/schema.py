@@ -539,6 +539,10 @@ class LoggerConfig(Section):
 
 
 # ------------------------------------------------------------------ the whole
+GENERATION_ON_THE_POLICY = {"megatron": "megatron_cfg"}
+"""Generation backends that sample with the policy's own model -> the training backend's section they need."""
+
+
 class NovaRLConfig(Section):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     loss_fn: LossConfig = Field(default_factory=LossConfig)
@@ -569,13 +573,14 @@ class NovaRLConfig(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> "NovaRLConfig":
         gen = self.policy.generation
-        if gen.backend == "megatron" and not self.policy.megatron_cfg.enabled:
+        section = GENERATION_ON_THE_POLICY.get(gen.backend or "")
+        if section and not getattr(self.policy, section).enabled:
             raise ValueError(
-                "policy.generation.backend='megatron' needs the Megatron training backend: "
-                "set policy.megatron_cfg.enabled=true or pick backend 'vllm' or 'hf'")
-        if gen.backend == "megatron" and not gen.colocated.enabled:
+                f"policy.generation.backend='{gen.backend}' needs the {gen.backend.capitalize()} training backend: "
+                f"set policy.{section}.enabled=true or pick backend 'vllm' or 'hf'")
+        if section and not gen.colocated.enabled:
             raise ValueError(
-                "policy.generation.backend='megatron' samples with the policy's own model on its own GPUs, "
+                f"policy.generation.backend='{gen.backend}' samples with the policy's own model on its own GPUs, "
                 "so it cannot be dedicated: set policy.generation.colocated.enabled=true, or use 'vllm' "
                 "for generation on GPUs of its own")
         self._critic_checks()

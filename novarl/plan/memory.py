@@ -52,6 +52,12 @@ Optimizer = Literal["adam", "sgd"]
 Recompute = Literal["none", "selective", "full"]
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp2", "fsdp2_offload", "fsdp2_tp", "megatron")
 _ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+_PARALLEL_SIZES: dict[str, set[str] | None] = {
+    **{zero: {"data_parallel_size"} for zero in _ZERO_STAGE},
+    "fsdp2_tp": {"data_parallel_size", "tensor_parallel_size", "context_parallel_size"},
+    "megatron": None,
+}
+"""The parallel sizes a strategy has above 1 (None: every one); the others: data and context parallel."""
 
 
 def gb(num_bytes: float) -> float:
@@ -320,7 +326,7 @@ def estimate_memory(shape: ModelShape, *, strategy: str, workload: Workload,
     _check_parallelism(strategy, parallel)
     if strategy in _ZERO_STAGE:
         breakdown = _data_parallel(shape, strategy, workload, parallel)
-    elif strategy == "megatron":
+    elif _PARALLEL_SIZES.get(strategy, ()) is None:  # tensor, pipeline, context and expert parallel
         breakdown = _megatron(shape, workload, parallel)
     else:
         breakdown = _fsdp2(shape, strategy, workload, parallel)
@@ -335,13 +341,8 @@ def _check_parallelism(strategy: str, parallel: Parallelism) -> None:
     small = [f"{k}={v}" for k, v in sizes.items() if v < 1]
     if small:
         raise UserError(f"parallel sizes must be at least 1: {', '.join(small)}.")
-    if strategy == "megatron":
-        return
-    allowed = {"data_parallel_size", "context_parallel_size"} | ({"tensor_parallel_size"}
-                                                                 if strategy == "fsdp2_tp" else set())
-    if strategy in _ZERO_STAGE:
-        allowed.discard("context_parallel_size")
-    extra = [f"{k}={v}" for k, v in sizes.items() if v > 1 and k not in allowed]
+    allowed = _PARALLEL_SIZES.get(strategy, {"data_parallel_size", "context_parallel_size"})
+    extra = [f"{k}={v}" for k, v in sizes.items() if v > 1 and allowed is not None and k not in allowed]
     if extra:
         raise UserError(f"strategy '{strategy}' has no {', '.join(extra)}; use 'fsdp2_tp' for tensor "
                         "parallelism or 'megatron' for pipeline and expert parallelism.")
