@@ -89,8 +89,10 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class GenerationConfig(Section):
-    backend: Literal["vllm", "hf", "megatron"] | None = None
-    """None: the one measured faster for the model and host (backends/contract/resolve.py: default_generation_backend)."""
+    backend: str | None = None
+    """A generation backend of backends/registry.py ('vllm', 'hf', 'megatron'; the run's contract refuses
+    another name); None: the one measured faster for the model and host (backends/contract/resolve.py:
+    default_generation_backend)."""
     max_new_tokens: int = Field(512, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)

@@ -49,6 +49,9 @@ def resolve_backends(cfg: NovaRLConfig) -> BackendChoice:
     training = enabled[0] if enabled else DEFAULT_TRAINING
     notes = [] if enabled else ["no training backend enabled: DTensor, the default, is used"]
     generation = cfg.policy.generation.backend
+    if generation is not None and generation not in GENERATION_BACKENDS:
+        raise ConfigError(f"policy.generation.backend='{generation}' is not a generation backend novarl has: "
+                          f"{', '.join(repr(name) for name in GENERATION_BACKENDS)} (or null: the faster one here)")
     if generation is None:
         generation, why = default_generation_backend(cfg)
         notes.append(f"policy.generation.backend not set: using '{generation}' ({why})")
@@ -130,11 +133,7 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     missing.extend([*fp8_refused, *fp8_host])
     gpu_only.extend(fp8_host)
     warnings.extend(fp8_warnings)
-    if choice.generation not in BUILT_GENERATION_BACKENDS:
-        missing.append(f"generation backend '{choice.generation}' (policy.generation.backend); "
-                       f"{', '.join(repr(name) for name in BUILT_GENERATION_BACKENDS)} work today")
-    else:
-        missing.extend(generation_spec(choice.generation).missing(cfg))
+    missing.extend(generation_spec(choice.generation).missing(cfg))
     warnings.extend(unused_vllm_settings(cfg, choice.generation))
     try:
         layout = generation_layout(cfg, choice.generation)
