@@ -100,9 +100,19 @@ def assert_all_on_loopback(seen: set[tuple[str, str, str, int]], *, rank0_socket
 
 
 @pytest.mark.slow
-def test_a_two_rank_run_listens_on_loopback_only_and_ray_asks_for_its_token(tmp_path, ray_session):
-    seen = run_sampling_sockets(tmp_path, FSDP2X2_RECIPE)
-    assert_all_on_loopback(seen, rank0_sockets=3)
+def test_a_two_rank_run_with_dedicated_generation_listens_on_loopback_only_and_ray_asks_for_its_token(
+        tmp_path, ray_session):
+    """2 policy ranks (FSDP2, gloo between them) + the generator's actor, joined by the weight bridge
+    (its store on policy rank 0, which then listens on 5 ports: the bridge's store and gloo besides
+    its own 3): every server of the run on loopback, and Ray's asks for the run's token. Ray is
+    started as a run starts it, with a logical CPU for each of the 3 processes (this host may have 2)."""
+    from novarl.distributed.ray_group import start_local_ray
+
+    start_local_ray(num_cpus=3)
+    seen = run_sampling_sockets(tmp_path, FSDP2X2_RECIPE, "cluster.gpus_per_node=3",
+                                "policy.generation.colocated.enabled=false",
+                                "policy.generation.colocated.resources.gpus_per_node=1")
+    assert_all_on_loopback(seen, rank0_sockets=5)
     # A process of this machine without the run's token cannot use its Ray either.
     assert gcs_answers(token=os.environ["RAY_AUTH_TOKEN"])
     assert not gcs_answers(token=None) and not gcs_answers(token="0" * 64)
@@ -123,16 +133,6 @@ def gcs_answers(token: str | None) -> bool:
             assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
             return False
     return True
-
-
-@pytest.mark.slow
-def test_a_dedicated_generation_run_listens_on_loopback_only(tmp_path, ray_session):
-    """1 policy rank + the generator's actor, joined by the weight bridge (its store on policy
-    rank 0, which then listens on 5 ports: the bridge's store and gloo besides its own 3)."""
-    seen = run_sampling_sockets(tmp_path, BUNDLED_RECIPE, "cluster.gpus_per_node=2",
-                                "policy.generation.colocated.enabled=false",
-                                "policy.generation.colocated.resources.gpus_per_node=1")
-    assert_all_on_loopback(seen, rank0_sockets=5)
 
 
 class WritesAFile:
