@@ -88,11 +88,23 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM's max_lora_rank accepts (policy.generation.lora_sync: adapter)."""
 
 
+FOREIGN_GENERATION = ("sglang", "trtllm", "dynamo")
+"""Generation backends of NeMo RL's configs that novarl does not build: refused as the config loads (any
+other name is checked against backends/registry.py by the run's contract)."""
+
+
 class GenerationConfig(Section):
     backend: str | None = None
     """A generation backend of backends/registry.py ('vllm', 'hf', 'megatron'; the run's contract refuses
     another name); None: the one measured faster for the model and host (backends/contract/resolve.py:
     default_generation_backend)."""
+
+    @field_validator("backend")
+    @classmethod
+    def _not_a_foreign_engine(cls, backend: str | None) -> str | None:
+        if backend in FOREIGN_GENERATION:  # config/nemo_rl.py's VALUE_NOTES says what to use instead
+            raise ValueError(f"'{backend}' generation is not built in novarl")
+        return backend
     max_new_tokens: int = Field(512, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
