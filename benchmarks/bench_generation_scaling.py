@@ -294,7 +294,7 @@ def wrap_driver_weights() -> tuple[dict[str, int], str]:
     generator in the driver pulls from Ray ranks). (counter, how it is measured)."""
     counter = {"bytes": 0, "calls": 0}
     try:
-        from novarl.distributed.remote import RemotePolicy
+        from novarl.backends.remote import RemotePolicy
     except ImportError:
         return counter, "no driver path"
     original = getattr(RemotePolicy, "named_weights", None)

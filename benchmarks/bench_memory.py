@@ -65,7 +65,7 @@ def measure(model_path: str, layout: tuple, workload: tuple[int, int, int]) -> d
     from novarl.algorithms.losses import make_loss
     from novarl.config import load_config
     from novarl.distributed.ray_group import RayWorkerGroup
-    from novarl.distributed.remote import RemotePolicy
+    from novarl.backends.remote import RemotePolicy
     from novarl.trainer.grpo import train_on_batch
 
     label, backend, ranks, stage, _ = layout

@@ -226,7 +226,7 @@ def test_null_optimizer_is_megatron_only_and_null_scheduler_is_constant():
     from novarl.backends.training.optim import build_scheduler
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
-    scheduler = build_scheduler(load_config({"policy": {"scheduler": None}}).policy.scheduler or [], optimizer, 10)
+    scheduler = build_scheduler(load_config({"policy": {"scheduler": None}}).policy.scheduler, optimizer, 10)
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] == 0.5
 

@@ -168,7 +168,7 @@ def test_megatron_generation_is_greedy_like_hugging_face_on_tp_and_pp_ranks(two_
     from novarl.backends.generation.megatron import MegatronGeneration
     from novarl.backends.training.megatron import MegatronPolicy
     from novarl.distributed.ray_group import RayWorkerGroup
-    from novarl.distributed.remote import RemotePolicy
+    from novarl.backends.remote import RemotePolicy
     from novarl.models.loading import load_tokenizer
     from novarl.types import Prompt, SamplingConfig
     from tests.helpers.packing import FROZEN

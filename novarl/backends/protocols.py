@@ -17,13 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from novarl.algorithms.losses import LossFn
 from novarl.distributed.lifecycle import Offloadable, Stoppable  # noqa: F401 (re-exported)
 from novarl.types import Completion, Prompt, SamplingConfig, TrainBatch
+
+if TYPE_CHECKING:
+    from novarl.config.schema import NovaRLConfig
 
 Bucket = list[tuple[str, torch.Tensor]]
 """Full tensors under their Hugging Face names, of one dtype, at most a bucket's bytes."""
@@ -85,6 +88,12 @@ class WeightReceiver(Protocol):
 
 class Engine(WeightReceiver, Protocol):
     """One generation engine (hf | vllm), in the process it runs in."""
+
+    @staticmethod
+    def engine_kwargs(cfg: NovaRLConfig, *, model_path: str, tokenizer, precision: str) -> dict:
+        """The constructor's arguments for a run's config (the engine is built where it runs: in
+        the driver, a policy rank or an actor of its own)."""
+        ...
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[Completion]:
         """One completion per prompt, in order (a GRPO group is the same prompt repeated)."""

@@ -42,38 +42,39 @@ def resolve_interpolations(tree: dict[str, Any]) -> dict[str, Any]:
     place of strings. A reference copies what it names, so references to references multiply
     like YAML aliases: the values built are counted against MAX_VALUES, strings against
     MAX_INTERPOLATED_CHARS."""
-    built = 0
+    return Interpolation(tree).walk(tree, "", ())
 
-    def count(at: str) -> None:
-        nonlocal built
-        built += 1
-        if built > MAX_VALUES:
+
+class Interpolation:
+    """One pass over a config tree: the tree references are read from, and the values built so far."""
+
+    def __init__(self, tree: dict[str, Any]) -> None:
+        self.tree = tree
+        self.built = 0
+
+    def count(self, at: str) -> None:
+        self.built += 1
+        if self.built > MAX_VALUES:
             raise ConfigError(f"'{at}': the ${{...}} references expand to more than {MAX_VALUES:,} values "
                               "(references to references multiply); no config needs that many.")
 
-    def walk(node: Any, path: str, stack: tuple[str, ...]) -> Any:
-        count(path)
+    def walk(self, node: Any, path: str, stack: tuple[str, ...]) -> Any:
+        """`node` (at `path`) with its strings resolved; stack: the references being resolved."""
+        self.count(path)
         if isinstance(node, dict):
-            return {k: walk(v, _join(path, str(k)), stack) for k, v in node.items()}
+            return {k: self.walk(v, _join(path, str(k)), stack) for k, v in node.items()}
         if isinstance(node, list):
-            return [walk(v, f"{path}[{i}]", stack) for i, v in enumerate(node)]
+            return [self.walk(v, f"{path}[{i}]", stack) for i, v in enumerate(node)]
         if isinstance(node, str) and "${" in node:
-            return resolve_string(node, path, stack)
+            return self.resolve_string(node, path, stack)
         return node
 
-    def lookup(ref: str, at: str, stack: tuple[str, ...]) -> Any:
+    def lookup(self, ref: str, at: str, stack: tuple[str, ...]) -> Any:
         if ref in stack:
             raise ConfigError(f"'{at}': interpolation cycle {' -> '.join(stack + (ref,))}.")
-        node: Any = tree
-        for part in _path_parts(ref):
-            if isinstance(node, dict) and part in node or isinstance(node, list) and isinstance(part, int) \
-                    and 0 <= part < len(node):
-                node = node[part]
-            else:
-                raise ConfigError(f"'{at}': '${{{ref}}}' refers to a key that is not in the config.")
-        return walk(node, ref, stack + (ref,))
+        return self.walk(referenced(self.tree, ref, at), ref, stack + (ref,))
 
-    def resolve_string(text: str, at: str, stack: tuple[str, ...]) -> Any:
+    def resolve_string(self, text: str, at: str, stack: tuple[str, ...]) -> Any:
         original = text
         while True:
             match = _INTERP.search(text)
@@ -81,7 +82,7 @@ def resolve_interpolations(tree: dict[str, Any]) -> dict[str, Any]:
                 return text
             # The message names the text as written: after substitution '${sub:${a}, 1}' is '${sub:inf, 1}'.
             where = at if text == original else f"{at}' = '{_clip(original)}"
-            value = evaluate(match.group(1).strip(), at, where, stack)
+            value = self.evaluate(match.group(1).strip(), at, where, stack)
             if match.span() == (0, len(text)):
                 return value
             text = text[:match.start()] + str(value) + text[match.end():]
@@ -89,30 +90,45 @@ def resolve_interpolations(tree: dict[str, Any]) -> dict[str, Any]:
                 raise ConfigError(f"'{at}': interpolation builds a string longer than "
                                   f"{MAX_INTERPOLATED_CHARS:,} characters.")
 
-    def evaluate(expr: str, at: str, where: str, stack: tuple[str, ...]) -> Any:
+    def evaluate(self, expr: str, at: str, where: str, stack: tuple[str, ...]) -> Any:
         name, colon, args = expr.partition(":")
         if not colon:
-            return lookup(canonical_path(absolute_reference(expr, at, where)), where, stack)
+            return self.lookup(canonical_path(absolute_reference(expr, at, where)), where, stack)
         if name == "oc.env":
             return environment_value(args, expr, where)
-        if name not in _RESOLVERS:
-            raise ConfigError(f"'{where}': unknown resolver '{name}' in '${{{expr}}}'; "
-                              f"known: {', '.join(sorted([*_RESOLVERS, 'oc.env']))}.")
-        try:
-            values = [parse_yaml(a.strip()) for a in args.split(",")]
-        except yaml.YAMLError:
-            raise ConfigError(f"'{where}': cannot parse the arguments of '${{{expr}}}'.") from None
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            raise ConfigError(f"'{where}': '${{{expr}}}' takes numbers, got {values}.")
-        try:
-            result = _RESOLVERS[name](*values)
-        except (TypeError, ZeroDivisionError, OverflowError) as err:
-            raise ConfigError(f"'{where}': cannot evaluate '${{{_clip(expr)}}}': {err}.") from None
-        if isinstance(result, int) and abs(result) >= 2**63:
-            raise ConfigError(f"'{where}': '${{{_clip(expr)}}}' is out of the 64-bit integer range.")
-        return result
+        return resolver_value(name, args, expr, where)
 
-    return walk(tree, "", ())
+
+def referenced(tree: dict[str, Any], ref: str, at: str) -> Any:
+    """The value that the absolute reference `ref` names (ConfigError where it names none)."""
+    node: Any = tree
+    for part in _path_parts(ref):
+        if isinstance(node, dict) and part in node or isinstance(node, list) and isinstance(part, int) \
+                and 0 <= part < len(node):
+            node = node[part]
+        else:
+            raise ConfigError(f"'{at}': '${{{ref}}}' refers to a key that is not in the config.")
+    return node
+
+
+def resolver_value(name: str, args: str, expr: str, where: str) -> Any:
+    """An arithmetic resolver's `${name:a, b}` (_RESOLVERS): numbers in, a number in 64 bits out."""
+    if name not in _RESOLVERS:
+        raise ConfigError(f"'{where}': unknown resolver '{name}' in '${{{expr}}}'; "
+                          f"known: {', '.join(sorted([*_RESOLVERS, 'oc.env']))}.")
+    try:
+        values = [parse_yaml(a.strip()) for a in args.split(",")]
+    except yaml.YAMLError:
+        raise ConfigError(f"'{where}': cannot parse the arguments of '${{{expr}}}'.") from None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"'{where}': '${{{expr}}}' takes numbers, got {values}.")
+    try:
+        result = _RESOLVERS[name](*values)
+    except (TypeError, ZeroDivisionError, OverflowError) as err:
+        raise ConfigError(f"'{where}': cannot evaluate '${{{_clip(expr)}}}': {err}.") from None
+    if isinstance(result, int) and abs(result) >= 2**63:
+        raise ConfigError(f"'{where}': '${{{_clip(expr)}}}' is out of the 64-bit integer range.")
+    return result
 
 
 def absolute_reference(ref: str, at: str, where: str | None = None) -> str:

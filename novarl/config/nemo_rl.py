@@ -308,42 +308,11 @@ def translate(tree: dict[str, Any]) -> tuple[list[str], list[str]]:
     warnings: list[str] = []
     grpo = tree.get("grpo")
     if isinstance(grpo, dict):
-        if grpo.get("async_grpo", False) is None:
-            grpo["async_grpo"] = {}
-        if grpo.get("val_period") == -1 and grpo["val_period"] is not True:
-            grpo["val_period"] = 0  # NeMo RL: -1 turns periodic evaluation off; novarl: 0
-        if "advantage_estimator" in grpo:  # novarl's own name before NeMo RL's (checkpoints keep their config)
-            name = grpo.pop("advantage_estimator")
-            if isinstance(grpo.get("adv_estimator"), dict) and "name" in grpo["adv_estimator"]:
-                refused.append(f"'grpo.advantage_estimator' = {show_value(name)} and grpo.adv_estimator.name name "
-                               "the same setting; give only grpo.adv_estimator.name.")
-            elif isinstance(grpo.get("adv_estimator", {}), dict):
-                grpo["adv_estimator"] = {**grpo.get("adv_estimator", {}), "name": name}
-        estimator = grpo.get("adv_estimator")
-        if isinstance(estimator, dict):
-            for key in ("normalize_rewards", "use_leave_one_out_baseline"):
-                if key in estimator:  # NeMo RL reads the estimator's copy (by default ${grpo.<key>})
-                    grpo[key] = estimator.pop(key)
-            if not estimator:
-                grpo.pop("adv_estimator")
+        refused.extend(_translate_grpo(grpo))
     for section in ("policy", "value"):  # PPO's critic (value) is a policy block: the same spellings
         block = tree.get(section)
-        if not isinstance(block, dict):
-            continue
-        optimizer = block.get("optimizer")
-        if isinstance(optimizer, dict) and isinstance(optimizer.get("name"), str) \
-                and optimizer["name"] in OPTIMIZER_SYNONYMS:
-            warnings.append(f"{section}.optimizer.name='{optimizer['name']}' runs as "
-                            f"{OPTIMIZER_SYNONYMS[optimizer['name']]} (the same update, not fused)")
-            optimizer["name"] = OPTIMIZER_SYNONYMS[optimizer["name"]]
-        megatron = block.get("megatron_cfg")
-        if isinstance(megatron, dict) and megatron.get("moe_token_dispatcher_type") == "flex":
-            warnings.append(f"{section}.megatron_cfg.moe_token_dispatcher_type='flex' (DeepEP) runs as 'alltoall' "
-                            "(the same routing, without DeepEP's kernels)")
-            megatron["moe_token_dispatcher_type"] = "alltoall"
-        packing = block.get("sequence_packing")
-        if isinstance(packing, dict) and packing.get("algorithm") == "modified_ffd":
-            packing["algorithm"] = "modified_first_fit_decreasing"
+        if isinstance(block, dict):
+            warnings.extend(_translate_policy(section, block))
     checkpointing = tree.get("checkpointing")
     if isinstance(checkpointing, dict) and isinstance(checkpointing.get("metric_name"), str):
         name = checkpointing["metric_name"]
@@ -355,6 +324,50 @@ def translate(tree: dict[str, Any]) -> tuple[list[str], list[str]]:
         refused.extend(_flatten_data(data, warnings, seed))
     refused.extend(_environments(tree, warnings))
     return refused, warnings
+
+
+def _translate_grpo(grpo: dict[str, Any]) -> list[str]:
+    """The grpo section's spellings, rewritten in place; what is refused, a line each."""
+    refused = []
+    if grpo.get("async_grpo", False) is None:
+        grpo["async_grpo"] = {}
+    if grpo.get("val_period") == -1 and grpo["val_period"] is not True:
+        grpo["val_period"] = 0  # NeMo RL: -1 turns periodic evaluation off; novarl: 0
+    if "advantage_estimator" in grpo:  # novarl's own name before NeMo RL's (checkpoints keep their config)
+        name = grpo.pop("advantage_estimator")
+        if isinstance(grpo.get("adv_estimator"), dict) and "name" in grpo["adv_estimator"]:
+            refused.append(f"'grpo.advantage_estimator' = {show_value(name)} and grpo.adv_estimator.name name "
+                           "the same setting; give only grpo.adv_estimator.name.")
+        elif isinstance(grpo.get("adv_estimator", {}), dict):
+            grpo["adv_estimator"] = {**grpo.get("adv_estimator", {}), "name": name}
+    estimator = grpo.get("adv_estimator")
+    if isinstance(estimator, dict):
+        for key in ("normalize_rewards", "use_leave_one_out_baseline"):
+            if key in estimator:  # NeMo RL reads the estimator's copy (by default ${grpo.<key>})
+                grpo[key] = estimator.pop(key)
+        if not estimator:
+            grpo.pop("adv_estimator")
+    return refused
+
+
+def _translate_policy(section: str, block: dict[str, Any]) -> list[str]:
+    """A policy-like section's (policy, value) spellings, rewritten in place; the warnings, a line each."""
+    warnings = []
+    optimizer = block.get("optimizer")
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("name"), str) \
+            and optimizer["name"] in OPTIMIZER_SYNONYMS:
+        warnings.append(f"{section}.optimizer.name='{optimizer['name']}' runs as "
+                        f"{OPTIMIZER_SYNONYMS[optimizer['name']]} (the same update, not fused)")
+        optimizer["name"] = OPTIMIZER_SYNONYMS[optimizer["name"]]
+    megatron = block.get("megatron_cfg")
+    if isinstance(megatron, dict) and megatron.get("moe_token_dispatcher_type") == "flex":
+        warnings.append(f"{section}.megatron_cfg.moe_token_dispatcher_type='flex' (DeepEP) runs as 'alltoall' "
+                        "(the same routing, without DeepEP's kernels)")
+        megatron["moe_token_dispatcher_type"] = "alltoall"
+    packing = block.get("sequence_packing")
+    if isinstance(packing, dict) and packing.get("algorithm") == "modified_ffd":
+        packing["algorithm"] = "modified_first_fit_decreasing"
+    return warnings
 
 
 def _flatten_data(data: dict[str, Any], warnings: list[str], grpo_seed: Any) -> list[str]:
@@ -400,26 +413,34 @@ def _flatten_data(data: dict[str, Any], warnings: list[str], grpo_seed: Any) -> 
     elif subsets:
         data.setdefault("subset", subsets.pop())
     for block, values in (("data.train", train), ("data.validation", validation), ("data.default", default)):
-        processor = values.get("processor")
-        if processor not in PROCESSORS:
-            refused.append(f"'{block}.processor' = {show_value(processor)}: novarl formats prompts as "
-                           f"{PROCESSORS[1]} does (prompt file, then chat template); other processors are "
-                           f"{ISSUE_DATA}.")
-        env = values.get("env_name")
-        if env is not None:
-            data.setdefault("_env_names", set()).add(env)
-        if values.get("seed") not in (None, grpo_seed):
-            warnings.append(f"'{block}.seed' = {show_value(values['seed'])}: novarl draws the held-out split with "
-                            f"grpo.seed ({show_value(grpo_seed)})")
-        if values.get("repeat", 1) != 1 and block == "data.validation":
-            warnings.append(f"'{block}.repeat' = {show_value(values['repeat'])}: novarl evaluates greedily, so "
-                            "repeated examples would get the same completion; each is evaluated once")
-        elif values.get("repeat", 1) != 1:
-            refused.append(f"'{block}.repeat' = {show_value(values['repeat'])}: repeating a training dataset is "
-                           f"{ISSUE_DATA}.")
-        unknown = set(values) - {*DATA_FIELDS, "data_path", "split", "subset", "processor", "env_name", "seed",
-                                 "repeat"}
-        refused.extend(f"unknown key '{block}.{k}'." for k in sorted(unknown))
+        refused.extend(_data_block(block, values, data, warnings, grpo_seed))
+    return refused
+
+
+def _data_block(block: str, values: dict[str, Any], data: dict[str, Any], warnings: list[str],
+                grpo_seed: Any) -> list[str]:
+    """One data block's processor, environment, seed, repeat and unknown keys: what is refused, a line
+    each (its environment goes to data._env_names)."""
+    refused = []
+    processor = values.get("processor")
+    if processor not in PROCESSORS:
+        refused.append(f"'{block}.processor' = {show_value(processor)}: novarl formats prompts as "
+                       f"{PROCESSORS[1]} does (prompt file, then chat template); other processors are "
+                       f"{ISSUE_DATA}.")
+    env = values.get("env_name")
+    if env is not None:
+        data.setdefault("_env_names", set()).add(env)
+    if values.get("seed") not in (None, grpo_seed):
+        warnings.append(f"'{block}.seed' = {show_value(values['seed'])}: novarl draws the held-out split with "
+                        f"grpo.seed ({show_value(grpo_seed)})")
+    if values.get("repeat", 1) != 1 and block == "data.validation":
+        warnings.append(f"'{block}.repeat' = {show_value(values['repeat'])}: novarl evaluates greedily, so "
+                        "repeated examples would get the same completion; each is evaluated once")
+    elif values.get("repeat", 1) != 1:
+        refused.append(f"'{block}.repeat' = {show_value(values['repeat'])}: repeating a training dataset is "
+                       f"{ISSUE_DATA}.")
+    unknown = set(values) - {*DATA_FIELDS, "data_path", "split", "subset", "processor", "env_name", "seed", "repeat"}
+    refused.extend(f"unknown key '{block}.{k}'." for k in sorted(unknown))
     return refused
 
 

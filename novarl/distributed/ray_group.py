@@ -31,7 +31,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from novarl.errors import RunFailed, UserError
@@ -388,7 +388,7 @@ class RayWorkerGroup:
             self._get([a.join.remote(host, port) for a in self.actors])
         self._get([a.setup.remote(factory, kwargs) for a in self.actors])
 
-    def _check_resources(self, bundle: dict[str, float], world_size: int) -> None:
+    def _check_resources(self, bundle: Mapping[str, float], world_size: int) -> None:
         import time
 
         import ray

@@ -35,6 +35,7 @@ import json
 import socket
 import threading
 from collections.abc import Iterable, Iterator
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -119,11 +120,11 @@ class Channel(abc.ABC):
                     offset += _numel(shape)
 
     def _broadcast_bytes(self, payload: bytes | None) -> bytes:
-        """Rank 0's `payload` on every rank: its length, then the bytes."""
-        size = torch.tensor([len(payload) if self.rank == 0 else 0], dtype=torch.int64, device=self.device)
+        """Rank 0's `payload` on every rank: its length, then the bytes (the others pass None)."""
+        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=self.device)
         self._broadcast(size)
         length = int(size.item())
-        if self.rank == 0:
+        if payload is not None:
             buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         elif 0 < length <= MAX_HEADER_BYTES:
             buffer = torch.empty(length, dtype=torch.uint8, device=self.device)
@@ -131,7 +132,7 @@ class Channel(abc.ABC):
             raise MalformedHeader(f"The weight bridge's rank 0 announced a header of {length} bytes "
                                   f"(at most {MAX_HEADER_BYTES} are accepted).")
         self._broadcast(buffer)
-        return payload if self.rank == 0 else buffer.cpu().numpy().tobytes()
+        return payload if payload is not None else buffer.cpu().numpy().tobytes()
 
 
 class WeightBridge(Channel):
@@ -153,6 +154,7 @@ class WeightBridge(Channel):
         self.engines = world_size - 1
         self.signals = dist.PrefixStore("novarl-ready/", store)
         """Where the engines say they are ready for a queued update (mark_ready / wait_ready)."""
+        self.group: dist.ProcessGroupNCCL | dist.ProcessGroupGloo
         if self.device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = TIMEOUT
@@ -163,7 +165,7 @@ class WeightBridge(Channel):
     def _broadcast(self, tensor: torch.Tensor) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self.group.broadcast([tensor], options).wait()
+        self.group.broadcast([tensor], options).wait()  # type: ignore[union-attr]  # torch's stubs lack it
 
     def mark_ready(self, version: int) -> None:
         """An engine is about to receive queued update `version` (see wait_ready)."""
@@ -239,7 +241,7 @@ def full_weights(state: Iterable[tuple[str, torch.Tensor]], keep: bool, dtype: t
     for name, tensor in state:
         if isinstance(tensor, DTensor):
             if tensor.device.type != tensor.device_mesh.device_type:  # shards offloaded to the CPU
-                tensor = tensor.to(tensor.device_mesh.device_type)
+                tensor = cast(DTensor, tensor.to(tensor.device_mesh.device_type))
             tensor = tensor.full_tensor()
         if keep:
             yield name, in_dtype(tensor.detach(), dtype)

@@ -14,6 +14,7 @@ which folder.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import json
 from pathlib import Path
@@ -22,6 +23,9 @@ import torch
 
 from novarl.errors import UserError
 from novarl.models.locate import _first_line, resolve_hub_id, resolve_model_path  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,7 +46,7 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False):
 
 
 def load_causal_lm(name_or_path: str, *, dtype: torch.dtype = torch.float32,
-                   trust_remote_code: bool = False) -> torch.nn.Module:
+                   trust_remote_code: bool = False) -> PreTrainedModel:
     """A causal LM in `dtype` on the CPU, in train mode off (eval)."""
     from transformers import AutoModelForCausalLM
 

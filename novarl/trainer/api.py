@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from novarl.config import NovaRLConfig, dump_config, load_config
 from novarl.config.loading import with_warnings
@@ -19,6 +19,9 @@ from novarl.logging.metrics import JsonlSink, read_jsonl
 from novarl.logging.trackers import open_trackers
 from novarl.backends.contract.resolve import world_size
 from novarl.trainer.checkpoint import POLICY_DIR, STATE_FILE, Checkpoint, Checkpointer, mark_finished
+
+if TYPE_CHECKING:
+    from novarl.trainer.setup import Roles
 
 RewardFn = Callable[..., float]
 
@@ -66,7 +69,7 @@ class GRPOTrainer:
         else:
             self.config = load_api_config(config, overrides)
         self.reward_fn = reward_fn
-        self.roles = None
+        self.roles: Roles | None = None
         """The policy, reference and generator of the last `train()`, kept for inspection."""
         self.train_examples = list(train_examples) if train_examples is not None else None
         self.checkpoints_in_run_folder = checkpoints_in_run_folder
@@ -178,7 +181,7 @@ class GRPOTrainer:
                 save_atomically(model_dir, lambda tmp: roles.policy.save_hf(tmp, inputs.tokenizer, fmt))
                 return summary
             except CheckpointLoadFailed as err:
-                if checkpointer is None:
+                if checkpointer is None or start is None:
                     raise
                 reason = err.reason
                 if failed is not None:

@@ -204,7 +204,8 @@ def discard_partial(partial: Path, err: BaseException, what: str, *, needed: str
 def _os_error_in(err: BaseException) -> OSError | None:
     """The first OSError behind `err`: its causes and contexts, a Ray task's cause, and the
     per-rank failures of torch.distributed.checkpoint's CheckpointException."""
-    seen, todo = set(), [err]
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
     while todo:
         current = todo.pop(0)
         if current is None or id(current) in seen:

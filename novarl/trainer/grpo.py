@@ -29,7 +29,7 @@ from novarl.trainer.checkpoint import CRITIC_DIR, POLICY_DIR, Checkpoint, Checkp
 from novarl.trainer.evaluate import evaluate
 from novarl.trainer.collect import collect
 from novarl.trainer.rollout import MISMATCH_WARNING, build_train_batch, logprob_mismatch, mismatch_advice
-from novarl.trainer.setup import Roles, RunInputs, critic_global_batch_size
+from novarl.trainer.setup import Roles, RunInputs, critic_global_batch_size, value_section
 from novarl.types import TrainBatch
 
 
@@ -170,7 +170,7 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
     if cfg.loss_fn.use_kl_in_reward:
         token_kl = reference_kl(cfg, batch)
         kl_metrics["kl_to_reference"] = float(token_kl.sum() / batch.loss_mask.sum().clamp(min=1))
-    if critic is not None:
+    if values is not None:  # the critic's
         batch.advantages, returns = gae_advantages(cfg, batch, rollouts.rewards, values, token_kl)
         batch.extras = {"returns": returns, "old_values": values}
         kl_metrics.update(critic_metrics(batch, values, returns))
@@ -252,7 +252,8 @@ def ppo_description(cfg: NovaRLConfig) -> str:
     estimator, grpo = cfg.grpo.adv_estimator, cfg.grpo
     warm = (f"; the first {grpo.policy_training_start_step} step(s) train the critic alone"
             if grpo.policy_training_start_step else "")
-    return (f"PPO: a critic ({cfg.value.model_name}, a scalar {cfg.value.reward_model_cfg.reward_model_type} head) "
+    value = value_section(cfg)
+    return (f"PPO: a critic ({value.model_name}, a scalar {value.reward_model_cfg.reward_model_type} head) "
             "beside the policy; GAE (gamma "
             f"{estimator.gae_gamma:g}, lambda {estimator.gae_lambda:g}"
             f"{', advantages whitened' if estimator.normalize_advantages else ''}), value loss x "
@@ -289,6 +290,7 @@ def step_advantages(cfg: NovaRLConfig, batch: TrainBatch, rewards: torch.Tensor,
 def reference_kl(cfg: NovaRLConfig, batch: TrainBatch) -> torch.Tensor:
     """[N] each loss token's KL of the policy before the update (old logprobs) to the reference,
     by loss_fn's estimator and clamps; 0 elsewhere."""
+    assert batch.old_logprobs is not None and batch.reference_logprobs is not None  # use_kl_in_reward's forwards
     loss = cfg.loss_fn
     settings = ClippedPGSettings(kl_estimator=loss.kl_estimator, kl_input_clamp_value=loss.kl_input_clamp_value,
                                  kl_output_clamp_value=loss.kl_output_clamp_value)

@@ -11,13 +11,14 @@ from collections.abc import Callable
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from novarl.backends.protocols import (GenerationBackend, Offloadable, ReferenceBackend, Stoppable,
-                                       TrainingBackend)
+from novarl.backends.protocols import (Engine, GenerationBackend, Offloadable, QueuedWeights, ReferenceBackend,
+                                       Stoppable, TrainingBackend)
 from novarl.config.files import show_value
-from novarl.config.schema import NovaRLConfig
+from novarl.config.schema import NovaRLConfig, ValueConfig
 from novarl.data.arithmetic import Example
 from novarl.data.datasets import PromptSampler, load_examples, read_prompt_template, to_prompts
 from novarl.errors import NotAvailableYet, UserError
@@ -131,7 +132,7 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
             or scorer is None or (gap is None and val is None):
         return None
     sampler = PromptSampler(train, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
-    if gap is None:
+    if gap is None and val is not None:
         val = val[:cfg.grpo.max_val_samples]
         prompts = f"{len(train)} train / {len(val)} held-out prompts"
     else:
@@ -150,7 +151,7 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
 def critic_model_path(cfg: NovaRLConfig, policy_path: str, tokenizer) -> str:
     """The folder of PPO's critic (value.model_name; the policy's own when the same). A critic of
     another model must read the policy's token ids: its tokenizer must have the same vocabulary."""
-    value = cfg.value
+    value = value_section(cfg)
     if value.model_name == cfg.policy.model_name and value.tokenizer.name == cfg.policy.tokenizer.name:
         return policy_path
     path = resolve_model_path(value.model_name)
@@ -328,10 +329,10 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
 
 @dataclass
 class Roles:
-    policy: TrainingBackend | None
+    policy: TrainingBackend
     reference: ReferenceBackend | None
     """None when the KL penalty is 0."""
-    generator: GenerationBackend | None
+    generator: GenerationBackend
     critic: TrainingBackend | None = None
     """PPO's value model (grpo.adv_estimator.name: gae); its `logprobs` are per-token values."""
 
@@ -350,21 +351,28 @@ class Roles:
     def queue_weights(self, version: int) -> dict[str, float]:
         """Asynchronous GRPO's weight update: the policy's weights go to the engines behind the
         rounds submitted to them, the trainer not waiting for those (backends/generation/engines.py)."""
+        if not isinstance(self.generator, QueuedWeights):
+            raise NotAvailableYet(f"asynchronous GRPO on {type(self.generator).__name__}: its engines do not "
+                                  "queue weights")
         return self.generator.queue_weights(version)
 
     def shutdown(self) -> None:
         """Stop remote workers (in-process roles need nothing); safe to call twice."""
-        for name in ("generator", "critic", "reference", "policy"):
-            role = getattr(self, name)
-            if isinstance(role, Stoppable):
-                role.shutdown()
+        stop(self.generator, self.critic, self.reference, self.policy)
+
+
+def stop(*roles: object) -> None:
+    """Stop the roles with workers of their own, in the order given."""
+    for role in roles:
+        if isinstance(role, Stoppable):
+            role.shutdown()
 
 
 def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device, policy) -> GenerationBackend:
     """The generation engines the config resolved to (see backends/generation/layout.py): one in this
     process beside a one-rank policy, one in each policy rank's process when colocated, actors
     of their own when dedicated; Megatron generation runs on the policy's own ranks."""
-    from novarl.distributed.remote import RemotePolicy
+    from novarl.backends.remote import RemotePolicy
     from novarl.models.loading import DTYPES
 
     gen = cfg.policy.generation
@@ -374,9 +382,9 @@ def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device, 
         return spec.implementation()(
             policy, inputs.tokenizer, max_seq_length=cfg.policy.max_seq_length, config=gen.mcore_generation_config)
     precision = generation_precision(cfg, device)
-    factory = spec.implementation()
+    factory: type[Engine] = spec.implementation()
     kwargs = factory.engine_kwargs(cfg, model_path=inputs.model_path, tokenizer=inputs.tokenizer, precision=precision)
-    sync = dict(bucket_bytes=int(gen.weight_sync_bucket_mb * 2**20), dtype=DTYPES[precision])
+    sync: dict[str, Any] = dict(bucket_bytes=int(gen.weight_sync_bucket_mb * 2**20), dtype=DTYPES[precision])
     if isinstance(policy, RemotePolicy):
         layout = dataclasses.replace(layout, local_policy=False)
     if layout.in_process:
@@ -405,16 +413,15 @@ def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device, 
 def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> Roles:
     """The policy (and reference) on one in-process rank or on Ray ranks, and the generation
     engines. If one role fails to start, the ones already started are shut down."""
-    roles = Roles(policy=None, reference=None, generator=None)
     check_capacity(cfg, inputs, device)
+    policy, reference, critic = build_trainers(cfg, inputs, device)  # stops its Ray ranks if one fails
     try:
-        roles.policy, roles.reference, roles.critic = build_trainers(cfg, inputs, device)
-        roles.generator = build_generator(cfg, inputs, device, roles.policy)
+        generator = build_generator(cfg, inputs, device, policy)
     except BaseException:
-        roles.shutdown()
+        stop(critic, reference, policy)
         raise
-    info(roles.generator.describe())
-    return roles
+    info(generator.describe())
+    return Roles(policy, reference, generator, critic)
 
 
 def check_capacity(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> None:
@@ -470,7 +477,7 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
         critic = Critic(device=device, **critic_args) if Critic else None
         return policy, BaseReference(policy) if lora_base else reference, critic
     from novarl.distributed.ray_group import RayWorkerGroup
-    from novarl.distributed.remote import RemoteCritic, RemotePolicy, RemoteReference
+    from novarl.backends.remote import RemoteCritic, RemotePolicy, RemoteReference
 
     gpus = 1 if device.type == "cuda" else 0
     info(f"starting {ranks} policy ranks on Ray ({'1 GPU' if gpus else '1 CPU'} each)")
@@ -490,9 +497,15 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
         raise
 
 
+def value_section(cfg: NovaRLConfig) -> ValueConfig:
+    """The critic's section, which every run with a critic has (GAE needs it: schema.py)."""
+    assert cfg.value is not None, "a run without a critic (no value section)"
+    return cfg.value
+
+
 def critic_global_batch_size(cfg: NovaRLConfig, inputs: RunInputs) -> int:
     """Samples per critic optimizer step: value.train_global_batch_size, else the policy's."""
-    return cfg.value.train_global_batch_size or inputs.batches.global_batch_size
+    return value_section(cfg).train_global_batch_size or inputs.batches.global_batch_size
 
 
 def critic_optimizer_steps(cfg: NovaRLConfig, inputs: RunInputs) -> int:
@@ -504,4 +517,4 @@ def critic_optimizer_steps(cfg: NovaRLConfig, inputs: RunInputs) -> int:
 def critic_accumulation_steps(cfg: NovaRLConfig, inputs: RunInputs) -> int:
     """DeepSpeed's micro-batches per critic optimizer step, on each data-parallel rank."""
     per_rank = critic_global_batch_size(cfg, inputs) // max(inputs.batches.data_parallel_size, 1)
-    return max(per_rank // cfg.value.train_micro_batch_size, 1)
+    return max(per_rank // value_section(cfg).train_micro_batch_size, 1)

@@ -123,7 +123,7 @@ def fit_to_host(cfg: NovaRLConfig, given: Mapping[str, Any]) -> tuple[list[str],
                     if asked and asked.refuses_long_sequences and not cannot else "there); new tokens follow it")
         why.append(f"recipe: policy.max_seq_length {length} -> {limit}, the model's max_position_embeddings (its "
                    f"positions end {followed}")
-    if cannot:
+    if asked is not None and cannot:
         fallback = generation_spec(FALLBACK_GENERATION)
         extra.append(f"policy.generation.backend={fallback.name}")
         why.append(f"recipe: generation on {fallback.title}, not {asked.title}: {cannot}")

@@ -20,7 +20,7 @@ from novarl.config.schema import VLLM_LORA_RANKS, NovaRLConfig
 from novarl.host import installed  # noqa: F401 (re-exported)
 from novarl.errors import ConfigError, NotAvailableYet, UserError
 from novarl.models.bundled import resolve_bundled
-from novarl.backends.generation.layout import generation_layout, layout_missing, training_devices
+from novarl.backends.generation.layout import GenerationLayout, generation_layout, layout_missing, training_devices
 from novarl.backends.contract.model_shape import ModelShape, head_problems
 
 BUILT_TRAINING_BACKENDS = TRAINING_BACKENDS
@@ -135,6 +135,7 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     warnings.extend(fp8_warnings)
     missing.extend(generation_spec(choice.generation).missing(cfg))
     warnings.extend(unused_vllm_settings(cfg, choice.generation))
+    layout: GenerationLayout | None
     try:
         layout = generation_layout(cfg, choice.generation)
     except ConfigError:

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from novarl.backends.protocols import Engine, Offloadable, Stoppable, WeightSender
+from novarl.backends.protocols import (Engine, GenerationBackend, Offloadable, QueuedWeights, Rollout, Stoppable,
+                                       WeightSender)
 from novarl.distributed.weight_sync import BUCKET_BYTES, flatten
 from novarl.errors import RunFailed, UserError
 from novarl.backends.generation.layout import GenerationLayout
@@ -54,7 +55,7 @@ def share_groups(prompts: Sequence[Prompt], engines: int) -> list[tuple[int, int
     return bounds
 
 
-class Ready:
+class Ready(Rollout):
     """A Rollout already complete (an engine in this process generates at submit)."""
 
     def __init__(self, completions: list[Completion], seconds: float = 0.0) -> None:
@@ -70,7 +71,7 @@ class Ready:
         return self.completions
 
 
-class RayRollout:
+class RayRollout(Rollout):
     """Completions of engines on Ray actors: shares in flight, joined in prompt order (each share
     comes with its engine's busy and idle seconds, see RankActor.generate_share)."""
 
@@ -142,7 +143,7 @@ def shares(prompts: Sequence[Prompt], sampling: SamplingConfig, engines: int
             for start, stop in share_groups(prompts, engines)]
 
 
-class LocalGeneration:
+class LocalGeneration(GenerationBackend, QueuedWeights, Offloadable):
     """Implements GenerationBackend: one engine in this process, beside an in-process policy."""
 
     def __init__(self, engine: Engine, policy: WeightSender | None = None, layout: GenerationLayout | None = None, *,
@@ -157,6 +158,7 @@ class LocalGeneration:
         return Ready(completions, time.perf_counter() - start)
 
     def sync_weights(self, version: int) -> dict[str, float]:
+        assert self.policy is not None, "an engine of fixed weights (novarl eval) takes none"
         loaded = [0]
         buckets = self.policy.weight_buckets(self.bucket_bytes, everywhere=True, dtype=self.dtype)
         self.engine.update_weights(flatten(buckets, loaded), version)
@@ -186,7 +188,7 @@ class LocalGeneration:
             self.engine.shutdown()
 
 
-class ColocatedEngines:
+class ColocatedEngines(GenerationBackend, Offloadable):
     """Implements GenerationBackend: engines in the policy ranks' processes (role "generator" of
     the policy's RayWorkerGroup), one per rank or one spanning each layout.ranks_per_engine ranks."""
 
@@ -227,7 +229,7 @@ class ColocatedEngines:
         """The policy's group stops the processes."""
 
 
-class DedicatedEngines:
+class DedicatedEngines(GenerationBackend, QueuedWeights):
     """Implements GenerationBackend: engine actors of their own, fed by the policy's rank 0 over
     a weight-transfer group (see weight_sync.WeightBridge)."""
 

@@ -9,14 +9,16 @@ into that copy after each step.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import torch
 
+from novarl.backends.protocols import Engine
 from novarl.models.loading import DTYPES, load_causal_lm
 from novarl.types import Completion, Prompt, SamplingConfig
 
 
-class HFGeneration:
+class HFGeneration(Engine):
     """Implements Engine on a plain (unsharded) transformers model."""
 
     @staticmethod
@@ -70,9 +72,10 @@ class HFGeneration:
         budget = sampling.max_new_tokens
         if self.max_seq_length is not None:
             budget = max(1, min(budget, self.max_seq_length - min(len(p.token_ids) for p in prompts)))
-        seeded = not greedy and sampling.seed is not None
-        sampler = RowSampler([sample_seed(sampling.seed, position + row) for row in range(len(prompts))],
-                             sampling, self.device) if seeded else None
+        seed = None if greedy else sampling.seed
+        seeded = seed is not None
+        sampler = RowSampler([sample_seed(seed, position + row) for row in range(len(prompts))],
+                             sampling, self.device) if seed is not None else None
         ids, mask = ids.to(self.device), mask.to(self.device)
         result = self.model.generate(
             input_ids=ids, attention_mask=mask, past_key_values=shared_prompt_cache(self.model, ids, mask),
@@ -94,7 +97,7 @@ class HFGeneration:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy full tensors (HF names) into the generator's model; every name must match."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers()))
         seen = set()
         with torch.no_grad():
@@ -189,7 +192,7 @@ def make_completion(prompt: Prompt, tokens: list[int], logprobs: list[float], *,
     """A Completion from generated tokens: cut after the first stop token ('stop') or at the
     sequence budget ('length'), decoded without special tokens."""
     end = next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), None)
-    finish = "stop" if end is not None else "length"
+    finish: Literal["stop", "length"] = "stop" if end is not None else "length"
     tokens, logprobs = tokens[:end], logprobs[:end]
     room = None if max_seq_length is None else max_seq_length - len(prompt.token_ids)
     if room is not None and len(tokens) > room:

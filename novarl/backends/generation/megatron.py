@@ -34,13 +34,14 @@ import torch.distributed as dist
 from novarl.backends.generation.hf import make_completion
 from novarl.config.schema import McoreGenerationConfig
 from novarl.backends.generation.engines import Ready
+from novarl.backends.protocols import GenerationBackend
 from novarl.types import Completion, Prompt, SamplingConfig
 
 Sampled = tuple[list[int], list[float]]
 """Generated token ids (stop token included) and their logprobs at the sampling temperature."""
 
 
-class MegatronGeneration:
+class MegatronGeneration(GenerationBackend):
     """Implements GenerationBackend with the Megatron policy's model (local or on Ray ranks)."""
 
     def __init__(self, policy, tokenizer, *, max_seq_length: int, config: McoreGenerationConfig) -> None:
@@ -96,8 +97,8 @@ def sample_tokens(model, prompts: list[list[int]], sampling: SamplingConfig, sto
     finally:
         model.module.train(training)
     keep = out if model.tp_rank == 0 and model.pp_rank == 0 else None
-    parts: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object((model.dp_rank, keep), parts, dst=0, group=model.cpu_group)
+    parts: list = [None] * dist.get_world_size()
+    dist.gather_object((model.dp_rank, keep), parts if dist.get_rank() == 0 else None, dst=0, group=model.cpu_group)
     if dist.get_rank() != 0:
         return []
     by_replica = dict(p for p in parts if p[1] is not None)
@@ -195,6 +196,7 @@ def _sample(model, logits: torch.Tensor | None, sampling: SamplingConfig, genera
     tokens = torch.zeros(rows, dtype=torch.long, device=model.device)
     chosen_logprobs = torch.zeros(rows, device=model.device)
     if model.last_stage:
+        assert logits is not None  # the last stage computes them
         greedy = sampling.temperature == 0
         scaled = logits if greedy else logits / sampling.temperature
         logprobs = torch.log_softmax(scaled, dim=-1)

@@ -22,10 +22,12 @@ import os
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
 from novarl.backends.generation.hf import sample_seed
+from novarl.backends.protocols import Engine, Offloadable, Stoppable
 from novarl.config.schema import GenerationConfig, LoraConfig, VllmConfig
 from novarl.errors import RunFailed, UserError
 from novarl.logging.quiet import quiet_third_party
@@ -84,7 +86,7 @@ def fp8_engine_args(v: VllmConfig, model_path: str, *, trust_remote_code: bool =
     return args, env
 
 
-class VllmGeneration:
+class VllmGeneration(Engine, Offloadable, Stoppable):
     """Implements Engine and Offloadable on a vllm.LLM engine."""
 
     @staticmethod
@@ -124,7 +126,7 @@ class VllmGeneration:
         self.sleep_mode = cfg.colocated.enabled and torch.cuda.is_available()
         self.sleeping: set[str] = set()
         """What sleeps now: "weights" (on the CPU) and "kv_cache" (freed)."""
-        engine_args = dict(
+        engine_args: dict[str, Any] = dict(
             model=model_path, tokenizer=model_path, dtype=precision, seed=seed,
             tensor_parallel_size=v.tensor_parallel_size, pipeline_parallel_size=v.pipeline_parallel_size,
             gpu_memory_utilization=v.gpu_memory_utilization,
@@ -176,7 +178,7 @@ class VllmGeneration:
     def _completion(self, prompt: Prompt, out) -> Completion:
         tokens = list(out.token_ids)
         logprobs = [step[token].logprob for step, token in zip(out.logprobs, tokens)]
-        finish = "stop" if out.finish_reason == "stop" else "length"
+        finish: Literal["stop", "length"] = "stop" if out.finish_reason == "stop" else "length"
         return Completion(prompt=prompt, token_ids=tokens, logprobs=logprobs,
                           text=self.tokenizer.decode(tokens, skip_special_tokens=True),
                           finish_reason=finish, policy_version=self.version)
@@ -248,7 +250,7 @@ def remove_stale_cpu_shm(folder: Path = Path("/dev/shm")) -> list[str]:
 
 def _mapped_shm_names(folder: Path) -> set[str]:
     """Names of the files in `folder` that some process on this machine has mapped (/proc/*/maps)."""
-    names = set()
+    names: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
             lines = maps.read_text().splitlines()

@@ -66,7 +66,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # a device all the same
     torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.manual_seed = lambda seed: None
     torch.cuda.synchronize = lambda device=None: None  # CPU ops are synchronous

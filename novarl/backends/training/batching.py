@@ -32,7 +32,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,9 @@ class MicroBatching:
         (make_sequence_length_divisible_by, the tensor-parallel size with sequence parallelism)."""
         rows = policy.train_micro_batch_size if training else (policy.logprob_batch_size
                                                                  or policy.train_micro_batch_size)
-        for layout, section in (("packed", policy.sequence_packing), ("dynamic", policy.dynamic_batching)):
+        sections: tuple[tuple[Layout, Any], ...] = (("packed", policy.sequence_packing),
+                                                    ("dynamic", policy.dynamic_batching))
+        for layout, section in sections:
             if section.enabled:
                 budget = section.train_mb_tokens if training else section.logprob_mb_tokens
                 return cls(layout, rows, budget or policy.max_seq_length * rows,
@@ -198,9 +200,10 @@ def plan_micro_batches(lengths: Sequence[int], dp_size: int, batching: MicroBatc
         if batching.algorithm not in PACKERS:
             raise ValueError(f"unknown policy.sequence_packing.algorithm {batching.algorithm!r}; "
                              f"one of {sorted(PACKERS)}")
-        shared = batching.share_prompts and prompt_lengths is not None and group_ids is not None
-        items, sizes = (prompt_items(lengths, list(prompt_lengths), list(group_ids), batching.tokens) if shared
-                        else ([[i] for i in range(len(lengths))], lengths))
+        if batching.share_prompts and prompt_lengths is not None and group_ids is not None:
+            items, sizes = prompt_items(lengths, list(prompt_lengths), list(group_ids), batching.tokens)
+        else:
+            items, sizes = [[i] for i in range(len(lengths))], lengths
         bins = [[i for item in b for i in items[item]] for b in PACKERS[batching.algorithm](sizes, batching.tokens)]
     else:
         bins = dynamic_groups(lengths, batching.tokens, batching.length_multiple)
@@ -372,6 +375,7 @@ def _shared_prompt_row(mb: TrainBatch, multiple: int, width: int | None) -> Mode
     once (positions 0..P-1), then every sequence's completion (positions P..), then padding to
     a multiple of `multiple`. Attention rows pair the prompt with each completion; the row's
     padding is cut into pieces of its own. Vectorised: it runs for every micro-batch."""
+    assert mb.prompt_lengths is not None and mb.group_ids is not None  # lay_out's condition
     cu, positions, ids = mb.cu_seqlens.cpu(), mb.position_ids.cpu(), mb.input_ids.cpu()
     prompts, groups = mb.prompt_lengths.cpu(), mb.group_ids.cpu()
     sequence = mb.sequence_index.cpu()

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from novarl.backends.protocols import ReferenceBackend, TrainingBackend, WeightSender
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.batching import MicroBatching
 from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing, model_values
@@ -96,6 +97,11 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 class DeepSpeedModel(DataParallelRows):
     """A Hugging Face causal LM in a DeepSpeed engine, one data-parallel rank of it."""
 
+    engine: Any
+    """The DeepSpeedEngine; None for a frozen copy below ZeRO-3 (its parameters whole, nothing to gather)."""
+    optimizer: torch.optim.Optimizer | None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None, *, trainable: bool,
                  temperature: float, accumulation_steps: int = 1, total_steps: int = 1, seed: int = 0,
                  value_head: bool = False) -> None:
@@ -126,9 +132,9 @@ class DeepSpeedModel(DataParallelRows):
         self.zero_stage = policy.deepspeed_cfg.zero_stage
         model = load_causal_lm(model_path, dtype=torch.float32, trust_remote_code=policy.trust_remote_code)
         self.attention = use_varlen_attention(model)
-        config = deepspeed_config(policy, world_size=self.dp_size, accumulation_steps=accumulation_steps,
-                                  on_gpu=self.device.type == "cuda",
-                                  hidden_size=getattr(model.config, "hidden_size", None) or 4096)
+        config: dict[str, Any] | None = deepspeed_config(
+            policy, world_size=self.dp_size, accumulation_steps=accumulation_steps, on_gpu=self.device.type == "cuda",
+            hidden_size=getattr(model.config, "hidden_size", None) or 4096)
         check_packing(model, self.attention, self.logprob_batching, torch.device("cpu"))  # before the engine
         if value_head:
             from novarl.models.critic import add_value_head
@@ -203,6 +209,9 @@ class TrainableDeepSpeedModel(DeepSpeedModel, AccumulatingRows):
     """A DeepSpeed engine that trains: accumulation, clipping, the optimizer's step and the
     engine's resumable state. The policy and the critic are each one."""
 
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
                  total_steps: int, temperature: float, accumulation_steps: int = 1, seed: int = 0,
                  value_head: bool = False) -> None:
@@ -256,7 +265,7 @@ class TrainableDeepSpeedModel(DeepSpeedModel, AccumulatingRows):
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {path / CHECKPOINT_TAG}")
 
 
-class DeepSpeedPolicy(TrainableDeepSpeedModel, BaseModelLogprobs):
+class DeepSpeedPolicy(TrainableDeepSpeedModel, BaseModelLogprobs, TrainingBackend, WeightSender):
     """The trainable policy on DeepSpeed ZeRO (implements TrainingBackend)."""
 
     def weight_buckets(self, bucket_bytes: int, *, everywhere: bool, dtype: torch.dtype | None = None
@@ -291,7 +300,8 @@ class DeepSpeedPolicy(TrainableDeepSpeedModel, BaseModelLogprobs):
 
         names = list(state)
         while names:
-            chunk, size = [], 0
+            chunk: list[str] = []
+            size = 0
             while names and (not chunk or size + nbytes(state[names[0]]) <= bucket_bytes):
                 chunk.append(names.pop(0))
                 size += nbytes(state[chunk[-1]])
@@ -307,7 +317,7 @@ class DeepSpeedPolicy(TrainableDeepSpeedModel, BaseModelLogprobs):
             save_hf(path, self.engine.module.config, state, tokenizer, fmt, self.lora)
 
 
-class DeepSpeedCritic(TrainableDeepSpeedModel):
+class DeepSpeedCritic(TrainableDeepSpeedModel, TrainingBackend):
     """PPO's value model on DeepSpeed ZeRO: a causal LM with a zero-initialised scalar head
     (models/critic.py) in its own engine, partitioned like the policy. As on DTensor
     (dtensor.py DTensorCritic), `logprobs(batch)` here is the batch's per-token values."""
@@ -329,7 +339,7 @@ class DeepSpeedCritic(TrainableDeepSpeedModel):
             save_critic_hf(path, self.engine.module.config, state, tokenizer, fmt)
 
 
-class DeepSpeedReference(DeepSpeedModel):
+class DeepSpeedReference(DeepSpeedModel, ReferenceBackend):
     """The frozen reference policy (KL penalty) beside a DeepSpeed policy: partitioned
     like it under ZeRO-3, a plain replica otherwise."""
 
@@ -358,15 +368,17 @@ def _drop_every_frozen_name(engine) -> None:
 def build_deepspeed_optimizer(policy: PolicyConfig, params) -> torch.optim.Optimizer:
     """The configured torch optimizer; with optimizer offload, DeepSpeed's CPU Adam(W) with
     the same hyper-parameters (DeepSpeed steps offloaded state with its own kernel)."""
+    optimizer = policy.optimizer
+    assert optimizer is not None  # null only with Megatron (schema.py)
     if not policy.deepspeed_cfg.offload_optimizer:
-        return build_optimizer(policy.optimizer, params)
-    name = policy.optimizer.name.removeprefix("torch.optim.")
+        return build_optimizer(optimizer, params)
+    name = optimizer.name.removeprefix("torch.optim.")
     if name not in ("Adam", "AdamW"):
         raise ConfigError(f"policy.deepspeed_cfg.offload_optimizer steps Adam or AdamW on the CPU; "
-                          f"policy.optimizer.name is {policy.optimizer.name}.")
+                          f"policy.optimizer.name is {optimizer.name}.")
     from novarl.backends.training.ops import cpu_adam
 
-    kwargs = dict(policy.optimizer.kwargs)
+    kwargs = dict(optimizer.kwargs)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     kwargs.pop("foreach", None)

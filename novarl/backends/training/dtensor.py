@@ -14,6 +14,7 @@ import math
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
+from novarl.backends.protocols import ReferenceBackend, TrainingBackend, WeightSender
 from novarl.backends.training.batching import MicroBatching
 from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing, model_values
 from novarl.backends.training.optim import build_optimizer, build_scheduler
@@ -138,6 +140,7 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         super().__init__(policy, model_path, device, trainable=True, temperature=temperature, seed=seed,
                          value_head=value_head)
         self.policy = policy
+        assert policy.optimizer is not None  # null only with Megatron (schema.py)
         self.optimizer = build_optimizer(policy.optimizer, [p for p in self.model.parameters() if p.requires_grad],
                                          self.device)
         self.scheduler = build_scheduler(policy.scheduler, self.optimizer, total_steps)
@@ -165,7 +168,8 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the full CPU tensors, the others {}."""
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return cast(dict[str, torch.Tensor], get_model_state_dict(self.model, options=options))
 
     def _state_options(self) -> StateDictOptions:
         """With LoRA, the adapters only: the frozen base weights come from the model folder."""
@@ -205,7 +209,7 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         set_model_state_dict(self.model, state["model"], options=options)
 
 
-class DTensorPolicy(TrainableShardedModel, BaseModelLogprobs):
+class DTensorPolicy(TrainableShardedModel, BaseModelLogprobs, TrainingBackend, WeightSender):
     """The trainable policy on the DTensor backend (implements TrainingBackend)."""
 
     def weight_buckets(self, bucket_bytes: int, *, everywhere: bool, dtype: torch.dtype | None = None
@@ -214,7 +218,7 @@ class DTensorPolicy(TrainableShardedModel, BaseModelLogprobs):
         Hugging Face names, on this rank's device, in buckets of at most bucket_bytes, each
         gathered from the shards when its turn comes; on every rank (everywhere) or on rank 0
         alone (the others take part in the gathers). Floating tensors cast to dtype if given."""
-        state = get_model_state_dict(self.model)  # this rank's shards, under the model's own names
+        state = cast(dict[str, torch.Tensor], get_model_state_dict(self.model))  # this rank's shards, own names
         keep = everywhere or dist.get_rank() == 0
         if self.adapter_sync:  # the adapters alone: the engines hold the frozen base already
             full = full_weights(((n, t) for n, t in state.items() if is_adapter(n)), keep)
@@ -229,7 +233,7 @@ class DTensorPolicy(TrainableShardedModel, BaseModelLogprobs):
             save_hf(path, self.model.config, state, tokenizer, fmt, self.lora)
 
 
-class DTensorCritic(TrainableShardedModel):
+class DTensorCritic(TrainableShardedModel, TrainingBackend):
     """The value model of PPO (its critic) on the DTensor backend: a causal LM whose output head is
     a zero-initialised scalar (models/critic.py), sharded like the policy. Its forward reads
     per-token values where the policy's reads logprobs, so `logprobs(batch)` here is the
@@ -268,7 +272,7 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, checked)
 
 
-class DTensorReference(ShardedModel):
+class DTensorReference(ShardedModel, ReferenceBackend):
     """The frozen reference policy (KL penalty) on the DTensor backend."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None,

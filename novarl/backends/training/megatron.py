@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from novarl.algorithms.losses import LossFn
+from novarl.backends.protocols import ReferenceBackend, TrainingBackend, WeightSender
 from novarl.backends.megatron.convert import experts_file, join_expert_tensor_parts
 from novarl.backends.training.megatron_model import MegatronModel
 from novarl.backends.training.megatron_optim import (  # noqa: F401 (ddp_config: read by tests)
@@ -63,7 +64,7 @@ CHECKPOINT_DIR = "megatron"
 LAYOUT_FILE = "layout.json"
 
 
-class MegatronPolicy(MegatronModel):
+class MegatronPolicy(MegatronModel, TrainingBackend, WeightSender):
     """The trainable policy on Megatron-core (implements TrainingBackend)."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
@@ -232,7 +233,7 @@ class MegatronPolicy(MegatronModel):
             save_hf_folder(path, self.hf_config, state, tokenizer, fmt)
 
 
-class MegatronReference(MegatronModel):
+class MegatronReference(MegatronModel, ReferenceBackend):
     """The frozen reference policy (KL penalty) beside a Megatron policy, laid out like it."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,

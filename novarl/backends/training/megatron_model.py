@@ -176,7 +176,7 @@ class MegatronModel:
                                num_experts=self.shape.num_experts)
         return expert_tensor_part(mine, rank=self.etp_rank, expert_tensor_parallel_size=self.etp_size)
 
-    def _replica_zero_group(self):
+    def _replica_zero_group(self) -> dist.ProcessGroup:
         """A gloo group of the ranks that hold a copy of some weight to gather (global rank 0
         among them): the full weights travel over it alone."""
         ranks: list[Any] = [None] * dist.get_world_size()
@@ -313,9 +313,9 @@ class MegatronModel:
         there every micro-batch takes the largest [rows, width]; where experts gather tokens from
         other data-parallel ranks (expert parallelism), each takes the largest of its counterparts
         on those ranks (megatron-core's token gathers take equal shares)."""
-        def laid(mb: TrainBatch, **shape: int) -> ModelInputs:
+        def laid(mb: TrainBatch, rows: int | None = None, width: int | None = None) -> ModelInputs:
             return lay_out(mb, batching.layout, batching.length_multiple,
-                           sequence_multiple=self.packed_sequence_multiple, **shape)
+                           sequence_multiple=self.packed_sequence_multiple, rows=rows, width=width)
 
         inputs = [laid(mb) for mb in micro]
         pipelined, shared = self.pp_size > 1, self.experts_span_data and self.dp_size > 1
@@ -392,8 +392,8 @@ class MegatronModel:
         dense, experts = self._local_state()
         mine = (self.tp_rank, self.pp_rank, dense if self.holds_dense else None,
                 self.etp_rank, experts if self.holds_experts else {})
-        parts: list[Any] = [None] * dist.get_world_size(self.replica_group) if dist.get_rank() == 0 else None
-        dist.gather_object(mine, parts, dst=0, group=self.replica_group)
+        parts: list[Any] = [None] * dist.get_world_size(self.replica_group)
+        dist.gather_object(mine, parts if dist.get_rank() == 0 else None, dst=0, group=self.replica_group)
         if dist.get_rank() != 0:
             return {}
         by_etp: list[dict[str, torch.Tensor]] = [{} for _ in range(self.etp_size)]

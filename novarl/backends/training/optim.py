@@ -31,11 +31,13 @@ def build_optimizer(cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter],
         raise ConfigError(f"policy.optimizer: {cfg.name}({kwargs}) failed: {err}.") from None
 
 
-def build_scheduler(steps: Sequence[SchedulerStep | SchedulerMilestones],
+def build_scheduler(steps: Sequence[SchedulerStep | SchedulerMilestones] | None,
                     optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
-    """One scheduler, or several chained by SequentialLR at the given milestones."""
+    """One scheduler, or several chained by SequentialLR at the given milestones; None (policy.scheduler:
+    null): a constant learning rate."""
     import torch.optim.lr_scheduler as lrs
 
+    steps = steps or []
     schedulers = []
     for i, step in enumerate(s for s in steps if isinstance(s, SchedulerStep)):
         cls = getattr(lrs, step.name.removeprefix("torch.optim.lr_scheduler."))

@@ -15,6 +15,7 @@ import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ from torch.distributed.tensor.parallel import (
 
 from novarl.config.schema import DTensorConfig
 from novarl.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Llama / Qwen2 / Mistral decoder layers: q/k/v and gate/up split by output
 # columns (heads), o/down by input rows, so each layer needs one all-reduce
@@ -88,7 +92,8 @@ def build_mesh(device_type: str, dims: ParallelDims) -> DeviceMesh:
     flattened (what FSDP2 shards over: a cp rank holds other tokens of the same sequences)."""
     dims.check()
     if dims.context_parallel > 1:
-        sizes, names = (dims.data_parallel, dims.context_parallel), ("dp", "cp")
+        sizes: tuple[int, ...] = (dims.data_parallel, dims.context_parallel)
+        names: tuple[str, ...] = ("dp", "cp")
         if dims.tensor_parallel > 1:
             sizes, names = (*sizes, dims.tensor_parallel), (*names, "tp")
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
@@ -220,7 +225,7 @@ def with_lora_adapters(layer: torch.nn.Module, plan: dict[str, ParallelStyle]) -
     return expanded
 
 
-def apply_sequence_parallel_ends(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_sequence_parallel_ends(model: PreTrainedModel, tp_mesh: DeviceMesh) -> None:
     """Split the embeddings' output along the sequence before the first layer, run the
     final norm on each rank's tokens, and gather the sequence again before the head."""
     layers = decoder_layers(model)
@@ -245,11 +250,11 @@ def load_custom_plan(spec: str) -> dict[str, ParallelStyle] | Callable[[torch.nn
     return plan
 
 
-def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+def apply_activation_checkpointing(model: PreTrainedModel) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def compiles(cfg: DTensorConfig, model: torch.nn.Module, device: torch.device) -> bool:
+def compiles(cfg: DTensorConfig, model: PreTrainedModel, device: torch.device) -> bool:
     """Whether the decoder layers are compiled: dtensor_cfg.torch_compile, or where it is None, on
     the layout it was measured to win on (CUDA, a PLAIN_CAUSAL model, no tp, cp, LoRA or
     activation checkpointing)."""
@@ -286,19 +291,19 @@ def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float | None)
     """Global gradient norm (and clipping) over parameters that may live on different
     meshes -- (dp,) for replicated-across-tp ones, (dp, tp) for tensor-parallel ones --
     which torch's clip_grad_norm_ cannot stack together."""
-    groups: dict[object, list[torch.nn.Parameter]] = {}
+    groups: dict[object, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
     for p in parameters:
         if p.grad is not None:
-            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append((p, p.grad))
     squares = torch.zeros((), dtype=torch.float32)
-    for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    for pairs in groups.values():
+        norm = torch.nn.utils.get_total_norm([grad for _, grad in pairs])
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squares = squares + norm.float().cpu() ** 2
     total = squares.sqrt()
     if max_norm:
-        for params in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(params[0].grad.device))
+        for pairs in groups.values():
+            torch.nn.utils.clip_grads_with_norm_([p for p, _ in pairs], max_norm, total.to(pairs[0][1].device))
     return float(total)
 
 

@@ -10,6 +10,7 @@ batch's.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,14 @@ class DataParallelRows:
     (a MicroBatching) and self.attention (the model's attention implementation when it takes a
     packed row's sequence boundaries, else None: models/attention.py)."""
 
+    model: Any
+    device: torch.device
+    temperature: float
+    dp_group: dist.ProcessGroup | None
+    dp_rank: int
+    dp_size: int
+    logprob_batching: MicroBatching
+    attention: str | None
     context_group: dist.ProcessGroup | None = None
     """The context-parallel group this rank splits each sequence with (None: no context parallelism)."""
 
@@ -63,6 +72,8 @@ class AccumulatingRows(DataParallelRows):
     """Mixin for a trainable policy: micro-batched forward/backward over this rank's sequences.
     Needs self.train_batching (a MicroBatching), `accumulation_boundary(last)` (reduce
     gradients only at the last micro-batch) and `backward(loss)` from the backend."""
+
+    train_batching: MicroBatching
 
     def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]:
         """Accumulate gradients of `loss` over this rank's sequences in micro-batches, reduced over

@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 
 from novarl.algorithms.losses import LossFn
+from novarl.backends.protocols import ReferenceBackend, Stoppable, TrainingBackend
 from novarl.distributed.ray_group import RayWorkerGroup
 from novarl.types import TrainBatch
 
 
-class RemotePolicy:
+class RemotePolicy(TrainingBackend, Stoppable):
     """TrainingBackend over a RayWorkerGroup of policy ranks (any training backend)."""
 
     def __init__(self, group: RayWorkerGroup) -> None:
@@ -59,7 +60,7 @@ class RemotePolicy:
         self.group.shutdown()
 
 
-class RemoteReference:
+class RemoteReference(ReferenceBackend, Stoppable):
     """The frozen reference, built beside the policy on the policy group's ranks (same
     processes and devices, as NeMo RL keeps it in the policy's workers)."""
 
@@ -75,7 +76,7 @@ class RemoteReference:
         """Nothing of its own: the policy's group stops its processes."""
 
 
-class RemoteCritic:
+class RemoteCritic(TrainingBackend, Stoppable):
     """PPO's critic, built beside the policy on the policy group's ranks (as NeMo RL's value
     workers share the training GPUs); its `logprobs` are per-token values."""
 
@@ -89,6 +90,9 @@ class RemoteCritic:
 
     def optim_step(self) -> dict[str, float]:
         return self.group.call_role(self.ROLE, "optim_step")
+
+    def gpu_stats(self) -> dict[str, float]:
+        return self.group.call_role(self.ROLE, "gpu_stats")
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.group.call_role(self.ROLE, "logprobs", batch)
