@@ -6,8 +6,7 @@ as the model does and follows new weights. A backend that cannot run here is ski
 
 Last, issue 32's proof that one module and one registry line add a generation backend:
 tests/helpers/torch_generation.py, registered by one `monkeypatch.setitem`, runs through the
-engine conformance test and a 2-step GRPO run of the bundled recipe (the run is an expected failure,
-strict, until the run's contract looks names up in the registry when it runs: see BLOCKED).
+engine conformance test and a 2-step GRPO run of the bundled recipe.
 """
 
 import math
@@ -22,7 +21,6 @@ from novarl.backends.protocols import Offloadable, Stoppable
 from novarl.cli import BUNDLED_RECIPE
 from novarl.config import load_config
 from novarl.distributed.local import default_device, ensure_single_process_group
-from novarl.errors import ConfigError
 from novarl.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from novarl.trainer.rollout import build_train_batch
 from novarl.trainer.setup import generation_precision, split_prompts
@@ -223,12 +221,6 @@ def check_engine(engine, cfg, path, tokenizer) -> None:
     assert generated(1) != before
 
 
-BLOCKED = ("novarl/backends/contract/resolve.py:52 refuses a generation backend whose name is not in "
-           "GENERATION_BACKENDS, which registry.py:36 copies from GENERATION when it is imported and resolve.py:16 "
-           "imports as a name: a backend registered after that import is refused")
-
-
-@pytest.mark.xfail(raises=ConfigError, strict=True, reason=BLOCKED)
 @pytest.mark.usefixtures("test_backend_registered")
 def test_a_generation_backend_of_one_module_and_one_line_trains(tmp_path):
     from novarl.trainer.api import GRPOTrainer

@@ -93,7 +93,8 @@ from novarl.plan.memory import (
     kv_cache_bytes,
 )
 from novarl.backends.contract.model_shape import ModelShape
-from novarl.backends.contract.resolve import BUILT_GENERATION_BACKENDS, BUILT_TRAINING_BACKENDS
+from novarl.backends import registry
+from novarl.backends.contract.resolve import BUILT_TRAINING_BACKENDS
 from novarl.backends.registry import PREFERRED_GENERATION, generation_spec, training_spec
 
 HEADROOM = 0.9
@@ -426,7 +427,7 @@ def _size(context: _Context, layout: _Layout) -> Candidate:
         notes.append(f"generation on the last node: {context.gpus_per_node // generation_tp} vLLM engine(s) "
                      f"of TP={generation_tp}")
     score, factors = _score(context, layout, dp=dp // cp, recompute=recompute, cp=cp, vpp=vpp)
-    built = layout.backend in BUILT_TRAINING_BACKENDS and generation in BUILT_GENERATION_BACKENDS
+    built = layout.backend in BUILT_TRAINING_BACKENDS and generation in registry.GENERATION
     return Candidate(strategy=layout.strategy, training_backend=layout.backend, built=built,
                      data_parallel_size=dp // cp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                      context_parallel_size=cp, virtual_pipeline_parallel_size=vpp,

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from novarl import host
-from novarl.backends.registry import (DEFAULT_TRAINING, FALLBACK_GENERATION, GENERATION_BACKENDS,
+from novarl.backends import registry
+from novarl.backends.registry import (DEFAULT_TRAINING, FALLBACK_GENERATION,
                                       PREFERRED_GENERATION, TRAINING_BACKENDS, generation_spec, training_spec,
                                       training_specs)
 from novarl.config.schema import VLLM_LORA_RANKS, NovaRLConfig
@@ -24,7 +25,6 @@ from novarl.backends.generation.layout import GenerationLayout, generation_layou
 from novarl.backends.contract.model_shape import ModelShape, head_problems
 
 BUILT_TRAINING_BACKENDS = TRAINING_BACKENDS
-BUILT_GENERATION_BACKENDS = GENERATION_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,9 @@ def resolve_backends(cfg: NovaRLConfig) -> BackendChoice:
     training = enabled[0] if enabled else DEFAULT_TRAINING
     notes = [] if enabled else ["no training backend enabled: DTensor, the default, is used"]
     generation = cfg.policy.generation.backend
-    if generation is not None and generation not in GENERATION_BACKENDS:
+    if generation is not None and generation not in registry.GENERATION:  # read now: a backend may register late
         raise ConfigError(f"policy.generation.backend='{generation}' is not a generation backend novarl has: "
-                          f"{', '.join(repr(name) for name in GENERATION_BACKENDS)} (or null: the faster one here)")
+                          f"{', '.join(repr(name) for name in registry.GENERATION)} (or null: the faster one here)")
     if generation is None:
         generation, why = default_generation_backend(cfg)
         notes.append(f"policy.generation.backend not set: using '{generation}' ({why})")
