@@ -388,15 +388,16 @@ def _size(context: _Context, layout: _Layout) -> Candidate:
     tp, pp, ep = layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.expert_parallel_size
     dp = training_gpus // (tp * pp)
     generation_tp = tp if generation_spec(generation).on_training_weights else _vllm_tp(context, placement)
+    spec = training_spec(layout.backend)
     parallel = Parallelism(data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                           expert_parallel_size=ep, sequence_parallel=training_spec(layout.backend).sequence_parallel_with_tp and tp > 1,
+                           expert_parallel_size=ep, sequence_parallel=spec.sequence_parallel_with_tp and tp > 1,
                            num_microbatches=ASSUMED_MICROBATCHES if pp > 1 else None)
     # recomputation first; then, where the activations still decide (long sequences), context
     # parallelism (DTensor's: models/context_parallel.py) splitting each sequence over cp ranks
     # On a Megatron pipeline, interleaved stages where they fit (a smaller bubble for a little more
     # of the first stage's activations), without recomputation before with it.
     tries = [(recompute, 1, vpp) for recompute in ("none", "full") for vpp in _virtual_stages(context, layout, generation)]
-    if training_spec(layout.backend).context_parallel and tp == 1 and context.shape.plain_causal_attention:
+    if spec.context_parallel and tp == 1 and context.shape.plain_causal_attention:  # what novarl's cp runs
         tries += [("full", cp, 1) for cp in CONTEXT_PARALLEL_SIZES if not dp % cp]
     for recompute, cp, vpp in tries:
         workload = dataclasses.replace(context.workload, recompute=recompute)
@@ -598,5 +599,6 @@ def _explain(context: _Context, pick: Candidate, recommended: Candidate | None,
                         if built else "; no built layout fits."))
     lines.append(f"Placement {recommended.placement}: "
                  + (f"{recommended.generation_backend.capitalize()} generation runs on the training weights."
-                    if generation_spec(recommended.generation_backend).on_training_weights else "the rule is colocated below 10B parameters or on one node, dedicated otherwise."))
+                    if generation_spec(recommended.generation_backend).on_training_weights
+                    else "the rule is colocated below 10B parameters or on one node, dedicated otherwise."))
     return lines

