@@ -107,6 +107,11 @@ class TrainingSpec:
         """Its section's keys (dotted overrides) for the planner's layout, its enabled flag aside."""
         return []
 
+    def resume_problem(self, saved: NovaRLConfig, cfg: NovaRLConfig) -> str | None:
+        """Why a checkpoint this backend wrote under the config `saved` cannot resume under `cfg`
+        (said before any rank starts), or None."""
+        return None
+
     def rank_arguments(self, *, accumulation_steps: int) -> dict:
         """Constructor arguments of its policy and critic beyond the common ones."""
         return {}

@@ -17,8 +17,9 @@ from novarl.data.datasets import BUNDLED_DATASETS
 from novarl.errors import CheckpointLoadFailed, RunFailed, UserError
 from novarl.logging.metrics import JsonlSink, read_jsonl
 from novarl.logging.trackers import open_trackers
-from novarl.backends.contract.resolve import world_size
-from novarl.trainer.checkpoint import POLICY_DIR, STATE_FILE, Checkpoint, Checkpointer, mark_finished
+from novarl.backends.contract.resolve import resolve_backends
+from novarl.backends.registry import training_spec
+from novarl.trainer.checkpoint import STATE_FILE, Checkpoint, Checkpointer, mark_finished
 
 if TYPE_CHECKING:
     from novarl.trainer.setup import Roles
@@ -255,11 +256,14 @@ def check_resumable(latest: Checkpoint, config: NovaRLConfig) -> None:
             "policy.optimizer.name")
     differ = [k for k in keys if _get(saved, k) != _get(config, k)]
     where = f"checkpointing.checkpoint_dir='{latest.path.parent}'"
-    if (latest.path / POLICY_DIR / "deepspeed").is_dir() and world_size(saved) != world_size(config):
-        raise UserError(f"{where} holds a DeepSpeed checkpoint written by {world_size(saved)} ranks; ZeRO's "
-                        f"partitions load only on as many ranks, and this config has {world_size(config)} "
-                        "(cluster.gpus_per_node x cluster.num_nodes). `novarl convert` turns it into a "
-                        "Hugging Face folder on any number.")
+    written_by, trains_on = resolve_backends(saved).training, resolve_backends(config).training
+    if written_by != trains_on:
+        raise UserError(f"{where} holds a checkpoint of the {written_by} training backend, and this config trains on "
+                        f"{trains_on}: resume with the config of the run that wrote it, or turn the checkpoint into a "
+                        "Hugging Face folder with `novarl convert` and start from that.")
+    problem = training_spec(trains_on).resume_problem(saved, config)
+    if problem:
+        raise UserError(f"{where} {problem}")
     has_critic = (latest.path / CRITIC_DIR).is_dir()
     if has_critic != (config.value is not None):
         raise UserError(f"{where} holds a checkpoint {'with' if has_critic else 'without'} PPO's critic "

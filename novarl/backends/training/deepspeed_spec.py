@@ -42,6 +42,15 @@ class DeepSpeedSpec(TrainingSpec):
         return [f"policy.deepspeed_cfg.zero_stage={layout.zero_stage}",
                 f"policy.deepspeed_cfg.activation_checkpointing={str(layout.activation_checkpointing).lower()}"]
 
+    def resume_problem(self, saved, cfg) -> str | None:
+        from novarl.backends.contract.resolve import world_size
+
+        if world_size(saved) == world_size(cfg):
+            return None
+        return (f"holds a DeepSpeed checkpoint written by {world_size(saved)} ranks; ZeRO's partitions load only on "
+                f"as many ranks, and this config has {world_size(cfg)} (cluster.gpus_per_node x cluster.num_nodes). "
+                "`novarl convert` turns it into a Hugging Face folder on any number.")
+
     def rank_arguments(self, *, accumulation_steps: int) -> dict:
         return {"accumulation_steps": accumulation_steps}  # DeepSpeed's engine counts its micro-batches
 

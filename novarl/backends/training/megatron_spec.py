@@ -35,6 +35,19 @@ def transformer_engine_options(cfg) -> list[str]:
     return [f"Transformer Engine (installed with megatron-core on GPU hosts) for {', '.join(asked)}"]
 
 
+def _layout(cfg) -> dict[str, int | bool]:
+    """A run's Megatron layout as its config gives it (the ranks write it to the checkpoint's layout.json)."""
+    from novarl.backends.contract.resolve import world_size
+
+    mc = cfg.policy.megatron_cfg
+    sizes = {"tp": mc.tensor_model_parallel_size, "pp": mc.pipeline_model_parallel_size,
+             "cp": mc.context_parallel_size, "ep": mc.expert_model_parallel_size,
+             "etp": mc.expert_tensor_parallel_size, "vpp": mc.virtual_pipeline_model_parallel_size or 1}
+    model_parallel = sizes["tp"] * sizes["pp"] * sizes["cp"]
+    return {**sizes, "dp": max(world_size(cfg) // model_parallel, 1),
+            "distributed_optimizer": mc.optimizer.use_distributed_optimizer and mc.use_distributed_optimizer}
+
+
 class MegatronSpec(TrainingSpec):
     name = "megatron"
     section = "megatron_cfg"
@@ -94,6 +107,14 @@ class MegatronSpec(TrainingSpec):
                 f"policy.megatron_cfg.virtual_pipeline_model_parallel_size={vpp if vpp > 1 else 'null'}",
                 f"policy.megatron_cfg.sequence_parallel={str(sequence_parallel).lower()}",
                 f"policy.megatron_cfg.activation_checkpointing={str(layout.activation_checkpointing).lower()}"]
+
+    def resume_problem(self, saved, cfg) -> str | None:
+        """The layout the config gives (the ranks check the rest of it, e.g. the model's, when they load)."""
+        was, now = _layout(saved), _layout(cfg)
+        if was == now:
+            return None
+        return (f"was written with {was} (Megatron ranks); this run has {now}. Resume with the same layout, or "
+                "export it with `novarl convert` and start from the Hugging Face folder.")
 
     def rank_arguments(self, *, accumulation_steps: int) -> dict:
         return {"emulate_cuda": self.emulated()}  # the ranks' processes may not see the variable
