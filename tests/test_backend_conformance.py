@@ -77,10 +77,11 @@ def built_roles(spec, cfg, path):
     trainer/setup.py build_trainers builds them."""
     ensure_single_process_group()
     Policy, Reference = spec.classes()
-    common = dict(policy=cfg.policy, model_path=path, temperature=cfg.policy.generation.temperature)
+    common = dict(policy=cfg.policy, model_path=path, temperature=cfg.policy.generation.temperature,
+                  **spec.role_arguments())
     device = default_device()
     policy = Policy(device=device, total_steps=4, seed=cfg.grpo.seed, **common,
-                    **spec.rank_arguments(accumulation_steps=1))
+                    **spec.trainer_arguments(accumulation_steps=1))
     return policy, Reference(device=device, **common)
 
 

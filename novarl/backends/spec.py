@@ -112,8 +112,12 @@ class TrainingSpec:
         (said before any rank starts), or None."""
         return None
 
-    def rank_arguments(self, *, accumulation_steps: int) -> dict:
-        """Constructor arguments of its policy and critic beyond the common ones."""
+    def role_arguments(self) -> dict:
+        """Constructor arguments every role of it takes (policy, reference, critic) beyond the common ones."""
+        return {}
+
+    def trainer_arguments(self, *, accumulation_steps: int) -> dict:
+        """Constructor arguments its trained roles (policy, critic) take beyond those."""
         return {}
 
     def emulated(self) -> bool:

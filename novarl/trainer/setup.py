@@ -448,19 +448,19 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
     temperature = cfg.policy.generation.temperature
     steps = (inputs.max_steps or cfg.grpo.max_num_steps) * cfg.grpo.ppo_epochs
     total_steps = steps * inputs.batches.optimizer_steps_per_step
-    common = dict(policy=cfg.policy, model_path=inputs.model_path, temperature=temperature)
-    policy_only: dict = dict(total_steps=total_steps, seed=cfg.grpo.seed)  # seeds what starts at random (LoRA's A)
     spec = training_spec(inputs.choice.training)
     Policy, Reference = spec.classes()
-    accumulation = spec.rank_arguments(accumulation_steps=inputs.batches.gradient_accumulation_steps)
-    policy_args = {**common, **policy_only, **accumulation}
-    reference_args = {**common, **{k: v for k, v in accumulation.items() if k == "emulate_cuda"}}
+    common = dict(policy=cfg.policy, model_path=inputs.model_path, temperature=temperature, **spec.role_arguments())
+    policy_args = dict(common, total_steps=total_steps, seed=cfg.grpo.seed,  # seeds what starts at random (LoRA's A)
+                       **spec.trainer_arguments(accumulation_steps=inputs.batches.gradient_accumulation_steps))
+    reference_args = common
     Critic, critic_args = None, {}
     if cfg.value is not None:
         Critic = spec.critic()
         critic_args = dict(policy=cfg.value, model_path=inputs.critic_model_path or inputs.model_path,
                            total_steps=steps * critic_optimizer_steps(cfg, inputs), seed=cfg.grpo.seed,
-                           **spec.rank_arguments(accumulation_steps=critic_accumulation_steps(cfg, inputs)))
+                           **spec.role_arguments(),
+                           **spec.trainer_arguments(accumulation_steps=critic_accumulation_steps(cfg, inputs)))
     with_reference = cfg.loss_fn.reference_policy_kl_penalty > 0
     # LoRA's base is frozen: the reference is the policy with its adapters off, no model of its own
     lora_base = with_reference and cfg.policy.dtensor_cfg.lora_cfg.enabled

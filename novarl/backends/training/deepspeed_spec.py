@@ -51,7 +51,7 @@ class DeepSpeedSpec(TrainingSpec):
                 f"as many ranks, and this config has {world_size(cfg)} (cluster.gpus_per_node x cluster.num_nodes). "
                 "`novarl convert` turns it into a Hugging Face folder on any number.")
 
-    def rank_arguments(self, *, accumulation_steps: int) -> dict:
+    def trainer_arguments(self, *, accumulation_steps: int) -> dict:
         return {"accumulation_steps": accumulation_steps}  # DeepSpeed's engine counts its micro-batches
 
 

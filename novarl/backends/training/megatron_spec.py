@@ -116,7 +116,7 @@ class MegatronSpec(TrainingSpec):
         return (f"was written with {was} (Megatron ranks); this run has {now}. Resume with the same layout, or "
                 "export it with `novarl convert` and start from the Hugging Face folder.")
 
-    def rank_arguments(self, *, accumulation_steps: int) -> dict:
+    def role_arguments(self) -> dict:
         return {"emulate_cuda": self.emulated()}  # the ranks' processes may not see the variable
 
     def emulated(self) -> bool:
