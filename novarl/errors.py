@@ -7,6 +7,9 @@ for bad input -- config, data, model path, reward function -- never for bugs.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class UserError(Exception):
     """Bad input that the user can fix. The message names what and where."""
@@ -39,3 +42,18 @@ class CheckpointLoadFailed(RunFailed):
         self.reason = f"{type(cause).__name__}: {lines[-1].strip()}" if lines else type(cause).__name__
         """`Type: last line of the message` (a CheckpointException's message holds whole tracebacks)."""
         super().__init__(f"Checkpoint {path} could not be loaded ({self.reason}).")
+
+
+@contextmanager
+def loading_checkpoint(checkpoint) -> Iterator[None]:
+    """Turn a failure to read `checkpoint` (it passed the checks, yet torch or the backend refused it)
+    into a UserError naming it."""
+    try:
+        yield
+    except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit, UserError)):
+            raise
+        reason = CheckpointLoadFailed(checkpoint, err).reason
+        raise UserError(f"'{checkpoint}' could not be loaded ({reason}); it passed the manifest's "
+                        "checks, so it was written so or this environment cannot read it (another torch "
+                        "or backend version?).") from err

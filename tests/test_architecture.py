@@ -104,3 +104,20 @@ def test_backend_name_comparisons_outside_backends_do_not_grow():
                 count += any(n in BACKEND_NAMES for n in names if isinstance(n, str))
     print(f"backend-name comparisons outside backends/: {count}")
     assert count <= BACKEND_COMPARISONS_AT_MOST
+
+
+def test_no_checkpoint_folder_is_sniffed_for_its_backend_outside_backends():
+    """Which backend wrote a checkpoint comes from its saved config (trainer/checkpoint.written_by), and
+    its spec checks and exports its files: no `(path / "deepspeed").is_dir()` (a folder named for a
+    backend looked for) outside backends/ (issue 32: there were 7)."""
+    sniffs = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).parts[0] == "backends":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("is_dir", "is_file", "exists", "glob", "iterdir") \
+                    and isinstance(joined := node.func.value, ast.BinOp) and isinstance(joined.op, ast.Div) \
+                    and isinstance(joined.right, ast.Constant) and joined.right.value in BACKEND_NAMES:
+                sniffs.append(f"novarl/{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not sniffs, sniffs

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from novarl.backends.spec import GenerationSpec, TrainingSpec
+    from novarl.config.schema import NovaRLConfig
 
 TRAINING: dict[str, str] = {
     "megatron": "novarl.backends.training.megatron_spec",
@@ -52,3 +53,9 @@ def generation_spec(name: str) -> GenerationSpec:
 def training_specs() -> list[TrainingSpec]:
     """Every training backend's spec, in precedence order."""
     return [training_spec(name) for name in TRAINING]
+
+
+def trains_on(cfg: NovaRLConfig) -> TrainingSpec:
+    """The training backend `cfg` runs on: the first enabled one in precedence order, else the default.
+    Also which backend wrote a checkpoint, from the config saved in it."""
+    return next((spec for spec in training_specs() if spec.enabled(cfg)), training_spec(DEFAULT_TRAINING))

@@ -11,8 +11,9 @@ uses it.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -50,6 +51,24 @@ class PlannedLayout:
     generation_on_training_weights: bool = False
 
 
+@dataclass(frozen=True)
+class HfExport:
+    """One role of a checkpoint to write as a Hugging Face folder (`TrainingSpec.export_hf`)."""
+    folder: Path
+    """The role's folder in the checkpoint: step_N/policy, or step_N/critic."""
+    section: Any
+    """Its config section: the saved config's `policy`, or `value` for the critic."""
+    model_path: str
+    tokenizer: Any
+    output: Path
+    fmt: Any
+    """The folder's precision and file format (models.loading.export_format)."""
+    critic: bool
+    """PPO's critic: a token-classification folder (models/critic.py)."""
+    save: Callable[[Path, Callable[[Path], None]], None]
+    """save(output, write): write(folder) into a temporary sibling, then renamed (trainer.api.save_atomically)."""
+
+
 class TrainingSpec:
     """A training backend. Subclasses set the class attributes and override what differs."""
 
@@ -60,6 +79,8 @@ class TrainingSpec:
     reference_class: str
     critic_class: str
     """'module:Class' of the trainable policy, the frozen reference and the PPO critic."""
+    checkpoint_module: str
+    """The module that reads its checkpoints: files_problem(folder, role, verify=) and export_hf(HfExport)."""
     lora = True
     """Trains LoRA adapters (policy.dtensor_cfg.lora_cfg)."""
     context_parallel = False
@@ -111,6 +132,16 @@ class TrainingSpec:
         """Why a checkpoint this backend wrote under the config `saved` cannot resume under `cfg`
         (said before any rank starts), or None."""
         return None
+
+    def checkpoint_problem(self, folder: Path, role: str, *, verify: bool = False) -> str | None:
+        """What is wrong with the files it saved of one role (`folder`: step_N/policy or step_N/critic),
+        or None. verify: also read, with a restriction, what loading would unpickle (after the
+        manifest's checksums passed, before anything loads it)."""
+        return importlib.import_module(self.checkpoint_module).files_problem(folder, role, verify=verify)
+
+    def export_hf(self, export: HfExport) -> None:
+        """Write one role of a checkpoint it saved as a Hugging Face folder, in this process."""
+        importlib.import_module(self.checkpoint_module).export_hf(export)
 
     def role_arguments(self) -> dict:
         """Constructor arguments every role of it takes (policy, reference, critic) beyond the common ones."""

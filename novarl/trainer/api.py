@@ -17,8 +17,7 @@ from novarl.data.datasets import BUNDLED_DATASETS
 from novarl.errors import CheckpointLoadFailed, RunFailed, UserError
 from novarl.logging.metrics import JsonlSink, read_jsonl
 from novarl.logging.trackers import open_trackers
-from novarl.backends.contract.resolve import resolve_backends
-from novarl.backends.registry import training_spec
+from novarl.backends.registry import trains_on
 from novarl.trainer.checkpoint import STATE_FILE, Checkpoint, Checkpointer, mark_finished
 
 if TYPE_CHECKING:
@@ -256,12 +255,12 @@ def check_resumable(latest: Checkpoint, config: NovaRLConfig) -> None:
             "policy.optimizer.name")
     differ = [k for k in keys if _get(saved, k) != _get(config, k)]
     where = f"checkpointing.checkpoint_dir='{latest.path.parent}'"
-    written_by, trains_on = resolve_backends(saved).training, resolve_backends(config).training
-    if written_by != trains_on:
-        raise UserError(f"{where} holds a checkpoint of the {written_by} training backend, and this config trains on "
-                        f"{trains_on}: resume with the config of the run that wrote it, or turn the checkpoint into a "
-                        "Hugging Face folder with `novarl convert` and start from that.")
-    problem = training_spec(trains_on).resume_problem(saved, config)
+    written_by, spec = trains_on(saved), trains_on(config)
+    if written_by.name != spec.name:
+        raise UserError(f"{where} holds a checkpoint of the {written_by.name} training backend, and this config trains "
+                        f"on {spec.name}: resume with the config of the run that wrote it, or turn the checkpoint into "
+                        "a Hugging Face folder with `novarl convert` and start from that.")
+    problem = spec.resume_problem(saved, config)
     if problem:
         raise UserError(f"{where} {problem}")
     has_critic = (latest.path / CRITIC_DIR).is_dir()

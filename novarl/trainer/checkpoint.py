@@ -17,7 +17,8 @@ the state and the folder are fsynced, the folder renamed to step_N and the paren
 A save that fails (a full disk, ...) removes its partial folder; one killed leaves it to the
 sweep at the next start, which removes temporary folders whose process is gone.
 
-Checking (`check_checkpoint`): the state, the config and the backend's files must be there
+Checking (`check_checkpoint`): the state, the config and the files of the backend that wrote it
+(which the saved config names: its spec checks them, `TrainingSpec.checkpoint_problem`) must be there
 and every file must have the size the manifest gives; when the checkpoint is about to be
 loaded (resume, convert) the checksums are compared too. sha256 (hashlib, one thread per
 file): 65 ms per 100 MiB where measured (a 2-core AMD EPYC with SHA-NI, 1.5 GiB/s), against
@@ -25,33 +26,35 @@ file): 65 ms per 100 MiB where measured (a 2-core AMD EPYC with SHA-NI, 1.5 GiB/
 
 Untrusted files: nothing is unpickled before its checksum matched. DCP's `.metadata` is
 a pickle that torch unpickles unrestricted, so it is also read first with an unpickler that
-admits only DCP's metadata classes and torch's dtypes and sizes (`check_dcp_metadata`):
+admits only DCP's metadata classes and torch's dtypes and sizes (dtensor_checkpoint.check_dcp_metadata):
 a DTensor or Megatron checkpoint from someone else cannot run code (their .pt files load
 with weights_only=True). DeepSpeed's loader (and its zero_to_fp32 export) unpickles with
-weights_only=False, so its files are scanned first (`check_deepspeed_pickles`, which unpickles
+weights_only=False, so its files are scanned first (deepspeed_checkpoint.check_deepspeed_pickles, which unpickles
 nothing): any global beyond weights_only's and DeepSpeed's dataclasses, enums and loss
 scalers makes the checkpoint unusable. Both checks run before every load for resume or convert.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from novarl.config.schema import CheckpointingConfig
 from novarl.errors import UserError
 from novarl.logging.console import info
-from novarl.trainer.checkpoint_files import (CHECKSUM, MANIFEST_FILE, STATE_FILE, check_dcp_metadata, check_deepspeed_pickles,
+from novarl.trainer.checkpoint_files import (CHECKSUM, MANIFEST_FILE, STATE_FILE,
                                              digest_all, discard_partial, fsync_path, megabytes, owner_tag,
                                              remove_dir, replace_dir, sweep_temp_folders, tree_size,
                                              write_manifest, write_synced)
+
+if TYPE_CHECKING:
+    from novarl.backends.spec import TrainingSpec
 
 METRICS_FILE = "metrics.jsonl"
 POLICY_DIR = "policy"
@@ -208,16 +211,28 @@ def check_checkpoint(path: Path, *, verify_checksums: bool = False) -> str | Non
         return f"{STATE_FILE} does not describe step {_step_of(path)}"
     if not (path / "config.yaml").is_file():
         return "config.yaml missing"
+    spec = written_by(path)
     roles = [POLICY_DIR, *([CRITIC_DIR] if (path / CRITIC_DIR).is_dir() else [])]
-    problem = next(filter(None, (_check_policy_files(path / role, role) for role in roles)), None) \
-        or _check_manifest(path, verify_checksums)
-    for role in roles:
-        if problem is None and verify_checksums:
-            if (path / role / ".metadata").is_file():
-                problem = check_dcp_metadata(path / role / ".metadata")
-            elif (path / role / "deepspeed").is_dir():
-                problem = check_deepspeed_pickles(path / role / "deepspeed")
+    problem = next(filter(None, (spec.checkpoint_problem(path / role, role) for role in roles)), None) \
+        if spec else None
+    problem = problem or _check_manifest(path, verify_checksums)
+    if problem is None and verify_checksums and spec:  # the files are those saved: read what loading would unpickle
+        problem = next(filter(None, (spec.checkpoint_problem(path / role, role, verify=True) for role in roles)), None)
     return problem
+
+
+def written_by(path: Path) -> TrainingSpec | None:
+    """The training backend that wrote checkpoint `path`, from the config saved in it; None where this
+    novarl cannot read that config (another version's): the files are then checked against the
+    manifest alone, and resuming or converting, which read the config, say what is wrong with it
+    before anything is loaded."""
+    from novarl.backends.registry import trains_on
+    from novarl.config import load_config
+
+    try:
+        return trains_on(load_config(path / "config.yaml"))
+    except (UserError, OSError, UnicodeDecodeError):
+        return None
 
 
 def resume_problem(state: dict[str, Any]) -> str | None:
@@ -232,48 +247,6 @@ def resume_problem(state: dict[str, Any]) -> str | None:
     summary = state.get("summary", {})
     if not isinstance(summary, dict) or not all(isinstance(v, (int, float)) for v in summary.values()):
         return f"{STATE_FILE} has a malformed summary"
-    return None
-
-
-def _check_policy_files(policy: Path, role: str = POLICY_DIR) -> str | None:
-    if (policy / "deepspeed").is_dir():  # written by the DeepSpeed backend
-        engine = policy / "deepspeed"
-        if not any(engine.glob("*model_states.pt")) or not any(engine.glob("*optim_states.pt")):
-            return "DeepSpeed engine state missing"
-        return None
-    if (policy / "megatron").is_dir():  # written by the Megatron backend
-        return _check_megatron(policy / "megatron")
-    if not (policy / ".metadata").is_file() or not any(policy.glob("*.distcp")):
-        return f"{role} shards missing"
-    if not (policy / "scheduler.pt").is_file():
-        return "scheduler state missing"
-    return None
-
-
-def _check_megatron(folder: Path) -> str | None:
-    from novarl.backends.megatron.convert import experts_file
-
-    try:
-        layout = json.loads((folder / "layout.json").read_text())
-        tp, pp, dp = (int(layout["parallel"][k]) for k in ("tp", "pp", "dp"))
-        cp = int(layout["parallel"].get("cp", 1))
-        ep = int(layout["parallel"].get("ep", 1)) if layout.get("experts") else 0
-        etp = int(layout["parallel"].get("etp", 1))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
-        return f"Megatron layout unreadable: {err}"
-    for p in range(pp):
-        for t in range(tp):
-            if not (folder / f"model_tp{t}_pp{p}.pt").is_file():
-                return f"Megatron model shard tp{t}_pp{p} missing"
-        for e, r in itertools.product(range(ep), range(etp)):
-            if not (folder / experts_file(e, p, r, etp)).is_file():
-                return f"Megatron experts of expert-parallel rank {e}" + (f", expert-tensor-parallel rank {r}"
-                                                                         if etp > 1 else "") + f", stage {p} missing"
-    for rank in range(tp * pp * cp * dp):
-        if not (folder / f"optim_rank{rank}.pt").is_file():
-            return f"Megatron optimizer state of rank {rank} missing"
-    if not (folder / "scheduler.pt").is_file():
-        return "scheduler state missing"
     return None
 
 

@@ -1,8 +1,8 @@
 """The files of a checkpoint on disk: the manifest (sizes and sha256 of every file),
 fsync, atomic replace and removal, the sweep of temporary folders a killed save left,
-the disk-full message, and the checks that keep a checkpoint from someone else from
-running code when torch unpickles it. `checkpoint.py` decides what goes in a checkpoint
-and when; this module only handles files."""
+and the disk-full message. `checkpoint.py` decides what goes in a checkpoint and when,
+each backend's spec checks its own files (and what in them torch would unpickle); this
+module only handles files."""
 
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ import errno
 import hashlib
 import json
 import os
-import pickle
 import re
 import shutil
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from novarl.logging.console import info
 
@@ -29,76 +25,6 @@ CHECKSUM = "sha256"
 DISK_FULL_BELOW = 16 << 20
 """A write that fails with less free space than this (bytes) is reported as a full disk: torch's
 writers do not always say so (a full disk can surface as "unexpected pos 704 vs 598")."""
-
-
-class _Refused(Exception):
-    pass
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits what torch.distributed.checkpoint's `.metadata` holds: DCP's own dataclasses and
-    enums, torch.Size, dtypes and layouts, paths. Module names are checked before any import."""
-
-    PLAIN = {("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
-             ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        import dataclasses
-        import enum
-
-        if (module, name) in self.PLAIN:
-            return super().find_class(module, name)
-        if module == "torch":
-            found = getattr(torch, name, None)
-            if found is torch.Size or isinstance(found, (torch.dtype, torch.layout, torch.memory_format)):
-                return found
-        elif module.startswith("torch.distributed.checkpoint.") and "__" not in name:
-            found = super().find_class(module, name)
-            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
-                return found
-        raise _Refused(f"{module}.{name}")
-
-
-def check_dcp_metadata(path: Path) -> str | None:
-    """None if DCP's `.metadata` at `path` unpickles with `_MetadataUnpickler`, else why not.
-    torch.distributed.checkpoint unpickles that file with no restriction: check it first."""
-    try:
-        with path.open("rb") as handle:
-            _MetadataUnpickler(handle).load()
-    except _Refused as err:
-        return f"{path.name} refers to {err}, which DCP metadata never holds"
-    except Exception as err:  # a damaged pickle can fail in many ways
-        return f"{path.name} unreadable: {type(err).__name__}: {err}"
-    return None
-
-
-def check_deepspeed_pickles(engine: Path) -> str | None:
-    """None if every DeepSpeed file in `engine` refers to nothing beyond what weights_only admits
-    and DeepSpeed's own dataclasses, enums and loss scalers (found without unpickling them), else
-    what else it refers to. DeepSpeed unpickles its files with weights_only=False: check them first."""
-    import dataclasses
-    import enum
-    import importlib
-
-    from novarl.backends.training.ops import deepspeed_environment
-
-    def harmless(name: str) -> bool:
-        module, _, attr = name.rpartition(".")
-        if not module.startswith("deepspeed.") or not attr.isidentifier() or attr.startswith("_"):
-            return False
-        deepspeed_environment()
-        found = getattr(importlib.import_module(module), attr, None)
-        return isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)
-                                            or module == "deepspeed.runtime.fp16.loss_scaler")
-
-    for file in sorted(engine.glob("*.pt")):
-        try:
-            refused = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(file) if not harmless(g)]
-        except Exception as err:  # not torch's zip format, a damaged archive, no such module
-            return f"{file.name} unreadable: {type(err).__name__}: {err}"
-        if refused:
-            return f"{file.name} refers to {refused[0]}, which DeepSpeed's checkpoints never hold"
-    return None
 
 
 def write_manifest(folder: Path, state_text: str) -> None:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from novarl import host
 from novarl.backends import registry
-from novarl.backends.registry import (DEFAULT_TRAINING, FALLBACK_GENERATION,
+from novarl.backends.registry import (FALLBACK_GENERATION,
                                       PREFERRED_GENERATION, TRAINING_BACKENDS, generation_spec, training_spec,
-                                      training_specs)
+                                      training_specs, trains_on)
 from novarl.config.schema import VLLM_LORA_RANKS, NovaRLConfig
 from novarl.host import installed  # noqa: F401 (re-exported)
 from novarl.errors import ConfigError, NotAvailableYet, UserError
@@ -46,7 +46,7 @@ class BackendChoice:
 
 def resolve_backends(cfg: NovaRLConfig) -> BackendChoice:
     enabled = [spec.name for spec in training_specs() if spec.enabled(cfg)]
-    training = enabled[0] if enabled else DEFAULT_TRAINING
+    training = trains_on(cfg).name
     notes = [] if enabled else ["no training backend enabled: DTensor, the default, is used"]
     generation = cfg.policy.generation.backend
     if generation is not None and generation not in registry.GENERATION:  # read now: a backend may register late

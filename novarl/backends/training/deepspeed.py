@@ -35,6 +35,7 @@ import torch.distributed as dist
 from novarl.backends.protocols import ReferenceBackend, TrainingBackend, WeightSender
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.batching import MicroBatching
+from novarl.backends.training.deepspeed_checkpoint import CHECKPOINT_TAG  # <role>/deepspeed/, no `latest` file beside
 from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing, model_values
 from novarl.backends.training.parallelize import apply_activation_checkpointing
 from novarl.config.schema import PolicyConfig
@@ -44,9 +45,6 @@ from novarl.models.attention import use_varlen_attention
 from novarl.models.logprob_head import use_picking_head
 from novarl.models.loading import ExportFormat, load_causal_lm
 from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf, sends_adapter
-
-CHECKPOINT_TAG = "deepspeed"
-"""The engine's files go to <checkpoint>/deepspeed/ (no `latest` file beside them)."""
 
 
 def deepspeed_config(policy: PolicyConfig, *, world_size: int, accumulation_steps: int, on_gpu: bool,

@@ -12,6 +12,7 @@ class DeepSpeedSpec(TrainingSpec):
     policy_class = "novarl.backends.training.deepspeed:DeepSpeedPolicy"
     reference_class = "novarl.backends.training.deepspeed:DeepSpeedReference"
     critic_class = "novarl.backends.training.deepspeed:DeepSpeedCritic"
+    checkpoint_module = "novarl.backends.training.deepspeed_checkpoint"
 
     def missing(self, cfg) -> tuple[list[str], list[str]]:
         if installed("deepspeed"):

@@ -11,6 +11,7 @@ class DTensorSpec(TrainingSpec):
     policy_class = "novarl.backends.training.dtensor:DTensorPolicy"
     reference_class = "novarl.backends.training.dtensor:DTensorReference"
     critic_class = "novarl.backends.training.dtensor:DTensorCritic"
+    checkpoint_module = "novarl.backends.training.dtensor_checkpoint"
     context_parallel = True
 
     def parallel_sizes(self, cfg) -> ParallelSizes:

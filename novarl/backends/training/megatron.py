@@ -53,15 +53,13 @@ from novarl.backends.megatron.convert import experts_file, join_expert_tensor_pa
 from novarl.backends.training.megatron_model import MegatronModel
 from novarl.backends.training.megatron_optim import (  # noqa: F401 (ddp_config: read by tests)
     _load_optimizer_state, _optimizer_state, build_optimizer, build_scheduler, ddp_config)
+from novarl.backends.training.megatron_checkpoint import CHECKPOINT_DIR, LAYOUT_FILE
 from novarl.backends.training.rows import accumulate, all_reduce_metrics
 from novarl.config.schema import PolicyConfig
 from novarl.errors import UserError
 from novarl.logging.console import info
 from novarl.types import TrainBatch
 
-CHECKPOINT_DIR = "megatron"
-"""A checkpoint's Megatron files go to <checkpoint>/policy/megatron/."""
-LAYOUT_FILE = "layout.json"
 
 
 class MegatronPolicy(MegatronModel, TrainingBackend, WeightSender):

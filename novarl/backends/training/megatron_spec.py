@@ -54,6 +54,7 @@ class MegatronSpec(TrainingSpec):
     policy_class = "novarl.backends.training.megatron:MegatronPolicy"
     reference_class = "novarl.backends.training.megatron:MegatronReference"
     critic_class = "novarl.backends.training.megatron_critic:MegatronCritic"
+    checkpoint_module = "novarl.backends.training.megatron_checkpoint"
     lora = False
     pipeline = True
     sequence_parallel_with_tp = True
