@@ -1,6 +1,17 @@
 """Fixtures shared by several test files."""
 
+import os
+
 import pytest
+
+# Rank processes of one test module's in-process runs serve its later runs of the same shape
+# (novarl/distributed/ray_group.py: REUSE_RANKS_VARIABLE): ~6 s of imports a rank saved each time.
+os.environ.setdefault("NOVARL_REUSE_RANKS", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one worker per core, each starting ranks and engines: every process computes on
+    # one thread (torch's default, a thread per core in each, spends ~15 % more CPU time on the same
+    # tests where the cores are all busy). Inherited by the runs' subprocesses and Ray's workers.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.helpers.hub import hub_cache  # noqa: F401 (a fixture: an empty Hugging Face cache in tmp_path)
 

@@ -40,6 +40,19 @@ from novarl.errors import RunFailed, UserError
 RELEASE_WAIT_S = 10.0
 """How long a new group waits for resources that a group shut down just before still holds."""
 
+REUSE_RANKS_VARIABLE = "NOVARL_REUSE_RANKS"
+"""Set to 1: when a run ends, its worker groups' rank processes stay up for the next run of this
+process that asks for a group of the same shape (ranks, CPUs and GPUs each, process group or not),
+which then skips starting them: about 6 s of imports a rank on 2 CPU cores. For sweeps and notebooks
+that call `novarl.train` again and again, and the test suite. Only ranks whose roles all declare
+`process_reusable` (they leave nothing behind in the process: DTensor's roles, Hugging Face
+engines) are kept; Megatron's and DeepSpeed's global state and vLLM's engines end with their
+process. A run with another shape stops the kept ones first (their resources go to it)."""
+
+_KEPT: dict[tuple, tuple[Any, list[Any], str]] = {}
+"""(ranks, CPUs, GPUs a rank, process group) -> (placement group, actors, Ray session) kept by
+`RayWorkerGroup.shutdown` under NOVARL_REUSE_RANKS, for the next group of that shape."""
+
 
 class WorkerDied(RunFailed):
     """A rank's actor died (killed, out of memory, crashed) during a call."""
@@ -235,6 +248,27 @@ class RankActor:
             dist.barrier()
             dist.destroy_process_group()
 
+    def release(self) -> bool:
+        """After shutdown: drop the roles and what they hold, as if this process had just started.
+        True when every role it hosted is `process_reusable`, so that another group may take it."""
+        import gc
+
+        roles = [self.role, *self.others.values()]
+        reusable = all(getattr(type(role), "process_reusable", False) for role in roles if role is not None)
+        if self.listener is not None:
+            self.listener.close()
+        self.role, self.others, self.bridge, self.listener, self.sender = None, {}, None, None, None
+        self.free_since = None
+        self.__dict__.pop("memory_at_reset", None)
+        try:  # DTensor's random-number tracker belongs to the destroyed process group's meshes
+            import torch.distributed.tensor._random as dtensor_random
+
+            dtensor_random._rng_tracker = None
+        except (ImportError, AttributeError):
+            pass
+        gc.collect()
+        return reusable
+
 
 class _Sender:
     """A thread that broadcasts queued weights over a weight bridge once the engines are ready for
@@ -367,22 +401,27 @@ class RayWorkerGroup:
 
         ensure_ray()
         self.name, self.world_size = name, world_size
+        self.shape = (world_size, cpus_per_rank, gpus_per_rank, process_group)
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
-        self._check_resources(bundle, world_size)
-        self.placement = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
-        self.actors = []
-        try:
-            ray.get(self.placement.ready(), timeout=300)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.placement)
-            raise UserError(f"The {self.name} worker group's {world_size} x {bundle} could not be placed within "
-                            f"5 minutes; the Ray cluster has {ray.available_resources()} free.") from None
-        remote = ray.remote(RankActor)
-        self.actors = [
-            remote.options(num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
-                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i)
-                           ).remote(*((i, world_size) if process_group else (0, 1)), cpus_per_rank)
-            for i in range(world_size)]
+        kept = _take_kept(self.shape)
+        if kept is not None:
+            self.placement, self.actors = kept
+        else:
+            self._check_resources(bundle, world_size)
+            self.placement = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+            self.actors = []
+            try:
+                ray.get(self.placement.ready(), timeout=300)
+            except ray.exceptions.GetTimeoutError:
+                remove_placement_group(self.placement)
+                raise UserError(f"The {self.name} worker group's {world_size} x {bundle} could not be placed "
+                                f"within 5 minutes; the Ray cluster has {ray.available_resources()} free.") from None
+            remote = ray.remote(RankActor)
+            self.actors = [
+                remote.options(num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
+                               scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i)
+                               ).remote(*((i, world_size) if process_group else (0, 1)), cpus_per_rank)
+                for i in range(world_size)]
         if process_group:
             host, port = self._get([self.actors[0].address.remote()])[0]
             self._get([a.join.remote(host, port) for a in self.actors])
@@ -465,23 +504,82 @@ class RayWorkerGroup:
         return WorkerDied(f"{self.name} rank {refs.index(first)} failed: {type(cause).__name__}: {last_line}")
 
     def shutdown(self) -> None:
+        """Stop every rank: their processes end, or with NOVARL_REUSE_RANKS are kept for the next group
+        of this shape where every rank's roles allow it."""
         import ray
 
         try:
             ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
+            if reusing_ranks() and self.actors and all(ray.get([a.release.remote() for a in self.actors],
+                                                               timeout=60)):
+                _keep(self.shape, self.placement, self.actors)
+                self.actors = []
+                return
         except Exception:  # a rank already gone: the rest are killed below
             pass
         self.kill()
 
     def kill(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
-        if self.actors:
-            remove_placement_group(self.placement)
+        _kill(self.placement, self.actors)
         self.actors = []
+
+
+def reusing_ranks() -> bool:
+    return os.environ.get(REUSE_RANKS_VARIABLE, "0") not in ("", "0")
+
+
+def _ray_session() -> str:
+    """This driver's Ray instance and job (a new local instance numbers its jobs from 1 again)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return f"{context.get_node_id()}/{context.get_job_id()}"
+
+
+def _keep(shape: tuple, placement: Any, actors: list[Any]) -> None:
+    drop_kept_ranks(shape)  # one kept group of a shape
+    _KEPT[shape] = (placement, actors, _ray_session())
+
+
+def _take_kept(shape: tuple) -> tuple[Any, list[Any]] | None:
+    """The kept group of `shape` if there is one and its actors still answer; else None, with the kept
+    groups of other shapes stopped (their resources go to the new group)."""
+    import ray
+
+    session = _ray_session()
+    for key in [key for key, (_, _, of) in _KEPT.items() if of != session]:
+        del _KEPT[key]  # kept under another Ray instance: they ended with it
+    kept = _KEPT.pop(shape, None)
+    if kept is None:
+        drop_kept_ranks()
+        return None
+    placement, actors, _ = kept
+    try:
+        ray.get([a.pid.remote() for a in actors], timeout=30)
+    except Exception:  # gone meanwhile
+        _kill(placement, actors)
+        return None
+    return placement, actors
+
+
+def drop_kept_ranks(shape: tuple | None = None) -> None:
+    """Stop the kept rank processes (of `shape` only, if given)."""
+    import ray
+
+    for key in [k for k in _KEPT if shape is None or k == shape]:
+        placement, actors, session = _KEPT.pop(key)
+        if ray.is_initialized() and session == _ray_session():
+            _kill(placement, actors)
+
+
+def _kill(placement: Any, actors: list[Any]) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    if actors:
+        remove_placement_group(placement)
 
 
 def wait_groups(calls: list[tuple[RayWorkerGroup, list]]) -> list[list[Any]]:

@@ -21,6 +21,9 @@ from novarl.types import Completion, Prompt, SamplingConfig
 class HFGeneration(Engine):
     """Implements Engine on a plain (unsharded) transformers model."""
 
+    process_reusable = True
+    """Nothing of it outlives it in its process (ray_group.REUSE_RANKS_VARIABLE)."""
+
     @staticmethod
     def engine_kwargs(cfg, *, model_path: str, tokenizer, precision: str) -> dict:
         """The constructor's arguments for a run's config (built where the engine runs)."""

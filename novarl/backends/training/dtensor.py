@@ -59,6 +59,10 @@ from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_h
 class ShardedModel(DataParallelRows):
     """A Hugging Face causal LM parallelised on a device mesh, and its data-parallel place."""
 
+    process_reusable = True
+    """It leaves nothing in its rank's process once dropped and the process group destroyed: the
+    process may serve another run's group (ray_group.REUSE_RANKS_VARIABLE)."""
+
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None,
                  *, trainable: bool, temperature: float, seed: int = 0, value_head: bool = False) -> None:
         """value_head: the output head replaced by a scalar one before sharding (a critic)."""
