@@ -189,6 +189,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from novarl.config import load_config
     from novarl.models.loading import resolve_model_path
+    from novarl.models.scores import training_precision
     from novarl.plan.advisor import advise
     from novarl.plan.table import format_advice
     from novarl.plan.auto import apply_auto
@@ -233,7 +234,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if skipped is None:
         advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
                         gpu_memory_gb=args.gpu_memory_gb, **micro_batch_shape(cfg.policy),
-                        precision=cfg.policy.precision or "bfloat16",
+                        precision=training_precision(cfg.policy.precision, on_gpu=True),
                         with_reference=separate_reference(cfg), with_critic=cfg.value is not None)
     if args.json:
         print(json.dumps(advice.to_dict() if advice else {"skipped": skipped}, indent=2))

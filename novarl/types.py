@@ -94,8 +94,10 @@ class TrainBatch:
     """Loss-mask tokens in the whole step (all micro-batches, all ranks): the loss divides by it."""
     global_valid_sequences: int = 0
     """Sequences with at least one loss token in the whole step."""
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Further per-token tensors, [N, ...]."""
+    returns: torch.Tensor | None = None
+    """[N] float32 PPO's GAE returns, the critic's regression targets (None: no critic)."""
+    old_values: torch.Tensor | None = None
+    """[N] float32 the critic's values before this step's update, which its clipped loss holds it near."""
     host: TrainBatch | None = field(default=None, repr=False, compare=False)
     """On a device: the CPU batch it was moved from, whose sequence layout (input_ids, cu_seqlens,
     position_ids, prompt_lengths, group_ids: fixed once a batch is made) micro-batching and
@@ -161,7 +163,7 @@ class TrainBatch:
             reference_logprobs=cut(self.reference_logprobs), prompt_lengths=per_sequence(self.prompt_lengths),
             group_ids=per_sequence(self.group_ids), global_valid_tokens=self.global_valid_tokens,
             global_valid_sequences=self.global_valid_sequences,
-            extras={k: v[index] for k, v in self.extras.items()}, host=host,
+            returns=cut(self.returns), old_values=cut(self.old_values), host=host,
         )
 
     def slice(self, start: int, stop: int) -> "TrainBatch":
@@ -172,7 +174,6 @@ class TrainBatch:
         if self.input_ids.device == device:
             return self
         moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
-        moved["extras"] = {k: v.to(device) for k, v in self.extras.items()}
         moved["host"] = self if self.input_ids.device.type == "cpu" else None
         return TrainBatch(**moved)
 

@@ -52,7 +52,7 @@ def test_values_start_at_zero_and_read_each_tokens_predecessor(critic):
 def test_the_value_loss_trains_the_values_towards_the_returns_and_resumes(critic, tmp_path):
     batch = mixed_batch(rows=8, longest=9)
     returns = torch.where(batch.loss_mask, torch.linspace(-1, 1, batch.num_tokens), torch.zeros(batch.num_tokens))
-    batch.extras = {"returns": returns, "old_values": critic.logprobs(batch)}
+    batch.returns, batch.old_values = returns, critic.logprobs(batch)
     settings = ValueLossSettings(scale=0.5, cliprange=None)
     losses = []
     for _ in range(30):
@@ -75,7 +75,7 @@ def test_the_clipped_value_loss_holds_values_near_the_old_ones():
 
     batch = TrainBatch.from_rows(torch.zeros((1, 3), dtype=torch.long), torch.ones((1, 3), dtype=torch.bool), mask,
                                  torch.zeros(1))
-    batch.extras = {"returns": torch.tensor([0.0, 1.0, 1.0]), "old_values": torch.tensor([0.0, 0.0, 0.0])}
+    batch.returns, batch.old_values = torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 0.0, 0.0])
     values = torch.tensor([0.0, 0.5, 0.1], requires_grad=True)
     loss, metrics = value_loss(values, batch, ValueLossSettings(scale=2.0, cliprange=0.2))
     # token 1: max((0.5-1)^2, (0.2-1)^2) = 0.64; token 2: max(0.81, 0.81) = 0.81 -> 2 x 0.5 x (0.64 + 0.81) / 2
@@ -103,8 +103,8 @@ def test_the_critic_on_zero3_over_two_ranks_trains_like_one_dtensor_rank(tmp_pat
                  "policy.optimizer.kwargs={lr: 1.0e-2}"]
     path = resolve_model_path("tiny-arith")
     batch = mixed_batch(rows=8, longest=9)
-    batch.extras = {"returns": torch.where(batch.loss_mask, torch.linspace(-1, 1, batch.num_tokens), 0.0),
-                    "old_values": torch.zeros(batch.num_tokens)}
+    batch.returns = torch.where(batch.loss_mask, torch.linspace(-1, 1, batch.num_tokens), 0.0)
+    batch.old_values = torch.zeros(batch.num_tokens)
     loss = partial(value_loss, settings=ValueLossSettings(scale=0.5, cliprange=0.5))
 
     def train(call, steps: int) -> torch.Tensor:

@@ -276,11 +276,12 @@ class ValueLossSettings:
 def value_loss(values: torch.Tensor, batch: TrainBatch, settings: ValueLossSettings = ValueLossSettings()
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A critic's loss (a LossFn): scale x the clipped value loss (clipped_value_loss) averaged over
-    the step's loss tokens. values [n]: the critic's now;
-    batch.extras["returns"] and ["old_values"] [n]: the GAE returns and the values before the
-    update."""
+    the step's loss tokens. values [n]: the critic's now; batch.returns and batch.old_values [n]: the
+    GAE returns and the values before the update."""
+    if batch.returns is None or batch.old_values is None:
+        raise ValueError("value_loss needs the batch's returns and old_values (set by the step for PPO's critic)")
     mask = batch.loss_mask.float()
-    returns, old_values = batch.extras["returns"].float(), batch.extras["old_values"].float()
+    returns, old_values = batch.returns.float(), batch.old_values.float()
     token_loss = clipped_value_loss(values, old_values, returns, settings.cliprange)
     reduce = partial(_reduce, mask=mask, batch=batch)
     loss = settings.scale * reduce(token_loss)

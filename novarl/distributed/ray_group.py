@@ -76,6 +76,10 @@ class RankActor:
         import ray
         import torch
 
+        from novarl.logging.quiet import filter_library_warnings
+
+        filter_library_warnings()  # what a library warns about here reaches the driver's terminal
+
         self.host = ray.util.get_node_ip_address()
         if _is_loopback(self.host):
             pin_collectives_to_loopback()

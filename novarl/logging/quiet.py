@@ -59,7 +59,11 @@ def quiet_third_party() -> None:
 
 
 def filter_library_warnings() -> None:
-    """In this process: library FutureWarnings / DeprecationWarnings hidden (a user's own code's still show)."""
+    """In this process: library FutureWarnings / DeprecationWarnings hidden (a user's own code's still
+    show), and megatron-core's UserWarnings about what the host lacks (Transformer Engine, Apex), which
+    novarl's own checks say when the config needs them. Rank processes call it too (Ray prints what
+    they warn on the driver's terminal)."""
     for module in NOISY_MODULES:
         for category in (FutureWarning, DeprecationWarning):
             warnings.filterwarnings("ignore", category=category, module=module.replace(".", r"\.") + r"(\.|$)")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")

@@ -196,12 +196,9 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     Logits are divided by the sampling temperature so that the ratio the loss
     uses is between the same distributions the generator sampled from.
     """
-    logits = logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = torch.gather(logits, -1, input_ids[:, 1:, None]).squeeze(-1)
-    logprobs = picked - torch.logsumexp(logits, dim=-1)
-    return torch.nn.functional.pad(logprobs, (1, 0))
+    from novarl.models.scores import token_scores
+
+    return torch.nn.functional.pad(token_scores(logits[:, :-1], input_ids[:, 1:], temperature), (1, 0))
 
 
 @dataclass(frozen=True)
@@ -219,7 +216,9 @@ class ExportFormat:
 def export_format(policy_precision: str | None, model_save_format: str | None, *, on_gpu: bool) -> ExportFormat:
     """The format of exported folders: policy.precision (unset: bf16 on a CUDA host, fp32 on CPU,
     as training runs), checkpointing.model_save_format (safetensors unless torch_save)."""
-    return ExportFormat(dtype=policy_precision or ("bfloat16" if on_gpu else "float32"),
+    from novarl.models.scores import training_precision
+
+    return ExportFormat(dtype=training_precision(policy_precision, on_gpu=on_gpu),
                         safetensors=model_save_format != "torch_save")
 
 

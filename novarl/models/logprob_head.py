@@ -27,6 +27,7 @@ from contextlib import contextmanager
 import torch
 
 from novarl.models.architectures import PLAIN_CAUSAL
+from novarl.models.scores import scaled_logits
 
 CHUNK_BYTES = 1 << 30
 """The float32 logits computed at once: 1 GiB (1,766 rows of a 151,936-entry vocabulary)."""
@@ -78,8 +79,7 @@ class ChunkedLogprobs(torch.autograd.Function):
 
 def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
     """float32 logits of a chunk, computed in the weight's dtype as the plain head computes them."""
-    logits = torch.nn.functional.linear(hidden, weight).float()
-    return logits / temperature if temperature != 1.0 else logits
+    return scaled_logits(torch.nn.functional.linear(hidden, weight), temperature)
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,

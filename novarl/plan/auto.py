@@ -64,6 +64,7 @@ def _probe_gpu() -> tuple[bool, float | None]:
 
 def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float) -> tuple[list[str], list[str]]:
     from novarl.models.loading import resolve_model_path
+    from novarl.models.scores import training_precision
     from novarl.plan.advisor import advise
     from novarl.backends.contract.model_shape import ModelShape
     from novarl.backends.contract.resolve import micro_batch_shape, separate_reference
@@ -71,7 +72,7 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float) -> tuple[list[str], li
     shape = ModelShape.from_name(resolve_model_path(cfg.policy.model_name, download=False))
     advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
                     gpu_memory_gb=gpu_memory_gb, **micro_batch_shape(cfg.policy),
-                    precision=cfg.policy.precision or "bfloat16",
+                    precision=training_precision(cfg.policy.precision, on_gpu=True),
                     with_reference=separate_reference(cfg), with_critic=cfg.value is not None)
     runnable = [c for c in advice.candidates if c.fits and c.built]
     if not runnable:

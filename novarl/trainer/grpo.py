@@ -172,7 +172,7 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
         kl_metrics["kl_to_reference"] = float(token_kl.sum() / batch.loss_mask.sum().clamp(min=1))
     if values is not None:  # the critic's
         batch.advantages, returns = gae_advantages(cfg, batch, rollouts.rewards, values, token_kl)
-        batch.extras = {"returns": returns, "old_values": values}
+        batch.returns, batch.old_values = returns, values
         kl_metrics.update(critic_metrics(batch, values, returns))
     elif late_advantages:
         batch.advantages = step_advantages(cfg, batch, rollouts.rewards, estimate_advantages, token_kl)

@@ -25,6 +25,7 @@ from novarl.errors import NotAvailableYet, UserError
 from novarl.logging.console import info
 from novarl.models.loading import check_model_folder, load_tokenizer, resolve_model_path
 from novarl.models.locate import download_snapshot
+from novarl.models.scores import training_precision
 from novarl.backends.generation.layout import generation_layout
 from novarl.backends.contract.checks import ConfigReport, check_config, one_error
 from novarl.backends.contract.resolve import BackendChoice, BatchPlan, world_size
@@ -294,8 +295,7 @@ def generation_precision(cfg: NovaRLConfig, device: torch.device) -> str:
     FP8 (vllm_cfg.precision 'fp8') is vLLM's quantization of weights sent in the policy's dtype
     (backends/generation/vllm.py: fp8_engine_args)."""
     own = cfg.policy.generation.vllm_cfg.precision
-    return (own if own != "fp8" else None) or cfg.policy.precision or \
-        ("bfloat16" if device.type == "cuda" else "float32")
+    return (own if own != "fp8" else None) or training_precision(cfg.policy.precision, on_gpu=device.type == "cuda")
 
 
 @dataclass

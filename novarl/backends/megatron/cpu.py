@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -66,6 +67,8 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    # megatron-core reads .grad of views its CUDA paths make, which this mode keeps as CPU tensors
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor")
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]  # a device all the same
     torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.manual_seed = lambda seed: None

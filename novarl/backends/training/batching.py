@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from novarl.models.attention import SharedKeys
+from novarl.models.scores import token_scores
 from novarl.types import TrainBatch
 
 Layout = Literal["packed", "dynamic", "fixed"]
@@ -271,15 +272,18 @@ def micro_batch(batch: TrainBatch, sequences: list[int] | None) -> TrainBatch:
         return batch.select(sequences)
     one = batch.select([0]) if len(batch) else batch
     index = torch.zeros(1, dtype=torch.long, device=one.input_ids.device)
+
+    def zeros(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.zeros_like(t[index])
+
     empty = TrainBatch(
         input_ids=one.input_ids[index], cu_seqlens=torch.tensor([0, 1], device=one.cu_seqlens.device),
         position_ids=torch.zeros_like(one.position_ids[index]), loss_mask=torch.zeros_like(one.loss_mask[index]),
         advantages=torch.zeros_like(one.advantages[index]),
         generator_logprobs=torch.zeros_like(one.generator_logprobs[index]),
-        old_logprobs=None if one.old_logprobs is None else torch.zeros_like(one.old_logprobs[index]),
-        reference_logprobs=None if one.reference_logprobs is None else torch.zeros_like(one.reference_logprobs[index]),
-        global_valid_tokens=batch.global_valid_tokens, global_valid_sequences=batch.global_valid_sequences,
-        extras={k: torch.zeros_like(v[index]) for k, v in one.extras.items()})
+        old_logprobs=zeros(one.old_logprobs), reference_logprobs=zeros(one.reference_logprobs),
+        returns=zeros(one.returns), old_values=zeros(one.old_values),
+        global_valid_tokens=batch.global_valid_tokens, global_valid_sequences=batch.global_valid_sequences)
     return empty
 
 
@@ -436,11 +440,8 @@ def picked_logprobs(logits: torch.Tensor, inputs: ModelInputs, mb: TrainBatch, t
     sequence's first token. Only the n positions needed go through the softmax."""
     previous = inputs.previous
     # index_select: its backward adds with index_add (a prompt's last logits predict each sample's first token)
-    rows = logits.reshape(-1, logits.shape[-1]).index_select(0, previous.clamp(min=0)).float()
-    if temperature != 1.0:
-        rows = rows / temperature
-    picked = rows.gather(-1, mb.input_ids[:, None]).squeeze(-1) - torch.logsumexp(rows, dim=-1)
-    return picked * (previous >= 0)
+    rows = logits.reshape(-1, logits.shape[-1]).index_select(0, previous.clamp(min=0))
+    return token_scores(rows, mb.input_ids, temperature) * (previous >= 0)
 
 
 def gather_sequences(batch: TrainBatch, plan: Plan, mine: torch.Tensor, rank: int, group) -> torch.Tensor:

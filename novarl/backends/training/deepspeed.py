@@ -44,6 +44,7 @@ from novarl.errors import ConfigError
 from novarl.models.attention import use_varlen_attention
 from novarl.models.logprob_head import use_picking_head
 from novarl.models.loading import ExportFormat, load_causal_lm
+from novarl.models.scores import training_precision
 from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf, sends_adapter
 
 
@@ -55,7 +56,7 @@ def deepspeed_config(policy: PolicyConfig, *, world_size: int, accumulation_step
     "auto" values (hidden_size^2 elements): DeepSpeed's default, 5e8 elements, would hold
     2 GB of fp32 buckets whatever the model's size."""
     ds = policy.deepspeed_cfg
-    precision = policy.precision or ("bfloat16" if on_gpu else "float32")
+    precision = training_precision(policy.precision, on_gpu=on_gpu)
     bucket = int(min(5e8, max(5e5, hidden_size**2)))
     zero: dict[str, Any] = {"stage": ds.zero_stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     if ds.offload_optimizer:
@@ -387,4 +388,4 @@ def build_deepspeed_optimizer(policy: PolicyConfig, params) -> torch.optim.Optim
 def _dtype(policy: PolicyConfig, device: torch.device) -> torch.dtype:
     from novarl.models.loading import DTYPES
 
-    return DTYPES[policy.precision or ("bfloat16" if device.type == "cuda" else "float32")]
+    return DTYPES[training_precision(policy.precision, on_gpu=device.type == "cuda")]

@@ -53,6 +53,7 @@ from novarl.models.attention import use_varlen_attention
 from novarl.models.context_parallel import use_context_parallel_attention
 from novarl.models.loading import DTYPES, ExportFormat, load_causal_lm
 from novarl.models.logprob_head import use_picking_head
+from novarl.models.scores import training_precision
 from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf, sends_adapter
 
 
@@ -75,7 +76,7 @@ class ShardedModel(DataParallelRows):
         self.mesh: DeviceMesh = build_mesh(self.device.type, dims)
         self.dp_group = dp_group(self.mesh)
         self.dp_rank, self.dp_size = dist.get_rank(self.dp_group), dims.data_parallel
-        precision = policy.precision or ("bfloat16" if self.device.type == "cuda" else "float32")
+        precision = training_precision(policy.precision, on_gpu=self.device.type == "cuda")
         model = load_causal_lm(model_path, dtype=torch.float32, trust_remote_code=policy.trust_remote_code)
         self.attention = use_varlen_attention(model)
         model.to(self.device)

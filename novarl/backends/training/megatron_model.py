@@ -39,6 +39,7 @@ from novarl.backends.training.batching import (
 from novarl.backends.training.rows import per_token
 from novarl.config.schema import PolicyConfig
 from novarl.models.context_parallel import ContextShard
+from novarl.models.scores import scaled_logits, training_precision
 from novarl.types import TrainBatch
 
 class MegatronModel:
@@ -73,7 +74,7 @@ class MegatronModel:
         self.temperature = temperature
         self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=policy.trust_remote_code)
         self.shape = model.check_model(self.hf_config, policy)
-        self.precision = policy.precision or ("bfloat16" if self.on_gpu else "float32")
+        self.precision = training_precision(policy.precision, on_gpu=self.on_gpu)
         self.config = model.transformer_config(self.hf_config, self.shape, policy, precision=self.precision,
                                                world_size=dist.get_world_size())
         self.fused_norms = model.transformer_engine_available()
@@ -248,7 +249,7 @@ class MegatronModel:
         vocab-parallel logits [R, W, V/tp]."""
         from megatron.core import tensor_parallel
 
-        logits = logits.float() / self.temperature
+        logits = scaled_logits(logits, self.temperature)
         part = logits.shape[-1]
         columns = torch.arange(self.tp_rank * part, (self.tp_rank + 1) * part, device=logits.device)
         if columns[-1] >= self.shape.vocab_size:  # Megatron's vocabulary padding: never a token

@@ -135,10 +135,11 @@ class MegatronSpec(TrainingSpec):
 
         from novarl.backends.contract.resolve import world_size
         from novarl.backends.megatron.model import check_model, transformer_config
+        from novarl.models.scores import training_precision
 
         hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code)
         shape = check_model(hf_config, cfg.policy)
-        precision = cfg.policy.precision or ("bfloat16" if torch.cuda.is_available() else "float32")
+        precision = training_precision(cfg.policy.precision, on_gpu=torch.cuda.is_available())
         transformer_config(hf_config, shape, cfg.policy, precision=precision, world_size=world_size(cfg))
 
 

@@ -27,6 +27,7 @@ from novarl.backends.training.batching import (
 from novarl.distributed.local import collective_device
 from novarl.models.attention import VARLEN
 from novarl.models.logprob_head import picking_head
+from novarl.models.scores import token_scores
 from novarl.errors import UserError
 from novarl.types import TrainBatch
 
@@ -112,8 +113,7 @@ def model_logprobs(model, attention: str | None, mb: TrainBatch, batching: Micro
         logits, inputs, shard = context_outputs(model, mb, batching, context)
         ids = inputs.input_ids.reshape(-1)
         following = torch.nn.functional.pad(ids[1:], (0, 1)).index_select(0, shard.local)
-        rows = logits[0].float() / temperature if temperature != 1.0 else logits[0].float()
-        scores = rows.gather(-1, following[:, None]).squeeze(-1) - torch.logsumexp(rows, dim=-1)  # next tokens'
+        scores = token_scores(logits[0], following, temperature)  # each position's next token's
         return per_token(shard.gather(scores, 0), inputs.previous), len(shard.local)
     inputs = model_inputs(mb, batching, attention)
     head = picking_head(model)
