@@ -45,13 +45,16 @@ REUSE_RANKS_VARIABLE = "NOVARL_REUSE_RANKS"
 process that asks for a group of the same shape (ranks, CPUs and GPUs each, process group or not),
 which then skips starting them: about 6 s of imports a rank on 2 CPU cores. For sweeps and notebooks
 that call `novarl.train` again and again, and the test suite. Only ranks whose roles all declare
-`process_reusable` (they leave nothing behind in the process: DTensor's roles, Hugging Face
-engines) are kept; Megatron's and DeepSpeed's global state and vLLM's engines end with their
-process. A run with another shape stops the kept ones first (their resources go to it)."""
+`process_reusable` (they leave nothing behind in the process, or clear it in `leave_process`:
+DTensor's and Megatron's roles, Hugging Face engines) are kept; DeepSpeed's global state and vLLM's
+engines end with their process. A run with another shape stops the kept ones first (their resources
+go to it)."""
 
 _KEPT: dict[tuple, tuple[Any, list[Any], str]] = {}
-"""(ranks, CPUs, GPUs a rank, process group) -> (placement group, actors, Ray session) kept by
-`RayWorkerGroup.shutdown` under NOVARL_REUSE_RANKS, for the next group of that shape."""
+"""(ranks, CPUs, GPUs a rank, process group, flavour) -> (placement group, actors, Ray session) kept by
+`RayWorkerGroup.shutdown` under NOVARL_REUSE_RANKS, for the next group of that shape. The flavour is
+what the group's role class says of the processes it changes for good (`process_flavour(kwargs)`:
+Megatron's CPU emulation): only a group of the same flavour takes them."""
 
 
 class WorkerDied(RunFailed):
@@ -84,6 +87,8 @@ class RankActor:
         if _is_loopback(self.host):
             pin_collectives_to_loopback()
         torch.set_num_threads(max(cpus, 1))
+        self.environment = dict(os.environ)
+        """This process's environment before any role: a released rank goes back to it."""
 
     def address(self) -> tuple[str, int]:
         """(host, port) of a store this rank will serve in the next join or join_weight_bridge
@@ -257,8 +262,14 @@ class RankActor:
         True when every role it hosted is `process_reusable`, so that another group may take it."""
         import gc
 
-        roles = [self.role, *self.others.values()]
-        reusable = all(getattr(type(role), "process_reusable", False) for role in roles if role is not None)
+        roles = [role for role in (self.role, *self.others.values()) if role is not None]
+        reusable = all(getattr(type(role), "process_reusable", False) for role in roles)
+        for role in roles:  # a role's process-wide state (Megatron's parallel groups, ...) cleared
+            leave = getattr(role, "leave_process", None)
+            if leave is not None:
+                leave()
+        os.environ.clear()
+        os.environ.update(self.environment)
         if self.listener is not None:
             self.listener.close()
         self.role, self.others, self.bridge, self.listener, self.sender = None, {}, None, None, None
@@ -405,7 +416,8 @@ class RayWorkerGroup:
 
         ensure_ray()
         self.name, self.world_size = name, world_size
-        self.shape = (world_size, cpus_per_rank, gpus_per_rank, process_group)
+        flavour = getattr(factory, "process_flavour", None)
+        self.shape = (world_size, cpus_per_rank, gpus_per_rank, process_group, flavour(kwargs) if flavour else "")
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
         kept = _take_kept(self.shape)
         if kept is not None:

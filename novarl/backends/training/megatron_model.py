@@ -45,6 +45,27 @@ from novarl.types import TrainBatch
 class MegatronModel:
     """One rank of a Megatron GPTModel built from a Hugging Face checkpoint."""
 
+    process_reusable = True
+    """megatron-core's process-wide state is cleared by leave_process: the rank's process may serve
+    another run (ray_group.REUSE_RANKS_VARIABLE), of the same flavour (process_flavour)."""
+
+    @staticmethod
+    def process_flavour(kwargs: dict) -> str:
+        """The CPU emulation changes torch for the whole process (backends/megatron/cpu.py): a process
+        that ran it serves only groups that run it too."""
+        from novarl.backends.megatron import cpu
+
+        return "megatron-on-cpu" if kwargs.get("emulate_cuda") or cpu.requested() else ""
+
+    def leave_process(self) -> None:
+        """megatron-core's parallel groups, RNG tracker and MoE loss tracker cleared, as in a new process."""
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.transformer.moe import moe_utils
+
+        parallel_state.destroy_model_parallel()
+        tensor_parallel.get_cuda_rng_tracker().reset()
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None, *, trainable: bool,
                  temperature: float, seed: int = 42, emulate_cuda: bool = False, value_head: bool = False) -> None:
         """value_head: the last stage's output layer replaced by a zero-initialised scalar one
