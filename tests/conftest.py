@@ -25,13 +25,14 @@ def ray_session():
     ray.shutdown()
 
 
-LONGEST_FIRST = ("test_megatron_backend.py", "test_deepspeed.py", "test_vllm.py", "test_distributed.py",
-                 "test_lora_parallel.py", "test_ppo.py", "test_generation_engines.py", "test_async_grpo.py",
-                 "test_packing.py", "test_readme.py", "test_e2e.py", "test_ray_cluster.py", "test_critic.py",
-                 "test_network_safety.py", "test_context_parallel.py", "test_megatron_layouts.py", "test_types.py",
-                 "test_backend_conformance.py", "test_checkpoint.py", "test_roll_configs.py", "test_cli_errors.py", "test_checkpoint_integrity.py")
+LONGEST_FIRST = ("test_vllm.py", "test_deepspeed.py", "test_megatron_backend.py", "test_distributed.py",
+                 "test_ppo.py", "test_network_safety.py", "test_lora_parallel.py", "test_generation_engines.py",
+                 "test_async_grpo.py", "test_packing.py", "test_fuzz.py", "test_readme.py", "test_e2e.py",
+                 "test_ray_cluster.py", "test_context_parallel.py", "test_critic.py", "test_megatron_layouts.py",
+                 "test_checkpoint_integrity.py", "test_cli_errors.py", "test_checkpoint.py", "test_megatron_convert.py",
+                 "test_algorithm_loop.py", "test_backend_conformance.py", "test_types.py")
 """The test files that take longest (most start ranks), longest first (their tests' durations summed over a
-`make test` run, 2026-11-26)."""
+`make test` run with ranks kept between runs, 2026-11-27)."""
 
 
 def pytest_collection_modifyitems(config, items):

