@@ -282,6 +282,10 @@ class RankActor:
         except (ImportError, AttributeError):
             pass
         gc.collect()
+        import torch
+
+        if torch.cuda.is_available():  # the dropped roles' cached blocks back to the device
+            torch.cuda.empty_cache()
         return reusable
 
 
