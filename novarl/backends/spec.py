@@ -198,6 +198,11 @@ class GenerationSpec:
         """What it needs that is not installed."""
         return []
 
+    def on_policy_ranks_arguments(self, cfg: NovaRLConfig) -> dict:
+        """Its on_policy_ranks_class's constructor arguments beyond the policy, the tokenizer and
+        max_seq_length."""
+        return {}
+
     def engine_sizes(self, cfg: NovaRLConfig) -> tuple[int, int]:
         """(tensor-parallel, pipeline-parallel) size of one of its engines: the devices it spans."""
         return 1, 1

@@ -379,8 +379,8 @@ def build_generator(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device, 
     layout = generation_layout(cfg, inputs.choice.generation)
     spec = generation_spec(inputs.choice.generation)
     if spec.engine_class is None:  # it samples with the policy's own model on its ranks
-        return spec.implementation()(
-            policy, inputs.tokenizer, max_seq_length=cfg.policy.max_seq_length, config=gen.mcore_generation_config)
+        return spec.implementation()(policy, inputs.tokenizer, max_seq_length=cfg.policy.max_seq_length,
+                                     **spec.on_policy_ranks_arguments(cfg))
     precision = generation_precision(cfg, device)
     factory: type[Engine] = spec.implementation()
     kwargs = factory.engine_kwargs(cfg, model_path=inputs.model_path, tokenizer=inputs.tokenizer, precision=precision)

@@ -12,5 +12,8 @@ class MegatronGenerationSpec(GenerationSpec):
     vllm_cfg_note = "Megatron generation samples with the policy's own model"
     on_training_weights = True
 
+    def on_policy_ranks_arguments(self, cfg) -> dict:
+        return {"config": cfg.policy.generation.mcore_generation_config}
+
 
 SPEC = MegatronGenerationSpec()
