@@ -5,7 +5,7 @@ import os
 import pytest
 
 # Rank processes of one test module's in-process runs serve its later runs of the same shape
-# (novarl/distributed/ray_group.py: REUSE_RANKS_VARIABLE): ~6 s of imports a rank saved each time.
+# (novarl/distributed/kept_ranks.py: REUSE_RANKS_VARIABLE): ~6 s of imports a rank saved each time.
 os.environ.setdefault("NOVARL_REUSE_RANKS", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs one worker per core, each starting ranks and engines: every process computes on

@@ -107,12 +107,12 @@ def test_kept_ranks_serve_the_next_group_of_their_shape_only(monkeypatch):
     another shape stops the kept ones, whose CPUs it may need."""
     import psutil
 
-    from novarl.distributed import ray_group
+    from novarl.distributed import kept_ranks
     from novarl.distributed.ray_group import RayWorkerGroup
     from tests.helpers.roles import Kept, NotKept
 
     monkeypatch.setenv("NOVARL_REUSE_RANKS", "1")
-    ray_group.drop_kept_ranks()
+    kept_ranks.drop_kept_ranks()
     group = RayWorkerGroup(Kept, {"tag": 1}, world_size=2)
     first = group.call_all("pid")
     group.shutdown()
@@ -120,7 +120,7 @@ def test_kept_ranks_serve_the_next_group_of_their_shape_only(monkeypatch):
     assert group.call_all("pid") == first and group.call_all("tagged") == [2, 2]  # a new role, same processes
     group.add_role("other", NotKept, {"tag": 3})
     group.shutdown()
-    assert not ray_group._KEPT  # a role that is not reusable: its processes ended
+    assert not kept_ranks._KEPT  # a role that is not reusable: its processes ended
     group = RayWorkerGroup(Kept, {"tag": 4}, world_size=1)
     (alone,) = group.call_all("pid")
     assert alone not in first
@@ -128,7 +128,7 @@ def test_kept_ranks_serve_the_next_group_of_their_shape_only(monkeypatch):
     group = RayWorkerGroup(Kept, {"tag": 5}, world_size=2)  # another shape: the kept rank stops, a new pair starts
     assert alone not in group.call_all("pid") and not set(group.call_all("pid")) & set(first)
     group.shutdown()
-    ray_group.drop_kept_ranks()
+    kept_ranks.drop_kept_ranks()
     assert psutil.wait_procs([psutil.Process(alone)] if psutil.pid_exists(alone) else [], timeout=30)[1] == []
 
 

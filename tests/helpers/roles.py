@@ -5,7 +5,7 @@ import os
 
 class Kept:
     """Leaves nothing behind in its rank's process: the process may serve another group
-    (novarl/distributed/ray_group.py: REUSE_RANKS_VARIABLE)."""
+    (novarl/distributed/kept_ranks.py: REUSE_RANKS_VARIABLE)."""
 
     process_reusable = True
 

@@ -22,7 +22,7 @@ class HFGeneration(Engine):
     """Implements Engine on a plain (unsharded) transformers model."""
 
     process_reusable = True
-    """Nothing of it outlives it in its process (ray_group.REUSE_RANKS_VARIABLE)."""
+    """Nothing of it outlives it in its process (kept_ranks.REUSE_RANKS_VARIABLE)."""
 
     @staticmethod
     def engine_kwargs(cfg, *, model_path: str, tokenizer, precision: str) -> dict:

@@ -62,7 +62,7 @@ class ShardedModel(DataParallelRows):
 
     process_reusable = True
     """It leaves nothing in its rank's process once dropped and the process group destroyed: the
-    process may serve another run's group (ray_group.REUSE_RANKS_VARIABLE)."""
+    process may serve another run's group (kept_ranks.REUSE_RANKS_VARIABLE)."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None,
                  *, trainable: bool, temperature: float, seed: int = 0, value_head: bool = False) -> None:

@@ -47,7 +47,7 @@ class MegatronModel:
 
     process_reusable = True
     """megatron-core's process-wide state is cleared by leave_process: the rank's process may serve
-    another run (ray_group.REUSE_RANKS_VARIABLE), of the same flavour (process_flavour)."""
+    another run (kept_ranks.REUSE_RANKS_VARIABLE), of the same flavour (process_flavour)."""
 
     @staticmethod
     def process_flavour(kwargs: dict) -> str:
