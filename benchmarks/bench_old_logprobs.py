@@ -6,7 +6,7 @@ generated batch gets one optimizer step).
 
 Runs the bundled recipe (tiny-arith, 64 prompts x 8 samples, <= 4 new tokens, Hugging Face
 generation, no evaluation) in a subprocess per path and round, the two paths alternating;
-the "separate forward" path is the same code with `novarl.trainer.grpo.one_forward_fewer`
+the "separate forward" path is the same code with `novarl.trainer.stages.one_forward_fewer`
 made to answer False (what a run with several optimizer steps per batch does). Reports the
 median seconds per step and per phase over each run's steps after the first 5, and the
 ratio of the two paths' medians.
@@ -30,13 +30,14 @@ PHASES = ("generation", "logprobs", "training", "weight_sync", "step")
 CHILD = """
 import json, sys
 import novarl.trainer.grpo as grpo
+import novarl.trainer.stages as stages
 from novarl.cli import BUNDLED_RECIPE
 from novarl.config import load_config
 from novarl.logging.metrics import read_jsonl
 from novarl.trainer.api import GRPOTrainer
 separate, steps, folder = sys.argv[1] == "separate", int(sys.argv[2]), sys.argv[3]
 if separate:
-    grpo.one_forward_fewer = lambda inputs: False
+    grpo.one_forward_fewer = stages.one_forward_fewer = lambda cfg, inputs: False
 cfg = load_config(BUNDLED_RECIPE, overrides=[
     f"logger.log_dir={folder}", "logger.progress_bar=false", f"grpo.max_num_steps={steps}", "grpo.val_period=0",
     "grpo.val_at_start=false", "grpo.val_at_end=false", "policy.generation.backend=hf"])

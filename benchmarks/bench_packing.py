@@ -61,7 +61,7 @@ def policy_for(model_path: str, rows: int, longest: int):
     cfg = load_config(None, overrides=[f"policy.model_name={model_path}", f"policy.max_seq_length={longest}",
                                        f"policy.train_micro_batch_size={rows}", f"policy.logprob_batch_size={rows}",
                                        "policy.precision=float32", "policy.scheduler=[]"])
-    return DTensorPolicy(cfg.policy, model_path, total_steps=1_000, temperature=1.0), cfg.policy
+    return DTensorPolicy(cfg.policy, model_path, total_steps=1_000), cfg.policy
 
 
 def batchings(policy_cfg, layout: str):
@@ -80,6 +80,7 @@ def measure(label: str, model_path: str, sequences: int, rows: int, rounds: int)
     from novarl.algorithms.losses import make_loss
     from novarl.config.schema import LossConfig
     from novarl.models.loading import load_tokenizer
+    from novarl.models.scores import Logprobs
 
     tokenizer = load_tokenizer(model_path)
     batch = task_batch(tokenizer, sequences)
@@ -92,10 +93,10 @@ def measure(label: str, model_path: str, sequences: int, rows: int, rounds: int)
         for layout in LAYOUTS:
             policy.train_batching, policy.logprob_batching = batchings(policy_cfg, layout)
             tic = time.perf_counter()
-            batch.old_logprobs = policy.logprobs(batch)
+            batch.old_logprobs = policy.forward(batch, Logprobs())
             logprob_s = time.perf_counter() - tic
             tic = time.perf_counter()
-            metrics = policy.forward_backward(batch, loss)
+            metrics = policy.forward_backward(batch, loss, Logprobs())
             policy.optim_step()
             training_s = time.perf_counter() - tic
             computed[layout] = metrics["tokens_computed"]

@@ -45,17 +45,19 @@ class Bench:
         from novarl.algorithms.losses import make_loss
         from novarl.backends.training.dtensor import DTensorPolicy
         from novarl.config.schema import LossConfig, PolicyConfig
+        from novarl.models.scores import Logprobs
 
         policy = PolicyConfig(model_name=model_path, precision="float32", train_micro_batch_size=batch_size,
                               dtensor_cfg={"tensor_parallel_size": tensor_parallel, "cpu_offload": cpu_offload})
-        self.policy = DTensorPolicy(policy, model_path, total_steps=100, temperature=1.0)
+        self.policy = DTensorPolicy(policy, model_path, total_steps=100)
         self.batch = synthetic_batch(batch_size, seq_len)
         self.loss = make_loss(LossConfig())
+        self.head = Logprobs()
 
     def step(self) -> float:
         start = time.perf_counter()
-        self.batch.old_logprobs = self.policy.logprobs(self.batch)
-        self.policy.forward_backward(self.batch, self.loss)
+        self.batch.old_logprobs = self.policy.forward(self.batch, self.head)
+        self.policy.forward_backward(self.batch, self.loss, self.head)
         self.policy.optim_step()
         return time.perf_counter() - start
 

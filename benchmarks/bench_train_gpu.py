@@ -140,13 +140,15 @@ def novarl_policy(folder: str, layout: str, compile_layers: bool, micro: int, lo
         overrides += ["policy.sequence_packing.enabled=true", f"policy.sequence_packing.train_mb_tokens={tokens}",
                       f"policy.sequence_packing.logprob_mb_tokens={tokens}"]
     cfg = load_config(None, overrides=overrides)
-    policy = DTensorPolicy(cfg.policy, folder, total_steps=1_000, temperature=1.0)
+    policy = DTensorPolicy(cfg.policy, folder, total_steps=1_000)
     return policy
 
 
 def novarl_step(policy, loss, batch) -> None:
-    batch.old_logprobs = policy.logprobs(batch)
-    policy.forward_backward(batch, loss)
+    from novarl.models.scores import Logprobs
+
+    batch.old_logprobs = policy.forward(batch, Logprobs())
+    policy.forward_backward(batch, loss, Logprobs())
     policy.optim_step()
 
 

@@ -11,6 +11,7 @@ from novarl.algorithms.kl import KL_ESTIMATORS
 from novarl.algorithms.losses import ClippedPGSettings, clipped_pg_loss, make_loss
 from novarl.config.schema import LossConfig
 from novarl.errors import ConfigError
+from novarl.models.scores import Logprobs
 from novarl.types import TrainBatch
 
 
@@ -301,11 +302,10 @@ def test_one_forward_fewer_trains_the_policy_like_two_forwards():
     results = []
     for one_forward_fewer in (False, True):
         torch.manual_seed(0)
-        policy = DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=4,
-                               temperature=1.0)
+        policy = DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=4)
         batch = _random_batch()
-        batch.old_logprobs = None if one_forward_fewer else policy.logprobs(batch)
-        metrics = {**policy.forward_backward(batch, loss), **policy.optim_step()}
+        batch.old_logprobs = None if one_forward_fewer else policy.forward(batch, Logprobs())
+        metrics = {**policy.forward_backward(batch, loss, Logprobs()), **policy.optim_step()}
         weights = {n: t.detach().clone() for n, t in policy.full_state_dict().items()}
         results.append((metrics, weights))
     (two, before), (one, after) = results
@@ -326,7 +326,7 @@ def test_samples_without_advantage_are_left_out_of_the_update_with_the_same_resu
     from novarl.config import load_config
     from novarl.distributed.local import ensure_single_process_group
     from novarl.models.loading import resolve_model_path
-    from novarl.trainer.grpo import train_on_batch, with_signal
+    from novarl.trainer.stages import train_on_batch, with_signal
 
     ensure_single_process_group()
     cfg = load_config(None, overrides=["policy.train_micro_batch_size=2"])
@@ -337,11 +337,10 @@ def test_samples_without_advantage_are_left_out_of_the_update_with_the_same_resu
     results = []
     for skip in (False, True):
         torch.manual_seed(0)
-        policy = DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=4,
-                               temperature=1.0)
-        logprobs = policy.logprobs(batch)
+        policy = DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=4)
+        logprobs = policy.forward(batch, Logprobs())
         batch.old_logprobs = logprobs - noise  # ratios away from 1, some clipped
-        metrics = train_on_batch(policy, batch, loss, global_batch_size=8, skip_zero_advantage=skip,
+        metrics = train_on_batch(policy, Logprobs(), batch, loss, global_batch_size=8, skip_zero_advantage=skip,
                                  token_level=token_level)
         results.append((metrics, {n: t.detach().clone() for n, t in policy.full_state_dict().items()}))
     (every, before), (skipped, after) = results

@@ -22,6 +22,7 @@ from novarl.cli import BUNDLED_RECIPE
 from novarl.config import load_config
 from novarl.distributed.local import default_device, ensure_single_process_group
 from novarl.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+from novarl.models.scores import Logprobs, Values
 from novarl.trainer.rollout import build_train_batch
 from novarl.trainer.setup import generation_precision, split_prompts
 from novarl.types import Completion, SamplingConfig
@@ -77,8 +78,7 @@ def built_roles(spec, cfg, path):
     trainer/setup.py build_trainers builds them."""
     ensure_single_process_group()
     Policy, Reference = spec.classes()
-    common = dict(policy=cfg.policy, model_path=path, temperature=cfg.policy.generation.temperature,
-                  **spec.role_arguments())
+    common = dict(policy=cfg.policy, model_path=path, **spec.role_arguments())
     device = default_device()
     policy = Policy(device=device, total_steps=4, seed=cfg.grpo.seed, **common,
                     **spec.trainer_arguments(accumulation_steps=1))
@@ -101,42 +101,46 @@ def test_training_backend_runs_its_verbs(name, model, tmp_path):
     loss = make_loss(cfg.loss_fn, cfg.policy.generation.max_new_tokens)
     batch = answer_batch(cfg, tokenizer)
 
-    untrained = policy.logprobs(batch).cpu()
+    head = Logprobs(cfg.policy.generation.temperature)
+    untrained = policy.forward(batch, head).cpu()
     assert untrained.shape == (batch.num_tokens,) and untrained.dtype == torch.float32
     first = batch.cu_seqlens[:-1]  # each sequence's first token, which has no prediction
     assert bool((untrained <= 0).all()) and bool((untrained[first] == 0).all())
-    torch.testing.assert_close(untrained, sequence_logprobs(load_causal_lm(path), batch, 1.0))
-    torch.testing.assert_close(reference.logprobs(batch).cpu(), untrained)
+    torch.testing.assert_close(untrained, sequence_logprobs(load_causal_lm(path), batch, head.temperature))
+    torch.testing.assert_close(reference.forward(batch, head).cpu(), untrained)
+    for role in (policy, reference):  # a language model has no value head
+        with pytest.raises(TypeError, match="vocabulary head"):
+            role.forward(batch, Values())
     batch.generator_logprobs = torch.where(batch.loss_mask, untrained, 0.0)  # as if it had generated them
 
     def step() -> torch.Tensor:
-        metrics = {**policy.forward_backward(batch, loss), **policy.optim_step()}
+        metrics = {**policy.forward_backward(batch, loss, head), **policy.optim_step()}
         assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
-        return policy.logprobs(batch).cpu()
+        return policy.forward(batch, head).cpu()
 
     stepped = step()
     gain = batch.advantages * batch.loss_mask  # the step raises the right answers' logprobs, lowers the wrong ones'
     assert float((gain * stepped).sum()) > float((gain * untrained).sum())
-    torch.testing.assert_close(reference.logprobs(batch).cpu(), untrained)  # the reference stays frozen
+    torch.testing.assert_close(reference.forward(batch, head).cpu(), untrained)  # the reference stays frozen
     if not torch.cuda.is_available():
         assert policy.gpu_stats() == {}
 
     policy.save(tmp_path / "checkpoint")
     after_save = step()
     policy.load(tmp_path / "checkpoint")
-    assert torch.equal(policy.logprobs(batch).cpu(), stepped)
+    assert torch.equal(policy.forward(batch, head).cpu(), stepped)
     assert torch.equal(step(), after_save)  # the optimizer's state and the schedule came back too
-    check_export(policy, tokenizer, batch, after_save, tmp_path / "hf")
+    check_export(policy, tokenizer, batch, after_save, tmp_path / "hf", head.temperature)
 
 
-def check_export(policy, tokenizer, batch, logprobs, folder) -> None:
+def check_export(policy, tokenizer, batch, logprobs, folder, temperature: float) -> None:
     """save_hf writes a folder transformers loads, giving the policy's `logprobs` on `batch`; the
     weight sync's buckets hold the same tensors under its names."""
     from transformers import AutoModelForCausalLM
 
     policy.save_hf(folder, tokenizer)
     exported = AutoModelForCausalLM.from_pretrained(folder)
-    torch.testing.assert_close(sequence_logprobs(exported, batch, 1.0), logprobs)
+    torch.testing.assert_close(sequence_logprobs(exported, batch, temperature), logprobs)
     weights = dict(pair for bucket in policy.weight_buckets(2**16, everywhere=True) for pair in bucket)
     state = exported.state_dict()
     assert {n for n, _ in exported.named_parameters()} <= weights.keys() <= state.keys()

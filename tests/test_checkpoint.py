@@ -159,8 +159,7 @@ def test_convert_reads_the_weights_only_and_writes_the_runs_precision_and_format
     step = tmp_path / "ckpt" / "step_2"
     cfg = load_config(step / "config.yaml")
     ensure_single_process_group()
-    policy = DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=1,
-                           temperature=1.0)
+    policy = DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=1)
     policy.load_weights(step / POLICY_DIR)
     assert policy.optimizer.state_dict()["state"] == {}  # nothing of the optimizer was read
     fp32 = tmp_path / "fp32"

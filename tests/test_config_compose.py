@@ -330,22 +330,24 @@ def test_max_num_epochs_ends_the_run_when_it_comes_before_max_num_steps():
 
 
 def test_reward_and_advantage_clipping():
-    from novarl.algorithms.advantages import ADVANTAGE_ESTIMATORS
-    from novarl.trainer.grpo import step_advantages
+    from novarl.algorithms.estimators import StepRewards
+    from novarl.trainer.stages import advantage_estimator
     from novarl.types import TrainBatch
 
-    estimate = ADVANTAGE_ESTIMATORS.get("grpo")
+    def step_advantages(cfg, batch, rewards):
+        return advantage_estimator(cfg)(StepRewards(batch, rewards)).advantages
+
     rewards = torch.tensor([0.0, 0.0, 0.0, 100.0, 1.0, 2.0, 3.0, 4.0])
     # eight sequences of a prompt token and one trained token: one advantage each, on its trained token
     batch = TrainBatch.from_rows(torch.ones((8, 2), dtype=torch.long), torch.ones((8, 2), dtype=torch.bool),
                                  torch.tensor([[False, True]] * 8), torch.zeros(8))
     cfg = load_config({"grpo": {"num_generations_per_prompt": 4, "normalize_rewards": False}})
-    assert torch.allclose(step_advantages(cfg, batch, rewards, estimate)[1::2],
+    assert torch.allclose(step_advantages(cfg, batch, rewards)[1::2],
                           torch.tensor([-25.0, -25.0, -25.0, 75.0, -1.5, -0.5, 0.5, 1.5]))
     cfg = load_config({"grpo": {"num_generations_per_prompt": 4, "normalize_rewards": False, "reward_clip": 10.0,
                                 "advantage_clip_low": -1.0, "advantage_clip_high": 5.0}})
     # The reward 100 counts as 10 (group mean 2.5), then the advantages are clipped to [-1, 5].
-    assert torch.allclose(step_advantages(cfg, batch, rewards, estimate)[1::2],
+    assert torch.allclose(step_advantages(cfg, batch, rewards)[1::2],
                           torch.tensor([-1.0, -1.0, -1.0, 5.0, -1.0, -0.5, 0.5, 1.5]))
 
 

@@ -102,6 +102,7 @@ def one_step(model_path: str, world: int, *parallel: str) -> tuple:
     (loss, grad norm, tokens computed, logprobs)."""
     from novarl.algorithms.losses import make_loss
     from novarl.backends.training.dtensor import DTensorPolicy
+    from novarl.models.scores import Logprobs
     from novarl.cli import BUNDLED_RECIPE
     from novarl.config import load_config
     from tests.helpers import HF
@@ -109,17 +110,16 @@ def one_step(model_path: str, world: int, *parallel: str) -> tuple:
     cfg = load_config(BUNDLED_RECIPE, overrides=[
         HF, f"cluster.gpus_per_node={world}", *parallel, "policy.sequence_packing.share_prompts=false",
         "policy.train_micro_batch_size=2"])
-    policy = DTensorPolicy(cfg.policy, model_path, torch.device("cpu"), total_steps=4, temperature=1.0,
-                           seed=cfg.grpo.seed)
+    policy = DTensorPolicy(cfg.policy, model_path, torch.device("cpu"), total_steps=4, seed=cfg.grpo.seed)
     generator = torch.Generator().manual_seed(5)
     lengths = torch.tensor([29, 7, 18, 12, 25, 9])
     ids = torch.randint(3, 19, (len(lengths), int(lengths.max())), generator=generator)
     mask = torch.arange(ids.shape[1]) < lengths[:, None]
     loss_mask = mask & (torch.arange(ids.shape[1]) >= 4)  # a 4-token prompt
     batch = TrainBatch.from_rows(ids, mask, loss_mask, torch.linspace(-1, 1, len(lengths))).with_own_counts()
-    metrics = policy.forward_backward(batch, make_loss(cfg.loss_fn))
+    metrics = policy.forward_backward(batch, make_loss(cfg.loss_fn), Logprobs())
     metrics.update(policy.optim_step())
-    return metrics["loss"], metrics["grad_norm"], metrics["tokens_computed"], policy.logprobs(batch)
+    return metrics["loss"], metrics["grad_norm"], metrics["tokens_computed"], policy.forward(batch, Logprobs())
 
 
 def identical_loss_gradient(world: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 
 from novarl.algorithms.losses import ValueLossSettings, value_loss
 from novarl.config import load_config
+from novarl.models.scores import Logprobs, Values
 from tests.helpers.packing import mixed_batch
 
 pytestmark = pytest.mark.slow
@@ -28,11 +29,13 @@ def critic():
 
 def test_values_start_at_zero_and_read_each_tokens_predecessor(critic):
     batch = mixed_batch(rows=6, longest=9)
-    assert torch.equal(critic.logprobs(batch), torch.zeros(batch.num_tokens))
+    assert torch.equal(critic.forward(batch, Values()), torch.zeros(batch.num_tokens))
+    with pytest.raises(TypeError, match="scalar value head"):  # no vocabulary: no logprobs
+        critic.forward(batch, Logprobs())
     with torch.no_grad():  # a head that reads the hidden state: the values must come from position t-1
         critic.model.lm_head.weight.normal_(0, 0.1)
         critic.model.lm_head.bias.fill_(0.25)
-    values = critic.logprobs(batch)
+    values = critic.forward(batch, Values())
     from torch.distributed.tensor import DTensor
 
     head = critic.model.lm_head
@@ -52,21 +55,22 @@ def test_values_start_at_zero_and_read_each_tokens_predecessor(critic):
 def test_the_value_loss_trains_the_values_towards_the_returns_and_resumes(critic, tmp_path):
     batch = mixed_batch(rows=8, longest=9)
     returns = torch.where(batch.loss_mask, torch.linspace(-1, 1, batch.num_tokens), torch.zeros(batch.num_tokens))
-    batch.returns, batch.old_values = returns, critic.logprobs(batch)
+    batch.returns, batch.old_values = returns, critic.forward(batch, Values())
     settings = ValueLossSettings(scale=0.5, cliprange=None)
     losses = []
     for _ in range(30):
-        losses.append(critic.forward_backward(batch, lambda v, mb: value_loss(v, mb, settings))["value_loss"])
+        trained = critic.forward_backward(batch, lambda v, mb: value_loss(v, mb, settings), Values())
+        losses.append(trained["value_loss"])
         critic.optim_step()
     assert losses[-1] < 0.5 * losses[0]
     critic.save(tmp_path / "critic")
-    critic.forward_backward(batch, lambda v, mb: value_loss(v, mb, settings))
+    critic.forward_backward(batch, lambda v, mb: value_loss(v, mb, settings), Values())
     critic.optim_step()
-    after_one_more = critic.logprobs(batch)
+    after_one_more = critic.forward(batch, Values())
     critic.load(tmp_path / "critic")  # weights, Adam's moments and the schedule: the same next step
-    critic.forward_backward(batch, lambda v, mb: value_loss(v, mb, settings))
+    critic.forward_backward(batch, lambda v, mb: value_loss(v, mb, settings), Values())
     critic.optim_step()
-    assert torch.equal(critic.logprobs(batch), after_one_more)
+    assert torch.equal(critic.forward(batch, Values()), after_one_more)
 
 
 def test_the_clipped_value_loss_holds_values_near_the_old_ones():
@@ -109,9 +113,9 @@ def test_the_critic_on_zero3_over_two_ranks_trains_like_one_dtensor_rank(tmp_pat
 
     def train(call, steps: int) -> torch.Tensor:
         for _ in range(steps):
-            call("forward_backward", batch, loss)
+            call("forward_backward", batch, loss, Values())
             call("optim_step")
-        return call("logprobs", batch)
+        return call("forward", batch, Values())
 
     one = DTensorCritic(load_config(None, overrides=overrides).policy, path, torch.device("cpu"), total_steps=100)
     expected = train(lambda method, *args: getattr(one, method)(*args), 4)

@@ -81,17 +81,18 @@ def test_a_killed_rank_stops_the_call_and_names_it(tmp_path):
     from novarl.backends.training.dtensor import DTensorPolicy
     from novarl.distributed.ray_group import RayWorkerGroup, WorkerDied
     from novarl.models.loading import resolve_model_path
+    from novarl.models.scores import Logprobs
     from novarl.types import TrainBatch
 
     cfg = load_config(BUNDLED_RECIPE)
     group = RayWorkerGroup(DTensorPolicy, dict(policy=cfg.policy, model_path=resolve_model_path("tiny-arith"),
-                                               total_steps=10, temperature=1.0), world_size=2)
+                                               total_steps=10), world_size=2)
     pid = ray.get(group.actors[1].pid.remote())
     os.kill(pid, signal.SIGKILL)
     ones = torch.ones((4, 6), dtype=torch.bool)
     batch = TrainBatch.from_rows(torch.ones((4, 6), dtype=torch.long), ones, ones, torch.zeros(4))
     with pytest.raises(WorkerDied, match="policy rank 1 died"):
-        group.call("logprobs", batch)
+        group.call("forward", batch, Logprobs())
     assert group.actors == []
     import time
 

@@ -278,11 +278,11 @@ def new_driver_weight_tensors(shapes, before: list) -> int:
 
 
 def one_step(cfg, inputs, roles, step):
-    from novarl.algorithms.advantages import ADVANTAGE_ESTIMATORS
     from novarl.algorithms.losses import make_loss
     from novarl.trainer.grpo import grpo_step
+    from novarl.trainer.stages import build_stages
 
-    return grpo_step(cfg, inputs, roles, make_loss(cfg.loss_fn), ADVANTAGE_ESTIMATORS.get("grpo"), step)
+    return grpo_step(cfg, inputs, roles, build_stages(cfg, inputs, roles, make_loss(cfg.loss_fn)), step)
 
 
 @pytest.mark.parametrize("overrides, engines", [

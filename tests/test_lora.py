@@ -68,21 +68,21 @@ def test_the_reference_is_the_base_model_with_the_adapters_off():
     from novarl.distributed.local import ensure_single_process_group
     from novarl.models.lora import BaseReference
     from novarl.models.loading import resolve_model_path
-    from tests.helpers.packing import mixed_batch
+    from tests.helpers.packing import HEAD, mixed_batch
 
     ensure_single_process_group()
     cfg = load_config(None, overrides=LORA)
     path = resolve_model_path("tiny-arith")
-    policy = DTensorPolicy(cfg.policy, path, torch.device("cpu"), total_steps=1, temperature=0.7)
+    policy = DTensorPolicy(cfg.policy, path, torch.device("cpu"), total_steps=1)
     with torch.no_grad():
         for name, param in policy.model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.05)  # trained adapters
     batch = mixed_batch(rows=6, longest=9)
-    separate = DTensorReference(cfg.policy, path, torch.device("cpu"), temperature=0.7).logprobs(batch)
-    base = BaseReference(policy).logprobs(batch)
+    separate = DTensorReference(cfg.policy, path, torch.device("cpu")).forward(batch, HEAD)
+    base = BaseReference(policy).forward(batch, HEAD)
     assert torch.allclose(base, separate, atol=1e-6)
-    assert not torch.allclose(policy.logprobs(batch), separate, atol=1e-3)  # the adapters are back on after
+    assert not torch.allclose(policy.forward(batch, HEAD), separate, atol=1e-3)  # the adapters are back on after
     assert all(p.requires_grad == ("lora_" in n) for n, p in policy.model.named_parameters())
 
 

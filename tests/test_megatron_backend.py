@@ -186,7 +186,7 @@ def test_megatron_generation_is_greedy_like_hugging_face_on_tp_and_pp_ranks(two_
                                        "policy.generation.mcore_generation_config.buffer_size_gb=1e-6"])  # 1 a batch
     for layout, cfg in (("tp2", tp2), ("pp2", pp2)):
         group = RayWorkerGroup(MegatronPolicy, dict(policy=cfg.policy, model_path=str(two_kv_heads), total_steps=1,
-                                                    temperature=1.0, emulate_cuda=True), world_size=2)
+                                                    emulate_cuda=True), world_size=2)
         try:
             generator = MegatronGeneration(RemotePolicy(group), tokenizer, max_seq_length=16,
                                            config=cfg.policy.generation.mcore_generation_config)
@@ -281,7 +281,7 @@ def test_packed_and_dynamic_micro_batches_match_padded():
 
     cfg = load_config(None, overrides=[*FROZEN, "cluster.gpus_per_node=2", *PACKING_MEGATRON])
     group = RayWorkerGroup(MegatronPolicy, dict(policy=cfg.policy, model_path=resolve_model_path("tiny-arith"),
-                                                total_steps=1, temperature=0.7), world_size=2)
+                                                total_steps=1), world_size=2)
     try:
         assert_micro_batch_layouts_match(group)
     finally:

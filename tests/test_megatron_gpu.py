@@ -30,6 +30,7 @@ def test_logprobs_match_hugging_face_in_bf16(tmp_path, monkeypatch):
     from novarl.config import load_config
     from novarl.distributed.local import ensure_single_process_group
     from novarl.models.loading import token_logprobs
+    from novarl.models.scores import Logprobs
     from novarl.types import TrainBatch
 
     monkeypatch.setenv("NOVARL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "cache"))
@@ -37,12 +38,12 @@ def test_logprobs_match_hugging_face_in_bf16(tmp_path, monkeypatch):
     cfg = load_config(BUNDLED_RECIPE, overrides=["policy.megatron_cfg.enabled=true", "policy.precision=bfloat16",
                                                  "policy.max_total_sequence_length=128", f"policy.model_name={model}"])
     ensure_single_process_group()
-    megatron = MegatronReference(cfg.policy, str(model), temperature=1.0)
+    megatron = MegatronReference(cfg.policy, str(model))
     torch.manual_seed(1)
     ids = torch.randint(0, 1024, (8, 96))
     mask = torch.ones_like(ids, dtype=torch.bool)
     batch = TrainBatch.from_rows(ids, mask, mask, torch.zeros(8))
-    ours = batch.to_rows(megatron.logprobs(batch))[:, 1:]
+    ours = batch.to_rows(megatron.forward(batch, Logprobs()))[:, 1:]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda()
     with torch.no_grad():
         theirs = token_logprobs(hf(input_ids=ids.cuda()).logits, ids.cuda()).cpu()[:, 1:]
@@ -104,7 +105,7 @@ def test_generation_on_the_gpu_is_greedy_like_hugging_face_chunked_or_not(tmp_pa
     model = resolve_model_path("tiny-arith")
     cfg = load_config(BUNDLED_RECIPE, overrides=["policy.megatron_cfg.enabled=true", "policy.precision=float32"])
     ensure_single_process_group()
-    reference = MegatronReference(cfg.policy, model, temperature=1.0)
+    reference = MegatronReference(cfg.policy, model)
     tokenizer = load_tokenizer(model)
     prompts = [Prompt(t, tokenizer(t)["input_ids"]) for t in ("12+34=", "56+7=", "99+99=", "40+60=")]
     greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
@@ -128,6 +129,7 @@ def context_parallel_rank(rank: int, world: int, port: int, results, model: str,
     from novarl.backends.training.megatron import MegatronPolicy
     from novarl.cli import BUNDLED_RECIPE
     from novarl.config import load_config
+    from novarl.models.scores import Logprobs
     from tests.helpers.packing import LOSS, batchings, mixed_batch
     from tests.helpers.spawn import send
 
@@ -142,11 +144,11 @@ def context_parallel_rank(rank: int, world: int, port: int, results, model: str,
             "policy.megatron_cfg.enabled=true", "policy.precision=bfloat16", "cluster.gpus_per_node=2",
             f"policy.megatron_cfg.context_parallel_size={cp}", "policy.megatron_cfg.optimizer.lr=0.0",
             "policy.max_total_sequence_length=128", f"policy.model_name={model}"])
-        policy = MegatronPolicy(cfg.policy, model, total_steps=1, temperature=1.0)
+        policy = MegatronPolicy(cfg.policy, model, total_steps=1)
         for layout in ("fixed", "packed"):
             policy.train_batching, policy.logprob_batching = batchings(layout, policy.packed_sequence_multiple)
-            logprobs = policy.logprobs(batch)
-            metrics = policy.forward_backward(batch, make_loss(LOSS))
+            logprobs = policy.forward(batch, Logprobs())
+            metrics = policy.forward_backward(batch, make_loss(LOSS), Logprobs())
             metrics.update(policy.optim_step())
             out[name, layout] = (logprobs.cpu(), metrics["loss"], metrics["grad_norm"])
     send(results, rank, {f"{n} {layout}": value for (n, layout), value in out.items()})

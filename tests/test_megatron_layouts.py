@@ -77,12 +77,15 @@ def hf_step(path: str, batch, temperature: float) -> tuple[torch.Tensor, float, 
 
 
 def measure(policy, batch, loss) -> dict:
-    """logprobs; one step's loss, gradient norm and update; logprobs after it; the weights."""
-    before = policy.logprobs(batch)
-    metrics = policy.forward_backward(batch, loss)
+    """logprobs (at temperature 0.7: packing.HEAD); one step's loss, gradient norm and update;
+    logprobs after it; the weights."""
+    from tests.helpers.packing import HEAD
+
+    before = policy.forward(batch, HEAD)
+    metrics = policy.forward_backward(batch, loss, HEAD)
     metrics.update(policy.optim_step())
     return {"logprobs": before, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-            "after": policy.logprobs(batch), "weights": policy.full_state_dict()}
+            "after": policy.forward(batch, HEAD), "weights": policy.full_state_dict()}
 
 
 def layouts_rank(rank: int, world: int, port: int, results, paths: dict, checkpoint: str) -> None:
@@ -97,7 +100,7 @@ def layouts_rank(rank: int, world: int, port: int, results, paths: dict, checkpo
     from novarl.algorithms.losses import make_loss
     from novarl.backends.training.megatron import MegatronPolicy
     from novarl.config import load_config
-    from tests.helpers.packing import LOSS, mixed_batch
+    from tests.helpers.packing import HEAD, LOSS, mixed_batch
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     batch = mixed_batch(rows=10, longest=30).with_own_counts()
@@ -107,10 +110,10 @@ def layouts_rank(rank: int, world: int, port: int, results, paths: dict, checkpo
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         cfg = load_config(None, overrides=[*COMMON, *overrides])
-        return MegatronPolicy(cfg.policy, paths[model], total_steps=4, temperature=0.7, emulate_cuda=True)
+        return MegatronPolicy(cfg.policy, paths[model], total_steps=4, emulate_cuda=True)
 
     for model in ("qwen2_moe", "qwen3_moe"):  # the conversion, against Hugging Face's forward
-        out[model] = build(model, EXPERTS["ep2"]).logprobs(batch)
+        out[model] = build(model, EXPERTS["ep2"]).forward(batch, HEAD)
     for model, layouts in (("llama", PIPELINES), ("mixtral", EXPERTS)):
         for name, overrides in layouts.items():
             policy = build(model, overrides)

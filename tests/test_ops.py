@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from novarl.backends.training import ops
 
@@ -58,7 +59,7 @@ def test_op_cache_defaults_to_novarls_cache_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     monkeypatch.setenv("NOVARL_CACHE_DIR", str(tmp_path))
     ops.deepspeed_environment()
-    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "torch_extensions")
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "torch_extensions" / torch.__version__)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/elsewhere")  # the user's setting wins
     ops.deepspeed_environment()
     assert os.environ["TORCH_EXTENSIONS_DIR"] == "/elsewhere"

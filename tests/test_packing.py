@@ -23,7 +23,7 @@ from novarl.errors import UserError
 from novarl.models.loading import resolve_model_path
 from novarl.trainer.rollout import build_train_batch
 from novarl.types import Completion, Prompt, TrainBatch
-from tests.helpers.packing import FROZEN, LAYOUTS, LOSS, assert_same, batchings, group_results, measure, mixed_batch
+from tests.helpers.packing import FROZEN, HEAD, LAYOUTS, LOSS, assert_same, batchings, group_results, measure, mixed_batch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -145,8 +145,7 @@ def one_rank_policy():
 
     ensure_single_process_group()
     cfg = load_config(None, overrides=FROZEN)
-    return DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=1,
-                         temperature=0.7)
+    return DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=1)
 
 
 def local_call(policy):
@@ -184,7 +183,7 @@ def test_packed_logprobs_equal_transformers_on_each_sequence_alone(one_rank_poli
                               for a, b in zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())])
     for layout in ("packed", "fixed"):
         one_rank_policy.train_batching, one_rank_policy.logprob_batching = batchings(layout)
-        torch.testing.assert_close(one_rank_policy.logprobs(batch), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(one_rank_policy.forward(batch, HEAD), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_varlen_attention_equals_sdpa_with_a_block_diagonal_mask():
@@ -237,7 +236,7 @@ def test_every_parameter_is_trained_with_packing(one_rank_policy):
     one_rank_policy.train_batching, one_rank_policy.logprob_batching = batchings("packed")
     batch = mixed_batch(rows=4)
     batch.old_logprobs = None
-    one_rank_policy.forward_backward(batch, make_loss(LOSS))
+    one_rank_policy.forward_backward(batch, make_loss(LOSS), HEAD)
     held = {id(p) for group in one_rank_policy.optimizer.param_groups for p in group["params"]}
     assert all(id(p) in held and p.grad is not None for p in one_rank_policy.model.parameters())
     one_rank_policy.optim_step()

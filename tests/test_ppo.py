@@ -53,10 +53,11 @@ def test_gae_puts_the_reward_on_the_last_token_and_decouples_the_lambdas():
 
 
 def test_the_loop_reads_values_and_rewards_at_the_right_tokens_of_a_batch():
-    """gae_advantages on a real batch (prompts, then completions, laid end to end): the values the
+    """PPO's estimator (GAE) on a real batch (prompts, then completions, laid end to end): the values the
     critic gives each token (read at its predecessor) and each completion's reward on its last
     token, back to the batch's token order."""
-    from novarl.trainer.grpo import gae_advantages
+    from novarl.algorithms.estimators import StepRewards
+    from novarl.trainer.stages import advantage_estimator
     from novarl.types import TrainBatch
 
     cfg = load_config(None, overrides=[*PPO, "grpo.adv_estimator.gae_lambda=0.5",
@@ -66,7 +67,8 @@ def test_the_loop_reads_values_and_rewards_at_the_right_tokens_of_a_batch():
     loss_mask = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]], dtype=torch.bool)
     batch = TrainBatch.from_rows(ids, attention, loss_mask, torch.zeros(2))
     values = torch.tensor([0, 9, 0.5, 0.25, 0.5, 0, 9, 0.5])
-    advantages, returns = gae_advantages(cfg, batch, torch.tensor([1.0, 2.0]), values)
+    out = advantage_estimator(cfg)(StepRewards(batch, torch.tensor([1.0, 2.0]), values))
+    advantages, returns = out.advantages, out.returns
     assert advantages.tolist() == [0, 0, 0, 0.5, 0.5, 0, 0, 1.5]
     assert returns.tolist() == [0, 0, 0.5, 0.75, 1.0, 0, 0, 2.0]
 
@@ -134,6 +136,7 @@ def test_convert_exports_the_critic_as_a_token_classification_folder(one_rank, t
     from novarl.backends.training.dtensor import DTensorCritic
     from novarl.distributed.local import ensure_single_process_group
     from novarl.models.loading import resolve_model_path
+    from novarl.models.scores import Values
     from novarl.types import TrainBatch
 
     folder, _ = one_rank
@@ -146,7 +149,7 @@ def test_convert_exports_the_critic_as_a_token_classification_folder(one_rank, t
     critic.load_weights(step / "critic")
     ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
     ones = torch.ones_like(ids, dtype=torch.bool)
-    values = critic.logprobs(TrainBatch.from_rows(ids, ones, ones, torch.zeros(1)))
+    values = critic.forward(TrainBatch.from_rows(ids, ones, ones, torch.zeros(1)), Values())
     with torch.no_grad():  # the folder's output at position t is novarl's value of token t + 1
         theirs = exported(input_ids=ids).logits[0, :-1, 0]
     assert values[0] == 0 and torch.allclose(values[1:], theirs, atol=1e-5) and bool(theirs.abs().sum() > 0)

@@ -23,6 +23,7 @@ import torch
 
 from novarl.algorithms.losses import LossFn
 from novarl.distributed.lifecycle import Offloadable, Stoppable  # noqa: F401 (re-exported)
+from novarl.models.scores import Head
 from novarl.types import Completion, Prompt, SamplingConfig, TrainBatch
 
 if TYPE_CHECKING:
@@ -33,17 +34,23 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 
 class ReferenceBackend(Protocol):
-    """The frozen reference policy: logprobs only."""
+    """A model that scores tokens: the frozen reference policy (and every trainable role)."""
 
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """[N] float32 per-token logprobs at the sampling temperature (0 at each sequence's first token)."""
+    def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
+        """Collective over the role's ranks: [N] float32 per-token scores under the head
+        (models/scores.py: Logprobs(temperature) for a policy, Values() for a critic), 0 at each
+        sequence's first token. A head the model cannot apply is refused (TypeError)."""
         ...
 
 
 class TrainingBackend(ReferenceBackend, Protocol):
-    """The trainable policy (dtensor | deepspeed | megatron), in this process or on Ray ranks."""
+    """A trainable role (dtensor | deepspeed | megatron: the policy, or PPO's critic), in this
+    process or on Ray ranks."""
 
-    def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]: ...
+    def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:
+        """Collective: accumulate the gradients of loss(the head's scores [n], micro-batch) over the
+        batch; metrics summed over micro-batches and ranks (tokens_computed among them)."""
+        ...
 
     def optim_step(self) -> dict[str, float]:
         """Clip, step the optimizer and the schedule, zero the gradients."""

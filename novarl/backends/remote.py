@@ -1,6 +1,6 @@
 """Driver-side handles that make a Ray worker group look like one role.
 
-The driver calls `policy.forward_backward(batch, loss)` the same way whether
+The driver calls `policy.forward_backward(batch, loss, head)` the same way whether
 the policy is an in-process object or ranks behind Ray; these classes forward
 each call to every rank (the methods are collective) and return rank 0's
 result, which the backends make the whole group's (metrics all-reduced,
@@ -17,6 +17,7 @@ import torch
 from novarl.algorithms.losses import LossFn
 from novarl.backends.protocols import ReferenceBackend, Stoppable, TrainingBackend
 from novarl.distributed.ray_group import RayWorkerGroup
+from novarl.models.scores import Head
 from novarl.types import TrainBatch
 
 
@@ -26,8 +27,8 @@ class RemotePolicy(TrainingBackend, Stoppable):
     def __init__(self, group: RayWorkerGroup) -> None:
         self.group = group
 
-    def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]:
-        return self.group.call("forward_backward", batch, loss)
+    def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:
+        return self.group.call("forward_backward", batch, loss, head)
 
     def optim_step(self) -> dict[str, float]:
         return self.group.call("optim_step")
@@ -35,12 +36,12 @@ class RemotePolicy(TrainingBackend, Stoppable):
     def gpu_stats(self) -> dict[str, float]:
         return self.group.call("gpu_stats")
 
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self.group.call("logprobs", batch)
+    def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
+        return self.group.call("forward", batch, head)
 
-    def base_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+    def base_forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
         """A LoRA policy's base model, its adapters off (models/lora.py BaseReference)."""
-        return self.group.call("base_logprobs", batch)
+        return self.group.call("base_forward", batch, head)
 
     def save(self, path: Path) -> None:
         self.group.call("save", path)
@@ -69,8 +70,8 @@ class RemoteReference(ReferenceBackend, Stoppable):
     def __init__(self, group: RayWorkerGroup) -> None:
         self.group = group
 
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self.group.call_role(self.ROLE, "logprobs", batch)
+    def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
+        return self.group.call_role(self.ROLE, "forward", batch, head)
 
     def shutdown(self) -> None:
         """Nothing of its own: the policy's group stops its processes."""
@@ -78,15 +79,15 @@ class RemoteReference(ReferenceBackend, Stoppable):
 
 class RemoteCritic(TrainingBackend, Stoppable):
     """PPO's critic, built beside the policy on the policy group's ranks (as NeMo RL's value
-    workers share the training GPUs); its `logprobs` are per-token values."""
+    workers share the training GPUs); its head is Values() (models/scores.py)."""
 
     ROLE = "critic"
 
     def __init__(self, group: RayWorkerGroup) -> None:
         self.group = group
 
-    def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]:
-        return self.group.call_role(self.ROLE, "forward_backward", batch, loss)
+    def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:
+        return self.group.call_role(self.ROLE, "forward_backward", batch, loss, head)
 
     def optim_step(self) -> dict[str, float]:
         return self.group.call_role(self.ROLE, "optim_step")
@@ -94,8 +95,8 @@ class RemoteCritic(TrainingBackend, Stoppable):
     def gpu_stats(self) -> dict[str, float]:
         return self.group.call_role(self.ROLE, "gpu_stats")
 
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self.group.call_role(self.ROLE, "logprobs", batch)
+    def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
+        return self.group.call_role(self.ROLE, "forward", batch, head)
 
     def save(self, path: Path) -> None:
         self.group.call_role(self.ROLE, "save", path)

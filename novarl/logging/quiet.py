@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """novarl's cache folder: `$NOVARL_CACHE_DIR`, else `~/.cache/novarl` (`make` uses `.cache/`)."""
+    """novarl's cache folder: `$NOVARL_CACHE_DIR`, else `~/.cache/novarl`."""
     return Path(os.environ.get("NOVARL_CACHE_DIR", "~/.cache/novarl")).expanduser()
 
 

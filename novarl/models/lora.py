@@ -174,14 +174,14 @@ def adapters_off(model: torch.nn.Module) -> Iterator[None]:
 
 
 class BaseModelLogprobs:
-    """Mixin for a LoRA policy on DTensor or DeepSpeed (needs `.model` and `.logprobs`): the
+    """Mixin for a LoRA policy on DTensor or DeepSpeed (needs `.model` and `.forward`): the
     base model's logprobs, the adapters off -- the reference policy of a LoRA run, with no
     second copy of the model (see BaseReference)."""
 
-    def base_logprobs(self, batch) -> torch.Tensor:
-        """Collective, like logprobs: [N] per-token logprobs of the frozen base model."""
+    def base_forward(self, batch, head) -> torch.Tensor:
+        """Collective, like forward: [N] per-token scores (models/scores.py) of the frozen base model."""
         with adapters_off(self.model):
-            return self.logprobs(batch)
+            return self.forward(batch, head)
 
 
 class BaseReference:
@@ -192,5 +192,5 @@ class BaseReference:
     def __init__(self, policy) -> None:
         self.policy = policy
 
-    def logprobs(self, batch) -> torch.Tensor:
-        return self.policy.base_logprobs(batch)
+    def forward(self, batch, head) -> torch.Tensor:
+        return self.policy.base_forward(batch, head)

@@ -1,4 +1,6 @@
-"""The GRPO loop: generate -> reward -> advantage -> update -> weight sync.
+"""The GRPO loop: generate -> reward -> the step's stages (stages.py: old logprobs, reference,
+values, advantages, updates) -> weight sync. PPO, REINFORCE++, RLOO and DAPO run in it too: they are
+choices of estimator, loss and roles.
 
 Simplifications, on purpose: one rollout turn; the whole step's samples are
 generated before any update (synchronous, on-policy); `old_logprobs` are the
@@ -13,14 +15,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 
 import torch
 
-from novarl.algorithms.advantages import (ADVANTAGE_ESTIMATORS, AdvantageSettings, GAESettings, ppo_advantages,
-                                          reinforce_plus_plus_with_kl)
-from novarl.algorithms.losses import (ClippedPGSettings, LossFn, ValueLossSettings, aggregation, clamped_kl,
-                                      make_loss, value_loss)
+from novarl.algorithms.losses import make_loss
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import CheckpointLoadFailed, UserError
 from novarl.logging.console import Progress, info
@@ -29,8 +27,8 @@ from novarl.trainer.checkpoint import CRITIC_DIR, POLICY_DIR, Checkpoint, Checkp
 from novarl.trainer.evaluate import evaluate
 from novarl.trainer.collect import collect
 from novarl.trainer.rollout import MISMATCH_WARNING, build_train_batch, logprob_mismatch, mismatch_advice
-from novarl.trainer.setup import Roles, RunInputs, critic_global_batch_size, value_section
-from novarl.types import TrainBatch
+from novarl.trainer.setup import Roles, RunInputs, value_section
+from novarl.trainer.stages import Stage, StepWork, build_stages, one_forward_fewer, zero_advantage_trains_nothing
 
 
 class StepTimer:
@@ -38,10 +36,12 @@ class StepTimer:
         self.seconds: dict[str, float] = {}
 
     @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
+    def __call__(self, name: str | None) -> Iterator[None]:
+        """Time the block as time_<name>, added to the step's earlier blocks of that name (None: untimed)."""
         start = time.perf_counter()
         yield
-        self.seconds[f"time_{name}"] = self.seconds.get(f"time_{name}", 0.0) + time.perf_counter() - start
+        if name is not None:
+            self.seconds[f"time_{name}"] = self.seconds.get(f"time_{name}", 0.0) + time.perf_counter() - start
 
 
 def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink,
@@ -53,9 +53,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
     and the loop continues as the uninterrupted run would have.
     """
     grpo, gen = cfg.grpo, cfg.policy.generation
-    loss_fn = make_loss(cfg.loss_fn, gen.max_new_tokens)
-    # GAE (PPO) reads the critic's values per token: not one of the per-sequence estimators
-    estimate_advantages = None if roles.critic else ADVANTAGE_ESTIMATORS.get(grpo.adv_estimator.name)
+    stages = build_stages(cfg, inputs, roles, make_loss(cfg.loss_fn, gen.max_new_tokens))
     step = resume_from(resume, inputs, roles, sink) if resume else 0
     max_steps = inputs.max_steps or grpo.max_num_steps  # fewer when grpo.max_num_epochs ends first
     pipeline = start_async_rollouts(cfg, inputs, roles, max_steps, resume, step) if grpo.async_grpo.enabled else None
@@ -98,7 +96,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
                 summary["stopped_on_time_budget"] = 1.0
                 break
             step += 1
-            metrics = grpo_step(cfg, inputs, roles, loss_fn, estimate_advantages, step, pipeline)
+            metrics = grpo_step(cfg, inputs, roles, stages, step, pipeline)
             # asynchronous: the generator's weights lag by a step, so the gap is not a sync problem
             if metrics["logprob_mismatch"] > MISMATCH_WARNING and not summary.get("mismatch_warned") and not pipeline:
                 info(f"warning at step {step}: {mismatch_advice(metrics['logprob_mismatch'])}")
@@ -140,10 +138,10 @@ def trainer_state(inputs: RunInputs, summary: dict[str, float], pipeline=None) -
     return {"sampler": sampler, "summary": summary}
 
 
-def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossFn, estimate_advantages,
-              step: int, pipeline=None) -> dict[str, float]:
-    """One synchronous step: generate, reward, (values,) advantages, logprobs, update (ppo_epochs
-    passes; the critic first, as NeMo RL and verl do), weight sync."""
+def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, stages: list[Stage], step: int,
+              pipeline=None) -> dict[str, float]:
+    """One synchronous step: generate, reward, then the run's stages (stages.py: old logprobs,
+    reference, values, advantages, updates), then the weight sync."""
     grpo = cfg.grpo
     timer, tic = StepTimer(), time.perf_counter()
     if pipeline is None:
@@ -154,98 +152,20 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: LossF
         pipeline_metrics.update(queued)
     batch = build_train_batch(rollouts.completions, torch.zeros(len(rollouts.completions)),
                               overlong_filtering=grpo.overlong_filtering)
-    critic = roles.critic
-    policy_trains = step > grpo.policy_training_start_step  # before: the critic's warm-up
-    # REINFORCE++'s KL in the reward and PPO's values: the advantages need the forwards first
-    late_advantages = cfg.loss_fn.use_kl_in_reward or critic is not None
-    if not late_advantages:
-        batch.advantages = step_advantages(cfg, batch, rollouts.rewards, estimate_advantages)
-    with timer("logprobs"):
-        if not one_forward_fewer(cfg, inputs) or not policy_trains:
-            batch.old_logprobs = roles.policy.logprobs(batch)
-        if roles.reference is not None:
-            batch.reference_logprobs = roles.reference.logprobs(batch)
-        values = critic.logprobs(batch).float().cpu() if critic is not None else None
-    kl_metrics, token_kl = {}, None
-    if cfg.loss_fn.use_kl_in_reward:
-        token_kl = reference_kl(cfg, batch)
-        kl_metrics["kl_to_reference"] = float(token_kl.sum() / batch.loss_mask.sum().clamp(min=1))
-    if values is not None:  # the critic's
-        batch.advantages, returns = gae_advantages(cfg, batch, rollouts.rewards, values, token_kl)
-        batch.returns, batch.old_values = returns, values
-        kl_metrics.update(critic_metrics(batch, values, returns))
-    elif late_advantages:
-        batch.advantages = step_advantages(cfg, batch, rollouts.rewards, estimate_advantages, token_kl)
-    with timer("training"):
-        train_metrics = train_epochs(cfg, inputs, roles, batch, loss_fn, policy_trains)
+    # before grpo.policy_training_start_step: the critic's warm-up
+    work = StepWork(batch, rollouts.rewards, policy_trains=step > grpo.policy_training_start_step)
+    for stage in stages:
+        with timer(stage.phase):
+            stage(work)
     if pipeline is not None:  # the weights go to the engines at the next step's start
         sync_metrics = pipeline_metrics
     else:
         with timer("weight_sync"):  # the engines hold these weights already during the critic's warm-up
-            sync_metrics = roles.sync_weights(step) if policy_trains else {}
+            sync_metrics = roles.sync_weights(step) if work.policy_trains else {}
     mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None else {}  # else the loss measured it
     gpus = roles.policy.gpu_stats() if cfg.logger.monitor_gpus else {}
-    return {**rollouts.metrics, **inputs.scorer.take_metrics(),
-            **train_metrics, **kl_metrics, **gpus,
+    return {**rollouts.metrics, **inputs.scorer.take_metrics(), **work.metrics, **gpus,
             **sync_metrics, **mismatch, **timer.seconds, "time_step": time.perf_counter() - tic}
-
-
-def train_epochs(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, batch: TrainBatch, loss_fn: LossFn,
-                 policy_trains: bool = True) -> dict[str, float]:
-    """grpo.ppo_epochs passes over the step's batch: each trains the critic (when the run has one;
-    its metrics as critic/...), then the policy (unless in the critic's warm-up); metrics
-    averaged over the passes, token counts added up, maxima (`_max`) the largest."""
-    grpo, passes = cfg.grpo, []
-    for _ in range(grpo.ppo_epochs):
-        metrics: dict[str, float] = {}
-        if roles.critic is not None:
-            settings = ValueLossSettings(scale=cfg.value_loss_fn.scale, cliprange=cfg.value_loss_fn.cliprange)
-            trained = train_on_batch(roles.critic, batch, partial(value_loss, settings=settings),
-                                     critic_global_batch_size(cfg, inputs))
-            metrics.update({f"critic/{name}": value for name, value in trained.items()})
-        if policy_trains:
-            metrics.update(train_on_batch(roles.policy, batch, loss_fn, inputs.batches.global_batch_size,
-                                          skip_zero_advantage=zero_advantage_trains_nothing(cfg),
-                                          token_level=aggregation(cfg.loss_fn) == "token-mean"))
-        passes.append(metrics)
-    return {name: max(p[name] for p in passes) if name.endswith("_max")
-            else sum(p[name] for p in passes) / (1 if "tokens_" in name else len(passes)) for name in passes[0]}
-
-
-def gae_advantages(cfg: NovaRLConfig, batch: TrainBatch, rewards: torch.Tensor, values: torch.Tensor,
-                   token_kl: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's [N] advantages and [N] critic targets (returns) from the critic's values [N]: GAE over
-    each completion (algorithms/advantages.py ppo_advantages, grpo.adv_estimator's keys), rewards
-    clipped to +-grpo.reward_clip first and the advantages clipped as step_advantages does."""
-    grpo, estimator = cfg.grpo, cfg.grpo.adv_estimator
-    if grpo.reward_clip is not None:
-        rewards = rewards.clamp(-grpo.reward_clip, grpo.reward_clip)
-    settings = GAESettings(gamma=estimator.gae_gamma, lam=estimator.gae_lambda, lam_value=estimator.gae_lambda_value,
-                           lam_policy=estimator.gae_lambda_policy,
-                           length_adaptive_alpha=estimator.length_adaptive_alpha,
-                           normalize=estimator.normalize_advantages)
-    mask = batch.to_rows(batch.loss_mask.cpu()).bool()
-    kl = batch.to_rows(token_kl.float().cpu()) if token_kl is not None else None
-    advantages, returns = ppo_advantages(rewards, batch.to_rows(values.float().cpu()), mask, settings, kl,
-                                         cfg.loss_fn.reference_policy_kl_penalty)
-    where = batch.sequence_index.cpu(), batch.position_ids.cpu()
-    advantages, returns = advantages[where], returns[where]
-    if grpo.advantage_clip_low is not None or grpo.advantage_clip_high is not None:
-        advantages = advantages.clamp(min=grpo.advantage_clip_low, max=grpo.advantage_clip_high)
-    return advantages, returns
-
-
-def critic_metrics(batch: TrainBatch, values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
-    """The critic before this step's update, over the loss tokens: its mean value, the returns'
-    mean, and the variance of the returns it explains (1 - Var(R - V) / Var(R); NeMo RL's
-    critic/explained_var)."""
-    mask = batch.loss_mask.cpu()
-    v, r = values[mask], returns[mask]
-    if not len(r):
-        return {}
-    explained = 1 - float((r - v).var(unbiased=False)) / max(float(r.var(unbiased=False)), 1e-8)
-    return {"critic/values_mean": float(v.mean()), "critic/returns_mean": float(r.mean()),
-            "critic/explained_var": explained}
 
 
 def ppo_description(cfg: NovaRLConfig) -> str:
@@ -259,51 +179,6 @@ def ppo_description(cfg: NovaRLConfig) -> str:
             f"{', advantages whitened' if estimator.normalize_advantages else ''}), value loss x "
             f"{cfg.value_loss_fn.scale:g} clipped at {cfg.value_loss_fn.cliprange}; {grpo.ppo_epochs} epoch(s) per "
             f"generated batch{warm}")
-
-
-def step_advantages(cfg: NovaRLConfig, batch: TrainBatch, rewards: torch.Tensor, estimate_advantages,
-                    token_kl: torch.Tensor | None = None) -> torch.Tensor:
-    """[N] the step's per-token advantages: rewards [S] clipped to +-grpo.reward_clip (ROLL), the
-    estimator over each group (weighing each sample by its loss tokens where it does), each
-    sequence's advantage on its tokens, then clipped to [advantage_clip_low, advantage_clip_high]
-    (NeMo RL). With token_kl [N] (REINFORCE++'s KL in the reward, loss_fn.use_kl_in_reward),
-    reference_policy_kl_penalty x each token's KL comes off its return before the normalisation."""
-    grpo = cfg.grpo
-    if grpo.reward_clip is not None:
-        rewards = rewards.clamp(-grpo.reward_clip, grpo.reward_clip)
-    settings = AdvantageSettings(normalize_rewards=grpo.normalize_rewards,
-                                 use_leave_one_out_baseline=grpo.use_leave_one_out_baseline,
-                                 minus_baseline=grpo.adv_estimator.minus_baseline)
-    if token_kl is None:
-        token_counts = batch.sequence_sum(batch.loss_mask.long())
-        advantages = estimate_advantages(rewards, grpo.num_generations_per_prompt, settings, token_counts)
-        advantages = advantages[batch.sequence_index]
-    else:
-        advantages = reinforce_plus_plus_with_kl(rewards, grpo.num_generations_per_prompt, settings, token_kl,
-                                                 batch.sequence_index, batch.loss_mask,
-                                                 cfg.loss_fn.reference_policy_kl_penalty)
-    if grpo.advantage_clip_low is not None or grpo.advantage_clip_high is not None:
-        advantages = advantages.clamp(min=grpo.advantage_clip_low, max=grpo.advantage_clip_high)
-    return advantages
-
-
-def reference_kl(cfg: NovaRLConfig, batch: TrainBatch) -> torch.Tensor:
-    """[N] each loss token's KL of the policy before the update (old logprobs) to the reference,
-    by loss_fn's estimator and clamps; 0 elsewhere."""
-    assert batch.old_logprobs is not None and batch.reference_logprobs is not None  # use_kl_in_reward's forwards
-    loss = cfg.loss_fn
-    settings = ClippedPGSettings(kl_estimator=loss.kl_estimator, kl_input_clamp_value=loss.kl_input_clamp_value,
-                                 kl_output_clamp_value=loss.kl_output_clamp_value)
-    return clamped_kl(batch.old_logprobs, batch.reference_logprobs, settings) * batch.loss_mask
-
-
-def one_forward_fewer(cfg: NovaRLConfig, inputs: RunInputs) -> bool:
-    """The old logprobs come from the training forward (detached) when the generated batch gets
-    exactly one optimizer step: the policy has not changed since it generated (synchronous
-    GRPO), so a separate forward before training would compute the same numbers. Not with the
-    KL in the reward: the advantages need them before training."""
-    return inputs.batches.optimizer_steps_per_step == 1 and cfg.grpo.ppo_epochs == 1 \
-        and not cfg.loss_fn.use_kl_in_reward and cfg.value is None
 
 
 def old_logprobs_source(cfg: NovaRLConfig, inputs: RunInputs) -> str:
@@ -352,57 +227,3 @@ def resume_from(resume: Checkpoint, inputs: RunInputs, roles: Roles, sink: Jsonl
         raise CheckpointLoadFailed(resume.path, err) from err
     info(f"resumed from {resume.path} (step {resume.step})")
     return resume.step
-
-
-def train_on_batch(policy, batch: TrainBatch, loss_fn: LossFn, global_batch_size: int, *,
-                   skip_zero_advantage: bool = False, token_level: bool = True) -> dict[str, float]:
-    """One optimizer step per `global_batch_size` samples; metrics averaged over those steps.
-    skip_zero_advantage: leave out of each step the samples the loss gives no gradient (see
-    `with_signal`); the step's loss divides by the same token count, so nothing changes but
-    the compute, and the loss's metrics are means over the tokens trained on."""
-    totals: dict[str, float] = {"samples_trained_fraction": 0.0}
-    chunks = range(0, len(batch), global_batch_size)
-    for start in chunks:
-        chunk = batch.slice(start, start + global_batch_size).with_own_counts()
-        trained, scale = with_signal(chunk, token_level) if skip_zero_advantage else (chunk, 1.0)
-        metrics = policy.forward_backward(trained, loss_fn)
-        metrics = {name: value * scale if _mean_share(name) else value for name, value in metrics.items()}
-        metrics.update(policy.optim_step(), samples_trained_fraction=len(trained) / len(chunk))
-        for name, value in metrics.items():  # counts add up, maxima are the largest, the rest is averaged
-            if name.endswith("_max"):
-                totals[name] = max(totals.get(name, value), value)
-            else:
-                totals[name] = totals.get(name, 0.0) + (value if name.startswith("tokens_") else value / len(chunks))
-    return totals
-
-
-def zero_advantage_trains_nothing(cfg: NovaRLConfig) -> bool:
-    """A sample whose every advantage is 0 (a GRPO group whose rewards are all equal) adds 0 to
-    the clipped policy loss and to its gradient, whatever its ratio, unless a KL penalty
-    (which does not depend on the advantage) is part of the loss."""
-    loss = cfg.loss_fn
-    return loss.loss == "clipped_pg" and (loss.reference_policy_kl_penalty == 0 or loss.use_kl_in_reward) \
-        and cfg.value is None  # PPO's advantages are per token, rarely 0
-
-
-def with_signal(chunk: TrainBatch, token_level: bool = True) -> tuple[TrainBatch, float]:
-    """The samples of an optimizer step that give the loss a gradient (a non-zero advantage on
-    a loss token), the step's counts kept; and the factor that turns the loss's metrics from
-    shares of the step's mean into means over what was trained (by tokens or by sequences, as
-    the loss averages). With none, one sample stays, so that the optimizer steps on gradients
-    of 0 as it would have."""
-    signal = chunk.sequence_sum(((chunk.advantages != 0) & chunk.loss_mask).long()) > 0
-    kept = signal.nonzero().view(-1)
-    if len(kept) == len(chunk):
-        return chunk, 1.0
-    trained = chunk.select(kept if len(kept) else torch.zeros(1, dtype=torch.long))
-    tokens = int(trained.loss_mask.sum())
-    sequences = int((trained.sequence_sum(trained.loss_mask.long()) > 0).sum())
-    if token_level:
-        return trained, chunk.global_valid_tokens / max(tokens, 1)
-    return trained, chunk.global_valid_sequences / max(sequences, 1)
-
-
-def _mean_share(name: str) -> bool:
-    """A loss metric reported as a share of the step's mean (not the loss, a max or a count)."""
-    return name != "loss" and not name.endswith("_max") and not name.startswith("tokens_")

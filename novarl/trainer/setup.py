@@ -334,7 +334,7 @@ class Roles:
     """None when the KL penalty is 0."""
     generator: GenerationBackend
     critic: TrainingBackend | None = None
-    """PPO's value model (grpo.adv_estimator.name: gae); its `logprobs` are per-token values."""
+    """PPO's value model (grpo.adv_estimator.name: gae): its head is Values() (models/scores.py)."""
 
     def release_generator(self) -> None:
         """Free colocated engines' accelerator memory for training (vLLM sleep on GPU); they
@@ -445,12 +445,11 @@ def build_trainers(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device
     ranks, the reference and the critic beside the policy on its ranks."""
     from novarl.models.lora import BaseReference
 
-    temperature = cfg.policy.generation.temperature
     steps = (inputs.max_steps or cfg.grpo.max_num_steps) * cfg.grpo.ppo_epochs
     total_steps = steps * inputs.batches.optimizer_steps_per_step
     spec = training_spec(inputs.choice.training)
     Policy, Reference = spec.classes()
-    common = dict(policy=cfg.policy, model_path=inputs.model_path, temperature=temperature, **spec.role_arguments())
+    common = dict(policy=cfg.policy, model_path=inputs.model_path, **spec.role_arguments())
     policy_args = dict(common, total_steps=total_steps, seed=cfg.grpo.seed,  # seeds what starts at random (LoRA's A)
                        **spec.trainer_arguments(accumulation_steps=inputs.batches.gradient_accumulation_steps))
     reference_args = common

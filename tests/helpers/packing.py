@@ -10,6 +10,7 @@ from novarl.algorithms.losses import make_loss
 from novarl.backends.training.batching import MicroBatching
 from novarl.config import load_config
 from novarl.config.schema import LossConfig
+from novarl.models.scores import Logprobs
 from novarl.types import TrainBatch
 
 LAYOUTS = {
@@ -55,14 +56,16 @@ def batchings(layout: str, sequence_multiple: int = 1) -> tuple[MicroBatching, M
 
 
 LOSS = LossConfig(reference_policy_kl_penalty=0.05, use_importance_sampling_correction=True)
+HEAD = Logprobs(0.7)
+"""The policy's head in these tests: logprobs at a sampling temperature other than 1."""
 
 
 def measure(call, batch: TrainBatch, loss_cfg: LossConfig = LOSS) -> dict:
     """logprobs, then one step with the old logprobs taken from the training forward: `call(method,
     *args)` runs a policy method (in this process or on every rank of a group)."""
-    logprobs = call("logprobs", batch)
+    logprobs = call("forward", batch, HEAD)
     batch.old_logprobs = None
-    metrics = {**call("forward_backward", batch, make_loss(loss_cfg)), **call("optim_step")}
+    metrics = {**call("forward_backward", batch, make_loss(loss_cfg), HEAD), **call("optim_step")}
     return {"logprobs": logprobs, **metrics}
 
 
@@ -77,8 +80,8 @@ def group_results(factory, model_path, overrides, batch, *, sequence_multiple: i
     from novarl.distributed.ray_group import RayWorkerGroup
 
     cfg = load_config(None, overrides=[*FROZEN, "cluster.gpus_per_node=2", *overrides])
-    group = RayWorkerGroup(factory, dict(policy=cfg.policy, model_path=str(model_path), total_steps=1,
-                                         temperature=0.7), world_size=2)
+    group = RayWorkerGroup(factory, dict(policy=cfg.policy, model_path=str(model_path), total_steps=1),
+                              world_size=2)
     try:
         return layout_results(group, batch, sequence_multiple=sequence_multiple)
     finally:

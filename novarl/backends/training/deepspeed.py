@@ -36,7 +36,7 @@ from novarl.backends.protocols import ReferenceBackend, TrainingBackend, WeightS
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.batching import MicroBatching
 from novarl.backends.training.deepspeed_checkpoint import CHECKPOINT_TAG  # <role>/deepspeed/, no `latest` file beside
-from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing, model_values
+from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing
 from novarl.backends.training.parallelize import apply_activation_checkpointing
 from novarl.config.schema import PolicyConfig
 from novarl.distributed.weight_sync import bucketed, in_dtype
@@ -102,7 +102,7 @@ class DeepSpeedModel(DataParallelRows):
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None, *, trainable: bool,
-                 temperature: float, accumulation_steps: int = 1, total_steps: int = 1, seed: int = 0,
+                 accumulation_steps: int = 1, total_steps: int = 1, seed: int = 0,
                  value_head: bool = False) -> None:
         """value_head: the output head replaced by a scalar one before the engine (a critic)."""
         from novarl.backends.training.ops import deepspeed_environment, first_build
@@ -122,7 +122,7 @@ class DeepSpeedModel(DataParallelRows):
         os.environ.setdefault("LOCAL_RANK", str(self.device.index or 0))
         with first_build("deepspeed_shm_comm", "DeepSpeed's shared-memory communication op"):
             deepspeed.init_distributed(dist_backend=dist.get_backend())
-        self.temperature = temperature
+        self.value_head = value_head
         self.dp_group = dist.group.WORLD
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         multiple = policy.make_sequence_length_divisible_by
@@ -212,9 +212,9 @@ class TrainableDeepSpeedModel(DeepSpeedModel, AccumulatingRows):
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
-                 total_steps: int, temperature: float, accumulation_steps: int = 1, seed: int = 0,
+                 total_steps: int, accumulation_steps: int = 1, seed: int = 0,
                  value_head: bool = False) -> None:
-        super().__init__(policy, model_path, device, trainable=True, temperature=temperature,
+        super().__init__(policy, model_path, device, trainable=True,
                          accumulation_steps=accumulation_steps, total_steps=total_steps, seed=seed,
                          value_head=value_head)
 
@@ -319,15 +319,12 @@ class DeepSpeedPolicy(TrainableDeepSpeedModel, BaseModelLogprobs, TrainingBacken
 class DeepSpeedCritic(TrainableDeepSpeedModel, TrainingBackend):
     """PPO's value model on DeepSpeed ZeRO: a causal LM with a zero-initialised scalar head
     (models/critic.py) in its own engine, partitioned like the policy. As on DTensor
-    (dtensor.py DTensorCritic), `logprobs(batch)` here is the batch's per-token values."""
+    (dtensor.py DTensorCritic), its head is Values()."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
                  total_steps: int, accumulation_steps: int = 1, seed: int = 0) -> None:
-        super().__init__(policy, model_path, device, total_steps=total_steps, temperature=1.0,
+        super().__init__(policy, model_path, device, total_steps=total_steps,
                          accumulation_steps=accumulation_steps, seed=seed, value_head=True)
-
-    def forward_logprobs(self, mb, batching) -> tuple[torch.Tensor, int]:
-        return model_values(self.model, self.attention, mb, batching)
 
     def save_hf(self, path: Path, tokenizer, fmt: ExportFormat | None = None) -> None:
         """A Hugging Face token-classification folder (one label: the value; models/critic.py)."""
@@ -342,9 +339,8 @@ class DeepSpeedReference(DeepSpeedModel, ReferenceBackend):
     """The frozen reference policy (KL penalty) beside a DeepSpeed policy: partitioned
     like it under ZeRO-3, a plain replica otherwise."""
 
-    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
-                 temperature: float) -> None:
-        super().__init__(policy, model_path, device, trainable=False, temperature=temperature)
+    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None) -> None:
+        super().__init__(policy, model_path, device, trainable=False)
 
 
 def _drop_every_frozen_name(engine) -> None:

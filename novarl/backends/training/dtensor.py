@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
@@ -31,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from novarl.backends.protocols import ReferenceBackend, TrainingBackend, WeightSender
 from novarl.backends.training.batching import MicroBatching
-from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing, model_values
+from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.parallelize import (
     ParallelDims,
@@ -65,12 +64,12 @@ class ShardedModel(DataParallelRows):
     process may serve another run's group (kept_ranks.REUSE_RANKS_VARIABLE)."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None,
-                 *, trainable: bool, temperature: float, seed: int = 0, value_head: bool = False) -> None:
+                 *, trainable: bool, seed: int = 0, value_head: bool = False) -> None:
         """value_head: the output head replaced by a scalar one before sharding (a critic)."""
         from novarl.distributed.local import default_device
 
         self.device = device or default_device()
-        self.temperature = temperature
+        self.value_head = value_head
         dt = policy.dtensor_cfg
         dims = ParallelDims(dist.get_world_size(), dt.tensor_parallel_size, dt.context_parallel_size)
         self.mesh: DeviceMesh = build_mesh(self.device.type, dims)
@@ -141,8 +140,8 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
     resumable state (DCP). The policy and the critic are each one."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None,
-                 *, total_steps: int, temperature: float, seed: int = 0, value_head: bool = False) -> None:
-        super().__init__(policy, model_path, device, trainable=True, temperature=temperature, seed=seed,
+                 *, total_steps: int, seed: int = 0, value_head: bool = False) -> None:
+        super().__init__(policy, model_path, device, trainable=True, seed=seed,
                          value_head=value_head)
         self.policy = policy
         assert policy.optimizer is not None  # null only with Megatron (schema.py)
@@ -240,15 +239,14 @@ class DTensorPolicy(TrainableShardedModel, BaseModelLogprobs, TrainingBackend, W
 
 class DTensorCritic(TrainableShardedModel, TrainingBackend):
     """The value model of PPO (its critic) on the DTensor backend: a causal LM whose output head is
-    a zero-initialised scalar (models/critic.py), sharded like the policy. Its forward reads
-    per-token values where the policy's reads logprobs, so `logprobs(batch)` here is the
-    batch's values: [N], each token's from its predecessor's hidden state (the state it is
-    emitted from), 0 at each sequence's first token; `forward_backward` trains them with a
-    value loss (algorithms/losses.py value_loss)."""
+    a zero-initialised scalar (models/critic.py), sharded like the policy. Its head is Values()
+    (models/scores.py): `forward(batch, Values())` is the batch's [N] values, each token's from
+    its predecessor's hidden state (the state it is emitted from), 0 at each sequence's first
+    token; `forward_backward(batch, value loss, Values())` trains them (algorithms/losses.py)."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None,
                  *, total_steps: int, seed: int = 0) -> None:
-        super().__init__(policy, model_path, device, total_steps=total_steps, temperature=1.0, seed=seed,
+        super().__init__(policy, model_path, device, total_steps=total_steps, seed=seed,
                          value_head=True)
 
     def save_hf(self, path: Path, tokenizer, fmt: ExportFormat | None = None) -> None:
@@ -258,12 +256,6 @@ class DTensorCritic(TrainableShardedModel, TrainingBackend):
         state = self.full_state_dict()
         if dist.get_rank() == 0:
             save_critic_hf(path, self.model.config, state, tokenizer, fmt)
-
-    def forward_logprobs(self, mb, batching) -> tuple[torch.Tensor, int]:
-        with warnings.catch_warnings():
-            # a one-wide head's output is a view; nothing writes to it in place (FSDP2's warning is moot)
-            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-            return model_values(self.model, self.attention, mb, batching, context=self.context_group)
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -280,6 +272,5 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 class DTensorReference(ShardedModel, ReferenceBackend):
     """The frozen reference policy (KL penalty) on the DTensor backend."""
 
-    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None,
-                 *, temperature: float) -> None:
-        super().__init__(policy, model_path, device, trainable=False, temperature=temperature)
+    def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None) -> None:
+        super().__init__(policy, model_path, device, trainable=False)

@@ -32,7 +32,7 @@ def export_hf(export: HfExport) -> None:
     if export.critic:
         model: Any = DTensorCritic(export.section, export.model_path, default_device(), total_steps=1)
     else:
-        model = DTensorPolicy(export.section, export.model_path, default_device(), total_steps=1, temperature=1.0)
+        model = DTensorPolicy(export.section, export.model_path, default_device(), total_steps=1)
     with loading_checkpoint(export.folder.parent):
         model.load_weights(export.folder)
     export.save(export.output, lambda tmp: model.save_hf(tmp, export.tokenizer, export.fmt))

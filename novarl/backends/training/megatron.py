@@ -58,6 +58,7 @@ from novarl.backends.training.rows import accumulate, all_reduce_metrics
 from novarl.config.schema import PolicyConfig
 from novarl.errors import UserError
 from novarl.logging.console import info
+from novarl.models.scores import Head
 from novarl.types import TrainBatch
 
 
@@ -66,9 +67,9 @@ class MegatronPolicy(MegatronModel, TrainingBackend, WeightSender):
     """The trainable policy on Megatron-core (implements TrainingBackend)."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
-                 total_steps: int, temperature: float, seed: int = 42, emulate_cuda: bool = False,
+                 total_steps: int, seed: int = 42, emulate_cuda: bool = False,
                  value_head: bool = False) -> None:
-        super().__init__(policy, model_path, device, trainable=True, temperature=temperature, seed=seed,
+        super().__init__(policy, model_path, device, trainable=True, seed=seed,
                          emulate_cuda=emulate_cuda, value_head=value_head)
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
@@ -97,15 +98,15 @@ class MegatronPolicy(MegatronModel, TrainingBackend, WeightSender):
                  f"{'distributed' if self.distributed_optimizer else 'replicated'} {mc.optimizer.optimizer} "
                  f"optimizer, {self.config.recompute_granularity or 'no'} recomputation")
 
-    def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]:
-        """Accumulate gradients of `loss` over this rank's rows in micro-batches (through the
-        pipeline), reduced over data-parallel ranks after the last. Metrics summed over
-        micro-batches and ranks, on every rank."""
-        def loss_of(logprobs, mb, computed):
-            value, metrics = loss(logprobs, mb)
+    def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:
+        """Accumulate gradients of `loss` (of the head's scores) over this rank's rows in
+        micro-batches (through the pipeline), reduced over data-parallel ranks after the last.
+        Metrics summed over micro-batches and ranks, on every rank."""
+        def loss_of(scores, mb, computed):
+            value, metrics = loss(scores, mb)
             return value, {**_detached_metrics(metrics), "tokens_computed": torch.tensor(float(computed))}
 
-        _, kept = self._run_pipeline(batch, self.train_batching, loss_of, forward_only=False)
+        _, kept = self._run_pipeline(batch, self.train_batching, loss_of, head, forward_only=False)
         totals: dict[str, torch.Tensor] = {}
         for metrics in kept:
             accumulate(totals, metrics)
@@ -235,9 +236,8 @@ class MegatronReference(MegatronModel, ReferenceBackend):
     """The frozen reference policy (KL penalty) beside a Megatron policy, laid out like it."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
-                 temperature: float, emulate_cuda: bool = False) -> None:
-        super().__init__(policy, model_path, device, trainable=False, temperature=temperature,
-                         emulate_cuda=emulate_cuda)
+                 emulate_cuda: bool = False) -> None:
+        super().__init__(policy, model_path, device, trainable=False, emulate_cuda=emulate_cuda)
 
 
 def _finalize_without_token_scaling(finalize, model, num_tokens=None, **kwargs) -> None:

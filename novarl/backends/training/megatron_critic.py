@@ -16,17 +16,13 @@ class MegatronCritic(MegatronPolicy):
     """PPO's value model (its critic) on Megatron-core, laid out like the policy: the same GPTModel
     with a scalar head on the last stage (ScalarHead), trained by the value loss. As on DTensor
     (dtensor.py DTensorCritic), `logprobs(batch)` here is the batch's per-token values, each
-    token's from its predecessor's hidden state, 0 at each sequence's first token."""
+    token's from its predecessor's hidden state, 0 at each sequence's first token: its head is
+    Values() (models/scores.py)."""
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None, *,
                  total_steps: int, seed: int = 42, emulate_cuda: bool = False) -> None:
-        super().__init__(policy, model_path, device, total_steps=total_steps, temperature=1.0, seed=seed,
+        super().__init__(policy, model_path, device, total_steps=total_steps, seed=seed,
                          emulate_cuda=emulate_cuda, value_head=True)
-
-    def _position_scores(self, output: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
-        """[R, W] float32 each position's value from the head's [R, W, 1] output (read for the
-        token after it, as logprobs are: MegatronModel._token_logprobs)."""
-        return output[..., 0].float()
 
     def save_hf(self, path: Path, tokenizer, fmt=None) -> None:
         raise NotAvailableYet("a Hugging Face folder of a Megatron critic is not built yet (its checkpoints resume; "

@@ -39,7 +39,7 @@ from novarl.backends.training.batching import (
 from novarl.backends.training.rows import per_token
 from novarl.config.schema import PolicyConfig
 from novarl.models.context_parallel import ContextShard
-from novarl.models.scores import scaled_logits, training_precision
+from novarl.models.scores import Head, Values, check_head, scaled_logits, training_precision
 from novarl.types import TrainBatch
 
 class MegatronModel:
@@ -67,7 +67,7 @@ class MegatronModel:
         moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None, *, trainable: bool,
-                 temperature: float, seed: int = 42, emulate_cuda: bool = False, value_head: bool = False) -> None:
+                 seed: int = 42, emulate_cuda: bool = False, value_head: bool = False) -> None:
         """value_head: the last stage's output layer replaced by a zero-initialised scalar one
         (PPO's critic, MegatronCritic)."""
         from novarl.backends.megatron import cpu, model
@@ -92,7 +92,7 @@ class MegatronModel:
         # megatron-core computes on the rank's current CUDA device (Ray shows each rank one GPU)
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if self.on_gpu
                                  else torch.device("cpu"))
-        self.temperature = temperature
+        self.value_head = value_head
         self.hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=policy.trust_remote_code)
         self.shape = model.check_model(self.hf_config, policy)
         self.precision = training_precision(policy.precision, on_gpu=self.on_gpu)
@@ -265,21 +265,24 @@ class MegatronModel:
                                  max_seqlen_kv=inputs.max_seqlen)
         return model(ids, positions, None, packed_seq_params=packed)
 
-    def _position_scores(self, logits: torch.Tensor, following: torch.Tensor) -> torch.Tensor:
-        """[R, W] each position's logprob of the token after it, at the sampling temperature, from
-        vocab-parallel logits [R, W, V/tp]."""
+    def _position_scores(self, output: torch.Tensor, following: torch.Tensor, head: Head) -> torch.Tensor:
+        """[R, W] float32 each position's score of the token after it: its logprob at the head's
+        temperature from vocab-parallel logits [R, W, V/tp], or its value from a scalar head's
+        [R, W, 1] output (the critic's)."""
         from megatron.core import tensor_parallel
 
-        logits = scaled_logits(logits, self.temperature)
+        if isinstance(head, Values):
+            return output[..., 0].float()
+        logits = scaled_logits(output, head.temperature)
         part = logits.shape[-1]
         columns = torch.arange(self.tp_rank * part, (self.tp_rank + 1) * part, device=logits.device)
         if columns[-1] >= self.shape.vocab_size:  # Megatron's vocabulary padding: never a token
             logits = logits.masked_fill(columns >= self.shape.vocab_size, float("-inf"))
         return -tensor_parallel.vocab_parallel_cross_entropy(logits, following)
 
-    def _token_logprobs(self, output: torch.Tensor, inputs: ModelInputs, shard: ContextShard | None = None
-                        ) -> torch.Tensor:
-        """[n] the micro-batch's tokens' logprobs (values, for the critic), each read at its
+    def _token_scores(self, output: torch.Tensor, inputs: ModelInputs, shard: ContextShard | None, head: Head
+                      ) -> torch.Tensor:
+        """[n] the micro-batch's tokens' scores under the head (logprobs, or a critic's values), each read at its
         predecessor's position; 0 at each sequence's first token. Under context parallelism the
         cp ranks' positions are gathered first: every cp rank computes the same loss, and each
         takes back its own positions' gradients (summed over the cp ranks by DDP)."""
@@ -287,19 +290,20 @@ class MegatronModel:
         following = torch.nn.functional.pad(ids[1:], (0, 1))  # each position's next token (read where it is one)
         if shard is not None:
             following = following.index_select(0, shard.local)
-        scores = self._position_scores(output, following.view(output.shape[:2])).reshape(-1)
+        scores = self._position_scores(output, following.view(output.shape[:2]), head).reshape(-1)
         if shard is not None:
             scores = shard.gather_identical_loss(scores)
         return per_token(scores, inputs.previous)
 
-    def _run_pipeline(self, batch: TrainBatch, batching: MicroBatching, loss_of, forward_only: bool
+    def _run_pipeline(self, batch: TrainBatch, batching: MicroBatching, loss_of, head: Head, forward_only: bool
                       ) -> tuple[Plan, list[Any]]:
         """megatron-core's schedule over this rank's micro-batches of the plan:
-        loss_of(logprobs, mb, computed tokens) -> (loss, what to keep) runs on the last
+        loss_of(the head's scores, mb, computed tokens) -> (loss, what to keep) runs on the last
         stage; what it keeps per micro-batch is returned there ([] elsewhere), in plan order
         (empty micro-batches included)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        check_head(head, value_head=self.value_head, model=type(self).__name__)
         plan = plan_micro_batches(batch.lengths.tolist(), self.dp_size, batching)
         if len(self.model_chunks) > 1:
             plan = interleavable(plan, self.pp_size)
@@ -315,7 +319,7 @@ class MegatronModel:
 
             def loss_func(output_tensor):
                 computed = laid.tokens_computed if shard is None else len(shard.local)
-                value, keep = loss_of(self._token_logprobs(output_tensor, laid, shard), mb, computed)
+                value, keep = loss_of(self._token_scores(output_tensor, laid, shard, head), mb, computed)
                 kept.append(keep)
                 return value, torch.ones((), dtype=torch.int, device=value.device), {}
 
@@ -352,13 +356,13 @@ class MegatronModel:
                 for mb, i, (rows, width) in zip(micro, inputs, shapes.tolist())]
 
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """[N] logprobs of batch.input_ids (0 at each sequence's first token), on every rank:
-        computed on each data-parallel share's last stage, sent to the other stages, gathered
-        over data-parallel ranks."""
+    def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
+        """[N] the head's score of each of batch.input_ids (0 at each sequence's first token), on
+        every rank: computed on each data-parallel share's last stage, sent to the other stages,
+        gathered over data-parallel ranks."""
         zero = torch.zeros((), device=self.device)
         plan, parts = self._run_pipeline(batch, self.logprob_batching,
-                                         lambda lp, mb, _: (zero, lp.detach()), forward_only=True)
+                                         lambda scores, mb, _: (zero, scores.detach()), head, forward_only=True)
         mine_sequences = plan.sequences(self.dp_rank)
         count = int(batch.lengths[mine_sequences].sum()) if mine_sequences else 0
         if self.last_stage:

@@ -2,9 +2,10 @@
 
 DeepSpeed compiles some ops (CPU Adam for optimizer offload) with the host's
 C++ compiler on first use, 30-45 s on a 2-core CPU. novarl points torch's
-extension cache at a folder of its own, `$NOVARL_CACHE_DIR/torch_extensions`
-(default `~/.cache/novarl`; `make` uses the project's `.cache/`), unless
-TORCH_EXTENSIONS_DIR is set, and prints a line every 10 s while a build runs.
+extension cache at a folder of its own per torch version,
+`$NOVARL_CACHE_DIR/torch_extensions/<torch version>` (default `~/.cache/novarl`: one build serves
+every checkout and environment with that torch; an op built against another torch is never
+loaded), unless TORCH_EXTENSIONS_DIR is set, and prints a line every 10 s while a build runs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ def deepspeed_environment() -> None:
     import torch
 
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions"))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir(torch.__version__)))
+
+
+def extensions_dir(torch_version: str) -> Path:
+    """novarl's cache of C++ ops built against `torch_version` (their ABI is that torch's)."""
+    return cache_dir() / "torch_extensions" / torch_version
 
 
 def cpu_adam():
@@ -46,7 +52,8 @@ def cpu_adam():
 @contextmanager
 def first_build(op: str, what: str) -> Iterator[None]:
     """Around code that builds the C++ op `op` unless the cache has it: progress if it does not."""
-    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR", cache_dir() / "torch_extensions"))
+    deepspeed_environment()
+    folder = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     if any((folder / op).glob("*.so")):
         yield
         return

@@ -10,6 +10,7 @@ batch's.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -27,47 +28,55 @@ from novarl.backends.training.batching import (
 from novarl.distributed.local import collective_device
 from novarl.models.attention import VARLEN
 from novarl.models.logprob_head import picking_head
-from novarl.models.scores import token_scores
+from novarl.models.scores import Head, Values, check_head, token_scores
 from novarl.errors import UserError
 from novarl.types import TrainBatch
 
 
 class DataParallelRows:
     """Mixin: needs self.model (callable like a Hugging Face causal LM), self.device,
-    self.temperature, self.dp_group, self.dp_rank, self.dp_size, self.logprob_batching
-    (a MicroBatching) and self.attention (the model's attention implementation when it takes a
-    packed row's sequence boundaries, else None: models/attention.py)."""
+    self.dp_group, self.dp_rank, self.dp_size, self.logprob_batching (a MicroBatching),
+    self.attention (the model's attention implementation when it takes a packed row's sequence
+    boundaries, else None: models/attention.py) and self.value_head (a critic's scalar head in the
+    place of the vocabulary one: the head it applies is Values())."""
 
     model: Any
     device: torch.device
-    temperature: float
     dp_group: dist.ProcessGroup | None
     dp_rank: int
     dp_size: int
     logprob_batching: MicroBatching
     attention: str | None
+    value_head: bool = False
     context_group: dist.ProcessGroup | None = None
     """The context-parallel group this rank splits each sequence with (None: no context parallelism)."""
 
-    def forward_logprobs(self, mb: TrainBatch, batching: MicroBatching) -> tuple[torch.Tensor, int]:
-        """[n] logprobs of the micro-batch's tokens (with grad when enabled), and the tokens the
-        model computed for them (padding included)."""
-        return model_logprobs(self.model, self.attention, mb, batching, self.temperature, context=self.context_group)
+    def forward_scores(self, mb: TrainBatch, batching: MicroBatching, head: Head) -> tuple[torch.Tensor, int]:
+        """[n] the head's score of each of the micro-batch's tokens (with grad when enabled), and
+        the tokens the model computed for them (padding included)."""
+        if isinstance(head, Values):
+            with warnings.catch_warnings():
+                # a one-wide head's output is a view; nothing writes to it in place (FSDP2's warning is moot)
+                warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+                return model_values(self.model, self.attention, mb, batching, context=self.context_group)
+        return model_logprobs(self.model, self.attention, mb, batching, head.temperature, context=self.context_group)
 
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """[N] logprobs of batch.input_ids (0 at each sequence's first token): each data-parallel
-        rank computes its sequences, then they are gathered."""
+    def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
+        """[N] the head's score of each of batch.input_ids (0 at each sequence's first token):
+        each data-parallel rank computes its sequences, then they are gathered."""
+        check_head(head, value_head=self.value_head, model=type(self).__name__)
         batching = self.logprob_batching
         plan = plan_for(batch, self.dp_size, batching)
         batch = batch.to(self.device)
         parts = []
         for sequences in plan.ranks[self.dp_rank]:
-            logprobs, _ = self.forward_logprobs(micro_batch(batch, sequences), batching)
+            scores, _ = self.forward_scores(micro_batch(batch, sequences), batching, head)
             if sequences is not None:
-                parts.append(logprobs)
+                parts.append(scores)
         mine = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
         return gather_sequences(batch, plan, mine, self.dp_rank, self.dp_group if self.dp_size > 1 else None)
+
 
 class AccumulatingRows(DataParallelRows):
     """Mixin for a trainable policy: micro-batched forward/backward over this rank's sequences.
@@ -76,10 +85,11 @@ class AccumulatingRows(DataParallelRows):
 
     train_batching: MicroBatching
 
-    def forward_backward(self, batch: TrainBatch, loss: LossFn) -> dict[str, float]:
-        """Accumulate gradients of `loss` over this rank's sequences in micro-batches, reduced over
-        the data-parallel ranks at the last one. Metrics summed over micro-batches and ranks,
-        with `tokens_computed` (padding included) beside the loss's."""
+    def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:
+        """Accumulate gradients of `loss` (of the head's scores) over this rank's sequences in
+        micro-batches, reduced over the data-parallel ranks at the last one. Metrics summed over
+        micro-batches and ranks, with `tokens_computed` (padding included) beside the loss's."""
+        check_head(head, value_head=self.value_head, model=type(self).__name__)
         plan = plan_for(batch, self.dp_size, self.train_batching)
         batch = batch.to(self.device)
         totals: dict[str, torch.Tensor] = {}
@@ -87,8 +97,8 @@ class AccumulatingRows(DataParallelRows):
         for i, sequences in enumerate(mine):
             mb = micro_batch(batch, sequences)
             self.accumulation_boundary(i == len(mine) - 1)
-            logprobs, computed = self.forward_logprobs(mb, self.train_batching)
-            value, metrics = loss(logprobs, mb)
+            scores, computed = self.forward_scores(mb, self.train_batching, head)
+            value, metrics = loss(scores, mb)
             # Each rank's loss is already its share of the step's mean (algorithms/losses.py),
             # so gradients must be summed over ranks; FSDP2 and DeepSpeed average them, hence
             # the factor.
