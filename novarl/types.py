@@ -46,6 +46,12 @@ class Completion:
     """'stop': ended with EOS or a stop string; 'length': hit max_new_tokens."""
     policy_version: int
     """Training step whose weights generated it (0: the initial model)."""
+    observed: tuple[tuple[int, int], ...] = ()
+    """A multi-turn episode's: the spans [start, end) of token_ids that its environment put between
+    the turns (observations, tool results, rendered once, never re-tokenised): not sampled, so they
+    get no loss, and their logprobs are 0. Empty for one turn."""
+    turns: int = 1
+    """How many times the engine generated for it (novarl/rollout/episodes.py)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,9 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    """A completion ends with the token that completes the first of these in its text (kept: the
+    text and the tokens include it)."""
     seed: int | None = None
     """The step's seed; None: unseeded."""
     seed_offset: int = 0

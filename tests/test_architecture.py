@@ -22,6 +22,7 @@ LAYERS = (
     ("algorithms",),
     ("distributed",),
     ("backends",),
+    ("rollout",),
     ("plan",),
     ("trainer", "core"),
     ("cli", "__init__", "__main__"),

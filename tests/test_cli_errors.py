@@ -306,7 +306,7 @@ def test_plan_megatron_says_what_needs_a_gpu_host(capsys, monkeypatch):
     assert "not available yet: Ray" not in out and "(dp=2)" in out  # two DTensor ranks over Ray are built
     # What novarl does not build is: exit 2.
     code, out, _ = run_cli(capsys, "plan", "policy.megatron_cfg.enabled=true", "grpo.max_rollout_turns=2")
-    assert code == 2 and "not available yet: multi-turn rollouts" in out
+    assert code == 2 and "not available yet: an environment for multi-turn rollouts" in out
 
 
 def test_plan_bundled_recipe_exits_0(capsys):

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN: dict[str, int] = {
-    "novarl/backends/contract/resolve.py:check_available": 17,
+    "novarl/backends/contract/resolve.py:check_available": 16,
     "novarl/backends/megatron/model.py:check_model": 16,
     "novarl/config/nemo_rl.py:_flatten_data": 15,
     "novarl/trainer/grpo.py:run_grpo": 14,

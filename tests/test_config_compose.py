@@ -291,10 +291,8 @@ def test_every_schema_setting_is_read_or_refused_or_warned_about():
 
 
 def test_unbuilt_settings_are_refused_and_operational_ones_warned():
-    msg = error_of({"policy": {"generation": {"stop_strings": ["</answer>"]}},
-                    "checkpointing": {"checkpoint_must_save_by": "00:03:30:00"}})
-    assert msg.startswith("Invalid config (the config): 2 problem(s):")
-    assert "'policy.generation.stop_strings' = ['</answer>']: stopping on strings is not built yet" in msg
+    msg = error_of({"checkpointing": {"checkpoint_must_save_by": "00:03:30:00"}})
+    assert msg.startswith("Invalid config (the config): 1 problem(s):")
     assert "'checkpointing.checkpoint_must_save_by' = '00:03:30:00': saving before a wall-clock deadline" in msg
     cfg = load_config({"policy": {"logprob_chunk_size": 1024, "dtensor_cfg": {"_v2": False},
                                   "megatron_cfg": {"enabled": True,
@@ -352,6 +350,6 @@ def test_reward_and_advantage_clipping():
 
 
 def test_unbuilt_settings_are_listed_with_the_schemas_errors():
-    msg = error_of({"policy": {"generation": {"stop_strings": ["x"]}, "precision": "float64"}})
+    msg = error_of({"checkpointing": {"checkpoint_must_save_by": "x"}, "policy": {"precision": "float64"}})
     assert msg.startswith("Invalid config (the config): 2 problem(s):")
-    assert "'policy.generation.stop_strings' = ['x']" in msg and "'policy.precision' = 'float64'" in msg
+    assert "'checkpointing.checkpoint_must_save_by' = 'x'" in msg and "'policy.precision' = 'float64'" in msg

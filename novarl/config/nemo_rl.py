@@ -524,14 +524,15 @@ def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
         return []
     refused = []
     for name in list(env):
-        if name in MATH_ENVIRONMENTS:
-            continue
+        if name in MATH_ENVIRONMENTS or (isinstance(env[name], dict) and "actor_class_fqn" in env[name]):
+            continue  # math is reward.function math_verify; a class of the user's plays episodes
         block = env.pop(name)
         if name not in NEMO_RL_ENVIRONMENTS:
             close = difflib.get_close_matches(name, NEMO_RL_ENVIRONMENTS, n=1, cutoff=0.6)
             refused.append(f"unknown key 'env.{name}'" + (f" (did you mean '{close[0]}'?)" if close else "")
-                           + ": env holds NeMo RL's environments (math is built: reward.function math_verify); "
-                           "novarl scores completions with reward.function.")
+                           + ": env holds NeMo RL's environments (math is built: reward.function math_verify) "
+                           "and yours, each naming its class in env.<name>.actor_class_fqn; novarl scores "
+                           "completions with reward.function otherwise.")
         elif name in used:
             refused.append(f"'env.{name}': NeMo RL's '{name}' environment is not built; novarl scores completions "
                            "with reward.function.")

@@ -27,7 +27,7 @@ from novarl.config.sections.algorithm import (  # noqa: F401 (re-exported: the s
 from novarl.config.sections.base import (  # noqa: F401
     NAME_MAX_BYTES, PATH_MAX_BYTES, PathText, Precision, Section, _finite_numbers)
 from novarl.config.sections.data import (  # noqa: F401
-    BUNDLED_TASKS, DataConfig, DatasetBlock, MathEnvConfig, RewardConfig)
+    BUNDLED_TASKS, DataConfig, DatasetBlock, EnvConfig, RewardConfig)
 
 
 # --------------------------------------------------------------------- cluster
@@ -112,6 +112,8 @@ class GenerationConfig(Section):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     """Token ids that end a completion; each below the tokenizer's vocabulary size (checked by preflight)."""
     stop_strings: list[str] | None = None
+    """Strings that end a completion: it ends with the token that completes the first of them in its
+    text (the string kept in its text and tokens); every engine (backends/generation/stops.py)."""
     generation_batch_size: int | None = Field(None, ge=1)
     """Sequences per Hugging Face generate call; None: all at once."""
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig)
@@ -566,7 +568,9 @@ class NovaRLConfig(Section):
     value_loss_fn: ValueLossConfig = Field(default_factory=ValueLossConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
-    env: dict[str, MathEnvConfig] = {}
+    env: dict[str, EnvConfig] = {}
+    """NeMo RL's environments: env.math (scored by reward.function math_verify), and the
+    environments that play episodes (actor_class_fqn), one per run for now."""
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
@@ -599,6 +603,10 @@ class NovaRLConfig(Section):
                 "for generation on GPUs of its own")
         self._critic_checks()
         self._forced_ratio_checks()
+        classes = sorted(name for name, block in self.env.items() if block.actor_class_fqn is not None)
+        if len(classes) > 1:
+            raise ValueError(f"env: {', '.join(classes)} each name an environment class (actor_class_fqn): one "
+                             "environment plays a run's episodes for now")
         if self.loss_fn.ratio_clip_min >= 1:
             raise ValueError(f"loss_fn.ratio_clip_min={self.loss_fn.ratio_clip_min} must be < 1 "
                              "(the ratio is clipped to [1 - min, 1 + max])")

@@ -31,9 +31,6 @@ def _off(value: Any) -> bool:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("policy.generation.stop_strings", _off, True,
-            "stopping on strings is not built yet; give the stop strings' token ids in "
-            "policy.generation.stop_token_ids"),
     Setting("checkpointing.checkpoint_must_save_by", _off, True,
             "saving before a wall-clock deadline is not built; grpo.max_train_seconds ends a run on time, with a "
             "checkpoint"),

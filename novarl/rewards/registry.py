@@ -49,6 +49,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from novarl.errors import UserError
 from novarl.rewards.math import boxed_format, boxed_match, last_number_match, math_verify
@@ -84,23 +85,34 @@ def import_reward_fn(spec: str) -> Callable[..., float]:
         raise UserError(f"reward.function='{spec}' is neither a registered reward "
                         f"({', '.join(REWARD_FUNCTIONS)}) nor an import path 'module:function' "
                         "or 'path/to/file.py:function'.")
-    if "\0" in spec:
-        raise UserError(f"reward.function={spec!r} contains a NUL character.")
-    if source.endswith(".py") or "/" in source or os.sep in source:
-        module = _load_file(spec, source)
-        where = f"file '{module.__file__}'"
-    else:
-        module, where = _import_module(spec, source), f"module '{source}'"
-    if not hasattr(module, attr):
-        raise UserError(f"reward.function='{spec}': {where} has no function '{attr}'.")
-    fn = getattr(module, attr)
+    fn, where = import_attribute(spec, "reward.function")
     if not callable(fn):
         raise UserError(f"reward.function='{spec}': '{attr}' in {where} is not a function "
                         f"(its type is {type(fn).__name__}).")
     return fn
 
 
-def _import_module(spec: str, name: str) -> ModuleType:
+def import_attribute(spec: str, key: str, what: str = "function") -> tuple[Any, str]:
+    """'package.module:name' or 'path/to/file.py:name' -> (that object of the module, where it was
+    found, for messages): a module on sys.path or in the working directory, a file relative to it.
+    Every error is a UserError naming `key`."""
+    setting = f"{key}='{spec}'"
+    source, colon, attr = spec.rpartition(":")
+    if not colon or not source or not attr:
+        raise UserError(f"{setting} is not an import path 'module:{what}' or 'path/to/file.py:{what}'.")
+    if "\0" in spec:
+        raise UserError(f"{key}={spec!r} contains a NUL character.")
+    if source.endswith(".py") or "/" in source or os.sep in source:
+        module = _load_file(setting, source)
+        where = f"file '{module.__file__}'"
+    else:
+        module, where = _import_module(setting, source), f"module '{source}'"
+    if not hasattr(module, attr):
+        raise UserError(f"{setting}: {where} has no {what} '{attr}'.")
+    return getattr(module, attr), where
+
+
+def _import_module(setting: str, name: str) -> ModuleType:
     """`name` from sys.path, else from the working directory when it holds that module."""
     cwd = Path.cwd()
     top = name.partition(".")[0]
@@ -109,14 +121,14 @@ def _import_module(spec: str, name: str) -> ModuleType:
     except ModuleNotFoundError as err:
         in_cwd = (cwd / f"{top}.py").is_file() or (cwd / top / "__init__.py").is_file()
         if err.name != top or not in_cwd or str(cwd) in sys.path:
-            raise _import_failed(spec, f"importing module '{name}'", err,
+            raise _import_failed(setting, f"importing module '{name}'", err,
                                  f" (looked on sys.path and in the working directory {cwd})") from None
     except Exception as err:  # SyntaxError, or whatever the module raises on import
-        raise _import_failed(spec, f"importing module '{name}'", err) from None
-    return _import_from_folder(spec, name, cwd)
+        raise _import_failed(setting, f"importing module '{name}'", err) from None
+    return _import_from_folder(setting, name, cwd)
 
 
-def _import_from_folder(spec: str, name: str, folder: Path) -> ModuleType:
+def _import_from_folder(setting: str, name: str, folder: Path) -> ModuleType:
     """Import `name` with `folder` appended to sys.path; it stays there (the module may import
     its neighbours later), last, so it shadows nothing."""
     sys.path.append(str(folder))
@@ -125,10 +137,10 @@ def _import_from_folder(spec: str, name: str, folder: Path) -> ModuleType:
         return importlib.import_module(name)
     except Exception as err:
         sys.path.remove(str(folder))
-        raise _import_failed(spec, f"importing module '{name}' from the working directory {folder}", err) from None
+        raise _import_failed(setting, f"importing module '{name}' from the working directory {folder}", err) from None
 
 
-def _load_file(spec: str, source: str) -> ModuleType:
+def _load_file(setting: str, source: str) -> ModuleType:
     """The module of the Python file `source` (relative to the working directory unless
     absolute), loaded once per process under a name unique to its resolved path."""
     path = Path(source).expanduser()
@@ -137,12 +149,12 @@ def _load_file(spec: str, source: str) -> ModuleType:
     try:
         is_file = path.is_file()
     except OSError as err:  # a name too long, a folder that may not be entered
-        raise UserError(f"reward.function='{spec}': cannot open '{path}' ({err.strerror}).") from None
+        raise UserError(f"{setting}: cannot open '{path}' ({err.strerror}).") from None
     if not is_file:
         what = "is a folder, not a Python file" if path.is_dir() else "does not exist"
         relative = "" if Path(source).expanduser().is_absolute() else \
             f" (a relative path is taken from the working directory, {Path.cwd()})"
-        raise UserError(f"reward.function='{spec}': the file '{path}' {what}{relative}.")
+        raise UserError(f"{setting}: the file '{path}' {what}{relative}.")
     path = path.resolve()
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
     module_name = f"novarl_reward_file_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{digest}"
@@ -150,7 +162,7 @@ def _load_file(spec: str, source: str) -> ModuleType:
         return sys.modules[module_name]
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise UserError(f"reward.function='{spec}': cannot load '{path}' as a Python file; name it *.py.")
+        raise UserError(f"{setting}: cannot load '{path}' as a Python file; name it *.py.")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # before running it, as import does (dataclasses, pickling look it up)
     folder_added = str(path.parent) not in sys.path
@@ -162,18 +174,18 @@ def _load_file(spec: str, source: str) -> ModuleType:
         del sys.modules[module_name]
         if folder_added:
             sys.path.remove(str(path.parent))
-        raise _import_failed(spec, f"loading file '{path}'", err) from None
+        raise _import_failed(setting, f"loading file '{path}'", err) from None
     return module
 
 
-def _import_failed(spec: str, doing: str, err: Exception, hint: str = "") -> UserError:
+def _import_failed(setting: str, doing: str, err: Exception, hint: str = "") -> UserError:
     """One paragraph: what failed, the error, and the line that raised it."""
     message = " ".join(str(err).split())
     machinery = (__file__, importlib.__file__)
     frames = [f for f in traceback.extract_tb(err.__traceback__)
               if f.filename not in machinery and not f.filename.startswith("<frozen")]
     at = f" (raised at {frames[-1].filename}:{frames[-1].lineno})" if frames and not isinstance(err, SyntaxError) else ""
-    return UserError(f"reward.function='{spec}': {doing} failed: {type(err).__name__}: {message}{at}{hint}.")
+    return UserError(f"{setting}: {doing} failed: {type(err).__name__}: {message}{at}{hint}.")
 
 
 class RewardTimeout(BaseException):

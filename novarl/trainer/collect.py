@@ -12,6 +12,7 @@ import torch
 from novarl.algorithms.shaping import groups_with_signal, scale_rewards, shape_rewards
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import RunFailed
+from novarl.rollout.environment import episode_environment
 from novarl.trainer.rollout import rollout_metrics
 from novarl.types import Completion, Prompt, SamplingConfig
 
@@ -77,17 +78,27 @@ def round_metrics(cfg: NovaRLConfig, completions: list[Completion], raw: torch.T
     metrics = rollout_metrics(completions, raw, cfg.grpo.num_generations_per_prompt)
     if cfg.grpo.reward_scaling.enabled or cfg.grpo.reward_shaping.enabled:
         metrics["reward_shaped_mean"] = float(shaped.mean())
+    if episode_environment(cfg) is not None:
+        metrics["episode_turns_mean"] = sum(c.turns for c in completions) / len(completions)
+        metrics["observation_tokens_mean"] = sum(b - a for c in completions for a, b in c.observed) / len(completions)
     return metrics
 
 
 def _round(cfg: NovaRLConfig, inputs, roles, step: int, round_index: int, prompts_count: int, timer
            ) -> tuple[list[Completion], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One generation round: (completions, the task's rewards, scaled, scaled and shaped)."""
+    """One generation round: (completions, the task's rewards, scaled, scaled and shaped). With an
+    environment (inputs.episodes), each prompt is an episode of up to grpo.max_rollout_turns
+    turns (rollout/episodes.py) and its reward the environment's."""
     prompts, sampling = draw_round(cfg, inputs, step, round_index, prompts_count)
-    with timer("generation"):
-        completions = roles.generator.submit(prompts, sampling).result()
+    if inputs.episodes is None:
+        with timer("generation"):
+            completions = roles.generator.submit(prompts, sampling).result()
+            roles.release_generator()
+        return (completions, *score_round(cfg, inputs, completions))
+    with timer("generation"):  # the environment's steps included
+        completions, rewards = inputs.episodes.play(roles.generator, prompts, sampling)
         roles.release_generator()
-    return (completions, *score_round(cfg, inputs, completions))
+    return (completions, *shape_round(cfg, completions, torch.tensor(rewards, dtype=torch.float32)))
 
 
 def draw_round(cfg: NovaRLConfig, inputs, step: int, round_index: int, prompts_count: int
@@ -98,6 +109,7 @@ def draw_round(cfg: NovaRLConfig, inputs, step: int, round_index: int, prompts_c
     prompts = [p for p in inputs.sampler.next_batch(prompts_count) for _ in range(grpo.num_generations_per_prompt)]
     sampling = SamplingConfig(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
                               top_k=gen.top_k, stop_token_ids=tuple(gen.stop_token_ids or ()),
+                              stop_strings=tuple(gen.stop_strings or ()),
                               seed=grpo.seed + step + round_index * ROUND_SEED_STRIDE)
     return prompts, sampling
 
@@ -105,8 +117,13 @@ def draw_round(cfg: NovaRLConfig, inputs, step: int, round_index: int, prompts_c
 def score_round(cfg: NovaRLConfig, inputs, completions: list[Completion]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the task's rewards, scaled, scaled and shaped) of a round's completions."""
+    return shape_round(cfg, completions, torch.tensor(inputs.scorer.score(completions), dtype=torch.float32))
+
+
+def shape_round(cfg: NovaRLConfig, completions: list[Completion], raw: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the task's rewards, scaled, scaled and shaped) of a round's completions and their rewards."""
     grpo, gen = cfg.grpo, cfg.policy.generation
-    raw = torch.tensor(inputs.scorer.score(completions), dtype=torch.float32)
     scaled = scale_rewards(raw, grpo.reward_scaling)
     lengths = torch.tensor([len(c.token_ids) for c in completions])
     truncated = torch.tensor([c.finish_reason == "length" for c in completions])

@@ -7,19 +7,31 @@ from collections.abc import Sequence
 from novarl.backends.protocols import GenerationBackend
 from novarl.logging.console import info
 from novarl.rewards.scorer import RewardScorer
+from novarl.rollout.episodes import Episodes
 from novarl.types import Prompt, SamplingConfig
 
 
 def evaluate(generator: GenerationBackend, prompts: Sequence[Prompt], scorer: RewardScorer, max_new_tokens: int, *,
-             batch_size: int = 256, samples_to_print: int = 0) -> dict[str, float]:
+             batch_size: int = 256, samples_to_print: int = 0, episodes: Episodes | None = None,
+             stop_strings: tuple[str, ...] = ()) -> dict[str, float]:
     """Greedy completions of every prompt; accuracy = fraction whose reward is >= 1 (exact).
-    Every batch is submitted before any is collected, each shared among the engines."""
-    greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
-    rollouts = [generator.submit(prompts[start:start + batch_size], greedy)
-                for start in range(0, len(prompts), batch_size)]
-    completions = [c for rollout in rollouts for c in rollout.result()]
-    rewards = scorer.score(completions)
-    extras = scorer.take_metrics()  # the reward functions' own metrics, over the evaluation set
+    Every batch is submitted before any is collected, each shared among the engines. With
+    `episodes`, greedy episodes instead (a batch at a time), rewarded by their environment."""
+    greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop_strings=stop_strings)
+    extras: dict[str, float] = {}
+    if episodes is not None:
+        completions, rewards = [], []
+        for start in range(0, len(prompts), batch_size):
+            played, won = episodes.play(generator, prompts[start:start + batch_size], greedy)
+            completions += played
+            rewards += won
+        extras["episode_turns_mean"] = sum(c.turns for c in completions) / len(completions)
+    else:
+        rollouts = [generator.submit(prompts[start:start + batch_size], greedy)
+                    for start in range(0, len(prompts), batch_size)]
+        completions = [c for rollout in rollouts for c in rollout.result()]
+        rewards = scorer.score(completions)
+        extras = scorer.take_metrics()  # the reward functions' own metrics, over the evaluation set
     for c, r in list(zip(completions, rewards))[:samples_to_print]:
         info(f"  {c.prompt.text!r} -> {c.text!r} (answer {c.prompt.answer!r}, reward {r:g})")
     return {

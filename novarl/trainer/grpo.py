@@ -74,7 +74,8 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         if pipeline is not None:  # the engines evaluate the newest weights
             pipeline.sync(step)
         result = evaluate(roles.generator, inputs.val_prompts, inputs.scorer, gen.max_new_tokens,
-                          batch_size=grpo.val_batch_size, samples_to_print=cfg.logger.num_val_samples_to_print)
+                          batch_size=grpo.val_batch_size, samples_to_print=cfg.logger.num_val_samples_to_print,
+                          episodes=inputs.episodes, stop_strings=tuple(gen.stop_strings or ()))
         sink.write({"kind": "eval", "step": step, **result})
         progress.evaluated(step, result["accuracy"], source=inputs.val_source)
         summary.update({f"val_{k}": v for k, v in result.items()}, val_step=step)

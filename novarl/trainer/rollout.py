@@ -11,8 +11,9 @@ from novarl.types import Completion, TrainBatch
 
 def build_train_batch(completions: Sequence[Completion], advantages: torch.Tensor, *,
                       overlong_filtering: bool = False) -> TrainBatch:
-    """Prompt + completion sequences end to end; loss on completion tokens only. `advantages`:
-    [S] one per sequence (repeated over its tokens) or [N] one per token.
+    """Prompt + completion sequences end to end; loss on the tokens the engine sampled only (a
+    multi-turn episode's observations have none: Completion.observed). `advantages`: [S] one per
+    sequence (repeated over its tokens) or [N] one per token.
 
     With `overlong_filtering`, completions cut by max_new_tokens get no loss.
     """
@@ -23,6 +24,11 @@ def build_train_batch(completions: Sequence[Completion], advantages: torch.Tenso
     sequence = torch.repeat_interleave(torch.arange(len(completions)), lengths)
     positions = torch.arange(int(cu_seqlens[-1])) - cu_seqlens[sequence]
     generated = positions >= prompt_lengths[sequence]
+    sampled = generated.clone()
+    for s, c in enumerate(completions):
+        first = int(cu_seqlens[s] + prompt_lengths[s])
+        for start, end in c.observed:
+            sampled[first + start:first + end] = False
     trained = torch.tensor([not (overlong_filtering and c.finish_reason == "length") for c in completions])
     input_ids = torch.tensor([t for c in completions for t in (*c.prompt.token_ids, *c.token_ids)],
                              dtype=torch.long)
@@ -35,7 +41,7 @@ def build_train_batch(completions: Sequence[Completion], advantages: torch.Tenso
         raise ValueError(f"advantages: {advantages.numel()} values for {len(completions)} sequences of "
                          f"{len(input_ids)} tokens (one per sequence or one per token)")
     batch = TrainBatch(input_ids=input_ids, cu_seqlens=cu_seqlens, position_ids=positions,
-                       loss_mask=generated & trained[sequence], advantages=advantages,
+                       loss_mask=sampled & trained[sequence], advantages=advantages,
                        generator_logprobs=generator_logprobs, prompt_lengths=prompt_lengths,
                        group_ids=prompt_groups(completions))
     return batch.with_own_counts()
@@ -54,13 +60,14 @@ def prompt_groups(completions: Sequence[Completion]) -> torch.Tensor:
 def rollout_metrics(completions: Sequence[Completion], rewards: torch.Tensor, group_size: int) -> dict[str, float]:
     grouped = rewards.view(-1, group_size)
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
+    observed = float(sum(end - start for c in completions for start, end in c.observed))
     return {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "groups_without_signal": float((grouped.std(dim=1) == 0).float().mean()) if group_size > 1 else 1.0,
         "completion_length_mean": float(lengths.mean()),
         "truncated_fraction": sum(c.finish_reason == "length" for c in completions) / len(completions),
-        "tokens_generated": float(lengths.sum()),
+        "tokens_generated": float(lengths.sum()) - observed,  # sampled: an episode's observations are not
         "tokens_total": float(lengths.sum() + sum(len(c.prompt.token_ids) for c in completions)),
     }
 

@@ -31,6 +31,8 @@ from novarl.backends.contract.checks import ConfigReport, check_config, one_erro
 from novarl.backends.contract.resolve import BackendChoice, BatchPlan, world_size
 from novarl.backends.registry import generation_spec, training_spec
 from novarl.rewards.scorer import RewardScorer
+from novarl.rollout.environment import episode_environment, load_environment
+from novarl.rollout.episodes import ContentTokens, Episodes
 from novarl.types import Completion, Prompt
 
 
@@ -59,6 +61,9 @@ class RunInputs:
     training prompts end sooner (0: grpo.max_num_steps)."""
     critic_model_path: str | None = None
     """PPO's critic: the folder its model starts from (value.model_name)."""
+    episodes: Episodes | None = None
+    """How the episodes are played (env.<name>.actor_class_fqn's environment, its rewards the
+    training rewards); None: one completion per prompt, scored by reward.function."""
 
     def report(self) -> list[str]:
         """The lines a run logs at start: backends, notes, warnings, batch arithmetic, data."""
@@ -125,13 +130,17 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
         where = f"reward.function={show_value(cfg.reward.function)}" if reward_fn is None else \
             f"the reward function given to the trainer ({scorer.name})"
         attempt(check_reward, scorer, train[0], where=where)
+    played = episode_environment(cfg)
+    environment = attempt(load_environment, *played) if played else None
     gap = held_out_gap(cfg, train_examples)
     val = None
     if gap is None and tokenizer is not None:
         val = attempt(split_prompts, cfg, tokenizer, "validation", notes=notes)
     if report.problems or report.gpu_only or report.choice is None or report.batches is None or not train \
-            or scorer is None or (gap is None and val is None):
+            or scorer is None or (gap is None and val is None) or (played and environment is None):
         return None
+    episodes = Episodes(environment, ContentTokens(tokenizer), cfg.grpo.max_rollout_turns,
+                        cfg.policy.max_seq_length) if environment is not None else None
     sampler = PromptSampler(train, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
     if gap is None and val is not None:
         val = val[:cfg.grpo.max_val_samples]
@@ -142,11 +151,14 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
         warnings.append(f"the evaluation accuracy is measured on training prompts, not held-out ones ({gap}); "
                         + ("set data.val_data_path to a held-out file" if train_examples is None else
                            "evaluate held-out examples separately (`novarl eval` with data.val_data_path)"))
-    summary = f"model: {cfg.policy.model_name} ({model_path}); {prompts}; reward: {scorer.name}"
+    reward = f"episodes of up to {cfg.grpo.max_rollout_turns} turn(s) in env.{played[0]} " \
+        f"({played[1].actor_class_fqn})" if played else f"reward: {scorer.name}"
+    summary = f"model: {cfg.policy.model_name} ({model_path}); {prompts}; {reward}"
     max_steps = steps_in_epochs(cfg, len(train), notes)
     return RunInputs(report.choice, report.batches, model_path, tokenizer, scorer, sampler, val,
                      val_source="held-out" if gap is None else "training-set", summary=summary,
-                     notes=tuple(notes), warnings=tuple(warnings), max_steps=max_steps, critic_model_path=critic_path)
+                     notes=tuple(notes), warnings=tuple(warnings), max_steps=max_steps, critic_model_path=critic_path,
+                     episodes=episodes)
 
 
 def critic_model_path(cfg: NovaRLConfig, policy_path: str, tokenizer) -> str:
@@ -314,6 +326,9 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
     from novarl.backends.generation.hf import HFGeneration
     from novarl.backends.generation.engines import LocalGeneration
 
+    if episode_environment(cfg) is not None:
+        raise NotAvailableYet("novarl eval over an environment's episodes (env.<name>.actor_class_fqn); the "
+                              "evaluations during training play them (grpo.val_period)")
     model_path = resolve_model_path(model)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.policy.trust_remote_code)
     scorer = RewardScorer.from_spec(cfg.reward.function, weights=cfg.reward.weights, timeout_s=cfg.reward.timeout_s)

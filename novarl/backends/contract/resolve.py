@@ -150,13 +150,27 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
                        f"{cfg.cluster.gpus_per_node}): pip install 'novarl[ray]'")
     if not policy.generation.colocated.enabled and not installed("ray"):
         missing.append("Ray, for dedicated generation (policy.generation.colocated.enabled=false)")
-    if cfg.grpo.max_rollout_turns > 1:
-        missing.append(f"multi-turn rollouts (grpo.max_rollout_turns={cfg.grpo.max_rollout_turns})")
+    missing.extend(episode_problems(cfg))
     if cfg.logger.swanlab_enabled:
         warnings.append("logger.swanlab_enabled: SwanLab is not available yet; metrics go to metrics.jsonl and the "
                         "other trackers")
 
     return Availability(tuple(missing), tuple(warnings), tuple(gpu_only))
+
+
+def episode_problems(cfg: NovaRLConfig) -> list[str]:
+    """What multi-turn episodes (novarl/rollout/) lack for this config: an environment for more than
+    one turn, and asynchronous GRPO over them."""
+    played = any(block.actor_class_fqn is not None for block in cfg.env.values())
+    problems = []
+    if cfg.grpo.max_rollout_turns > 1 and not played:
+        problems.append(f"an environment for multi-turn rollouts (grpo.max_rollout_turns={cfg.grpo.max_rollout_turns}): "
+                        "an env.<name> block naming its class, actor_class_fqn: 'module:Class' (novarl/rollout/"
+                        "environment.py says what it answers)")
+    if played and cfg.grpo.async_grpo.enabled:
+        problems.append("asynchronous GRPO over an environment's episodes (grpo.async_grpo.enabled with an "
+                        "env.<name>.actor_class_fqn)")
+    return problems
 
 
 FP8_ONLY = ("use_deep_gemm", "num_first_layers_in_bf16", "num_last_layers_in_bf16", "quantization_ignored_layer_kws")

@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from novarl.backends.generation.stops import stop_string_end
 from novarl.backends.protocols import Engine
 from novarl.models.loading import DTYPES, load_causal_lm
 from novarl.types import Completion, Prompt, SamplingConfig
@@ -61,7 +62,9 @@ class HFGeneration(Engine):
 
     @torch.no_grad()
     def _generate_batch(self, prompts: Sequence[Prompt], sampling: SamplingConfig, position: int) -> list[Completion]:
-        from transformers import LogitsProcessorList
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+
+        from novarl.backends.generation.stops import StopOnStrings
 
         pad = self.tokenizer.pad_token_id
         width = max(len(p.token_ids) for p in prompts)
@@ -88,6 +91,9 @@ class HFGeneration(Engine):
             top_k=None if greedy or seeded else sampling.top_k or 0,
             logits_processor=LogitsProcessorList([sampler] if sampler else []),
             eos_token_id=stop_ids, pad_token_id=pad,
+            # a row that completes a stop string stops early (make_completion cuts it at that token)
+            stopping_criteria=StoppingCriteriaList(
+                [StopOnStrings(sampling.stop_strings, self.tokenizer, width)] if sampling.stop_strings else []),
             return_dict_in_generate=True, output_logits=True)
         new_tokens = result.sequences[:, width:].cpu()
         logits = torch.stack(result.logits, dim=1).float().cpu()  # [B, T, V], raw (before processors)
@@ -95,7 +101,8 @@ class HFGeneration(Engine):
             logits = logits / sampling.temperature
         logprobs = torch.gather(torch.log_softmax(logits, -1), -1, new_tokens[..., None]).squeeze(-1)
         return [make_completion(p, new_tokens[i].tolist(), logprobs[i].tolist(), stop_ids=set(stop_ids),
-                                tokenizer=self.tokenizer, max_seq_length=self.max_seq_length, version=self.version)
+                                tokenizer=self.tokenizer, max_seq_length=self.max_seq_length, version=self.version,
+                                stop_strings=sampling.stop_strings)
                 for i, p in enumerate(prompts)]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -191,10 +198,13 @@ def uniform_draws(seeds: torch.Tensor, step: int) -> torch.Tensor:
 
 
 def make_completion(prompt: Prompt, tokens: list[int], logprobs: list[float], *, stop_ids: set[int], tokenizer,
-                    max_seq_length: int | None, version: int) -> Completion:
-    """A Completion from generated tokens: cut after the first stop token ('stop') or at the
-    sequence budget ('length'), decoded without special tokens."""
+                    max_seq_length: int | None, version: int, stop_strings: Sequence[str] = ()) -> Completion:
+    """A Completion from generated tokens: cut after the first stop token or the token that
+    completes a stop string ('stop'), or at the sequence budget ('length'), decoded without
+    special tokens."""
     end = next((i + 1 for i, t in enumerate(tokens) if t in stop_ids), None)
+    at_string = stop_string_end(tokens[:end], stop_strings, tokenizer)
+    end = at_string if at_string is not None else end
     finish: Literal["stop", "length"] = "stop" if end is not None else "length"
     tokens, logprobs = tokens[:end], logprobs[:end]
     room = None if max_seq_length is None else max_seq_length - len(prompt.token_ids)

@@ -57,7 +57,8 @@ class MegatronGeneration(GenerationBackend):
         sampled = self.policy.sample_tokens([list(p.token_ids) for p in prompts], sampling, sorted(stop_ids),
                                             self.max_seq_length, self.config)
         return [make_completion(p, tokens, logprobs, stop_ids=stop_ids, tokenizer=self.tokenizer,
-                                max_seq_length=self.max_seq_length, version=self.version)
+                                max_seq_length=self.max_seq_length, version=self.version,
+                                stop_strings=sampling.stop_strings)
                 for p, (tokens, logprobs) in zip(prompts, sampled, strict=True)]
 
     def submit(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> Ready:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 
 from novarl.backends.generation.hf import sample_seed
+from novarl.backends.generation.stops import stop_string_end
 from novarl.backends.protocols import Engine, Offloadable, Stoppable
 from novarl.config.schema import GenerationConfig, LoraConfig, VllmConfig
 from novarl.errors import RunFailed, UserError
@@ -172,13 +173,16 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p.token_ids)) for p, _ in groups],
                                     params, use_tqdm=False,
                                     lora_request=self.adapters.request if self.adapters is not None else None)
-        return [self._completion(prompt, sample)
+        return [self._completion(prompt, sample, sampling.stop_strings)
                 for (prompt, _), out in zip(groups, outputs) for sample in out.outputs]
 
-    def _completion(self, prompt: Prompt, out) -> Completion:
+    def _completion(self, prompt: Prompt, out, stop_strings: Sequence[str] = ()) -> Completion:
         tokens = list(out.token_ids)
         logprobs = [step[token].logprob for step, token in zip(out.logprobs, tokens)]
         finish: Literal["stop", "length"] = "stop" if out.finish_reason == "stop" else "length"
+        end = stop_string_end(tokens, stop_strings, self.tokenizer)  # vLLM's own need its detokenizer
+        if end is not None:
+            tokens, logprobs, finish = tokens[:end], logprobs[:end], "stop"
         return Completion(prompt=prompt, token_ids=tokens, logprobs=logprobs,
                           text=self.tokenizer.decode(tokens, skip_special_tokens=True),
                           finish_reason=finish, policy_version=self.version)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -121,6 +122,29 @@ class RewardConfig(Section):
     as it is (see novarl.rewards.registry for how the limit is enforced)."""
 
 
-class MathEnvConfig(Section):
+class EnvConfig(Section):
+    """An `env.<name>` block (NeMo RL's): the math environment's settings (env.math: novarl scores
+    it with reward.function math_verify), or an environment that plays the episodes
+    (novarl/rollout/environment.py), a class of the user's named by actor_class_fqn."""
+
     num_workers: int = Field(8, ge=1)
+    """The math environment's."""
     math_verify_impl: str = "hf_math_verify"
+    """The math environment's."""
+    actor_class_fqn: PathText | None = None
+    """An environment class, 'package.module:Class' or 'path/to/file.py:Class' (a file relative to
+    the working directory), built as Class(cfg); its `step(conversation, metadata)` answers each of
+    the model's turns (NeMo RL's ENV_REGISTRY names its environments' classes with this key)."""
+    cfg: dict[str, Any] = {}
+    """The environment class's one constructor argument (NeMo RL's env.<name>.cfg)."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "EnvConfig":
+        if self.actor_class_fqn is not None:
+            math = sorted({"num_workers", "math_verify_impl"} & self.model_fields_set)
+            if math:
+                raise ValueError(f"{', '.join(math)}: the math environment's settings, in a block that names an "
+                                 f"environment class (actor_class_fqn={self.actor_class_fqn!r})")
+        elif self.cfg:
+            raise ValueError("cfg is an environment class's argument: name the class in actor_class_fqn")
+        return self

@@ -1,0 +1,77 @@
+"""What an environment is to novarl: after each of the model's turns it reads the conversation and
+says what comes next -- an observation (the next message the model sees), a reward, whether the
+episode is over -- as NeMo RL's `EnvironmentInterface.step` does, per episode rather than per batch
+(episodes move on their own: a finished turn goes to its environment while others still generate).
+
+A single-turn task is an environment that scores the one answer and ends (`ScoredOnce`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+Message = dict[str, str]
+"""An OpenAI-style chat message: {"role": ..., "content": ...}."""
+
+
+@dataclass(frozen=True)
+class EnvStep:
+    """An environment's answer to one turn."""
+
+    reward: float
+    """This turn's reward (an episode's reward is the sum of its turns')."""
+    done: bool
+    """The episode is over: no observation follows."""
+    observation: Message | None = None
+    """The next message the model sees (role "user", "tool" or "environment"); None when done."""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    """The episode's state for the next step (NeMo RL's metadata), the environment's own."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    def step(self, conversation: list[Message], metadata: Mapping[str, Any]) -> EnvStep:
+        """The conversation so far (the prompt's messages, then the turns: the model's as
+        "assistant" messages, the observations between them) and the episode's metadata (the
+        data row's fields and its answer, under "answer", at the first turn; then what the last
+        step returned)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ScoredOnce:
+    """A single-turn task as an environment: the answer (the last assistant message) scored by a
+    function of (answer text, metadata) -> reward, and the episode over."""
+
+    score: Callable[[str, Mapping[str, Any]], float]
+
+    def step(self, conversation: list[Message], metadata: Mapping[str, Any]) -> EnvStep:
+        return EnvStep(reward=float(self.score(conversation[-1]["content"], metadata)), done=True)
+
+
+def episode_environment(cfg) -> tuple[str, Any] | None:
+    """(name, block) of the env.<name> block that plays the run's episodes (it names a class:
+    actor_class_fqn), or None: completions are scored by reward.function."""
+    return next(((name, block) for name, block in cfg.env.items() if block.actor_class_fqn is not None), None)
+
+
+def load_environment(name: str, block) -> Environment:
+    """env.<name>'s class, built with its cfg; a UserError naming the block for anything wrong."""
+    from novarl.errors import UserError
+    from novarl.rewards.registry import import_attribute
+
+    key = f"env.{name}.actor_class_fqn"
+    cls, where = import_attribute(block.actor_class_fqn, key, what="class")
+    if not callable(cls):
+        raise UserError(f"{key}='{block.actor_class_fqn}': it names a {type(cls).__name__} in {where}, not a class.")
+    try:
+        environment = cls(dict(block.cfg))
+    except Exception as err:
+        raise UserError(f"env.{name}: building {block.actor_class_fqn}(cfg) failed: {type(err).__name__}: "
+                        f"{' '.join(str(err).split())} (cfg: {dict(block.cfg)!r}).") from None
+    if not callable(getattr(environment, "step", None)):
+        raise UserError(f"env.{name}: {block.actor_class_fqn} has no step(conversation, metadata) method "
+                        "(novarl/rollout/environment.py says what it answers).")
+    return environment

@@ -1,0 +1,137 @@
+"""Episodes of several turns: the engine generates a turn, the environment answers it, its
+observation's tokens are appended, and the engine generates the next turn from the whole token
+sequence -- never from a re-tokenised conversation, whose tokens can differ from what was sampled.
+
+Each episode becomes one Completion for training: its token_ids are every turn's sampled tokens
+and every observation's tokens in order, `observed` marks the observations' spans (no loss, logprob
+0), and `logprobs` are the engine's for the sampled ones. Turns run in lockstep here (every active
+episode's turn t in one submission); episodes that end early leave the next submissions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from novarl.backends.protocols import GenerationBackend
+from novarl.rollout.environment import Environment, EnvStep, Message
+from novarl.types import Completion, Prompt, SamplingConfig
+
+TURN_SEED_STRIDE = 7_919
+"""Turn t of an episode samples with the step's seed + t x this (turn 0: the step's seed)."""
+
+
+class ObservationTokens(Protocol):
+    def __call__(self, message: Message) -> list[int]:
+        """The tokens an observation adds after a turn, rendered once."""
+        ...
+
+
+@dataclass(frozen=True)
+class ContentTokens:
+    """An observation as its content's tokens, no special tokens added (an environment that
+    formats its own messages, and models without a chat template: the bundled ones)."""
+
+    tokenizer: Any
+
+    def __call__(self, message: Message) -> list[int]:
+        return list(self.tokenizer(message["content"], add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class Episode:
+    prompt: Prompt
+    conversation: list[Message]
+    metadata: Mapping[str, Any]
+    tokens: list[int] = field(default_factory=list)
+    """After the prompt: sampled and observed, in order."""
+    logprobs: list[float] = field(default_factory=list)
+    observed: list[tuple[int, int]] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    finish_reason: str = "stop"
+    policy_version: int = 0
+    last_text: str = ""
+    done: bool = False
+
+    def request(self) -> Prompt:
+        """The next turn's prompt: the episode's tokens so far."""
+        return dataclasses.replace(self.prompt, token_ids=[*self.prompt.token_ids, *self.tokens])
+
+    def took(self, completion: Completion) -> None:
+        self.tokens += completion.token_ids
+        self.logprobs += completion.logprobs
+        self.turns += 1
+        self.finish_reason, self.policy_version = completion.finish_reason, completion.policy_version
+        self.last_text = completion.text
+        self.conversation.append({"role": "assistant", "content": completion.text})
+
+    def answered(self, step: EnvStep, observation: list[int] | None) -> None:
+        self.reward += step.reward
+        self.metadata = step.metadata or self.metadata
+        if observation is None:
+            self.done = True
+            return
+        assert step.observation is not None
+        self.observed.append((len(self.tokens), len(self.tokens) + len(observation)))
+        self.tokens += observation
+        self.logprobs += [0.0] * len(observation)
+        self.conversation.append(step.observation)
+
+    def completion(self) -> Completion:
+        return Completion(prompt=self.prompt, token_ids=self.tokens, logprobs=self.logprobs, text=self.last_text,
+                          finish_reason="length" if self.finish_reason == "length" else "stop",
+                          policy_version=self.policy_version, observed=tuple(self.observed), turns=self.turns)
+
+
+def first_metadata(prompt: Prompt) -> dict[str, Any]:
+    """What an environment's first step reads as metadata: the data row's fields, and its answer
+    under "answer" (when the row has one)."""
+    return {**prompt.columns, **({"answer": prompt.answer} if prompt.answer is not None else {})}
+
+
+@dataclass(frozen=True)
+class Episodes:
+    """How a run plays its episodes: its environment, how an observation becomes tokens, and the
+    bounds (grpo.max_rollout_turns, policy.max_seq_length)."""
+
+    environment: Environment
+    observation_tokens: ObservationTokens
+    max_turns: int
+    max_tokens: int | None = None
+
+    def play(self, generator: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig
+             ) -> tuple[list[Completion], list[float]]:
+        return play(generator, prompts, sampling, self.environment, self.observation_tokens,
+                    max_turns=self.max_turns, max_tokens=self.max_tokens)
+
+
+def play(generator: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig,
+         environment: Environment, observation_tokens: ObservationTokens, *, max_turns: int,
+         max_tokens: int | None = None) -> tuple[list[Completion], list[float]]:
+    """Play one episode per prompt for at most max_turns turns (and, with max_tokens, until an
+    episode's prompt and tokens would pass it): (its Completion, its reward) per prompt, in order.
+    A turn cut by max_new_tokens still goes to the environment, which decides whether the episode
+    goes on."""
+    episodes = [Episode(p, [{"role": "user", "content": p.text}], first_metadata(p)) for p in prompts]
+    active = list(range(len(episodes)))
+    for turn in range(max_turns):
+        if not active:
+            break
+        seed = None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE
+        completions = generator.submit([episodes[i].request() for i in active],
+                                       dataclasses.replace(sampling, seed=seed)).result()
+        for i, completion in zip(active, completions):
+            episode = episodes[i]
+            episode.took(completion)
+            step = environment.step(list(episode.conversation), episode.metadata)
+            last = step.done or step.observation is None or turn == max_turns - 1
+            observation = None if last else observation_tokens(step.observation)
+            if observation is not None and max_tokens is not None and \
+                    len(episode.prompt.token_ids) + len(episode.tokens) + len(observation) >= max_tokens:
+                observation = None  # no room for another turn
+            episode.answered(step, observation)
+        active = [i for i in active if not episodes[i].done]
+    return [e.completion() for e in episodes], [e.reward for e in episodes]

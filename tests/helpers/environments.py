@@ -1,0 +1,32 @@
+"""Environments for the tests, named by import path as a user's are (env.<name>.actor_class_fqn)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from novarl.rollout.environment import EnvStep
+
+
+class AskAgain:
+    """Answers each of the model's turns with " again:" until `turns` turns (cfg), then ends; the
+    reward of the last turn is 1 when the answer holds the example's answer, 0.1 a turn before."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        self.turns = int(cfg.get("turns", 2))
+
+    def step(self, conversation, metadata: Mapping[str, Any]) -> EnvStep:
+        turns = sum(m["role"] == "assistant" for m in conversation)
+        if turns < self.turns:
+            return EnvStep(reward=0.1, done=False, observation={"role": "user", "content": " again:"})
+        return EnvStep(reward=float(str(metadata.get("answer", "")) in conversation[-1]["content"]), done=True)
+
+
+class NoStep:
+    def __init__(self, cfg) -> None:
+        pass
+
+
+class Refuses:
+    def __init__(self, cfg) -> None:
+        raise ValueError("no board size given")

@@ -1,0 +1,68 @@
+"""An environment of the user's plays a run's episodes (issue 33): named in env.<name>.actor_class_fqn,
+several turns a sample (grpo.max_rollout_turns), its rewards the training rewards; what is wrong
+with it is said before the run starts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from novarl.cli import BUNDLED_RECIPE
+from novarl.config import load_config
+from novarl.errors import ConfigError, UserError
+from novarl.logging.metrics import read_jsonl
+from novarl.trainer.api import GRPOTrainer
+
+ENV = ["env.again.actor_class_fqn=tests.helpers.environments:AskAgain", "env.again.cfg={turns: 2}",
+       "policy.max_seq_length=32"]  # room for a second turn after the first and " again:"
+QUICK = ["logger.progress_bar=false", "grpo.max_train_seconds=null", "grpo.val_at_start=false",
+         "grpo.val_period=0", "grpo.max_num_steps=2", "grpo.max_val_samples=8"]
+
+
+def test_a_run_trains_on_two_turn_episodes(tmp_path):
+    cfg = load_config(BUNDLED_RECIPE, overrides=[*ENV, *QUICK, "grpo.max_rollout_turns=2",
+                                                 f"logger.log_dir={tmp_path}"])
+    result = GRPOTrainer(cfg).train()
+    records = list(read_jsonl(result.output_dir / "metrics.jsonl"))
+    steps = [r for r in records if r["kind"] == "train"]
+    assert len(steps) == 2
+    for step in steps:
+        assert step["episode_turns_mean"] == 2.0 and step["observation_tokens_mean"] > 0
+        assert math.isfinite(step["loss"]) and step["logprob_mismatch"] < 0.05  # trained on what was sampled
+        assert 0.1 <= step["reward_mean"] <= 1.1  # 0.1 for the first turn, 0 or 1 for the second
+    evaluation = [r for r in records if r["kind"] == "eval"][-1]  # greedy episodes, rewarded by the environment
+    assert evaluation["episode_turns_mean"] == 2.0 and evaluation["num_samples"] == 8
+
+
+def test_more_turns_without_an_environment_are_refused():
+    with pytest.raises(UserError, match=r"an environment for multi-turn rollouts \(grpo.max_rollout_turns=3\)"):
+        GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=[*QUICK, "grpo.max_rollout_turns=3"])).train()
+
+
+@pytest.mark.parametrize("where, says", [
+    ("tests.helpers.environments:Missing", "env.again.actor_class_fqn='tests.helpers.environments:Missing': module "
+                                           "'tests.helpers.environments' has no class 'Missing'"),
+    ("tests.helpers.environments:NoStep", "env.again: tests.helpers.environments:NoStep has no step(conversation, "
+                                          "metadata) method"),
+    ("tests.helpers.environments:Refuses", "env.again: building tests.helpers.environments:Refuses(cfg) failed: "
+                                           "ValueError: no board size given"),
+])
+def test_a_wrong_environment_class_is_named_before_the_run(where, says, tmp_path):
+    cfg = load_config(BUNDLED_RECIPE, overrides=[f"env.again.actor_class_fqn={where}", *QUICK,
+                                                 f"logger.log_dir={tmp_path}"])
+    with pytest.raises(UserError) as caught:
+        GRPOTrainer(cfg).train()
+    assert says in str(caught.value)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_environment_blocks_are_checked_as_the_config_loads():
+    with pytest.raises(ConfigError, match="one environment plays a run's episodes"):
+        load_config(BUNDLED_RECIPE, overrides=[*ENV, "env.other.actor_class_fqn=x:Y"])
+    with pytest.raises(ConfigError, match="cfg is an environment class's argument"):
+        load_config(BUNDLED_RECIPE, overrides=["env.math.cfg={turns: 2}"])
+    with pytest.raises(ConfigError, match="and yours, each naming its class in env.<name>.actor_class_fqn"):
+        load_config(BUNDLED_RECIPE, overrides=["env.again.cfg={turns: 2}"])
+    with pytest.raises(ConfigError, match="the math environment's settings"):
+        load_config(BUNDLED_RECIPE, overrides=[*ENV, "env.again.num_workers=2"])
