@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from novarl.config.files import show_value, tree_get
+from novarl.config.sections.data import BUILT_IN_ENVIRONMENTS
 
 NEMO_RL_VERSION = "NeMo RL main at 7ea279a (2026-08-22), and its September-2025 files"
 """The NeMo RL the key set follows (README: "Config compatibility")."""
@@ -524,8 +525,10 @@ def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
         return []
     refused = []
     for name in list(env):
+        if name in BUILT_IN_ENVIRONMENTS and isinstance(env[name], dict):
+            env[name].setdefault("actor_class_fqn", BUILT_IN_ENVIRONMENTS[name])  # novarl's own game
         if name in MATH_ENVIRONMENTS or (isinstance(env[name], dict) and "actor_class_fqn" in env[name]):
-            continue  # math is reward.function math_verify; a class of the user's plays episodes
+            continue  # math is reward.function math_verify; a class (novarl's or the user's) plays episodes
         block = env.pop(name)
         if name not in NEMO_RL_ENVIRONMENTS:
             close = difflib.get_close_matches(name, NEMO_RL_ENVIRONMENTS, n=1, cutoff=0.6)

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from novarl.data.arithmetic import Example
+
 Message = dict[str, str]
 """An OpenAI-style chat message: {"role": ..., "content": ...}."""
 
@@ -31,12 +33,23 @@ class EnvStep:
 
 
 @runtime_checkable
+class MakesExamples(Protocol):
+    """An environment that makes its own prompts (a game: its puzzles); the data section is then not read."""
+
+    def examples(self, split: str, count: int, seed: int) -> list[Example]:
+        """`count` examples of `split` ("train" or "validation"), the same for the same seed; each
+        row's fields are its episode's first metadata."""
+        ...
+
+
+@runtime_checkable
 class Environment(Protocol):
     def step(self, conversation: list[Message], metadata: Mapping[str, Any]) -> EnvStep:
         """The conversation so far (the prompt's messages, then the turns: the model's as
         "assistant" messages, the observations between them) and the episode's metadata (the
         data row's fields and its answer, under "answer", at the first turn; then what the last
-        step returned)."""
+        step returned). An environment may also name `stop_strings` (a tuple): every turn ends on
+        them besides policy.generation.stop_strings."""
         ...
 
 
@@ -55,6 +68,21 @@ def episode_environment(cfg) -> tuple[str, Any] | None:
     """(name, block) of the env.<name> block that plays the run's episodes (it names a class:
     actor_class_fqn), or None: completions are scored by reward.function."""
     return next(((name, block) for name, block in cfg.env.items() if block.actor_class_fqn is not None), None)
+
+
+def environment_examples(name: str, environment: MakesExamples, split: str, count: int, seed: int) -> list[Example]:
+    """The environment's own examples; a UserError naming env.<name> when it fails or makes none."""
+    from novarl.errors import UserError
+
+    try:
+        made = list(environment.examples(split, count, seed))
+    except Exception as err:
+        raise UserError(f"env.{name}: making its {split} examples failed: {type(err).__name__}: "
+                        f"{' '.join(str(err).split())}.") from None
+    if not made or not all(isinstance(e, Example) for e in made):
+        raise UserError(f"env.{name}: examples({split!r}, {count}, {seed}) gave {len(made)} item(s), not a list of "
+                        "novarl.data.arithmetic.Example")
+    return made
 
 
 def load_environment(name: str, block) -> Environment:

@@ -116,6 +116,8 @@ def play(generator: GenerationBackend, prompts: Sequence[Prompt], sampling: Samp
     A turn cut by max_new_tokens still goes to the environment, which decides whether the episode
     goes on."""
     episodes = [Episode(p, [{"role": "user", "content": p.text}], first_metadata(p)) for p in prompts]
+    own = tuple(getattr(environment, "stop_strings", ()) or ())  # the environment's turns end on these too
+    sampling = dataclasses.replace(sampling, stop_strings=tuple(dict.fromkeys((*sampling.stop_strings, *own))))
     active = list(range(len(episodes)))
     for turn in range(max_turns):
         if not active:

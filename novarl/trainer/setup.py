@@ -31,9 +31,13 @@ from novarl.backends.contract.checks import ConfigReport, check_config, one_erro
 from novarl.backends.contract.resolve import BackendChoice, BatchPlan, world_size
 from novarl.backends.registry import generation_spec, training_spec
 from novarl.rewards.scorer import RewardScorer
-from novarl.rollout.environment import episode_environment, load_environment
+from novarl.rollout.environment import MakesExamples, environment_examples, episode_environment, load_environment
 from novarl.rollout.episodes import ContentTokens, Episodes
 from novarl.types import Completion, Prompt
+
+
+MADE_EXAMPLES = 4096
+"""At most this many training examples an environment makes (a run cycles through them)."""
 
 
 @dataclass
@@ -124,18 +128,20 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
         critic_path = attempt(critic_model_path, cfg, model_path, tokenizer)
     scorer = attempt(RewardScorer.from_spec, reward_fn or cfg.reward.function,
                      weights=None if reward_fn else cfg.reward.weights, timeout_s=cfg.reward.timeout_s)
-    train = attempt(split_prompts, cfg, tokenizer, "train", train_examples, notes=notes) \
+    played = episode_environment(cfg)
+    environment = attempt(load_environment, *played) if played else None
+    made_train, made_val = made_examples(cfg, played, environment, attempt, notes) \
+        if played and train_examples is None else (None, None)
+    train = attempt(split_prompts, cfg, tokenizer, "train", made_train or train_examples, notes=notes) \
         if tokenizer is not None else None
-    if scorer is not None and train:
+    if scorer is not None and train and not played:
         where = f"reward.function={show_value(cfg.reward.function)}" if reward_fn is None else \
             f"the reward function given to the trainer ({scorer.name})"
         attempt(check_reward, scorer, train[0], where=where)
-    played = episode_environment(cfg)
-    environment = attempt(load_environment, *played) if played else None
-    gap = held_out_gap(cfg, train_examples)
+    gap = None if made_val else held_out_gap(cfg, train_examples)
     val = None
     if gap is None and tokenizer is not None:
-        val = attempt(split_prompts, cfg, tokenizer, "validation", notes=notes)
+        val = attempt(split_prompts, cfg, tokenizer, "validation", made_val, notes=notes)
     if report.problems or report.gpu_only or report.choice is None or report.batches is None or not train \
             or scorer is None or (gap is None and val is None) or (played and environment is None):
         return None
@@ -159,6 +165,20 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
                      val_source="held-out" if gap is None else "training-set", summary=summary,
                      notes=tuple(notes), warnings=tuple(warnings), max_steps=max_steps, critic_model_path=critic_path,
                      episodes=episodes)
+
+
+def made_examples(cfg: NovaRLConfig, played, environment, attempt, notes: list[str]
+                  ) -> tuple[list[Example] | None, list[Example] | None]:
+    """(train, held-out) examples of an environment that makes its own (a game's puzzles), else (None, None)."""
+    if not isinstance(environment, MakesExamples):
+        return None, None
+    name = played[0]
+    train = attempt(environment_examples, name, environment, "train",
+                    min(cfg.grpo.num_prompts_per_step * cfg.grpo.max_num_steps, MADE_EXAMPLES), cfg.grpo.seed)
+    val = attempt(environment_examples, name, environment, "validation", cfg.grpo.max_val_samples, cfg.grpo.seed)
+    notes.append(f"env.{name} makes the prompts (its own train and held-out examples): the data section's datasets "
+                 "are not read")
+    return train, val
 
 
 def critic_model_path(cfg: NovaRLConfig, policy_path: str, tokenizer) -> str:

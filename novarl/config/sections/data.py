@@ -122,6 +122,10 @@ class RewardConfig(Section):
     as it is (see novarl.rewards.registry for how the limit is enforced)."""
 
 
+BUILT_IN_ENVIRONMENTS = {"sliding_puzzle_game": "novarl.rollout.games.sliding_puzzle:SlidingPuzzle"}
+"""NeMo RL's environments that novarl ships: env.<name> without actor_class_fqn names this class."""
+
+
 class EnvConfig(Section):
     """An `env.<name>` block (NeMo RL's): the math environment's settings (env.math: novarl scores
     it with reward.function math_verify), or an environment that plays the episodes
