@@ -107,6 +107,12 @@ class Episodes:
         return play(generator, prompts, sampling, self.environment, self.observation_tokens,
                     max_turns=self.max_turns, max_tokens=self.max_tokens)
 
+    def take_metrics(self) -> dict[str, float]:
+        """The environment's own counts since the last call (an environment with `take_metrics`:
+        the tools' calls, errors and timeouts), {} otherwise."""
+        take = getattr(self.environment, "take_metrics", None)
+        return dict(take()) if callable(take) else {}
+
 
 def play(generator: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig,
          environment: Environment, observation_tokens: ObservationTokens, *, max_turns: int,

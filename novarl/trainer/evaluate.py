@@ -25,7 +25,7 @@ def evaluate(generator: GenerationBackend, prompts: Sequence[Prompt], scorer: Re
             played, won = episodes.play(generator, prompts[start:start + batch_size], greedy)
             completions += played
             rewards += won
-        extras["episode_turns_mean"] = sum(c.turns for c in completions) / len(completions)
+        extras = {**episodes.take_metrics(), "episode_turns_mean": sum(c.turns for c in completions) / len(completions)}
     else:
         rollouts = [generator.submit(prompts[start:start + batch_size], greedy)
                     for start in range(0, len(prompts), batch_size)]

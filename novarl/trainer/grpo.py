@@ -165,7 +165,8 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, stages: list[S
             sync_metrics = roles.sync_weights(step) if work.policy_trains else {}
     mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None else {}  # else the loss measured it
     gpus = roles.policy.gpu_stats() if cfg.logger.monitor_gpus else {}
-    return {**rollouts.metrics, **inputs.scorer.take_metrics(), **work.metrics, **gpus,
+    played = inputs.episodes.take_metrics() if inputs.episodes is not None else {}  # the environment's counts
+    return {**rollouts.metrics, **inputs.scorer.take_metrics(), **played, **work.metrics, **gpus,
             **sync_metrics, **mismatch, **timer.seconds, "time_step": time.perf_counter() - tic}
 
 

@@ -132,8 +132,9 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
     environment = attempt(load_environment, *played) if played else None
     made_train, made_val = made_examples(cfg, played, environment, attempt, notes) \
         if played and train_examples is None else (None, None)
-    train = attempt(split_prompts, cfg, tokenizer, "train", made_train or train_examples, notes=notes) \
-        if tokenizer is not None else None
+    tools = getattr(environment, "tool_schemas", None)  # rollout/tools.py: the chat template lists them
+    train = attempt(split_prompts, cfg, tokenizer, "train", made_train or train_examples, notes=notes,
+                    tools=tools) if tokenizer is not None else None
     if scorer is not None and train and not played:
         where = f"reward.function={show_value(cfg.reward.function)}" if reward_fn is None else \
             f"the reward function given to the trainer ({scorer.name})"
@@ -141,7 +142,7 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
     gap = None if made_val else held_out_gap(cfg, train_examples)
     val = None
     if gap is None and tokenizer is not None:
-        val = attempt(split_prompts, cfg, tokenizer, "validation", made_val, notes=notes)
+        val = attempt(split_prompts, cfg, tokenizer, "validation", made_val, notes=notes, tools=tools)
     if report.problems or report.gpu_only or report.choice is None or report.batches is None or not train \
             or scorer is None or (gap is None and val is None) or (played and environment is None):
         return None
@@ -300,16 +301,17 @@ def check_sequence_length(cfg: NovaRLConfig, model_path: str, choice: BackendCho
 
 
 def split_prompts(cfg: NovaRLConfig, tokenizer, split: str, examples: list[Example] | None = None, *,
-                  notes: list[str] | None = None) -> list[Prompt]:
+                  notes: list[str] | None = None, tools: list[dict] | None = None) -> list[Prompt]:
     """Tokenised prompts of a split that fit the sequence budget (at least one). How many
-    were dropped as too long goes to `notes` (to the log when notes is None)."""
+    were dropped as too long goes to `notes` (to the log when notes is None). tools: the
+    function schemas the chat template renders into chat-message prompts (its `tools`)."""
     template, system = read_prompt_template(cfg.data)
     examples = examples if examples is not None else load_examples(cfg.data, split, seed=cfg.grpo.seed)
     max_prompt = min(cfg.data.max_input_seq_length or cfg.policy.max_seq_length,
                      cfg.policy.max_seq_length - 1)
     prompts = to_prompts(examples, tokenizer, template=template, system_prompt=system,
                          max_prompt_tokens=max_prompt, chat_template=cfg.policy.tokenizer.chat_template,
-                         chat_template_kwargs=cfg.policy.tokenizer.chat_template_kwargs)
+                         chat_template_kwargs=with_tools(cfg.policy.tokenizer.chat_template_kwargs, tools))
     if not prompts:
         raise UserError(f"No {split} prompt fits in {max_prompt} tokens (policy.max_seq_length="
                         f"{cfg.policy.max_seq_length}); raise it or shorten the prompts.")
@@ -320,6 +322,11 @@ def split_prompts(cfg: NovaRLConfig, tokenizer, split: str, examples: list[Examp
         else:
             notes.append(dropped)
     return prompts
+
+
+def with_tools(kwargs: dict | None, tools: list[dict] | None) -> dict | None:
+    """policy.tokenizer.chat_template_kwargs, with an environment's tool schemas as `tools`."""
+    return {**(kwargs or {}), "tools": tools} if tools else kwargs
 
 
 def generation_precision(cfg: NovaRLConfig, device: torch.device) -> str:
