@@ -66,3 +66,13 @@ def test_environment_blocks_are_checked_as_the_config_loads():
         load_config(BUNDLED_RECIPE, overrides=["env.again.cfg={turns: 2}"])
     with pytest.raises(ConfigError, match="the math environment's settings"):
         load_config(BUNDLED_RECIPE, overrides=[*ENV, "env.again.num_workers=2"])
+
+
+def test_an_environment_that_raises_stops_the_run_naming_it(tmp_path, capsys):
+    from novarl.cli import main
+
+    code = main(["train", "env.bad.actor_class_fqn=tests.helpers.environments:Breaks", "grpo.max_rollout_turns=2",
+                 "policy.max_seq_length=32", *QUICK, f"logger.log_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert "Breaks.step at turn 2 of example" in err and "raised KeyError: 'board'" in err

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from novarl.backends.protocols import GenerationBackend
+from novarl.errors import RunFailed
 from novarl.rollout.environment import Environment, EnvStep, Message
 from novarl.types import Completion, Prompt, SamplingConfig
 
@@ -114,6 +115,25 @@ class Episodes:
         return dict(take()) if callable(take) else {}
 
 
+class EnvironmentFailed(RunFailed):
+    """An environment's step raised or answered with something that is not an EnvStep."""
+
+
+def answer_of(environment: Environment, episode: Episode, turn: int) -> EnvStep:
+    """The environment's step for the episode's last turn; what goes wrong stops the run, naming the
+    environment, the example and the turn (per-step failure accounting with a bound comes next)."""
+    where = f"{type(environment).__name__}.step at turn {turn + 1} of example {episode.prompt.index}"
+    try:
+        step = environment.step(list(episode.conversation), episode.metadata)
+    except Exception as err:
+        raise EnvironmentFailed(f"{where} raised {type(err).__name__}: {' '.join(str(err).split())[:300]} "
+                                f"(the model's turn: {episode.last_text[:120]!r})") from None
+    if not isinstance(step, EnvStep):
+        raise EnvironmentFailed(f"{where} returned {type(step).__name__}, not an EnvStep "
+                                "(novarl.rollout.environment.EnvStep)")
+    return step
+
+
 def play(generator: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig,
          environment: Environment, observation_tokens: ObservationTokens, *, max_turns: int,
          max_tokens: int | None = None) -> tuple[list[Completion], list[float]]:
@@ -134,7 +154,7 @@ def play(generator: GenerationBackend, prompts: Sequence[Prompt], sampling: Samp
         for i, completion in zip(active, completions):
             episode = episodes[i]
             episode.took(completion)
-            step = environment.step(list(episode.conversation), episode.metadata)
+            step = answer_of(environment, episode, turn)
             last = step.done or step.observation is None or turn == max_turns - 1
             observation = None if last else observation_tokens(step.observation)
             if observation is not None and max_tokens is not None and \

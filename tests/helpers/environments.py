@@ -30,3 +30,15 @@ class NoStep:
 class Refuses:
     def __init__(self, cfg) -> None:
         raise ValueError("no board size given")
+
+
+class Breaks:
+    """Raises on the second turn."""
+
+    def __init__(self, cfg) -> None:
+        pass
+
+    def step(self, conversation, metadata) -> EnvStep:
+        if sum(m["role"] == "assistant" for m in conversation) > 1:
+            raise KeyError("board")
+        return EnvStep(reward=0.0, done=False, observation={"role": "user", "content": " again:"})
