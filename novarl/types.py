@@ -52,6 +52,9 @@ class Completion:
     get no loss, and their logprobs are 0. Empty for one turn."""
     turns: int = 1
     """How many times the engine generated for it (novarl/rollout/episodes.py)."""
+    failed: str | None = None
+    """Why its episode failed (its environment raised, or answered with something else than an
+    EnvStep): it gets no loss, and its group's advantages are computed without it."""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from novarl.cli import BUNDLED_RECIPE
 from novarl.config import load_config
@@ -60,7 +61,7 @@ def test_a_wrong_environment_class_is_named_before_the_run(where, says, tmp_path
 def test_environment_blocks_are_checked_as_the_config_loads():
     with pytest.raises(ConfigError, match="one environment plays a run's episodes"):
         load_config(BUNDLED_RECIPE, overrides=[*ENV, "env.other.actor_class_fqn=x:Y"])
-    with pytest.raises(ConfigError, match="cfg is an environment class's argument"):
+    with pytest.raises(ConfigError, match="cfg and max_failed_fraction are an environment class's"):
         load_config(BUNDLED_RECIPE, overrides=["env.math.cfg={turns: 2}"])
     with pytest.raises(ConfigError, match="and yours, each naming its class in env.<name>.actor_class_fqn"):
         load_config(BUNDLED_RECIPE, overrides=["env.again.cfg={turns: 2}"])
@@ -75,4 +76,23 @@ def test_an_environment_that_raises_stops_the_run_naming_it(tmp_path, capsys):
                  "policy.max_seq_length=32", *QUICK, f"logger.log_dir={tmp_path}"])
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
+    assert "episodes failed at step 1, more than env.<name>.max_failed_fraction=0.1 allows" in err
     assert "Breaks.step at turn 2 of example" in err and "raised KeyError: 'board'" in err
+
+
+def test_failed_episodes_below_the_bound_get_no_loss_and_are_counted(tmp_path):
+    from novarl.rollout.episodes import neutral_rewards
+    from novarl.trainer.rollout import build_train_batch
+    from novarl.types import Completion, Prompt
+
+    cfg = load_config(BUNDLED_RECIPE, overrides=["env.odd.actor_class_fqn=tests.helpers.environments:BreaksOnOdd",
+                                                 "env.odd.max_failed_fraction=1.0", *QUICK,
+                                                 f"logger.log_dir={tmp_path}"])
+    result = GRPOTrainer(cfg).train()
+    steps = [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert all(0 < s["episodes_failed_fraction"] < 1 and math.isfinite(s["loss"]) for s in steps)
+    prompt = Prompt("1+2=", [1, 2, 3])
+    done = [Completion(prompt, [4], [-0.1], "3", "stop", 0), Completion(prompt, [5], [-0.2], "4", "stop", 0),
+            Completion(prompt, [6], [-0.3], "?", "stop", 0, failed="it raised")]
+    assert neutral_rewards(done, [1.0, 0.0, 0.0], 3) == [1.0, 0.0, 0.5]  # the others' mean: no pull on the baseline
+    assert build_train_batch(done, torch.zeros(3)).loss_mask.tolist() == [False, False, False, True] * 2 + [False] * 4

@@ -56,6 +56,7 @@ class Episode:
     policy_version: int = 0
     last_text: str = ""
     done: bool = False
+    failed: str | None = None
 
     def request(self) -> Prompt:
         """The next turn's prompt: the episode's tokens so far."""
@@ -84,7 +85,8 @@ class Episode:
     def completion(self) -> Completion:
         return Completion(prompt=self.prompt, token_ids=self.tokens, logprobs=self.logprobs, text=self.last_text,
                           finish_reason="length" if self.finish_reason == "length" else "stop",
-                          policy_version=self.policy_version, observed=tuple(self.observed), turns=self.turns)
+                          policy_version=self.policy_version, observed=tuple(self.observed), turns=self.turns,
+                          failed=self.failed)
 
 
 def first_metadata(prompt: Prompt) -> dict[str, Any]:
@@ -102,6 +104,8 @@ class Episodes:
     observation_tokens: ObservationTokens
     max_turns: int
     max_tokens: int | None = None
+    max_failed_fraction: float = 0.0
+    """env.<name>.max_failed_fraction: above it a step's failed episodes stop the run."""
 
     def play(self, generator: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig
              ) -> tuple[list[Completion], list[float]]:
@@ -116,22 +120,44 @@ class Episodes:
 
 
 class EnvironmentFailed(RunFailed):
-    """An environment's step raised or answered with something that is not an EnvStep."""
+    """More of a step's episodes failed than the environment's bound allows."""
 
 
-def answer_of(environment: Environment, episode: Episode, turn: int) -> EnvStep:
-    """The environment's step for the episode's last turn; what goes wrong stops the run, naming the
-    environment, the example and the turn (per-step failure accounting with a bound comes next)."""
+def answer_of(environment: Environment, episode: Episode, turn: int) -> EnvStep | str:
+    """The environment's step for the episode's last turn, or why it failed (it raised, or answered
+    with something that is not an EnvStep), naming the environment, the example and the turn."""
     where = f"{type(environment).__name__}.step at turn {turn + 1} of example {episode.prompt.index}"
     try:
         step = environment.step(list(episode.conversation), episode.metadata)
     except Exception as err:
-        raise EnvironmentFailed(f"{where} raised {type(err).__name__}: {' '.join(str(err).split())[:300]} "
-                                f"(the model's turn: {episode.last_text[:120]!r})") from None
+        return (f"{where} raised {type(err).__name__}: {' '.join(str(err).split())[:300]} "
+                f"(the model's turn: {episode.last_text[:120]!r})")
     if not isinstance(step, EnvStep):
-        raise EnvironmentFailed(f"{where} returned {type(step).__name__}, not an EnvStep "
-                                "(novarl.rollout.environment.EnvStep)")
+        return f"{where} returned {type(step).__name__}, not an EnvStep (novarl.rollout.environment.EnvStep)"
     return step
+
+
+def neutral_rewards(completions: Sequence[Completion], rewards: Sequence[float], group_size: int) -> list[float]:
+    """The rewards, a failed episode's replaced by the mean of its group's others (0 when all of the
+    group failed): it then moves neither the group's baseline nor, getting no loss, the update."""
+    out = list(rewards)
+    for start in range(0, len(out), group_size):
+        members = range(start, min(start + group_size, len(out)))
+        fine = [out[i] for i in members if completions[i].failed is None]
+        for i in members:
+            if completions[i].failed is not None:
+                out[i] = sum(fine) / len(fine) if fine else 0.0
+    return out
+
+
+def check_failures(completions: Sequence[Completion], bound: float, where: str) -> dict[str, float]:
+    """The failed episodes' fraction (a metric); above `bound` the run stops with the first one's cause."""
+    failed = [c.failed for c in completions if c.failed is not None]
+    fraction = len(failed) / max(len(completions), 1)
+    if failed and fraction > bound:
+        raise EnvironmentFailed(f"{len(failed)} of {len(completions)} episodes failed {where}, more than "
+                                f"env.<name>.max_failed_fraction={bound:g} allows; the first: {failed[0]}")
+    return {"episodes_failed_fraction": fraction}
 
 
 def play(generator: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig,
@@ -155,6 +181,9 @@ def play(generator: GenerationBackend, prompts: Sequence[Prompt], sampling: Samp
             episode = episodes[i]
             episode.took(completion)
             step = answer_of(environment, episode, turn)
+            if isinstance(step, str):  # it failed: the episode ends here, without loss
+                episode.failed, episode.done = step, True
+                continue
             last = step.done or step.observation is None or turn == max_turns - 1
             observation = None if last else observation_tokens(step.observation)
             if observation is not None and max_tokens is not None and \

@@ -13,6 +13,7 @@ from novarl.algorithms.shaping import groups_with_signal, scale_rewards, shape_r
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import RunFailed
 from novarl.rollout.environment import episode_environment
+from novarl.rollout.episodes import check_failures, neutral_rewards
 from novarl.trainer.rollout import rollout_metrics
 from novarl.types import Completion, Prompt, SamplingConfig
 
@@ -81,6 +82,7 @@ def round_metrics(cfg: NovaRLConfig, completions: list[Completion], raw: torch.T
     if episode_environment(cfg) is not None:
         metrics["episode_turns_mean"] = sum(c.turns for c in completions) / len(completions)
         metrics["observation_tokens_mean"] = sum(b - a for c in completions for a, b in c.observed) / len(completions)
+        metrics["episodes_failed_fraction"] = sum(c.failed is not None for c in completions) / len(completions)
     return metrics
 
 
@@ -98,6 +100,8 @@ def _round(cfg: NovaRLConfig, inputs, roles, step: int, round_index: int, prompt
     with timer("generation"):  # the environment's steps included
         completions, rewards = inputs.episodes.play(roles.generator, prompts, sampling)
         roles.release_generator()
+    check_failures(completions, inputs.episodes.max_failed_fraction, f"at step {step}")
+    rewards = neutral_rewards(completions, rewards, cfg.grpo.num_generations_per_prompt)
     return (completions, *shape_round(cfg, completions, torch.tensor(rewards, dtype=torch.float32)))
 
 

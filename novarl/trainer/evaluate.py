@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from novarl.backends.protocols import GenerationBackend
 from novarl.logging.console import info
 from novarl.rewards.scorer import RewardScorer
-from novarl.rollout.episodes import Episodes
+from novarl.rollout.episodes import Episodes, check_failures
 from novarl.types import Prompt, SamplingConfig
 
 
@@ -25,7 +25,8 @@ def evaluate(generator: GenerationBackend, prompts: Sequence[Prompt], scorer: Re
             played, won = episodes.play(generator, prompts[start:start + batch_size], greedy)
             completions += played
             rewards += won
-        extras = {**episodes.take_metrics(), "episode_turns_mean": sum(c.turns for c in completions) / len(completions)}
+        extras = {**episodes.take_metrics(), "episode_turns_mean": sum(c.turns for c in completions) / len(completions),
+                  **check_failures(completions, episodes.max_failed_fraction, "in the evaluation")}
     else:
         rollouts = [generator.submit(prompts[start:start + batch_size], greedy)
                     for start in range(0, len(prompts), batch_size)]

@@ -15,7 +15,8 @@ def build_train_batch(completions: Sequence[Completion], advantages: torch.Tenso
     multi-turn episode's observations have none: Completion.observed). `advantages`: [S] one per
     sequence (repeated over its tokens) or [N] one per token.
 
-    With `overlong_filtering`, completions cut by max_new_tokens get no loss.
+    With `overlong_filtering`, completions cut by max_new_tokens get no loss; a failed episode
+    (Completion.failed) gets none either.
     """
     prompt_lengths = torch.tensor([len(c.prompt.token_ids) for c in completions])
     completion_lengths = torch.tensor([len(c.token_ids) for c in completions])
@@ -29,7 +30,8 @@ def build_train_batch(completions: Sequence[Completion], advantages: torch.Tenso
         first = int(cu_seqlens[s] + prompt_lengths[s])
         for start, end in c.observed:
             sampled[first + start:first + end] = False
-    trained = torch.tensor([not (overlong_filtering and c.finish_reason == "length") for c in completions])
+    trained = torch.tensor([not (overlong_filtering and c.finish_reason == "length") and c.failed is None
+                            for c in completions])
     input_ids = torch.tensor([t for c in completions for t in (*c.prompt.token_ids, *c.token_ids)],
                              dtype=torch.long)
     generator_logprobs = torch.zeros(len(input_ids), dtype=torch.float32)

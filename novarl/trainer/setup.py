@@ -146,8 +146,10 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
     if report.problems or report.gpu_only or report.choice is None or report.batches is None or not train \
             or scorer is None or (gap is None and val is None) or (played and environment is None):
         return None
-    episodes = Episodes(environment, ContentTokens(tokenizer), cfg.grpo.max_rollout_turns,
-                        cfg.policy.max_seq_length) if environment is not None else None
+    episodes = None
+    if environment is not None and played:
+        episodes = Episodes(environment, ContentTokens(tokenizer), cfg.grpo.max_rollout_turns,
+                            cfg.policy.max_seq_length, max_failed_fraction=played[1].max_failed_fraction)
     sampler = PromptSampler(train, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
     if gap is None and val is not None:
         val = val[:cfg.grpo.max_val_samples]

@@ -42,3 +42,15 @@ class Breaks:
         if sum(m["role"] == "assistant" for m in conversation) > 1:
             raise KeyError("board")
         return EnvStep(reward=0.0, done=False, observation={"role": "user", "content": " again:"})
+
+
+class BreaksOnOdd:
+    """Raises when the example's answer is odd: about half the episodes fail."""
+
+    def __init__(self, cfg) -> None:
+        pass
+
+    def step(self, conversation, metadata) -> EnvStep:
+        if int(metadata["answer"]) % 2:
+            raise ValueError("odd")
+        return EnvStep(reward=float(metadata["answer"] in conversation[-1]["content"]), done=True)

@@ -141,6 +141,9 @@ class EnvConfig(Section):
     the model's turns (NeMo RL's ENV_REGISTRY names its environments' classes with this key)."""
     cfg: dict[str, Any] = {}
     """The environment class's one constructor argument (NeMo RL's env.<name>.cfg)."""
+    max_failed_fraction: float = Field(0.1, ge=0, le=1)
+    """An episode whose environment raises gets no loss and is counted (episodes_failed_fraction);
+    past this fraction of a step's episodes the run stops with the first one's cause."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> "EnvConfig":
@@ -149,6 +152,7 @@ class EnvConfig(Section):
             if math:
                 raise ValueError(f"{', '.join(math)}: the math environment's settings, in a block that names an "
                                  f"environment class (actor_class_fqn={self.actor_class_fqn!r})")
-        elif self.cfg:
-            raise ValueError("cfg is an environment class's argument: name the class in actor_class_fqn")
+        elif self.cfg or "max_failed_fraction" in self.model_fields_set:
+            raise ValueError("cfg and max_failed_fraction are an environment class's: name the class in "
+                             "actor_class_fqn")
         return self
