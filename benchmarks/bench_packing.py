@@ -39,7 +39,7 @@ def task_batch(tokenizer, sequences: int, seed: int = 0):
     import torch
 
     from novarl.data.repeat import repeat_examples
-    from novarl.trainer.rollout import build_train_batch
+    from novarl.rollout.batch import build_train_batch
     from novarl.types import Completion, Prompt
 
     examples = random.Random(seed).choices(repeat_examples("train"), k=sequences)

@@ -225,7 +225,7 @@ def test_make_loss_reads_the_config():
 
 
 def test_logprob_mismatch_mean_and_max_by_hand():
-    from novarl.trainer.rollout import MISMATCH_WARNING, logprob_mismatch, mismatch_advice
+    from novarl.rollout.batch import MISMATCH_WARNING, logprob_mismatch, mismatch_advice
 
     _, batch = _batch([0.0, 0.0, 0.0], [0.0, math.log(0.5), math.log(0.5)], 1.0)
     batch.generator_logprobs = torch.tensor([0.0, math.log(0.5), math.log(0.6)])
@@ -256,7 +256,7 @@ def test_old_logprobs_from_the_training_forward_give_the_same_loss_and_gradient(
     """One forward fewer: with no old logprobs the loss takes this forward's own, detached; the
     loss, its gradient and the metrics equal those of the same numbers given beforehand, and
     the logprob mismatch is measured from them."""
-    from novarl.trainer.rollout import logprob_mismatch
+    from novarl.rollout.batch import logprob_mismatch
 
     settings = ClippedPGSettings(reference_policy_kl_penalty=0.05,
                                  aggregation="token-mean" if token_level else "seq-mean-token-mean",

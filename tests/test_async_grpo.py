@@ -105,7 +105,7 @@ def test_a_killed_async_run_resumes_on_the_same_trajectories_and_trains_each_pro
 
 
 def test_a_trajectory_older_than_the_bound_stops_the_run():
-    from novarl.trainer.async_rollouts import AsyncRollouts, Round
+    from novarl.rollout.async_rollouts import AsyncRollouts, Round
     from novarl.trainer.grpo import StepTimer
     from novarl.types import Completion, Prompt, SamplingConfig
 

@@ -23,7 +23,7 @@ from novarl.config import load_config
 from novarl.distributed.local import default_device, ensure_single_process_group
 from novarl.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from novarl.models.scores import Logprobs, Values
-from novarl.trainer.rollout import build_train_batch
+from novarl.rollout.batch import build_train_batch
 from novarl.trainer.setup import generation_precision, split_prompts
 from novarl.types import Completion, SamplingConfig
 from tests.helpers import torch_generation, train_steps

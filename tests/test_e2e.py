@@ -159,12 +159,12 @@ def test_python_api_train_with_a_callable_reward_and_in_memory_data(tmp_path):
 def test_logprob_mismatch_above_the_threshold_prints_one_warning_with_advice(tmp_path, monkeypatch, capsys,
                                                                               threshold, warned):
     import novarl.trainer.grpo
-    import novarl.trainer.rollout
+    import novarl.rollout.batch
 
     if threshold is not None:  # any mismatch, 0 included, is above -1
         # the loop compares with its imported copy; the advice quotes rollout's
         monkeypatch.setattr(novarl.trainer.grpo, "MISMATCH_WARNING", threshold)
-        monkeypatch.setattr(novarl.trainer.rollout, "MISMATCH_WARNING", threshold)
+        monkeypatch.setattr(novarl.rollout.batch, "MISMATCH_WARNING", threshold)
     cfg = recipe(tmp_path, "grpo.max_num_steps=2", "grpo.val_at_start=false", "grpo.val_at_end=false",
                  "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4",
                  "policy.train_micro_batch_size=32")

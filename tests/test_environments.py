@@ -82,7 +82,7 @@ def test_an_environment_that_raises_stops_the_run_naming_it(tmp_path, capsys):
 
 def test_failed_episodes_below_the_bound_get_no_loss_and_are_counted(tmp_path):
     from novarl.rollout.episodes import neutral_rewards
-    from novarl.trainer.rollout import build_train_batch
+    from novarl.rollout.batch import build_train_batch
     from novarl.types import Completion, Prompt
 
     cfg = load_config(BUNDLED_RECIPE, overrides=["env.odd.actor_class_fqn=tests.helpers.environments:BreaksOnOdd",

@@ -16,7 +16,7 @@ from novarl.backends.generation.hf import HFGeneration
 from novarl.models.loading import load_causal_lm, load_tokenizer, resolve_model_path, token_logprobs
 from novarl.rollout.environment import Environment, EnvStep, ScoredOnce
 from novarl.rollout.episodes import ContentTokens, play
-from novarl.trainer.rollout import build_train_batch, rollout_metrics
+from novarl.rollout.batch import build_train_batch, rollout_metrics
 from novarl.types import Prompt, SamplingConfig
 
 TURNS = 3

@@ -21,7 +21,7 @@ from novarl.config import load_config
 from novarl.config.schema import LossConfig
 from novarl.errors import UserError
 from novarl.models.loading import resolve_model_path
-from novarl.trainer.rollout import build_train_batch
+from novarl.rollout.batch import build_train_batch
 from novarl.types import Completion, Prompt, TrainBatch
 from tests.helpers.packing import FROZEN, HEAD, LAYOUTS, LOSS, assert_same, batchings, group_results, measure, mixed_batch
 

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 TIMERS = ("generation", "rollout_wait", "generator_idle", "logprobs", "training", "weight_sync")
-"""The step's timings a log line shows, those the step has (the asynchronous ones: see async_rollouts.py)."""
+"""The step's timings a log line shows, those the step has (the asynchronous ones: see rollout/async_rollouts.py)."""
 
 
 def info(message: str) -> None:

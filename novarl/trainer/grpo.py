@@ -25,8 +25,8 @@ from novarl.logging.console import Progress, info
 from novarl.logging.metrics import JsonlSink
 from novarl.trainer.checkpoint import CRITIC_DIR, POLICY_DIR, Checkpoint, Checkpointer, restore_rng
 from novarl.trainer.evaluate import evaluate
-from novarl.trainer.collect import collect
-from novarl.trainer.rollout import MISMATCH_WARNING, build_train_batch, logprob_mismatch, mismatch_advice
+from novarl.rollout.collect import collect
+from novarl.rollout.batch import MISMATCH_WARNING, build_train_batch, logprob_mismatch, mismatch_advice
 from novarl.trainer.setup import Roles, RunInputs, value_section
 from novarl.trainer.stages import Stage, StepWork, build_stages, one_forward_fewer, zero_advantage_trains_nothing
 
@@ -121,9 +121,9 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
 
 def start_async_rollouts(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, max_steps: int,
                          resume: Checkpoint | None, step: int):
-    """Asynchronous GRPO's rounds in flight (async_rollouts.py), those of `resume` restored."""
+    """Asynchronous GRPO's rounds in flight (rollout/async_rollouts.py), those of `resume` restored."""
     from novarl.backends.generation.engines import LocalGeneration
-    from novarl.trainer.async_rollouts import AsyncRollouts, async_description
+    from novarl.rollout.async_rollouts import AsyncRollouts, async_description
 
     pipeline = AsyncRollouts(cfg, inputs, roles, max_steps)
     pipeline.restore(resume.rollouts() if resume else None, step)
@@ -134,7 +134,7 @@ def start_async_rollouts(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, max
 def trainer_state(inputs: RunInputs, summary: dict[str, float], pipeline=None) -> dict:
     """What a checkpoint's state holds: the data position and the summary so far; with
     asynchronous GRPO the position before the oldest round in flight (the rounds themselves go
-    into rollouts.pt, so that a resume trains on them: async_rollouts.py)."""
+    into rollouts.pt, so that a resume trains on them: rollout/async_rollouts.py)."""
     sampler = inputs.sampler.state_dict() if pipeline is None else pipeline.sampler_state()
     return {"sampler": sampler, "summary": summary}
 
@@ -147,7 +147,7 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, stages: list[S
     timer, tic = StepTimer(), time.perf_counter()
     if pipeline is None:
         rollouts, pipeline_metrics = collect(cfg, inputs, roles, step, timer), {}
-    else:  # asynchronous: generated during earlier steps (async_rollouts.py)
+    else:  # asynchronous: generated during earlier steps (rollout/async_rollouts.py)
         queued = pipeline.advance(step, timer)
         rollouts, pipeline_metrics = pipeline.take(step, timer)
         pipeline_metrics.update(queued)

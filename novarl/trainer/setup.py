@@ -146,10 +146,7 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
     if report.problems or report.gpu_only or report.choice is None or report.batches is None or not train \
             or scorer is None or (gap is None and val is None) or (played and environment is None):
         return None
-    episodes = None
-    if environment is not None and played:
-        episodes = Episodes(environment, ContentTokens(tokenizer), cfg.grpo.max_rollout_turns,
-                            cfg.policy.max_seq_length, max_failed_fraction=played[1].max_failed_fraction)
+    episodes = run_episodes(cfg, played, environment, tokenizer)
     sampler = PromptSampler(train, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
     if gap is None and val is not None:
         val = val[:cfg.grpo.max_val_samples]
@@ -168,6 +165,14 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
                      val_source="held-out" if gap is None else "training-set", summary=summary,
                      notes=tuple(notes), warnings=tuple(warnings), max_steps=max_steps, critic_model_path=critic_path,
                      episodes=episodes)
+
+
+def run_episodes(cfg: NovaRLConfig, played, environment, tokenizer) -> Episodes | None:
+    """How the run plays its episodes (its environment's), None without one."""
+    if environment is None or not played:
+        return None
+    return Episodes(environment, ContentTokens(tokenizer), cfg.grpo.max_rollout_turns, cfg.policy.max_seq_length,
+                    max_failed_fraction=played[1].max_failed_fraction)
 
 
 def made_examples(cfg: NovaRLConfig, played, environment, attempt, notes: list[str]

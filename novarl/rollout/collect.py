@@ -14,7 +14,7 @@ from novarl.config.schema import NovaRLConfig
 from novarl.errors import RunFailed
 from novarl.rollout.environment import episode_environment
 from novarl.rollout.episodes import check_failures, neutral_rewards
-from novarl.trainer.rollout import rollout_metrics
+from novarl.rollout.batch import rollout_metrics
 from novarl.types import Completion, Prompt, SamplingConfig
 
 ROUND_SEED_STRIDE = 1_000_003

@@ -33,7 +33,7 @@ import torch
 
 from novarl.errors import RunFailed
 from novarl.logging.console import info
-from novarl.trainer.collect import Rollouts, draw_round, round_metrics, score_round
+from novarl.rollout.collect import Rollouts, draw_round, round_metrics, score_round
 from novarl.types import Completion, Prompt, SamplingConfig
 
 
