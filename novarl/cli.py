@@ -263,10 +263,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = eval_config(args)
     inputs = prepare_eval(cfg, args.model, default_device())
     result = evaluate(inputs.generator, inputs.prompts, inputs.scorer, cfg.policy.generation.max_new_tokens,
-                      batch_size=cfg.grpo.val_batch_size)
+                      batch_size=cfg.grpo.val_batch_size, episodes=inputs.episodes,
+                      stop_strings=tuple(cfg.policy.generation.stop_strings or ()))
     which = "held-out greedy accuracy" if inputs.val_source == "held-out" else \
         "greedy accuracy (on training prompts: the data has no held-out split)"
-    print(f"{which} of {args.model}: {_pct(result['accuracy'])} on {int(result['num_samples'])} prompts")
+    episodes = f", {result['episode_turns_mean']:.1f} turns an episode" if inputs.episodes is not None else ""
+    print(f"{which} of {args.model}: {_pct(result['accuracy'])} on {int(result['num_samples'])} prompts{episodes}")
     return 0
 
 

@@ -146,14 +146,14 @@ def identical_loss_gradient(world: int) -> torch.Tensor:
     return grad
 
 
-def policy_rank(rank: int, world: int, port: int, results, two_kv: str) -> None:
+def policy_rank(rank: int, world: int, rendezvous: str, results, two_kv: str) -> None:
     """The attention check, then one step of the DTensor policy: tiny-arith (world 1: cp 1; world 4:
     dp 2 x cp 2) and its two-key/value-head copy (world 1; world 4: cp 2 x tp 2)."""
     import torch.distributed as dist
 
     from novarl.models.loading import resolve_model_path
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     torch.set_num_threads(1)
     attention = attention_check(world)
     attention["identical loss"] = identical_loss_gradient(world)

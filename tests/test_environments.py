@@ -96,3 +96,11 @@ def test_failed_episodes_below_the_bound_get_no_loss_and_are_counted(tmp_path):
             Completion(prompt, [6], [-0.3], "?", "stop", 0, failed="it raised")]
     assert neutral_rewards(done, [1.0, 0.0, 0.0], 3) == [1.0, 0.0, 0.5]  # the others' mean: no pull on the baseline
     assert build_train_batch(done, torch.zeros(3)).loss_mask.tolist() == [False, False, False, True] * 2 + [False] * 4
+
+
+def test_novarl_eval_plays_greedy_episodes(capsys):
+    from novarl.cli import main
+
+    code = main(["eval", "tiny-arith", *ENV, "grpo.max_rollout_turns=2", "grpo.max_val_samples=8"])
+    out = capsys.readouterr().out
+    assert code == 0 and "on 8 prompts, 2.0 turns an episode" in out

@@ -166,7 +166,7 @@ def test_qwen_moe_round_trip_shared_expert_and_query_key_norms(model_type, tp):
 
 
 # ------------------------------------------------ megatron-core checks the layout
-def megatron_rank(rank: int, world: int, port: int, results) -> None:
+def megatron_rank(rank: int, world: int, rendezvous: str, results) -> None:
     """Build GPTModel with TP=world on CPU for each test model, load this rank's shard strictly,
     compare its layers with Hugging Face's."""
     import warnings
@@ -181,7 +181,7 @@ def megatron_rank(rank: int, world: int, port: int, results) -> None:
 
     from tests.helpers.spawn import send
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     checks = {}
     for name in ("llama", "qwen2"):

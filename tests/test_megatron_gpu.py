@@ -116,7 +116,7 @@ def test_generation_on_the_gpu_is_greedy_like_hugging_face_chunked_or_not(tmp_pa
         assert [c.text for c in got] == expected, chunked
 
 
-def context_parallel_rank(rank: int, world: int, port: int, results, model: str, cache: str) -> None:
+def context_parallel_rank(rank: int, world: int, rendezvous: str, results, model: str, cache: str) -> None:
     """On GPU `rank`: the policy on dp 2, then on cp 2 (each sequence split over both GPUs,
     Transformer Engine's attention), each measured on the same batch, padded and packed."""
     import os
@@ -134,7 +134,7 @@ def context_parallel_rank(rank: int, world: int, port: int, results, model: str,
     from tests.helpers.spawn import send
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("nccl", init_method=rendezvous, rank=rank, world_size=world)
     batch = mixed_batch(rows=8, longest=96)
     out = {}
     for name, cp in (("dp2", 1), ("cp2", 2)):

@@ -88,7 +88,7 @@ def measure(policy, batch, loss) -> dict:
             "after": policy.forward(batch, HEAD), "weights": policy.full_state_dict()}
 
 
-def layouts_rank(rank: int, world: int, port: int, results, paths: dict, checkpoint: str) -> None:
+def layouts_rank(rank: int, world: int, rendezvous: str, results, paths: dict, checkpoint: str) -> None:
     import os
     import warnings
 
@@ -102,7 +102,7 @@ def layouts_rank(rank: int, world: int, port: int, results, paths: dict, checkpo
     from novarl.config import load_config
     from tests.helpers.packing import HEAD, LOSS, mixed_batch
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     batch = mixed_batch(rows=10, longest=30).with_own_counts()
     out = {}
 

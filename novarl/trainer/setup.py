@@ -352,6 +352,8 @@ class EvalInputs:
     scorer: RewardScorer
     val_source: str
     """"held-out", or "training-set" when the data has no held-out split (see RunInputs.val_source)."""
+    episodes: Episodes | None = None
+    """With an environment (env.<name>.actor_class_fqn): greedy episodes, rewarded by it."""
 
 
 def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInputs:
@@ -360,20 +362,24 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
     from novarl.backends.generation.hf import HFGeneration
     from novarl.backends.generation.engines import LocalGeneration
 
-    if episode_environment(cfg) is not None:
-        raise NotAvailableYet("novarl eval over an environment's episodes (env.<name>.actor_class_fqn); the "
-                              "evaluations during training play them (grpo.val_period)")
     model_path = resolve_model_path(model)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.policy.trust_remote_code)
     scorer = RewardScorer.from_spec(cfg.reward.function, weights=cfg.reward.weights, timeout_s=cfg.reward.timeout_s)
-    gap = held_out_gap(cfg)
-    prompts = split_prompts(cfg, tokenizer, "train" if gap else "validation")[:cfg.grpo.max_val_samples]
-    check_reward(scorer, prompts[0], where=f"reward.function={show_value(cfg.reward.function)}")
+    played = episode_environment(cfg)
+    environment = load_environment(*played) if played else None
+    made = environment_examples(played[0], environment, "validation", cfg.grpo.max_val_samples, cfg.grpo.seed) \
+        if played and isinstance(environment, MakesExamples) else None
+    gap = None if made else held_out_gap(cfg)
+    prompts = split_prompts(cfg, tokenizer, "train" if gap else "validation", made,
+                            tools=getattr(environment, "tool_schemas", None))[:cfg.grpo.max_val_samples]
+    if not played:
+        check_reward(scorer, prompts[0], where=f"reward.function={show_value(cfg.reward.function)}")
     if gap:
         info(f"warning: evaluating on {len(prompts)} training prompts, not held-out ones ({gap})")
     engine = HFGeneration(model_path, tokenizer, device, precision=generation_precision(cfg, device),
                           max_seq_length=cfg.policy.max_seq_length, trust_remote_code=cfg.policy.trust_remote_code)
-    return EvalInputs(LocalGeneration(engine), prompts, scorer, "held-out" if gap is None else "training-set")
+    return EvalInputs(LocalGeneration(engine), prompts, scorer, "held-out" if gap is None else "training-set",
+                      run_episodes(cfg, played, environment, tokenizer))
 
 
 @dataclass

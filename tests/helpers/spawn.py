@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import queue
-import socket
+import tempfile
 import time
 
 import torch
@@ -25,14 +25,14 @@ def send(results, rank: int, value) -> None:
 
 
 def spawned(target, world: int, *args, timeout: float = 300) -> list:
-    """target(rank, world, port, results, *args) on `world` spawned processes (target joins the
-    gloo group at 127.0.0.1:port and ends with `send`); their results by rank."""
+    """target(rank, world, rendezvous, results, *args) on `world` spawned processes (target joins
+    its process group with init_method=rendezvous and ends with `send`); their results by rank.
+    The rendezvous is a file of its own (a FileStore), not a port picked free beforehand: another
+    test's process could take such a port before rank 0 listens on it (EADDRINUSE)."""
     ctx = mp.get_context("spawn")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    rendezvous = f"file://{tempfile.mkdtemp(prefix='novarl-spawn-')}/store"
     results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, port, results, *args)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, rendezvous, results, *args)) for r in range(world)]
     for proc in procs:
         proc.start()
     got, deadline = [], time.monotonic() + timeout
