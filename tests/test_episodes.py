@@ -105,3 +105,25 @@ def test_the_batch_trains_on_the_sampled_tokens_with_the_engines_logprobs(played
     metrics = rollout_metrics(completions, torch.tensor(rewards), 2)
     observed = sum(b - a for c in completions for a, b in c.observed)
     assert metrics["tokens_generated"] == sum(len(c.token_ids) for c in completions) - observed > 0
+
+
+QWEN_LIKE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""A chat template of Qwen's shape: role headers, an end-of-turn marker and a newline after each message."""
+
+
+@pytest.mark.parametrize("turn, ended_with", [("46<|im_end|>", "<|im_end|>"), ("<action>up</action>", None)],
+                         ids=["ended-on-its-end-of-turn-token", "cut-by-a-stop-string"])
+def test_an_observation_is_what_the_template_renders_after_the_turn(turn, ended_with):
+    """Prompt + sampled turn + observation is the template's own rendering of the whole
+    conversation, whether the turn ended on the end-of-turn token or was cut by a stop string."""
+    from novarl.rollout.episodes import TemplateTokens
+
+    tokenizer = load_tokenizer(resolve_model_path("tiny-arith"))
+    tokens = TemplateTokens(tokenizer, QWEN_LIKE)
+    user, tool = {"role": "user", "content": "12+34="}, {"role": "tool", "content": "<tool_response>46</tool_response>"}
+    prompt = tokenizer.apply_chat_template([user], chat_template=QWEN_LIKE, tokenize=False, add_generation_prompt=True)
+    answer = turn.removesuffix("<|im_end|>")
+    whole = tokenizer.apply_chat_template([user, {"role": "assistant", "content": answer}, tool],
+                                          chat_template=QWEN_LIKE, tokenize=False, add_generation_prompt=True)
+    assert prompt + turn + tokens.text(tool, ended_with) == whole

@@ -25,8 +25,8 @@ TURN_SEED_STRIDE = 7_919
 
 
 class ObservationTokens(Protocol):
-    def __call__(self, message: Message) -> list[int]:
-        """The tokens an observation adds after a turn, rendered once."""
+    def __call__(self, message: Message, turn: Sequence[int]) -> list[int]:
+        """The tokens an observation adds after a turn (the turn's sampled tokens: `turn`), rendered once."""
         ...
 
 
@@ -37,8 +37,56 @@ class ContentTokens:
 
     tokenizer: Any
 
-    def __call__(self, message: Message) -> list[int]:
+    def __call__(self, message: Message, turn: Sequence[int] = ()) -> list[int]:
         return list(self.tokenizer(message["content"], add_special_tokens=False)["input_ids"])
+
+
+TURN_MARK = "\u2063novarl-turn\u2063"
+"""An assistant turn's text in the reference conversation a template renders (no template writes it)."""
+
+
+@dataclass(frozen=True)
+class TemplateTokens:
+    """An observation as the chat template renders it after an assistant turn: what the template
+    writes after the turn's text (its end-of-turn marker, less what the sampled turn already holds:
+    a turn that ended on its end-of-turn token has it, one cut by a stop string has not), then the
+    message, then the next assistant turn's header. Taken from the template's rendering of a
+    reference conversation with and without the message, so it matches the template's own
+    rendering of the whole conversation; the episode's earlier tokens are never rendered again."""
+
+    tokenizer: Any
+    template: str
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def _render(self, messages: list[Message], next_turn: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+                                                  add_generation_prompt=next_turn, **self.kwargs)
+
+    def text(self, message: Message, ended_with: str | None) -> str:
+        """The observation's text after a turn; ended_with: the text of the special token the turn
+        ended on (its end-of-turn or end-of-sequence token), None when it ended otherwise."""
+        from novarl.errors import UserError
+
+        reference: list[Message] = [{"role": "user", "content": "."}, {"role": "assistant", "content": TURN_MARK}]
+        try:
+            before, after = self._render(reference, False), self._render([*reference, dict(message)], True)
+        except Exception as err:  # jinja2's errors, and those a template raises itself
+            raise UserError(f"the chat template cannot render a message of role {message.get('role')!r} after the "
+                            f"model's turn ({type(err).__name__}: {err})") from None
+        if not after.startswith(before) or TURN_MARK not in before:
+            raise UserError("the chat template renders a conversation differently once a message follows it, so an "
+                            "observation cannot be appended to the tokens sampled so far")
+        closing = before[before.rindex(TURN_MARK) + len(TURN_MARK):]
+        if ended_with and closing.startswith(ended_with):  # the sampled turn holds the template's end marker
+            closing = closing[len(ended_with):]
+        return closing + after[len(before):]
+
+    def __call__(self, message: Message, turn: Sequence[int]) -> list[int]:
+        special = set(getattr(self.tokenizer, "all_special_ids", ()) or ())
+        ended_with = self.tokenizer.decode([turn[-1]], skip_special_tokens=False) \
+            if turn and turn[-1] in special else None
+        text = self.text(message, ended_with)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 @dataclass
@@ -185,7 +233,7 @@ def play(generator: GenerationBackend, prompts: Sequence[Prompt], sampling: Samp
                 episode.failed, episode.done = step, True
                 continue
             last = step.done or step.observation is None or turn == max_turns - 1
-            observation = None if last else observation_tokens(step.observation)
+            observation = None if last else observation_tokens(step.observation, completion.token_ids)
             if observation is not None and max_tokens is not None and \
                     len(episode.prompt.token_ids) + len(episode.tokens) + len(observation) >= max_tokens:
                 observation = None  # no room for another turn

@@ -32,7 +32,7 @@ from novarl.backends.contract.resolve import BackendChoice, BatchPlan, world_siz
 from novarl.backends.registry import generation_spec, training_spec
 from novarl.rewards.scorer import RewardScorer
 from novarl.rollout.environment import MakesExamples, environment_examples, episode_environment, load_environment
-from novarl.rollout.episodes import ContentTokens, Episodes
+from novarl.rollout.episodes import ContentTokens, Episodes, TemplateTokens
 from novarl.types import Completion, Prompt
 
 
@@ -168,10 +168,16 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
 
 
 def run_episodes(cfg: NovaRLConfig, played, environment, tokenizer) -> Episodes | None:
-    """How the run plays its episodes (its environment's), None without one."""
+    """How the run plays its episodes (its environment's), None without one: observations rendered
+    by the chat template the prompts are (its content's tokens when there is none)."""
+    from novarl.data.datasets import chat_template_for
+
     if environment is None or not played:
         return None
-    return Episodes(environment, ContentTokens(tokenizer), cfg.grpo.max_rollout_turns, cfg.policy.max_seq_length,
+    template = chat_template_for(tokenizer, cfg.policy.tokenizer.chat_template)
+    kwargs = with_tools(cfg.policy.tokenizer.chat_template_kwargs, getattr(environment, "tool_schemas", None))
+    observations = ContentTokens(tokenizer) if template is None else TemplateTokens(tokenizer, template, kwargs or {})
+    return Episodes(environment, observations, cfg.grpo.max_rollout_turns, cfg.policy.max_seq_length,
                     max_failed_fraction=played[1].max_failed_fraction)
 
 
