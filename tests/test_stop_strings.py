@@ -10,6 +10,7 @@ from novarl.backends.generation.hf import HFGeneration
 from novarl.backends.generation.stops import stop_string_end
 from novarl.models.loading import load_tokenizer, resolve_model_path
 from novarl.types import Prompt, SamplingConfig
+from tests.helpers.stops import assert_stopped_like
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +36,5 @@ def test_the_engine_stops_on_a_string_and_keeps_it(engine):
     assert all(len(c.token_ids) >= 2 for c in free)
     stop = tokenizer.decode(free[0].token_ids[:2], skip_special_tokens=True)[-1]  # the 2nd token's last character
     stopped = hf.generate(prompts, SamplingConfig(max_new_tokens=6, temperature=0.0, stop_strings=(stop,)))
-    for before, after in zip(free, stopped):
-        end = stop_string_end(before.token_ids, [stop], tokenizer)
-        if end is None:  # the string never came: as without it
-            assert after.token_ids == before.token_ids and after.finish_reason == before.finish_reason
-        else:
-            assert after.token_ids == before.token_ids[:end] and after.logprobs == pytest.approx(before.logprobs[:end])
-            assert after.finish_reason == "stop" and stop in after.text
+    assert_stopped_like(free, stopped, stop, tokenizer)
     assert len(stopped[0].token_ids) <= 2  # its stop string is in its first two tokens

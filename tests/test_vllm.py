@@ -19,6 +19,7 @@ from novarl.logging.metrics import read_jsonl  # noqa: E402
 from novarl.models.loading import resolve_model_path  # noqa: E402
 from novarl.trainer.api import GRPOTrainer  # noqa: E402
 from novarl.types import Prompt, SamplingConfig  # noqa: E402
+from tests.helpers.stops import assert_stopped_like  # noqa: E402
 
 
 def hf_greedy(model, tokenizer, texts):
@@ -52,6 +53,11 @@ def test_greedy_output_equals_transformers_after_several_weight_updates():
         assert [c.text for c in ours] == hf_greedy(model, tokenizer, texts)
         assert {c.policy_version for c in ours} == {version}
     assert [c.text for c in ours] != before  # the updates took effect
+    # a stop string: cut after the token that completes it, kept (vLLM is told no strings: it detokenizes nothing)
+    stop = next(c.text[1] for c in ours if len(c.text) > 1)
+    stopped = engine.generate(prompts, SamplingConfig(max_new_tokens=4, temperature=0.0, stop_strings=(stop,)))
+    assert_stopped_like(ours, stopped, stop, tokenizer)
+    assert any(len(a.token_ids) < len(b.token_ids) for a, b in zip(stopped, ours))
 
 
 def test_version_check():
