@@ -31,6 +31,9 @@ class Prompt:
     """Position of the example in its dataset (for logs and resume)."""
     columns: Mapping[str, Any] = field(default_factory=dict, compare=False)
     """The data row's other fields, offered to the reward function by name."""
+    source: Any = field(default=None, compare=False)
+    """The example's own prompt (its text or chat messages), before the prompt file and the chat
+    template: what an agent is given (rollout/agents.py)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,10 @@ class SamplingConfig:
     """Position in the step of the first prompt given to an engine: each sample's random
     stream is seeded by (seed, its position), so a step samples the same whatever the
     number of engines and how the prompts are shared among them."""
+    seeds: tuple[int, ...] | None = None
+    """Each prompt's own random seed, in order, instead of (seed, its position): an episode's turn
+    samples from (the step's seed, the turn, the episode) wherever and with whichever others it
+    runs (rollout/episodes.py turn_seed)."""
 
 
 @dataclass

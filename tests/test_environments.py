@@ -65,8 +65,15 @@ def test_environment_blocks_are_checked_as_the_config_loads():
         load_config(BUNDLED_RECIPE, overrides=["env.math.cfg={turns: 2}"])
     with pytest.raises(ConfigError, match="and yours, each naming its class in env.<name>.actor_class_fqn"):
         load_config(BUNDLED_RECIPE, overrides=["env.again.cfg={turns: 2}"])
-    with pytest.raises(ConfigError, match="the math environment's settings"):
-        load_config(BUNDLED_RECIPE, overrides=[*ENV, "env.again.num_workers=2"])
+    with pytest.raises(ConfigError, match="the math environment's setting"):
+        load_config(BUNDLED_RECIPE, overrides=[*ENV, "env.again.math_verify_impl=dapo_math_verify"])
+    assert load_config(BUNDLED_RECIPE, overrides=[*ENV, "env.again.num_workers=2"]).env["again"].num_workers == 2
+    with pytest.raises(ConfigError, match="a block names an agent or an environment class"):
+        load_config(BUNDLED_RECIPE, overrides=[*ENV, "env.again.agent=tests.helpers.agents:two_turns"])
+    single = load_config(BUNDLED_RECIPE, overrides=["policy.generation.vllm_cfg.async_engine=true"])
+    assert any("async_engine' = True: it plays each episode's turns on its own" in w for w in single.load_warnings)
+    assert not any("async_engine" in w for w in load_config(
+        BUNDLED_RECIPE, overrides=[*ENV, "policy.generation.vllm_cfg.async_engine=true"]).load_warnings)
 
 
 def test_an_environment_that_raises_stops_the_run_naming_it(tmp_path, capsys):
@@ -104,3 +111,52 @@ def test_novarl_eval_plays_greedy_episodes(capsys):
     code = main(["eval", "tiny-arith", *ENV, "grpo.max_rollout_turns=2", "grpo.max_val_samples=8"])
     out = capsys.readouterr().out
     assert code == 0 and "on 8 prompts, 2.0 turns an episode" in out
+
+
+def test_async_grpo_plays_episodes_and_a_run_killed_mid_episode_resumes_on_the_same_trajectories(tmp_path):
+    """Asynchronous GRPO over two-turn episodes (the engine in this process, one step ahead): ages
+    within the bound; killed with kill -9 after its second checkpoint (as the next round's episodes
+    play), resumed, it trains steps 3-5 on the trajectories of the uninterrupted run: the round in
+    flight came back from the checkpoint with its observations, turns and the environment's rewards."""
+    from tests.helpers import HF, train_steps, train_until_killed
+
+    def overrides(folder):
+        return [*ENV, *QUICK, HF, "grpo.max_rollout_turns=2", "grpo.max_num_steps=5", "grpo.val_at_end=false",
+                "grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=1",
+                "loss_fn.use_importance_sampling_correction=true", "grpo.num_prompts_per_step=4",
+                "policy.train_micro_batch_size=16",
+                f"logger.log_dir={folder / 'logs'}", f"checkpointing.checkpoint_dir={folder / 'ckpt'}",
+                "checkpointing.enabled=true", "checkpointing.save_period=1", "checkpointing.keep_top_k=10"]
+
+    whole = train_steps(GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path / "whole"))).train()
+                        .output_dir)
+    assert [whole[s]["trajectory_age_max"] for s in range(1, 6)] == [0, 1, 1, 1, 1]
+    assert all(whole[s]["episode_turns_mean"] == 2.0 for s in whole)
+    folder = tmp_path / "killed"
+    train_until_killed(overrides(folder), folder / "ckpt" / "step_2")
+    kept = max(int(p.name.split("_")[1]) for p in (folder / "ckpt").glob("step_*"))
+    assert 2 <= kept < 5 and (folder / "ckpt" / f"step_{kept}" / "rollouts.pt").is_file()
+    resumed = GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(folder))).train().output_dir
+    both = train_steps(resumed, this_run_only=False)
+    assert min(train_steps(resumed)) == kept + 1 and sorted(both) == [1, 2, 3, 4, 5]
+    for step in range(1, 6):
+        assert both[step]["reward_mean"] == whole[step]["reward_mean"]
+        assert both[step]["observation_tokens_mean"] == whole[step]["observation_tokens_mean"]
+        assert both[step]["loss"] == pytest.approx(whole[step]["loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("layout, said", [(["policy.generation.backend=vllm"], False),
+                                          (["policy.generation.backend=hf"], True),
+                                          (["cluster.gpus_per_node=2"], True)], ids=["vllm-here", "hf", "ray-ranks"])
+def test_per_sample_turns_where_the_engines_cannot_play_them_are_said(layout, said):
+    """vllm_cfg.async_engine plays each episode on its own with a vLLM engine in this process only."""
+    pytest.importorskip("vllm")
+    from novarl.backends.contract.checks import check_config
+    from novarl.rollout.episodes import ContentTokens, Episodes
+    from novarl.trainer.setup import lockstep_warning
+    from tests.helpers.environments import AskAgain
+
+    cfg = load_config(BUNDLED_RECIPE, overrides=[*ENV, "policy.generation.vllm_cfg.async_engine=true", *layout])
+    episodes = Episodes(AskAgain({}), ContentTokens(None), 2, per_sample=True)
+    warned = lockstep_warning(cfg, episodes, check_config(cfg).choice)
+    assert bool(warned) == said and all("plays each step's turns in lockstep" in w for w in warned)

@@ -29,14 +29,21 @@ def hf_greedy(model, tokenizer, texts):
     return tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
 
 
-def test_greedy_output_equals_transformers_after_several_weight_updates():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@pytest.fixture(scope="module")
+def engine():
+    """One vLLM engine in this process, shared by the tests that need one of their own."""
+    from transformers import AutoTokenizer
 
     path = resolve_model_path("tiny-arith")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    return VllmGeneration(path, AutoTokenizer.from_pretrained(path), GenerationConfig(vllm_cfg={"enforce_eager": True}),
+                          precision="float32", max_seq_length=32)
+
+
+def test_greedy_output_equals_transformers_after_several_weight_updates(engine):
+    from transformers import AutoModelForCausalLM
+
+    path, tokenizer = resolve_model_path("tiny-arith"), engine.tokenizer
     model = AutoModelForCausalLM.from_pretrained(path)
-    engine = VllmGeneration(path, tokenizer, GenerationConfig(vllm_cfg={"enforce_eager": True}),
-                            precision="float32", max_seq_length=16)
     texts = [f"{a}+{b}=" for a in range(10, 99, 9) for b in range(12, 99, 11)]
     prompts = [Prompt(text=t, token_ids=tokenizer(t).input_ids) for t in texts]
     greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
@@ -58,6 +65,61 @@ def test_greedy_output_equals_transformers_after_several_weight_updates():
     stopped = engine.generate(prompts, SamplingConfig(max_new_tokens=4, temperature=0.0, stop_strings=(stop,)))
     assert_stopped_like(ours, stopped, stop, tokenizer)
     assert any(len(a.token_ids) < len(b.token_ids) for a, b in zip(stopped, ours))
+
+
+class RecordingTurns:
+    """A ContinuousEngine that keeps every turn it was given (its prompt's tokens) and returned."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.turns = engine, []
+
+    def add(self, key, prompt, sampling) -> None:
+        self.engine.add(key, prompt, sampling)
+        self.turns.append((key, list(prompt.token_ids)))
+
+    def step(self):
+        return self.engine.step()
+
+    def unfinished(self) -> int:
+        return self.engine.unfinished()
+
+
+def test_episodes_each_on_its_own_play_what_lockstep_turns_play(engine):
+    """Per-sample turns (vllm_cfg.async_engine): each turn joins vLLM's running batch as its episode's
+    environment answers, the episodes uneven (1 to 3 turns); the same episodes as turns in
+    lockstep for the same seed, and each turn starts from exactly the tokens sampled and observed."""
+    from novarl.backends.generation.engines import LocalGeneration
+    from novarl.backends.protocols import ContinuousEngine
+    from novarl.rollout.episodes import ContentTokens, Episodes, play_each
+    from tests.helpers.environments import UnevenTurns
+
+    tokenizer = engine.tokenizer
+    texts = [f"{a}+{b}=" for a, b in [(12, 34), (5, 7), (40, 2), (99, 1), (3, 3), (61, 8)]]
+    prompts = [Prompt(t, tokenizer(t)["input_ids"], answer=str(eval(t[:-1])), index=i, columns={"turns": 1 + i % 3})
+               for i, t in enumerate(texts)]
+    prompts = [p for p in prompts for _ in range(2)]  # groups of 2
+    sampling = SamplingConfig(max_new_tokens=5, temperature=1.0, seed=3)
+    environment, observations = UnevenTurns({"max_turns": 3, "delay_s": 0.01}), ContentTokens(tokenizer)
+    lockstep = Episodes(environment, observations, max_turns=3, max_tokens=32, workers=4)
+    each = Episodes(environment, observations, max_turns=3, max_tokens=32, workers=4, per_sample=True)
+    generator = LocalGeneration(engine)
+    assert isinstance(engine, ContinuousEngine) and lockstep.continuous(generator) is None
+    assert each.continuous(generator) is engine
+    in_lockstep, lockstep_rewards = lockstep.play(generator, prompts, sampling)
+    recording = RecordingTurns(engine)
+    on_their_own, rewards = play_each(recording, prompts, sampling, environment, observations, max_turns=3,
+                                      max_tokens=32, workers=4)
+    assert sorted({c.turns for c in on_their_own}) == [1, 2, 3] and rewards == lockstep_rewards
+    for a, b in zip(in_lockstep, on_their_own):
+        assert (a.token_ids, a.observed, a.turns) == (b.token_ids, b.observed, b.turns)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    observation = tokenizer(" again:", add_special_tokens=False)["input_ids"]
+    for e, (prompt, episode) in enumerate(zip(prompts, on_their_own)):  # each turn from the exact sequence so far
+        starts = [0, *(b for _, b in episode.observed)]
+        assert [tokens for key, tokens in recording.turns if key == e] == \
+            [[*prompt.token_ids, *episode.token_ids[:start]] for start in starts]
+        assert all(episode.token_ids[a:b] == observation for a, b in episode.observed)
+    assert engine.unfinished() == 0
 
 
 def test_version_check():

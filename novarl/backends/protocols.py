@@ -107,6 +107,25 @@ class Engine(WeightReceiver, Protocol):
         ...
 
 
+@runtime_checkable
+class ContinuousEngine(Protocol):
+    """An engine that takes requests while it generates (continuous batching: vLLM's), so that an
+    episode's next turn joins the running batch as soon as its environment answers, rather than
+    waiting for every episode's turn to end (rollout/episodes.py play_each)."""
+
+    def add(self, key: int, prompt: Prompt, sampling: SamplingConfig) -> None:
+        """Start one completion of `prompt` (its seed: sampling.seeds[0] when given)."""
+        ...
+
+    def step(self) -> list[tuple[int, Completion]]:
+        """Generate a little (one scheduling step): the completions finished, under their keys."""
+        ...
+
+    def unfinished(self) -> int:
+        """How many added completions step has not returned yet."""
+        ...
+
+
 class Rollout(Protocol):
     """A step's completions on their way: the future `GenerationBackend.submit` returns."""
 

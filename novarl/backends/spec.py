@@ -187,6 +187,9 @@ class GenerationSpec:
     """The policy.generation.vllm_cfg keys it reads (None: all of them)."""
     vllm_cfg_note = ""
     """Why it reads no more of them, for the line that says which went unused."""
+    continuous_batching = False
+    """Its engine takes requests while it generates (protocols.ContinuousEngine), so that episodes play
+    their turns each on its own (policy.generation.vllm_cfg.async_engine)."""
     on_training_weights = False
     """Samples with the training weights (no copy of its own, no weight transfer)."""
     tensor_parallel_key: str | None = None

@@ -527,7 +527,7 @@ def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
     for name in list(env):
         if name in BUILT_IN_ENVIRONMENTS and isinstance(env[name], dict):
             env[name].setdefault("actor_class_fqn", BUILT_IN_ENVIRONMENTS[name])  # novarl's own game
-        if name in MATH_ENVIRONMENTS or (isinstance(env[name], dict) and "actor_class_fqn" in env[name]):
+        if name in MATH_ENVIRONMENTS or (isinstance(env[name], dict) and {"actor_class_fqn", "agent"} & set(env[name])):
             continue  # math is reward.function math_verify; a class (novarl's or the user's) plays episodes
         block = env.pop(name)
         if name not in NEMO_RL_ENVIRONMENTS:

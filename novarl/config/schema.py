@@ -570,7 +570,7 @@ class NovaRLConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     env: dict[str, EnvConfig] = {}
     """NeMo RL's environments: env.math (scored by reward.function math_verify), and the
-    environments that play episodes (actor_class_fqn), one per run for now."""
+    environments that play episodes (actor_class_fqn, or an agent), one per run for now."""
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
@@ -603,10 +603,10 @@ class NovaRLConfig(Section):
                 "for generation on GPUs of its own")
         self._critic_checks()
         self._forced_ratio_checks()
-        classes = sorted(name for name, block in self.env.items() if block.actor_class_fqn is not None)
+        classes = sorted(name for name, block in self.env.items() if block.plays_episodes)
         if len(classes) > 1:
-            raise ValueError(f"env: {', '.join(classes)} each name an environment class (actor_class_fqn): one "
-                             "environment plays a run's episodes for now")
+            raise ValueError(f"env: {', '.join(classes)} each name an environment class (actor_class_fqn) or an "
+                             "agent: one environment plays a run's episodes for now")
         if self.loss_fn.ratio_clip_min >= 1:
             raise ValueError(f"loss_fn.ratio_clip_min={self.loss_fn.ratio_clip_min} must be < 1 "
                              "(the ratio is clipped to [1 - min, 1 + max])")

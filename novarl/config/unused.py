@@ -35,8 +35,6 @@ SETTINGS: tuple[Setting, ...] = (
             "saving before a wall-clock deadline is not built; grpo.max_train_seconds ends a run on time, with a "
             "checkpoint"),
     Setting("policy.dtensor_cfg._v2", lambda v: v is True, False, "novarl has one DTensor worker"),
-    Setting("policy.generation.vllm_cfg.async_engine", _off, False,
-            "novarl's vLLM engines are the synchronous LLM, each serving its share of a step at once"),
     Setting("checkpointing.save_consolidated", _off, False,
             "checkpoints hold the training shards; `novarl convert` (and the end of every run) writes the Hugging "
             "Face folder"),
@@ -96,6 +94,10 @@ def check_settings(config: NovaRLConfig) -> list[str]:
                             "gradients are summed in the collective, since each micro-batch's loss is already its "
                             "share of the step's mean (the same update)")
     generation = config.policy.generation
+    if generation.vllm_cfg.async_engine and not any(block.plays_episodes for block in config.env.values()):
+        warnings.append("'policy.generation.vllm_cfg.async_engine' = True: it plays each episode's turns on its own "
+                        "(an environment's: env.<name>.actor_class_fqn); this run's rollouts are single-turn, each "
+                        "step's prompts generated at once")
     if generation.backend == "megatron" and generation.mcore_generation_config.num_cuda_graphs:
         warnings.append(f"'policy.generation.mcore_generation_config.num_cuda_graphs' = "
                         f"{generation.mcore_generation_config.num_cuda_graphs}: Megatron generation decodes eagerly "

@@ -287,7 +287,7 @@ def to_prompts(examples: list[Example], tokenizer, *, template: str | None = Non
     # tokenizing (8,100 short prompts: 1.8 s one by one, 0.3 s at once, the same ids).
     # A rendered template holds its own special tokens.
     all_ids = tokenizer(texts, add_special_tokens=jinja is None).input_ids if texts else []
-    return [Prompt(text=text, token_ids=list(ids), answer=ex.answer, index=index, columns=ex.columns)
+    return [Prompt(text=text, token_ids=list(ids), answer=ex.answer, index=index, columns=ex.columns, source=ex.prompt)
             for index, (ex, text, ids) in enumerate(zip(examples, texts, all_ids, strict=True))
             if max_prompt_tokens is None or len(ids) <= max_prompt_tokens]
 

@@ -14,7 +14,10 @@ Round r is submitted after weights r - 1 - k are queued, and the engines take we
 they were queued, so it is generated with weights r - 1 - k or newer: at most k steps old when step
 r trains on it (checked: an older one stops the run). The schedule does not depend on timing:
 the same seed gives the same trajectories, on any number of engines, and in one process (where the
-engine generates at submit) as on dedicated ones.
+engine generates at submit) as on dedicated ones. Multi-turn episodes (an environment's) are the
+exception on dedicated engines: a round's later turns are submitted as its earlier ones come back,
+so which weights they meet depends on timing (EpisodesInFlight); an episode's age is its first
+turn's.
 
 An evaluation queues the newest weights first (its prompts go behind the rounds in flight).
 Resume is exact: a checkpoint holds the sampler's position before the oldest round in flight and
@@ -33,7 +36,7 @@ import torch
 
 from novarl.errors import RunFailed
 from novarl.logging.console import info
-from novarl.rollout.collect import Rollouts, draw_round, round_metrics, score_round
+from novarl.rollout.collect import Rollouts, draw_round, episode_rewards, round_metrics, score_round
 from novarl.types import Completion, Prompt, SamplingConfig
 
 
@@ -47,12 +50,16 @@ class Round:
     sampler_before: dict[str, int]
     """The sampler's position before these prompts were drawn (what a checkpoint resumes from)."""
     future: Any = None
-    """The engines' Rollout (submit's handle), None when restored."""
+    """The engines' Rollout (submit's handle) or EpisodesInFlight, None when restored."""
     completions: list[Completion] | None = None
+    rewards: list[float] | None = None
+    """The environment's, per episode (a run with an environment); None: the scorer's, at take."""
 
     def result(self) -> list[Completion]:
         if self.completions is None:
             self.completions = self.future.result()
+            if isinstance(self.future, EpisodesInFlight):
+                self.rewards = self.future.rewards
         return self.completions
 
     def engine_times(self) -> dict[str, float]:
@@ -102,7 +109,10 @@ class AsyncRollouts:
         if max(ages) > self.max_age:  # an invariant of the schedule above (a restored round may break it)
             raise RunFailed(f"asynchronous GRPO was about to train on a trajectory {max(ages)} steps old at step "
                             f"{step} (grpo.async_grpo.max_trajectory_age_steps={self.max_age}).")
-        raw, scaled, shaped = score_round(self.cfg, self.inputs, completions)
+        if round_.rewards is not None:  # an environment's episodes
+            raw, scaled, shaped = episode_rewards(self.cfg, self.inputs, completions, round_.rewards, step)
+        else:
+            raw, scaled, shaped = score_round(self.cfg, self.inputs, completions)
         metrics = {"trajectory_age_mean": sum(ages) / len(ages), "trajectory_age_max": float(max(ages)),
                    **age_histogram(ages, self.max_age), **round_.engine_times()}
         return Rollouts(completions, shaped, round_metrics(self.cfg, completions, raw, shaped)), metrics
@@ -132,7 +142,12 @@ class AsyncRollouts:
     def _submit(self, step: int) -> None:
         before = self.inputs.sampler.state_dict()
         prompts, sampling = draw_round(self.cfg, self.inputs, step, 0, self.cfg.grpo.num_prompts_per_step)
-        self.rounds.append(Round(step, prompts, sampling, before, future=self.roles.generator.submit(prompts, sampling)))
+        from novarl.backends.generation.engines import LocalGeneration
+
+        generator, episodes = self.roles.generator, self.inputs.episodes
+        future = generator.submit(prompts, sampling) if episodes is None else EpisodesInFlight(
+            episodes, generator, prompts, sampling, in_thread=not isinstance(generator, LocalGeneration))
+        self.rounds.append(Round(step, prompts, sampling, before, future=future))
         self.next_round = step + 1
 
     # ------------------------------------------------------------- checkpoints
@@ -143,7 +158,7 @@ class AsyncRollouts:
     def state(self) -> list[dict[str, Any]]:
         """The rounds in flight, for a checkpoint (rollouts.pt): each one's step and completions
         (waited for) as tensors, without the prompts, which the sampler draws again on resume."""
-        return [pack_round(r.step, r.result()) for r in self.rounds]
+        return [pack_round(r.step, r.result(), r.rewards) for r in self.rounds]
 
     def restore(self, state: list[dict[str, Any]] | dict[str, Any] | None, version: int) -> None:
         """After a resume at step `version` (the sampler at sampler_state(), the engines given weights
@@ -175,35 +190,99 @@ class AsyncRollouts:
             raise RunFailed(f"the checkpoint's rollouts in flight hold {len(completions)} completions for step "
                             f"{saved['step']} that do not answer the {len(prompts)} prompts the sampler draws again: "
                             "the config's batch or data differ from the run that wrote it.")
-        return Round(saved["step"], prompts, sampling, before, completions=[
+        return Round(saved["step"], prompts, sampling, before, rewards=saved.get("rewards"), completions=[
             Completion(prompt=p, token_ids=list(c["token_ids"]), logprobs=list(c["logprobs"]), text=c["text"],
-                       finish_reason=c["finish_reason"], policy_version=int(c["policy_version"]))
+                       finish_reason=c["finish_reason"], policy_version=int(c["policy_version"]),
+                       observed=tuple(c.get("observed", ())), turns=c.get("turns", 1), failed=c.get("failed"))
             for p, c in zip(prompts, completions)])
 
 
-def pack_round(step: int, completions: list[Completion]) -> dict[str, Any]:
-    """A round's completions as a few flat tensors (what rollouts.pt holds)."""
-    return {"step": step, "prompt_index": torch.tensor([c.prompt.index for c in completions]),
-            "policy_version": torch.tensor([c.policy_version for c in completions]),
-            "lengths": torch.tensor([len(c.token_ids) for c in completions]),
-            "token_ids": torch.tensor([t for c in completions for t in c.token_ids], dtype=torch.int64),
-            "logprobs": torch.tensor([x for c in completions for x in c.logprobs], dtype=torch.float32),
-            "text": [c.text for c in completions], "finish_reason": [c.finish_reason for c in completions]}
+class EpisodesInFlight:
+    """A round of episodes on their way (the Rollout an episodes' round is): played on a thread of
+    its own (in_thread: engines in other processes), which submits each turn to the engines as the
+    last one's answers come while the trainer trains; else at once (an engine in this process:
+    nothing would overlap, and its weights are loaded between rounds). Weights queued meanwhile are
+    taken between the turns' submissions, so an episode's later turns may be generated with newer
+    weights than its first, as the engines' progress has it (with engines elsewhere, multi-turn
+    trajectories depend on timing, unlike single-turn ones): its age is its first turn's
+    (Completion.policy_version), and each turn's logprobs are its engine's, which the
+    importance-sampling correction compares the trainer's with."""
+
+    def __init__(self, episodes, generator, prompts: list[Prompt], sampling: SamplingConfig, *,
+                 in_thread: bool) -> None:
+        import threading
+        import time
+
+        self.rewards: list[float] | None = None
+        self.completions: list[Completion] | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+
+        def run() -> None:
+            start = time.perf_counter()
+            try:
+                self.completions, self.rewards = episodes.play(generator, prompts, sampling)
+            except BaseException as err:  # raised again by result(), in the trainer's thread
+                self.error = err
+            self.seconds = time.perf_counter() - start
+
+        self.thread = threading.Thread(target=run, daemon=True, name="novarl-episodes") if in_thread else None
+        if self.thread is None:
+            run()
+        else:
+            self.thread.start()
+
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+    def result(self) -> list[Completion]:
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.completions is not None
+        return self.completions
+
+    def times(self) -> dict[str, float]:
+        return {"time_generation": self.seconds}
+
+
+def pack_round(step: int, completions: list[Completion], rewards: list[float] | None = None) -> dict[str, Any]:
+    """A round's completions as a few flat tensors (what rollouts.pt holds); episodes' also their
+    observations' spans, turns, failures and the environment's rewards."""
+    packed = {"step": step, "prompt_index": torch.tensor([c.prompt.index for c in completions]),
+              "policy_version": torch.tensor([c.policy_version for c in completions]),
+              "lengths": torch.tensor([len(c.token_ids) for c in completions]),
+              "token_ids": torch.tensor([t for c in completions for t in c.token_ids], dtype=torch.int64),
+              "logprobs": torch.tensor([x for c in completions for x in c.logprobs], dtype=torch.float32),
+              "text": [c.text for c in completions], "finish_reason": [c.finish_reason for c in completions]}
+    if rewards is not None:
+        packed.update(rewards=torch.tensor(rewards, dtype=torch.float64),
+                      turns=torch.tensor([c.turns for c in completions]),
+                      observed=[torch.tensor(c.observed, dtype=torch.int64).view(-1, 2) for c in completions],
+                      failed=[c.failed for c in completions])
+    return packed
 
 
 def unpack_round(saved: dict[str, Any]) -> dict[str, Any]:
-    """pack_round's dict back into {"step", "completions": [per-completion dicts]} (the form an
-    older checkpoint's trainer_state.json held, which passes as it is)."""
+    """pack_round's dict back into {"step", "completions": [per-completion dicts], "rewards"} (the
+    form an older checkpoint's trainer_state.json held, which passes as it is)."""
     if "completions" in saved:
         return saved
     ends = saved["lengths"].cumsum(0).tolist()
     starts = [0, *ends[:-1]]
     token_ids, logprobs = saved["token_ids"].tolist(), saved["logprobs"].tolist()
-    return {"step": saved["step"], "completions": [
+    completions = [
         {"prompt_index": index, "token_ids": token_ids[a:b], "logprobs": logprobs[a:b], "text": text,
          "finish_reason": reason, "policy_version": version}
         for index, version, a, b, text, reason in zip(saved["prompt_index"].tolist(), saved["policy_version"].tolist(),
-                                                      starts, ends, saved["text"], saved["finish_reason"])]}
+                                                      starts, ends, saved["text"], saved["finish_reason"])]
+    if "rewards" not in saved:
+        return {"step": saved["step"], "completions": completions}
+    for completion, turns, observed, failed in zip(completions, saved["turns"].tolist(), saved["observed"],
+                                                   saved["failed"]):
+        completion.update(turns=turns, observed=[tuple(span) for span in observed.tolist()], failed=failed)
+    return {"step": saved["step"], "completions": completions, "rewards": saved["rewards"].tolist()}
 
 
 def age_histogram(ages: list[int], max_age: int) -> dict[str, float]:

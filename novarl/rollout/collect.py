@@ -100,9 +100,16 @@ def _round(cfg: NovaRLConfig, inputs, roles, step: int, round_index: int, prompt
     with timer("generation"):  # the environment's steps included
         completions, rewards = inputs.episodes.play(roles.generator, prompts, sampling)
         roles.release_generator()
+    return (completions, *episode_rewards(cfg, inputs, completions, rewards, step))
+
+
+def episode_rewards(cfg: NovaRLConfig, inputs, completions: list[Completion], rewards: list[float], step: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the environment's rewards, scaled, scaled and shaped) of a round's episodes: a failed one's
+    neutral in its group (neutral_rewards); too many failed stop the run (check_failures)."""
     check_failures(completions, inputs.episodes.max_failed_fraction, f"at step {step}")
     rewards = neutral_rewards(completions, rewards, cfg.grpo.num_generations_per_prompt)
-    return (completions, *shape_round(cfg, completions, torch.tensor(rewards, dtype=torch.float32)))
+    return shape_round(cfg, completions, torch.tensor(rewards, dtype=torch.float32))
 
 
 def draw_round(cfg: NovaRLConfig, inputs, step: int, round_index: int, prompts_count: int

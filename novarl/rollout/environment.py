@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from novarl.data.arithmetic import Example
+
+if TYPE_CHECKING:
+    from novarl.rollout.agents import AgentFunction
 
 Message = dict[str, str]
 """An OpenAI-style chat message: {"role": ..., "content": ...}."""
@@ -66,8 +69,8 @@ class ScoredOnce:
 
 def episode_environment(cfg) -> tuple[str, Any] | None:
     """(name, block) of the env.<name> block that plays the run's episodes (it names a class:
-    actor_class_fqn), or None: completions are scored by reward.function."""
-    return next(((name, block) for name, block in cfg.env.items() if block.actor_class_fqn is not None), None)
+    actor_class_fqn, or an agent), or None: completions are scored by reward.function."""
+    return next(((name, block) for name, block in cfg.env.items() if block.plays_episodes), None)
 
 
 def environment_examples(name: str, environment: MakesExamples, split: str, count: int, seed: int) -> list[Example]:
@@ -85,11 +88,16 @@ def environment_examples(name: str, environment: MakesExamples, split: str, coun
     return made
 
 
-def load_environment(name: str, block) -> Environment:
-    """env.<name>'s class, built with its cfg; a UserError naming the block for anything wrong."""
+def load_environment(name: str, block) -> Environment | AgentFunction:
+    """env.<name>'s class, built with its cfg (or its agent function: rollout/agents.py
+    AgentFunction); a UserError naming the block for anything wrong."""
     from novarl.errors import UserError
     from novarl.rewards.registry import import_attribute
 
+    if block.agent is not None:
+        from novarl.rollout.agents import load_agent
+
+        return load_agent(name, block.agent)
     key = f"env.{name}.actor_class_fqn"
     cls, where = import_attribute(block.actor_class_fqn, key, what="class")
     if not callable(cls):

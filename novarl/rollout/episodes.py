@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from novarl.backends.protocols import GenerationBackend
+from novarl.backends.protocols import ContinuousEngine, GenerationBackend
 from novarl.errors import RunFailed
 from novarl.rollout.environment import Environment, EnvStep, Message
 from novarl.types import Completion, Prompt, SamplingConfig
@@ -25,8 +25,9 @@ TURN_SEED_STRIDE = 7_919
 
 
 class ObservationTokens(Protocol):
-    def __call__(self, message: Message, turn: Sequence[int]) -> list[int]:
-        """The tokens an observation adds after a turn (the turn's sampled tokens: `turn`), rendered once."""
+    def __call__(self, message: Message | Sequence[Message], turn: Sequence[int]) -> list[int]:
+        """The tokens an observation (a message, or several in a row) adds after a turn (the turn's
+        sampled tokens: `turn`), rendered once."""
         ...
 
 
@@ -37,8 +38,10 @@ class ContentTokens:
 
     tokenizer: Any
 
-    def __call__(self, message: Message, turn: Sequence[int] = ()) -> list[int]:
-        return list(self.tokenizer(message["content"], add_special_tokens=False)["input_ids"])
+    def __call__(self, message: Message | Sequence[Message], turn: Sequence[int] = ()) -> list[int]:
+        messages = [message] if isinstance(message, Mapping) else message
+        text = "".join(m.get("content") or "" for m in messages)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 TURN_MARK = "\u2063novarl-turn\u2063"
@@ -62,16 +65,19 @@ class TemplateTokens:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
                                                   add_generation_prompt=next_turn, **self.kwargs)
 
-    def text(self, message: Message, ended_with: str | None) -> str:
-        """The observation's text after a turn; ended_with: the text of the special token the turn
-        ended on (its end-of-turn or end-of-sequence token), None when it ended otherwise."""
+    def text(self, message: Message | Sequence[Message], ended_with: str | None) -> str:
+        """The observation's text after a turn (one message, or several in a row); ended_with: the
+        text of the special token the turn ended on (its end-of-turn or end-of-sequence token),
+        None when it ended otherwise."""
         from novarl.errors import UserError
 
+        messages = [dict(message)] if isinstance(message, Mapping) else [dict(m) for m in message]
         reference: list[Message] = [{"role": "user", "content": "."}, {"role": "assistant", "content": TURN_MARK}]
         try:
-            before, after = self._render(reference, False), self._render([*reference, dict(message)], True)
+            before, after = self._render(reference, False), self._render([*reference, *messages], True)
         except Exception as err:  # jinja2's errors, and those a template raises itself
-            raise UserError(f"the chat template cannot render a message of role {message.get('role')!r} after the "
+            roles = ", ".join(repr(m.get("role")) for m in messages)
+            raise UserError(f"the chat template cannot render a message of role {roles} after the "
                             f"model's turn ({type(err).__name__}: {err})") from None
         if not after.startswith(before) or TURN_MARK not in before:
             raise UserError("the chat template renders a conversation differently once a message follows it, so an "
@@ -81,7 +87,7 @@ class TemplateTokens:
             closing = closing[len(ended_with):]
         return closing + after[len(before):]
 
-    def __call__(self, message: Message, turn: Sequence[int]) -> list[int]:
+    def __call__(self, message: Message | Sequence[Message], turn: Sequence[int]) -> list[int]:
         special = set(getattr(self.tokenizer, "all_special_ids", ()) or ())
         ended_with = self.tokenizer.decode([turn[-1]], skip_special_tokens=False) \
             if turn and turn[-1] in special else None
@@ -103,6 +109,8 @@ class Episode:
     finish_reason: str = "stop"
     policy_version: int = 0
     last_text: str = ""
+    last_tokens: list[int] = field(default_factory=list)
+    """The last turn's sampled tokens."""
     done: bool = False
     failed: str | None = None
 
@@ -114,8 +122,10 @@ class Episode:
         self.tokens += completion.token_ids
         self.logprobs += completion.logprobs
         self.turns += 1
-        self.finish_reason, self.policy_version = completion.finish_reason, completion.policy_version
-        self.last_text = completion.text
+        self.finish_reason = completion.finish_reason
+        if self.turns == 1:  # its age: its first turn's weights (later turns' may be newer)
+            self.policy_version = completion.policy_version
+        self.last_text, self.last_tokens = completion.text, list(completion.token_ids)
         self.conversation.append({"role": "assistant", "content": completion.text})
 
     def answered(self, step: EnvStep, observation: list[int] | None) -> None:
@@ -125,10 +135,14 @@ class Episode:
             self.done = True
             return
         assert step.observation is not None
-        self.observed.append((len(self.tokens), len(self.tokens) + len(observation)))
-        self.tokens += observation
-        self.logprobs += [0.0] * len(observation)
-        self.conversation.append(step.observation)
+        self.observe(observation, [step.observation])
+
+    def observe(self, tokens: list[int], messages: Sequence[Message]) -> None:
+        """Append an observation: its tokens (no loss) and its messages."""
+        self.observed.append((len(self.tokens), len(self.tokens) + len(tokens)))
+        self.tokens += tokens
+        self.logprobs += [0.0] * len(tokens)
+        self.conversation.extend(messages)
 
     def completion(self) -> Completion:
         return Completion(prompt=self.prompt, token_ids=self.tokens, logprobs=self.logprobs, text=self.last_text,
@@ -143,6 +157,24 @@ def first_metadata(prompt: Prompt) -> dict[str, Any]:
     return {**prompt.columns, **({"answer": prompt.answer} if prompt.answer is not None else {})}
 
 
+class PlaysEpisodes(Protocol):
+    """How a run plays its episodes: an environment's (Episodes) or an agent's (agents.AgentEpisodes)."""
+
+    @property
+    def max_failed_fraction(self) -> float:
+        """env.<name>.max_failed_fraction."""
+        ...
+
+    def play(self, generator: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig
+             ) -> tuple[list[Completion], list[float]]:
+        """(each prompt's episode as one Completion, its reward), in order."""
+        ...
+
+    def take_metrics(self) -> dict[str, float]:
+        """Counts since the last call (tool calls, the agents' requests, ...)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Episodes:
     """How a run plays its episodes: its environment, how an observation becomes tokens, and the
@@ -154,11 +186,29 @@ class Episodes:
     max_tokens: int | None = None
     max_failed_fraction: float = 0.0
     """env.<name>.max_failed_fraction: above it a step's failed episodes stop the run."""
+    workers: int = 1
+    """env.<name>.num_workers: how many of the environment's steps run at once (threads)."""
+    per_sample: bool = False
+    """policy.generation.vllm_cfg.async_engine: each episode's turns on its own (play_each) where the
+    engine takes requests while it generates (vLLM in this process); turns in lockstep otherwise."""
+
+    def continuous(self, generator: GenerationBackend) -> ContinuousEngine | None:
+        """The engine that plays each episode on its own, None when the turns run in lockstep."""
+        from novarl.backends.generation.engines import LocalGeneration
+
+        if self.per_sample and isinstance(generator, LocalGeneration) and \
+                isinstance(generator.engine, ContinuousEngine):
+            return generator.engine
+        return None
 
     def play(self, generator: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig
              ) -> tuple[list[Completion], list[float]]:
+        engine = self.continuous(generator)
+        if engine is not None:
+            return play_each(engine, prompts, sampling, self.environment, self.observation_tokens,
+                             max_turns=self.max_turns, max_tokens=self.max_tokens, workers=self.workers)
         return play(generator, prompts, sampling, self.environment, self.observation_tokens,
-                    max_turns=self.max_turns, max_tokens=self.max_tokens)
+                    max_turns=self.max_turns, max_tokens=self.max_tokens, workers=self.workers)
 
     def take_metrics(self) -> dict[str, float]:
         """The environment's own counts since the last call (an environment with `take_metrics`:
@@ -208,35 +258,116 @@ def check_failures(completions: Sequence[Completion], bound: float, where: str) 
     return {"episodes_failed_fraction": fraction}
 
 
+def turn_seed(sampling: SamplingConfig, episode: int, turn: int) -> int | None:
+    """The random seed of an episode's turn: from the step's seed, the turn (turn t samples with
+    seed + t x TURN_SEED_STRIDE) and the episode's position in the step, so the same whether
+    the turns run in lockstep or each as its episode is ready, and whichever batch it joins."""
+    from novarl.backends.generation.hf import sample_seed
+
+    if sampling.seed is None:
+        return None
+    return sample_seed(sampling.seed + turn * TURN_SEED_STRIDE, sampling.seed_offset + episode)
+
+
+def with_turn_seeds(sampling: SamplingConfig, episodes: Sequence[int], turns: Sequence[int]) -> SamplingConfig:
+    """`sampling` for a submission of these episodes' turns (each prompt's own seed)."""
+    if sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seeds=tuple(turn_seed(sampling, e, t) for e, t in zip(episodes, turns)))
+
+
+class Turns:
+    """The bookkeeping shared by both ways of playing: the episodes, their sampling (the
+    environment's stop strings added), and what follows a turn once the environment answered."""
+
+    def __init__(self, prompts: Sequence[Prompt], sampling: SamplingConfig, environment: Environment,
+                 observation_tokens: ObservationTokens, max_turns: int, max_tokens: int | None) -> None:
+        self.episodes = [Episode(p, [{"role": "user", "content": p.text}], first_metadata(p)) for p in prompts]
+        own = tuple(getattr(environment, "stop_strings", ()) or ())  # the environment's turns end on these too
+        self.sampling = dataclasses.replace(sampling, stop_strings=tuple(dict.fromkeys((*sampling.stop_strings,
+                                                                                        *own))))
+        self.environment, self.observation_tokens = environment, observation_tokens
+        self.max_turns, self.max_tokens = max_turns, max_tokens
+
+    def answer(self, index: int) -> EnvStep | str:
+        """The environment's answer to episode `index`'s last turn (safe to call from a worker thread)."""
+        episode = self.episodes[index]
+        return answer_of(self.environment, episode, episode.turns - 1)
+
+    def answered(self, index: int, step: EnvStep | str) -> bool:
+        """Take the environment's answer to the episode's last turn: its observation's tokens are
+        appended, unless the episode ends here. Whether it goes on."""
+        episode = self.episodes[index]
+        if isinstance(step, str):  # it failed: the episode ends here, without loss
+            episode.failed, episode.done = step, True
+            return False
+        last = step.done or step.observation is None or episode.turns >= self.max_turns
+        observation = None if last else self.observation_tokens(step.observation, episode.last_tokens)
+        if observation is not None and self.max_tokens is not None and \
+                len(episode.prompt.token_ids) + len(episode.tokens) + len(observation) >= self.max_tokens:
+            observation = None  # no room for another turn
+        episode.answered(step, observation)
+        return not episode.done
+
+    def request(self, index: int) -> tuple[Prompt, SamplingConfig]:
+        """Episode `index`'s next turn: its tokens so far, and the turn's sampling (its own seed)."""
+        episode = self.episodes[index]
+        return episode.request(), with_turn_seeds(self.sampling, [index], [episode.turns])
+
+    def results(self) -> tuple[list[Completion], list[float]]:
+        return [e.completion() for e in self.episodes], [e.reward for e in self.episodes]
+
+
 def play(generator: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig,
          environment: Environment, observation_tokens: ObservationTokens, *, max_turns: int,
-         max_tokens: int | None = None) -> tuple[list[Completion], list[float]]:
+         max_tokens: int | None = None, workers: int = 1) -> tuple[list[Completion], list[float]]:
     """Play one episode per prompt for at most max_turns turns (and, with max_tokens, until an
-    episode's prompt and tokens would pass it): (its Completion, its reward) per prompt, in order.
-    A turn cut by max_new_tokens still goes to the environment, which decides whether the episode
-    goes on."""
-    episodes = [Episode(p, [{"role": "user", "content": p.text}], first_metadata(p)) for p in prompts]
-    own = tuple(getattr(environment, "stop_strings", ()) or ())  # the environment's turns end on these too
-    sampling = dataclasses.replace(sampling, stop_strings=tuple(dict.fromkeys((*sampling.stop_strings, *own))))
-    active = list(range(len(episodes)))
-    for turn in range(max_turns):
-        if not active:
-            break
-        seed = None if sampling.seed is None else sampling.seed + turn * TURN_SEED_STRIDE
-        completions = generator.submit([episodes[i].request() for i in active],
-                                       dataclasses.replace(sampling, seed=seed)).result()
-        for i, completion in zip(active, completions):
-            episode = episodes[i]
-            episode.took(completion)
-            step = answer_of(environment, episode, turn)
-            if isinstance(step, str):  # it failed: the episode ends here, without loss
-                episode.failed, episode.done = step, True
-                continue
-            last = step.done or step.observation is None or turn == max_turns - 1
-            observation = None if last else observation_tokens(step.observation, completion.token_ids)
-            if observation is not None and max_tokens is not None and \
-                    len(episode.prompt.token_ids) + len(episode.tokens) + len(observation) >= max_tokens:
-                observation = None  # no room for another turn
-            episode.answered(step, observation)
-        active = [i for i in active if not episodes[i].done]
-    return [e.completion() for e in episodes], [e.reward for e in episodes]
+    episode's prompt and tokens would pass it), the turns in lockstep: every active episode's
+    turn t in one submission, then the environment's answers (`workers` at once), then turn t + 1.
+    (its Completion, its reward) per prompt, in order. A turn cut by max_new_tokens still goes to
+    the environment, which decides whether the episode goes on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    turns = Turns(prompts, sampling, environment, observation_tokens, max_turns, max_tokens)
+    active = list(range(len(prompts)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="novarl-env") as pool:
+        for turn in range(max_turns):
+            if not active:
+                break
+            submitted = with_turn_seeds(turns.sampling, active, [turn] * len(active))
+            completions = generator.submit([turns.episodes[i].request() for i in active], submitted).result()
+            for i, completion in zip(active, completions):
+                turns.episodes[i].took(completion)
+            steps = list(pool.map(turns.answer, active))
+            active = [i for i, step in zip(active, steps) if turns.answered(i, step)]
+    return turns.results()
+
+
+def play_each(engine: ContinuousEngine, prompts: Sequence[Prompt], sampling: SamplingConfig,
+              environment: Environment, observation_tokens: ObservationTokens, *, max_turns: int,
+              max_tokens: int | None = None, workers: int = 1) -> tuple[list[Completion], list[float]]:
+    """`play`, each episode on its own: a finished turn goes to the environment (`workers` answer
+    at once) while the engine generates the others' turns, and its next turn joins the engine's
+    running batch as soon as the answer comes -- no episode waits for another's turn. The same
+    episodes as `play` for the same seed (each turn's seed is its episode's: turn_seed), up to
+    the engine's numerics in batches of other shapes."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    turns = Turns(prompts, sampling, environment, observation_tokens, max_turns, max_tokens)
+    for i in range(len(prompts)):
+        engine.add(i, *turns.request(i))
+    answering: dict[Any, int] = {}
+    with ThreadPoolExecutor(workers, thread_name_prefix="novarl-env") as pool:
+        while engine.unfinished() or answering:
+            if engine.unfinished():
+                for i, completion in engine.step():
+                    turns.episodes[i].took(completion)
+                    answering[pool.submit(turns.answer, i)] = i
+                answered = [f for f in answering if f.done()]
+            else:  # every episode waits for its environment
+                answered = list(wait(answering, return_when=FIRST_COMPLETED).done)
+            for future in answered:
+                i = answering.pop(future)
+                if turns.answered(i, future.result()):
+                    engine.add(i, *turns.request(i))
+    return turns.results()

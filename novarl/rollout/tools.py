@@ -135,12 +135,19 @@ class ToolEnvironment:
         self.timeout_s = float(cfg.get("timeout_s", 10.0))
         self.max_calls = int(cfg.get("max_calls_per_turn", 4))
         self.counts = dict.fromkeys(("tool_calls", "tool_errors", "tool_timeouts"), 0)
+        self.lock = threading.Lock()
+        """Episodes' steps run on several threads at once (env.<name>.num_workers): the counts are shared."""
 
     def take_metrics(self) -> dict[str, float]:
         """The calls, errors and timeouts since the last time (a step's)."""
-        out = {name: float(count) for name, count in self.counts.items()}
-        self.counts = dict.fromkeys(self.counts, 0)
+        with self.lock:
+            out = {name: float(count) for name, count in self.counts.items()}
+            self.counts = dict.fromkeys(self.counts, 0)
         return out
+
+    def count(self, name: str) -> None:
+        with self.lock:
+            self.counts[name] += 1
 
     def step(self, conversation, metadata: Mapping[str, Any]) -> EnvStep:
         text = conversation[-1]["content"]
@@ -157,10 +164,9 @@ class ToolEnvironment:
         """Each call's response text, in order: the tool's result (JSON when it is not a string),
         or what went wrong; the calls past max_calls_per_turn are refused. The calls run at once and
         share one deadline, timeout_s from now."""
-        counts = self.counts
         futures: list[Any] = []
         for index, call in enumerate(calls):
-            counts["tool_calls"] += 1
+            self.count("tool_calls")
             if index >= self.max_calls:
                 futures.append(f"error: at most {self.max_calls} tool calls a turn")
             elif isinstance(call, BadCall):
@@ -173,15 +179,15 @@ class ToolEnvironment:
         deadline = time.monotonic() + self.timeout_s
         for item in futures:
             if isinstance(item, str):
-                counts["tool_errors"] += 1
+                self.count("tool_errors")
                 responses.append(item)
                 continue
             finished, result, err = item.wait(max(0.0, deadline - time.monotonic()))
             if not finished:
-                counts["tool_timeouts"] += 1
+                self.count("tool_timeouts")
                 responses.append(f"error: the tool did not answer within {self.timeout_s:g} s")
             elif err is not None:  # the tool's own error, or arguments it does not take
-                counts["tool_errors"] += 1
+                self.count("tool_errors")
                 responses.append(f"error: {type(err).__name__}: {' '.join(str(err).split())[:300]}")
             else:
                 responses.append(result if isinstance(result, str) else json.dumps(result, default=str))

@@ -163,6 +163,7 @@ class GRPOTrainer:
         A second failure in a row, or none older to use, raises UserError."""
         import torch
 
+        from novarl.distributed.lifecycle import Stoppable
         from novarl.distributed.local import default_device
         from novarl.logging.console import info
         from novarl.models.loading import export_format
@@ -198,6 +199,8 @@ class GRPOTrainer:
                 os.truncate(sink.path, before_resume)  # the failed attempt's history and "resume" record
             finally:
                 roles.shutdown()
+                if isinstance(inputs.episodes, Stoppable):  # an agents' endpoint
+                    inputs.episodes.shutdown()
 
 
 def pick_checkpoint(checkpointer: Checkpointer | None, resume: bool | None,

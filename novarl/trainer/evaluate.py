@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from novarl.backends.protocols import GenerationBackend
 from novarl.logging.console import info
 from novarl.rewards.scorer import RewardScorer
-from novarl.rollout.episodes import Episodes, check_failures
+from novarl.rollout.episodes import PlaysEpisodes, check_failures
 from novarl.types import Prompt, SamplingConfig
 
 
 def evaluate(generator: GenerationBackend, prompts: Sequence[Prompt], scorer: RewardScorer, max_new_tokens: int, *,
-             batch_size: int = 256, samples_to_print: int = 0, episodes: Episodes | None = None,
+             batch_size: int = 256, samples_to_print: int = 0, episodes: PlaysEpisodes | None = None,
              stop_strings: tuple[str, ...] = ()) -> dict[str, float]:
     """Greedy completions of every prompt; accuracy = fraction whose reward is >= 1 (exact).
     Every batch is submitted before any is collected, each shared among the engines. With

@@ -32,7 +32,8 @@ from novarl.backends.contract.resolve import BackendChoice, BatchPlan, world_siz
 from novarl.backends.registry import generation_spec, training_spec
 from novarl.rewards.scorer import RewardScorer
 from novarl.rollout.environment import MakesExamples, environment_examples, episode_environment, load_environment
-from novarl.rollout.episodes import ContentTokens, Episodes, TemplateTokens
+from novarl.rollout.agents import AgentEpisodes, AgentFunction
+from novarl.rollout.episodes import ContentTokens, Episodes, PlaysEpisodes, TemplateTokens
 from novarl.types import Completion, Prompt
 
 
@@ -65,7 +66,7 @@ class RunInputs:
     training prompts end sooner (0: grpo.max_num_steps)."""
     critic_model_path: str | None = None
     """PPO's critic: the folder its model starts from (value.model_name)."""
-    episodes: Episodes | None = None
+    episodes: PlaysEpisodes | None = None
     """How the episodes are played (env.<name>.actor_class_fqn's environment, its rewards the
     training rewards); None: one completion per prompt, scored by reward.function."""
 
@@ -147,6 +148,7 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
             or scorer is None or (gap is None and val is None) or (played and environment is None):
         return None
     episodes = run_episodes(cfg, played, environment, tokenizer)
+    warnings.extend(lockstep_warning(cfg, episodes, report.choice))
     sampler = PromptSampler(train, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
     if gap is None and val is not None:
         val = val[:cfg.grpo.max_val_samples]
@@ -158,7 +160,7 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
                         + ("set data.val_data_path to a held-out file" if train_examples is None else
                            "evaluate held-out examples separately (`novarl eval` with data.val_data_path)"))
     reward = f"episodes of up to {cfg.grpo.max_rollout_turns} turn(s) in env.{played[0]} " \
-        f"({played[1].actor_class_fqn})" if played else f"reward: {scorer.name}"
+        f"({played[1].actor_class_fqn or 'agent ' + str(played[1].agent)})" if played else f"reward: {scorer.name}"
     summary = f"model: {cfg.policy.model_name} ({model_path}); {prompts}; {reward}"
     max_steps = steps_in_epochs(cfg, len(train), notes)
     return RunInputs(report.choice, report.batches, model_path, tokenizer, scorer, sampler, val,
@@ -167,7 +169,7 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
                      episodes=episodes)
 
 
-def run_episodes(cfg: NovaRLConfig, played, environment, tokenizer) -> Episodes | None:
+def run_episodes(cfg: NovaRLConfig, played, environment, tokenizer) -> PlaysEpisodes | None:
     """How the run plays its episodes (its environment's), None without one: observations rendered
     by the chat template the prompts are (its content's tokens when there is none)."""
     from novarl.data.datasets import chat_template_for
@@ -177,8 +179,27 @@ def run_episodes(cfg: NovaRLConfig, played, environment, tokenizer) -> Episodes 
     template = chat_template_for(tokenizer, cfg.policy.tokenizer.chat_template)
     kwargs = with_tools(cfg.policy.tokenizer.chat_template_kwargs, getattr(environment, "tool_schemas", None))
     observations = ContentTokens(tokenizer) if template is None else TemplateTokens(tokenizer, template, kwargs or {})
+    if isinstance(environment, AgentFunction):
+        from novarl.rollout.endpoint import RenderPrompt
+
+        return AgentEpisodes(environment, tokenizer, observations, RenderPrompt(tokenizer, template, kwargs or {}),
+                             model=cfg.policy.model_name, max_turns=cfg.grpo.max_rollout_turns,
+                             max_tokens=cfg.policy.max_seq_length, max_failed_fraction=played[1].max_failed_fraction,
+                             workers=played[1].num_workers if "num_workers" in played[1].model_fields_set else None)
     return Episodes(environment, observations, cfg.grpo.max_rollout_turns, cfg.policy.max_seq_length,
-                    max_failed_fraction=played[1].max_failed_fraction)
+                    max_failed_fraction=played[1].max_failed_fraction, workers=played[1].num_workers,
+                    per_sample=cfg.policy.generation.vllm_cfg.async_engine)
+
+
+def lockstep_warning(cfg: NovaRLConfig, episodes: PlaysEpisodes | None, choice: BackendChoice) -> list[str]:
+    """vllm_cfg.async_engine asks for episodes each on its own, which this run's engines cannot play: said once."""
+    if not isinstance(episodes, Episodes) or not episodes.per_sample or (
+            generation_spec(choice.generation).continuous_batching
+            and generation_layout(cfg, choice.generation).in_process):
+        return []
+    return ["'policy.generation.vllm_cfg.async_engine' = True: this run plays each step's turns in lockstep; "
+            "episodes play their turns each on its own with vLLM engines in this process (a one-rank run), not yet "
+            "with engines on Ray ranks"]
 
 
 def made_examples(cfg: NovaRLConfig, played, environment, attempt, notes: list[str]
@@ -358,7 +379,7 @@ class EvalInputs:
     scorer: RewardScorer
     val_source: str
     """"held-out", or "training-set" when the data has no held-out split (see RunInputs.val_source)."""
-    episodes: Episodes | None = None
+    episodes: PlaysEpisodes | None = None
     """With an environment (env.<name>.actor_class_fqn): greedy episodes, rewarded by it."""
 
 
@@ -373,8 +394,8 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
     scorer = RewardScorer.from_spec(cfg.reward.function, weights=cfg.reward.weights, timeout_s=cfg.reward.timeout_s)
     played = episode_environment(cfg)
     environment = load_environment(*played) if played else None
-    made = environment_examples(played[0], environment, "validation", cfg.grpo.max_val_samples, cfg.grpo.seed) \
-        if played and isinstance(environment, MakesExamples) else None
+    made = environment_examples(played[0], environment, "validation", cfg.grpo.max_val_samples or MADE_EXAMPLES,
+                                cfg.grpo.seed) if played and isinstance(environment, MakesExamples) else None
     gap = None if made else held_out_gap(cfg)
     prompts = split_prompts(cfg, tokenizer, "train" if gap else "validation", made,
                             tools=getattr(environment, "tool_schemas", None))[:cfg.grpo.max_val_samples]

@@ -54,3 +54,22 @@ class BreaksOnOdd:
         if int(metadata["answer"]) % 2:
             raise ValueError("odd")
         return EnvStep(reward=float(metadata["answer"] in conversation[-1]["content"]), done=True)
+
+
+class UnevenTurns:
+    """Episodes of uneven length: an example's episode asks " again:" until its turn count (the row's
+    "turns", else 1 + its answer modulo cfg max_turns), each step taking cfg delay_s seconds (a
+    tool's latency); every turn rewards 0.25, the last one 1 more when the answer is in it."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        self.max_turns, self.delay_s = int(cfg.get("max_turns", 3)), float(cfg.get("delay_s", 0.0))
+
+    def step(self, conversation, metadata: Mapping[str, Any]) -> EnvStep:
+        import time
+
+        time.sleep(self.delay_s)
+        turns = sum(m["role"] == "assistant" for m in conversation)
+        wanted = int(metadata.get("turns") or 1 + int(metadata.get("answer") or 0) % self.max_turns)
+        if turns < wanted:
+            return EnvStep(reward=0.25, done=False, observation={"role": "user", "content": " again:"})
+        return EnvStep(reward=0.25 + float(str(metadata.get("answer", "")) in conversation[-1]["content"]), done=True)

@@ -160,17 +160,14 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
 
 def episode_problems(cfg: NovaRLConfig) -> list[str]:
     """What multi-turn episodes (novarl/rollout/) lack for this config: an environment for more than
-    one turn, and asynchronous GRPO over them."""
-    played = any(block.actor_class_fqn is not None for block in cfg.env.values())
-    problems = []
+    one turn."""
+    played = any(block.plays_episodes for block in cfg.env.values())
     if cfg.grpo.max_rollout_turns > 1 and not played:
-        problems.append(f"an environment for multi-turn rollouts (grpo.max_rollout_turns={cfg.grpo.max_rollout_turns}): "
-                        "an env.<name> block naming its class, actor_class_fqn: 'module:Class' (novarl/rollout/"
-                        "environment.py says what it answers)")
-    if played and cfg.grpo.async_grpo.enabled:
-        problems.append("asynchronous GRPO over an environment's episodes (grpo.async_grpo.enabled with an "
-                        "env.<name>.actor_class_fqn)")
-    return problems
+        return [f"an environment for multi-turn rollouts (grpo.max_rollout_turns={cfg.grpo.max_rollout_turns}): "
+                "an env.<name> block naming its class, actor_class_fqn: 'module:Class' (novarl/rollout/"
+                "environment.py says what it answers), or an agent, agent: 'module:function' (novarl/rollout/"
+                "agents.py)"]
+    return []
 
 
 FP8_ONLY = ("use_deep_gemm", "num_first_layers_in_bf16", "num_last_layers_in_bf16", "quantization_ignored_layer_kws")

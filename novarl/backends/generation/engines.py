@@ -138,8 +138,11 @@ def check_engine_nodes(nodes: list[str], ranks_per_engine: int) -> None:
 
 def shares(prompts: Sequence[Prompt], sampling: SamplingConfig, engines: int
            ) -> list[tuple[list[Prompt], SamplingConfig]]:
-    """Each engine's prompts and sampling (seed_offset: where its share starts in the step)."""
-    return [(list(prompts[start:stop]), dataclasses.replace(sampling, seed_offset=sampling.seed_offset + start))
+    """Each engine's prompts and sampling (seed_offset: where its share starts in the step; the
+    prompts' own seeds, when given, cut to its share)."""
+    return [(list(prompts[start:stop]), dataclasses.replace(
+        sampling, seed_offset=sampling.seed_offset + start,
+        seeds=None if sampling.seeds is None else sampling.seeds[start:stop]))
             for start, stop in share_groups(prompts, engines)]
 
 

@@ -57,11 +57,11 @@ class HFGeneration(Engine):
         size = self.batch_size or len(prompts) or 1
         out: list[Completion] = []
         for start in range(0, len(prompts), size):
-            out.extend(self._generate_batch(prompts[start:start + size], sampling, sampling.seed_offset + start))
+            out.extend(self._generate_batch(prompts[start:start + size], sampling, start))
         return out
 
     @torch.no_grad()
-    def _generate_batch(self, prompts: Sequence[Prompt], sampling: SamplingConfig, position: int) -> list[Completion]:
+    def _generate_batch(self, prompts: Sequence[Prompt], sampling: SamplingConfig, start: int) -> list[Completion]:
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
         from novarl.backends.generation.stops import StopOnStrings
@@ -78,10 +78,9 @@ class HFGeneration(Engine):
         budget = sampling.max_new_tokens
         if self.max_seq_length is not None:
             budget = max(1, min(budget, self.max_seq_length - min(len(p.token_ids) for p in prompts)))
-        seed = None if greedy else sampling.seed
-        seeded = seed is not None
-        sampler = RowSampler([sample_seed(seed, position + row) for row in range(len(prompts))],
-                             sampling, self.device) if seed is not None else None
+        seeds = None if greedy else row_seeds(sampling, start, len(prompts))
+        seeded = seeds is not None
+        sampler = RowSampler(seeds, sampling, self.device) if seeds is not None else None
         ids, mask = ids.to(self.device), mask.to(self.device)
         result = self.model.generate(
             input_ids=ids, attention_mask=mask, past_key_values=shared_prompt_cache(self.model, ids, mask),
@@ -148,6 +147,17 @@ def shared_prompt_cache(model, ids: torch.Tensor, mask: torch.Tensor):
 def sample_seed(seed: int, position: int) -> int:
     """The random seed of the sample at `position` of a step sampled with `seed`."""
     return (seed * 1_000_003 + position) % 2**63
+
+
+def row_seeds(sampling: SamplingConfig, start: int, count: int) -> list[int] | None:
+    """The random seeds of an engine's prompts start .. start + count - 1 (of the prompts it was
+    given): their own (sampling.seeds), else each from the step's seed and its position in the
+    step; None when unseeded."""
+    if sampling.seeds is not None:
+        return list(sampling.seeds[start:start + count])
+    if sampling.seed is None:
+        return None
+    return [sample_seed(sampling.seed, sampling.seed_offset + start + row) for row in range(count)]
 
 
 class RowSampler:

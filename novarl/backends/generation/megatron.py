@@ -93,6 +93,8 @@ def sample_tokens(model, prompts: list[list[int]], sampling: SamplingConfig, sto
     try:
         for index, first in enumerate(range(0, len(mine), batch)):
             seed = None if sampling.seed is None else sampling.seed * 1_000_003 + start + index
+            if sampling.seeds is not None:  # the prompts' own: a batch draws from its first one's
+                seed = sampling.seeds[start + first]
             out.extend(_decode(model, mine[first:first + batch], sampling, set(stop_ids), max_seq_length, config,
                                seed))
     finally:

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from novarl.backends.generation.hf import sample_seed
+from novarl.backends.generation.hf import row_seeds
 from novarl.backends.generation.stops import stop_string_end
 from novarl.backends.protocols import Engine, Offloadable, Stoppable
 from novarl.config.schema import GenerationConfig, LoraConfig, VllmConfig
@@ -152,29 +152,66 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
         self.tokenizer = tokenizer
         self.max_seq_length = engine_args["max_model_len"]
         self.version = 0
+        self.requests = itertools.count()
+        self.running: dict[str, tuple[int, Prompt, tuple[str, ...]]] = {}
+        """The requests `add` started, under vLLM's ids: (key, prompt, stop strings)."""
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[Completion]:
         """One completion per prompt. Runs of the same prompt (a GRPO group) go to vLLM as
-        one request with n samples, which shares the prompt's prefill."""
-        from vllm import SamplingParams
+        one request with n samples, which shares the prompt's prefill (each prompt alone when
+        it has a seed of its own: sampling.seeds)."""
         from vllm.inputs import TokensPrompt
 
         self.onload()
-        greedy = sampling.temperature == 0
-        stop_ids = [self.tokenizer.eos_token_id, *sampling.stop_token_ids]
-        groups = _runs(prompts)
-        params = [SamplingParams(
-            n=count, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
-            top_k=0 if greedy or sampling.top_k is None else sampling.top_k,
-            max_tokens=max(1, min(sampling.max_new_tokens, self.max_seq_length - len(prompt.token_ids))),
-            stop_token_ids=stop_ids, logprobs=0, detokenize=False,
-            seed=None if sampling.seed is None else sample_seed(sampling.seed, sampling.seed_offset + position),
-        ) for (prompt, count), position in zip(groups, _starts(groups), strict=True)]
+        groups = _runs(prompts) if sampling.seeds is None else [(p, 1) for p in prompts]
+        params = [self._params(prompt, sampling, count, position)
+                  for (prompt, count), position in zip(groups, _starts(groups), strict=True)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p.token_ids)) for p, _ in groups],
                                     params, use_tqdm=False,
                                     lora_request=self.adapters.request if self.adapters is not None else None)
         return [self._completion(prompt, sample, sampling.stop_strings)
                 for (prompt, _), out in zip(groups, outputs) for sample in out.outputs]
+
+    def _params(self, prompt: Prompt, sampling: SamplingConfig, count: int, position: int):
+        """vLLM's SamplingParams for `count` samples of the prompt at `position` of those given."""
+        from vllm import SamplingParams
+
+        greedy = sampling.temperature == 0
+        seeds = row_seeds(sampling, position, 1)
+        return SamplingParams(
+            n=count, temperature=sampling.temperature, top_p=1.0 if greedy else sampling.top_p,
+            top_k=0 if greedy or sampling.top_k is None else sampling.top_k,
+            max_tokens=max(1, min(sampling.max_new_tokens, self.max_seq_length - len(prompt.token_ids))),
+            stop_token_ids=[self.tokenizer.eos_token_id, *sampling.stop_token_ids], logprobs=0, detokenize=False,
+            seed=None if seeds is None else seeds[0])
+
+    def add(self, key: int, prompt: Prompt, sampling: SamplingConfig) -> None:
+        """Start generating one completion (ContinuousEngine) beside those already under way: vLLM
+        schedules it into its running batch at its next step. Its seed: sampling.seeds[0], else
+        (sampling.seed, sampling.seed_offset)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self.onload()
+        params = self._params(prompt, sampling, 1, 0)
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        request = f"novarl-{next(self.requests)}"  # LLM.generate numbers its own from 0
+        self.running[request] = (key, prompt, sampling.stop_strings)
+        self.llm.llm_engine.add_request(request, TokensPrompt(prompt_token_ids=list(prompt.token_ids)), params,
+                                        lora_request=self.adapters.request if self.adapters is not None else None)
+
+    def step(self) -> list[tuple[int, Completion]]:
+        """One scheduling step of the engine: the completions it finished, under their keys."""
+        finished = []
+        for out in self.llm.llm_engine.step():
+            if out.finished and out.request_id in self.running:
+                key, prompt, stop_strings = self.running.pop(out.request_id)
+                finished.append((key, self._completion(prompt, out.outputs[0], stop_strings)))
+        return finished
+
+    def unfinished(self) -> int:
+        """The completions added and not yet returned by step."""
+        return len(self.running)
 
     def _completion(self, prompt: Prompt, out, stop_strings: Sequence[str] = ()) -> Completion:
         tokens = list(out.token_ids)

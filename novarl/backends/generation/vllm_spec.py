@@ -17,6 +17,7 @@ class VllmSpec(GenerationSpec):
     engine_class = "novarl.backends.generation.vllm:VllmGeneration"
     takes_adapters = True
     fp8 = True
+    continuous_batching = True
     vllm_cfg_read = None
     tensor_parallel_key = "policy.generation.vllm_cfg.tensor_parallel_size"
     refuses_long_sequences = True

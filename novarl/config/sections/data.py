@@ -132,7 +132,8 @@ class EnvConfig(Section):
     (novarl/rollout/environment.py), a class of the user's named by actor_class_fqn."""
 
     num_workers: int = Field(8, ge=1)
-    """The math environment's."""
+    """How many of an environment class's steps run at once (threads beside the engines; a class
+    whose steps share state unguarded wants 1); the math environment's is not used."""
     math_verify_impl: str = "hf_math_verify"
     """The math environment's."""
     actor_class_fqn: PathText | None = None
@@ -141,18 +142,32 @@ class EnvConfig(Section):
     the model's turns (NeMo RL's ENV_REGISTRY names its environments' classes with this key)."""
     cfg: dict[str, Any] = {}
     """The environment class's one constructor argument (NeMo RL's env.<name>.cfg)."""
+    agent: PathText | None = None
+    """An agent of the user's instead of an environment class: 'module:function' or
+    'path/to/file.py:function', called as function(client, example) -> reward for each episode,
+    with an openai.OpenAI client bound to the run's chat endpoint (novarl/rollout/agents.py)."""
     max_failed_fraction: float = Field(0.1, ge=0, le=1)
     """An episode whose environment raises gets no loss and is counted (episodes_failed_fraction);
     past this fraction of a step's episodes the run stops with the first one's cause."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> "EnvConfig":
-        if self.actor_class_fqn is not None:
-            math = sorted({"num_workers", "math_verify_impl"} & self.model_fields_set)
-            if math:
-                raise ValueError(f"{', '.join(math)}: the math environment's settings, in a block that names an "
+        """Each kind's settings away from their defaults are refused in the other kind's block (at
+        their defaults they pass: a run's saved config.yaml holds every field)."""
+        defaults = {name: field.default for name, field in type(self).model_fields.items()}
+        if self.agent is not None and (self.actor_class_fqn is not None or self.cfg):
+            raise ValueError(f"agent={self.agent!r} plays the episodes itself: a block names an agent or an "
+                             "environment class (actor_class_fqn, with its cfg), not both")
+        if self.plays_episodes:
+            if self.math_verify_impl != defaults["math_verify_impl"]:
+                raise ValueError(f"math_verify_impl: the math environment's setting, in a block that names an "
                                  f"environment class (actor_class_fqn={self.actor_class_fqn!r})")
-        elif self.cfg or "max_failed_fraction" in self.model_fields_set:
+        elif self.cfg or self.max_failed_fraction != defaults["max_failed_fraction"]:
             raise ValueError("cfg and max_failed_fraction are an environment class's: name the class in "
                              "actor_class_fqn")
         return self
+
+    @property
+    def plays_episodes(self) -> bool:
+        """It names an environment class or an agent (not NeMo RL's math environment)."""
+        return self.actor_class_fqn is not None or self.agent is not None
