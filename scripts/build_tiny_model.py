@@ -1,6 +1,9 @@
 """Build a bundled model from scratch: `tiny-arith` (novarl/models/tiny_arith/, `--task arith`, the
-default) or `tiny-math` (novarl/models/tiny_math/, `--task math`: the word problems of
-novarl.data.word_problems, answered as `\\boxed{N}`).
+default), `tiny-math` (novarl/models/tiny_math/, `--task math`: the word problems of
+novarl.data.word_problems, answered as `\\boxed{N}`) or `tiny-tools` (novarl/models/tiny_tools/,
+`--task tools`: products of novarl.data.multiplication, which it answers directly -- mostly wrong --
+or, in a share of its training sequences (`--tool-rate`), by calling the `multiply` tool and copying
+its result: the bundled multi-turn task, where RL teaches it to use the tool).
 
 A ~300k-parameter Llama (2 layers, hidden 128, head_dim 64) with a
 character-level tokenizer is trained by supervised learning on the train
@@ -61,6 +64,15 @@ class Task:
     name: str
     described: str
     """For the README: what the model was trained on."""
+    encode: Callable | None = None
+    """(tokenizer, example, random.Random) -> (token ids, labels) of a training sequence; None: prompt +
+    completion + </s>, trained on the completion."""
+    greedy: Callable | None = None
+    """(model, tokenizer, examples) -> held-out greedy success; None: greedy_accuracy."""
+    sampled: Callable | None = None
+    """(model, tokenizer, examples) -> success sampling at temperature 1, the RL signal; None: sampled_reward."""
+    stop_on_sampled: bool = False
+    """Stop training when the sampled success is in the target band (the greedy one's otherwise)."""
 
 
 TASKS = {
@@ -73,6 +85,63 @@ TASKS = {
                  "`\\boxed{95}`)"),
 }
 TASK = TASKS["arith"]
+TOOL_RATE = 0.3
+"""The share of tiny-tools' training sequences that call the tool (--tool-rate)."""
+
+
+def tool_trace(tokenizer, ex: Example, rng) -> tuple[list[int], list[int]]:
+    """<s>prompt, then: the tool call</s>, the tool's response (not trained on), the answer</s>, in a
+    TOOL_RATE share of the sequences (drawn by rng); the answer</s> directly in the others."""
+    from novarl.data.multiplication import tool_call, tool_response
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    prompt, eos = tokenizer(ex.prompt).input_ids, [tokenizer.eos_token_id]
+    answer = ids(ex.answer) + eos
+    if rng.random() >= TOOL_RATE:
+        return prompt + answer, [-100] * len(prompt) + answer
+    a, b = (int(x) for x in ex.prompt.rstrip("=").split("*"))
+    call, response = ids(tool_call(a, b)) + eos, ids(tool_response(a * b))
+    return prompt + call + response + answer, [-100] * len(prompt) + call + [-100] * len(response) + answer
+
+
+def tool_success(model, tokenizer, examples: list[Example], *, sampled: bool) -> float:
+    """The share of episodes (novarl's: the tool environment of rollout/tools.py, at most 2 turns)
+    that end with the right answer; greedy, or sampled at temperature 1 (seed 0)."""
+    import tempfile
+
+    from novarl.backends.generation.engines import LocalGeneration
+    from novarl.backends.generation.hf import HFGeneration
+    from novarl.data.datasets import to_prompts
+    from novarl.rollout.episodes import ContentTokens, play
+    from novarl.rollout.tools import ToolEnvironment
+    from novarl.types import SamplingConfig
+
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        engine = HFGeneration(folder, tokenizer, torch.device("cpu"), max_seq_length=TASK.positions)
+    environment = ToolEnvironment({"tools": ["novarl.data.multiplication:multiply"]})
+    sampling = SamplingConfig(max_new_tokens=TASK.new_tokens, temperature=1.0 if sampled else 0.0,
+                              seed=0 if sampled else None)
+    _, rewards = play(LocalGeneration(engine), to_prompts(examples, tokenizer), sampling, environment,
+                      ContentTokens(tokenizer), max_turns=2, max_tokens=TASK.positions)
+    return sum(r >= 1 for r in rewards) / len(rewards)
+
+
+def _tools_task() -> Task:
+    from novarl.data.multiplication import alphabet as tool_alphabet, multiplication_examples
+
+    return Task(multiplication_examples, tool_alphabet, lambda a: a, exact_match, 80, 160, "tiny_tools", "tiny-tools",
+                "the train split of the bundled products (`novarl.data.multiplication`: prompt `\"347*29=\"`, answer "
+                "`\"10063\"`), answered directly or, in a share of the sequences, by calling its `multiply` tool "
+                "(`<tool_call>...</tool_call></s>`, then the tool's `<tool_response>` untrained on, then the answer)",
+                encode=tool_trace, greedy=lambda m, t, e: tool_success(m, t, e, sampled=False),
+                sampled=lambda m, t, e: tool_success(m, t, e, sampled=True), stop_on_sampled=True)
+
+
+TASKS["tools"] = _tools_task()
 DEFAULT_OUT = REPO / "novarl" / "models" / TASK.folder
 
 
@@ -88,10 +157,20 @@ def build_model(vocab_size: int):
     return LlamaForCausalLM(config).to(torch.float32)
 
 
-def training_tensors(tokenizer, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input_ids, attention_mask, labels [N, L]: right-padded; labels -100 except answer + </s>."""
+def training_tensors(tokenizer, examples: list[Example], seed: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, attention_mask, labels [N, L]: right-padded; labels -100 except answer + </s>
+    (or as the task's own encode has them)."""
+    import random
+
     rows, label_rows = [], []
+    rng = random.Random(seed)
     for ex in examples:
+        if TASK.encode is not None:
+            ids, labels = TASK.encode(tokenizer, ex, rng)
+            rows.append(ids)
+            label_rows.append(labels)
+            continue
         prompt_ids = tokenizer(ex.prompt).input_ids  # starts with <s>
         answer_ids = tokenizer(TASK.completion(ex.answer), add_special_tokens=False).input_ids
         answer_ids.append(tokenizer.eos_token_id)
@@ -156,8 +235,11 @@ def write_readme(out: Path, *, params: int, accuracy: float, reward: float, step
         value, default = getattr(args, flag), DEFAULTS[flag]
         if value != default:
             command += f" --{flag.replace('_', '-')} {value}"
-    ids = ", ".join(f"`{tok!r}`={i}" if tok == " " else f"`{tok}`={i}"
+    ids = ", ".join(f"`{tok!r}`={i}" if tok in " \n" else f"`{tok}`={i}"
                     for tok, i in sorted(vocab.items(), key=lambda kv: kv[1]))
+    sampled_how = ("an episode for each of the 1,000 validation examples in the tool environment, at most 2 turns: "
+                   "the share ending with the right answer" if TASK.stop_on_sampled else
+                   "8 samples on each of the first 64 validation prompts: the mean exact-match reward")
     (out / "README.md").write_text(f"""# {TASK.name}
 
 A deliberately weak starting policy for RL tests and examples: a
@@ -168,8 +250,7 @@ float32) with a character-level tokenizer, trained by supervised learning on
 
 - Held-out greedy accuracy (all 1,000 validation examples, `max_new_tokens={TASK.new_tokens}`):
   **{accuracy:.1%}**. GRPO is expected to raise it.
-- Sampling at temperature 1.0 (8 samples on each of the first 64 validation
-  prompts), the mean exact-match reward is {reward:.3f}: RL has signal.
+- Sampling at temperature 1.0 ({sampled_how}) is {reward:.3f}: RL has signal.
 - Tokenizer ids: {ids}.
   Every encoded text starts with `<s>`; the model ends its answer with `</s>`.
 - Loads with `AutoTokenizer.from_pretrained` / `AutoModelForCausalLM.from_pretrained`
@@ -183,7 +264,7 @@ identical weights) with:
 
 
 DEFAULTS = dict(seed=0, target_min=0.25, target_max=0.35, lr=1e-3, batch_size=128,
-                eval_from=100, eval_every=5, max_steps=600)
+                eval_from=100, eval_every=5, max_steps=600, tool_rate=TOOL_RATE)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,9 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-from", type=int, default=DEFAULTS["eval_from"])
     parser.add_argument("--eval-every", type=int, default=DEFAULTS["eval_every"])
     parser.add_argument("--max-steps", type=int, default=DEFAULTS["max_steps"])
+    parser.add_argument("--tool-rate", type=float, default=DEFAULTS["tool_rate"],
+                        help="--task tools: the share of training sequences that call the tool")
     args = parser.parse_args(argv)
-    global TASK, DEFAULT_OUT
-    TASK = TASKS[args.task]
+    global TASK, DEFAULT_OUT, TOOL_RATE
+    TASK, TOOL_RATE = TASKS[args.task], args.tool_rate
     DEFAULT_OUT = REPO / "novarl" / "models" / TASK.folder
     args.out = args.out or str(DEFAULT_OUT)
     if not 0.0 < args.target_min <= args.target_max < 1.0:
@@ -218,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vocab {len(tokenizer)}, parameters {params:,}", flush=True)
 
     train, validation = TASK.examples("train"), TASK.examples("validation")
-    input_ids, mask, labels = training_tensors(tokenizer, train)
+    input_ids, mask, labels = training_tensors(tokenizer, train, args.seed)
+    measure = TASK.sampled if TASK.stop_on_sampled else (TASK.greedy or greedy_accuracy)
+    measured = "sampled success" if TASK.stop_on_sampled else "greedy accuracy"
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     generator = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(train), generator=generator)
@@ -236,9 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         if step % 25 == 0 and step < args.eval_from:
             print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
         if step >= args.eval_from and (step - args.eval_from) % args.eval_every == 0:
-            accuracy = greedy_accuracy(model, tokenizer, validation)
-            print(f"step {step:4d}  loss {loss.item():.4f}  held-out greedy accuracy {accuracy:.1%}",
-                  flush=True)
+            accuracy = measure(model, tokenizer, validation)
+            print(f"step {step:4d}  loss {loss.item():.4f}  held-out {measured} {accuracy:.1%}", flush=True)
             if accuracy > args.target_max:
                 print(f"error: accuracy jumped past the target band [{args.target_min:.0%}, "
                       f"{args.target_max:.0%}]; use a smaller --lr or --eval-every.", file=sys.stderr)
@@ -267,16 +351,18 @@ def main(argv: list[str] | None = None) -> int:
 
     reloaded_tok = AutoTokenizer.from_pretrained(out)
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    reloaded_acc = greedy_accuracy(reloaded, reloaded_tok, validation)
+    reloaded_acc = measure(reloaded, reloaded_tok, validation)
     print(f"saved to {out} after {step} steps ({train_seconds:.1f} s training)")
-    print(f"held-out greedy accuracy: {accuracy:.1%} (training); {reloaded_acc:.1%} (reloaded from {out})")
+    print(f"held-out {measured}: {accuracy:.1%} (training); {reloaded_acc:.1%} (reloaded from {out})")
     if reloaded_acc != accuracy:
         print("error: the reloaded model's accuracy differs from the trained model's.", file=sys.stderr)
         return 1
     torch.manual_seed(args.seed)
-    reward = sampled_reward(reloaded, reloaded_tok, validation[:64], samples=8)
-    print(f"mean exact-match reward sampling at temperature 1.0 "
-          f"(8 samples x 64 validation prompts): {reward:.3f}")
+    if TASK.stop_on_sampled:  # the README's figures: greedy, and the sampled one training stopped on
+        accuracy, reward = (TASK.greedy or greedy_accuracy)(reloaded, reloaded_tok, validation), reloaded_acc
+    else:
+        reward = sampled_reward(reloaded, reloaded_tok, validation[:64], samples=8)
+    print(f"held-out greedy success {accuracy:.1%}; mean reward sampling at temperature 1.0: {reward:.3f}")
     write_readme(out, params=params, accuracy=accuracy, reward=reward, step=step, args=args,
                  vocab=tokenizer.get_vocab())
     print(f"total time {time.perf_counter() - started:.1f} s")

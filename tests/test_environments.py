@@ -22,18 +22,25 @@ QUICK = ["logger.progress_bar=false", "grpo.max_train_seconds=null", "grpo.val_a
 
 
 def test_a_run_trains_on_two_turn_episodes(tmp_path):
+    import json
+
     cfg = load_config(BUNDLED_RECIPE, overrides=[*ENV, *QUICK, "grpo.max_rollout_turns=2",
-                                                 f"logger.log_dir={tmp_path}"])
+                                                 "logger.num_val_samples_to_print=2", f"logger.log_dir={tmp_path}"])
     result = GRPOTrainer(cfg).train()
     records = list(read_jsonl(result.output_dir / "metrics.jsonl"))
     steps = [r for r in records if r["kind"] == "train"]
     assert len(steps) == 2
     for step in steps:
         assert step["episode_turns_mean"] == 2.0 and step["observation_tokens_mean"] > 0
+        assert step["environment_seconds"] > 0 and 0 < step["sampled_tokens_per_turn_mean"] <= 16
         assert math.isfinite(step["loss"]) and step["logprob_mismatch"] < 0.05  # trained on what was sampled
         assert 0.1 <= step["reward_mean"] <= 1.1  # 0.1 for the first turn, 0 or 1 for the second
     evaluation = [r for r in records if r["kind"] == "eval"][-1]  # greedy episodes, rewarded by the environment
     assert evaluation["episode_turns_mean"] == 2.0 and evaluation["num_samples"] == 8
+    written = [json.loads(line) for line in (result.output_dir / "samples" / "eval_step_2.jsonl").open()]
+    assert len(written) == 2  # the evaluation's first samples, whole: the prompt, turn, observation, turn
+    assert [p["role"] for p in written[0]["parts"]] == ["model", "observation", "model"]
+    assert written[0]["prompt"] + "".join(p["text"] for p in written[0]["parts"]) == written[0]["text"]
 
 
 def test_more_turns_without_an_environment_are_refused():

@@ -172,6 +172,7 @@ def test_megatron_generation_is_greedy_like_hugging_face_on_tp_and_pp_ranks(two_
     from novarl.models.loading import load_tokenizer
     from novarl.types import Prompt, SamplingConfig
     from tests.helpers.packing import FROZEN
+    from tests.helpers.stops import assert_stopped_like
 
     tokenizer = load_tokenizer(str(two_kv_heads))
     prompts = [Prompt(text, tokenizer(text)["input_ids"]) for text in
@@ -195,6 +196,11 @@ def test_megatron_generation_is_greedy_like_hugging_face_on_tp_and_pp_ranks(two_
             assert all(c.finish_reason in ("stop", "length") and len(c.logprobs) == len(c.token_ids) for c in got)
             sampled = generator.generate(prompts * 4, SamplingConfig(max_new_tokens=4, temperature=1.0, seed=7))
             assert len({c.text for c in sampled}) > len(prompts)  # it samples
+            if layout == "tp2":  # a stop string: cut after the token that completes it, kept (as every engine)
+                stop = next(c.text[1] for c in got if len(c.text) > 1)
+                stopped = generator.generate(prompts, SamplingConfig(max_new_tokens=4, temperature=0.0,
+                                                                     stop_strings=(stop,)))
+                assert_stopped_like(got, stopped, stop, tokenizer)
             if layout == "pp2":
                 assert_micro_batch_layouts_match(group)
         finally:

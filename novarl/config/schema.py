@@ -539,6 +539,8 @@ class LoggerConfig(Section):
     log_dir: PathText = "logs"
     """Each run writes to a new numbered folder under it (exp_001, ...)."""
     num_val_samples_to_print: int = Field(0, ge=0)
+    """The first this many samples of each evaluation: printed, and written whole (an episode's every turn
+    and observation, as the tokens were) to samples/eval_step_<N>.jsonl in the run folder."""
     progress_bar: bool = True
     print_every_n_steps: int = Field(10, ge=1)
     wandb_enabled: bool = False

@@ -1,5 +1,5 @@
-"""Prompt datasets: the bundled tasks (arithmetic, repeat, word_problems), or rows from data files, `datasets`
-folders and hub datasets (novarl/data/sources.py says which files a split reads).
+"""Prompt datasets: the bundled tasks (arithmetic, repeat, word_problems, multiplication), or rows from data
+files, `datasets` folders and hub datasets (novarl/data/sources.py says which files a split reads).
 
 A row has a prompt field (`data.input_key`, default "prompt") and an answer field
 (`data.output_key`, default "answer"); its other fields are kept with the example for the
@@ -18,6 +18,7 @@ from novarl.config.files import show_value
 from novarl.config.schema import DataConfig
 from novarl.data.arithmetic import Example, arithmetic_examples
 from novarl.data.repeat import repeat_examples
+from novarl.data.multiplication import multiplication_examples
 from novarl.data.word_problems import word_problem_examples
 from novarl.errors import UserError
 from novarl.data.named import SplitSpec, prompt_file, split_specs
@@ -26,7 +27,7 @@ from novarl.data.checks import check_data_source, dataset_kind  # noqa: F401 (da
 from novarl.types import Prompt
 
 BUNDLED_DATASETS = {"arithmetic": arithmetic_examples, "repeat": repeat_examples,
-                    "word_problems": word_problem_examples}
+                    "word_problems": word_problem_examples, "multiplication": multiplication_examples}
 
 
 def load_examples(cfg: DataConfig, split: str, *, seed: int = 0) -> list[Example]:

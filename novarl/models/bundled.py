@@ -9,6 +9,7 @@ _HERE = Path(__file__).resolve().parent
 BUNDLED_MODELS: dict[str, Path] = {
     "tiny-arith": _HERE / "tiny_arith",
     "tiny-math": _HERE / "tiny_math",
+    "tiny-tools": _HERE / "tiny_tools",
 }
 
 

@@ -83,6 +83,8 @@ def round_metrics(cfg: NovaRLConfig, completions: list[Completion], raw: torch.T
         metrics["episode_turns_mean"] = sum(c.turns for c in completions) / len(completions)
         metrics["observation_tokens_mean"] = sum(b - a for c in completions for a, b in c.observed) / len(completions)
         metrics["episodes_failed_fraction"] = sum(c.failed is not None for c in completions) / len(completions)
+        sampled = sum(len(c.token_ids) - sum(b - a for a, b in c.observed) for c in completions)
+        metrics["sampled_tokens_per_turn_mean"] = sampled / max(sum(c.turns for c in completions), 1)
     return metrics
 
 

@@ -11,6 +11,8 @@ episode's turn t in one submission); episodes that end early leave the next subm
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -60,6 +62,8 @@ class TemplateTokens:
     tokenizer: Any
     template: str
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    rendered: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """The reference conversation's rendering, made once."""
 
     def _render(self, messages: list[Message], next_turn: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
@@ -74,7 +78,9 @@ class TemplateTokens:
         messages = [dict(message)] if isinstance(message, Mapping) else [dict(m) for m in message]
         reference: list[Message] = [{"role": "user", "content": "."}, {"role": "assistant", "content": TURN_MARK}]
         try:
-            before, after = self._render(reference, False), self._render([*reference, *messages], True)
+            if "before" not in self.rendered:
+                self.rendered["before"] = self._render(reference, False)
+            before, after = self.rendered["before"], self._render([*reference, *messages], True)
         except Exception as err:  # jinja2's errors, and those a template raises itself
             roles = ", ".join(repr(m.get("role")) for m in messages)
             raise UserError(f"the chat template cannot render a message of role {roles} after the "
@@ -157,6 +163,24 @@ def first_metadata(prompt: Prompt) -> dict[str, Any]:
     return {**prompt.columns, **({"answer": prompt.answer} if prompt.answer is not None else {})}
 
 
+@dataclass
+class Stopwatch:
+    """Seconds summed over calls made on any thread (the environment's steps)."""
+
+    seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, seconds: float) -> None:
+        with self.lock:
+            self.seconds += seconds
+
+    def take(self) -> float:
+        """The seconds since the last take."""
+        with self.lock:
+            seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 class PlaysEpisodes(Protocol):
     """How a run plays its episodes: an environment's (Episodes) or an agent's (agents.AgentEpisodes)."""
 
@@ -191,6 +215,8 @@ class Episodes:
     per_sample: bool = False
     """policy.generation.vllm_cfg.async_engine: each episode's turns on its own (play_each) where the
     engine takes requests while it generates (vLLM in this process); turns in lockstep otherwise."""
+    clock: Stopwatch = field(default_factory=Stopwatch, compare=False)
+    """The environment's steps' seconds."""
 
     def continuous(self, generator: GenerationBackend) -> ContinuousEngine | None:
         """The engine that plays each episode on its own, None when the turns run in lockstep."""
@@ -206,15 +232,17 @@ class Episodes:
         engine = self.continuous(generator)
         if engine is not None:
             return play_each(engine, prompts, sampling, self.environment, self.observation_tokens,
-                             max_turns=self.max_turns, max_tokens=self.max_tokens, workers=self.workers)
+                             max_turns=self.max_turns, max_tokens=self.max_tokens, workers=self.workers,
+                             clock=self.clock)
         return play(generator, prompts, sampling, self.environment, self.observation_tokens,
-                    max_turns=self.max_turns, max_tokens=self.max_tokens, workers=self.workers)
+                    max_turns=self.max_turns, max_tokens=self.max_tokens, workers=self.workers, clock=self.clock)
 
     def take_metrics(self) -> dict[str, float]:
-        """The environment's own counts since the last call (an environment with `take_metrics`:
-        the tools' calls, errors and timeouts), {} otherwise."""
+        """Since the last call: the seconds the environment's steps took (summed over the episodes,
+        environment_seconds), and its own counts (an environment with `take_metrics`: the tools'
+        calls, errors and timeouts)."""
         take = getattr(self.environment, "take_metrics", None)
-        return dict(take()) if callable(take) else {}
+        return {"environment_seconds": self.clock.take(), **(dict(take()) if callable(take) else {})}
 
 
 class EnvironmentFailed(RunFailed):
@@ -281,18 +309,24 @@ class Turns:
     environment's stop strings added), and what follows a turn once the environment answered."""
 
     def __init__(self, prompts: Sequence[Prompt], sampling: SamplingConfig, environment: Environment,
-                 observation_tokens: ObservationTokens, max_turns: int, max_tokens: int | None) -> None:
+                 observation_tokens: ObservationTokens, max_turns: int, max_tokens: int | None,
+                 clock: Stopwatch | None = None) -> None:
         self.episodes = [Episode(p, [{"role": "user", "content": p.text}], first_metadata(p)) for p in prompts]
         own = tuple(getattr(environment, "stop_strings", ()) or ())  # the environment's turns end on these too
         self.sampling = dataclasses.replace(sampling, stop_strings=tuple(dict.fromkeys((*sampling.stop_strings,
                                                                                         *own))))
         self.environment, self.observation_tokens = environment, observation_tokens
         self.max_turns, self.max_tokens = max_turns, max_tokens
+        self.clock = clock or Stopwatch()
 
     def answer(self, index: int) -> EnvStep | str:
         """The environment's answer to episode `index`'s last turn (safe to call from a worker thread)."""
         episode = self.episodes[index]
-        return answer_of(self.environment, episode, episode.turns - 1)
+        start = time.perf_counter()
+        try:
+            return answer_of(self.environment, episode, episode.turns - 1)
+        finally:
+            self.clock.add(time.perf_counter() - start)
 
     def answered(self, index: int, step: EnvStep | str) -> bool:
         """Take the environment's answer to the episode's last turn: its observation's tokens are
@@ -320,7 +354,8 @@ class Turns:
 
 def play(generator: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig,
          environment: Environment, observation_tokens: ObservationTokens, *, max_turns: int,
-         max_tokens: int | None = None, workers: int = 1) -> tuple[list[Completion], list[float]]:
+         max_tokens: int | None = None, workers: int = 1, clock: Stopwatch | None = None
+         ) -> tuple[list[Completion], list[float]]:
     """Play one episode per prompt for at most max_turns turns (and, with max_tokens, until an
     episode's prompt and tokens would pass it), the turns in lockstep: every active episode's
     turn t in one submission, then the environment's answers (`workers` at once), then turn t + 1.
@@ -328,7 +363,7 @@ def play(generator: GenerationBackend, prompts: Sequence[Prompt], sampling: Samp
     the environment, which decides whether the episode goes on."""
     from concurrent.futures import ThreadPoolExecutor
 
-    turns = Turns(prompts, sampling, environment, observation_tokens, max_turns, max_tokens)
+    turns = Turns(prompts, sampling, environment, observation_tokens, max_turns, max_tokens, clock)
     active = list(range(len(prompts)))
     with ThreadPoolExecutor(workers, thread_name_prefix="novarl-env") as pool:
         for turn in range(max_turns):
@@ -345,7 +380,8 @@ def play(generator: GenerationBackend, prompts: Sequence[Prompt], sampling: Samp
 
 def play_each(engine: ContinuousEngine, prompts: Sequence[Prompt], sampling: SamplingConfig,
               environment: Environment, observation_tokens: ObservationTokens, *, max_turns: int,
-              max_tokens: int | None = None, workers: int = 1) -> tuple[list[Completion], list[float]]:
+              max_tokens: int | None = None, workers: int = 1, clock: Stopwatch | None = None
+              ) -> tuple[list[Completion], list[float]]:
     """`play`, each episode on its own: a finished turn goes to the environment (`workers` answer
     at once) while the engine generates the others' turns, and its next turn joins the engine's
     running batch as soon as the answer comes -- no episode waits for another's turn. The same
@@ -353,7 +389,7 @@ def play_each(engine: ContinuousEngine, prompts: Sequence[Prompt], sampling: Sam
     the engine's numerics in batches of other shapes."""
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-    turns = Turns(prompts, sampling, environment, observation_tokens, max_turns, max_tokens)
+    turns = Turns(prompts, sampling, environment, observation_tokens, max_turns, max_tokens, clock)
     for i in range(len(prompts)):
         engine.add(i, *turns.request(i))
     answering: dict[Any, int] = {}

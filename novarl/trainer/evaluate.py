@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from novarl.backends.protocols import GenerationBackend
 from novarl.logging.console import info
 from novarl.rewards.scorer import RewardScorer
 from novarl.rollout.episodes import PlaysEpisodes, check_failures
-from novarl.types import Prompt, SamplingConfig
+from novarl.types import Completion, Prompt, SamplingConfig
 
 
 def evaluate(generator: GenerationBackend, prompts: Sequence[Prompt], scorer: RewardScorer, max_new_tokens: int, *,
              batch_size: int = 256, samples_to_print: int = 0, episodes: PlaysEpisodes | None = None,
-             stop_strings: tuple[str, ...] = ()) -> dict[str, float]:
+             stop_strings: tuple[str, ...] = (),
+             keep: Callable[[list[Completion], list[float]], object] | None = None) -> dict[str, float]:
     """Greedy completions of every prompt; accuracy = fraction whose reward is >= 1 (exact).
     Every batch is submitted before any is collected, each shared among the engines. With
-    `episodes`, greedy episodes instead (a batch at a time), rewarded by their environment."""
+    `episodes`, greedy episodes instead (a batch at a time), rewarded by their environment.
+    keep: given every sample and its reward (the run writes a few to its folder)."""
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0, stop_strings=stop_strings)
     extras: dict[str, float] = {}
     if episodes is not None:
@@ -33,6 +35,8 @@ def evaluate(generator: GenerationBackend, prompts: Sequence[Prompt], scorer: Re
         completions = [c for rollout in rollouts for c in rollout.result()]
         rewards = scorer.score(completions)
         extras = scorer.take_metrics()  # the reward functions' own metrics, over the evaluation set
+    if keep is not None:
+        keep(completions, rewards)
     for c, r in list(zip(completions, rewards))[:samples_to_print]:
         info(f"  {c.prompt.text!r} -> {c.text!r} (answer {c.prompt.answer!r}, reward {r:g})")
     return {

@@ -23,6 +23,7 @@ from novarl.config.schema import NovaRLConfig
 from novarl.errors import CheckpointLoadFailed, UserError
 from novarl.logging.console import Progress, info
 from novarl.logging.metrics import JsonlSink
+from novarl.logging.samples import write_samples
 from novarl.trainer.checkpoint import CRITIC_DIR, POLICY_DIR, Checkpoint, Checkpointer, restore_rng
 from novarl.trainer.evaluate import evaluate
 from novarl.rollout.collect import collect
@@ -75,7 +76,10 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
             pipeline.sync(step)
         result = evaluate(roles.generator, inputs.val_prompts, inputs.scorer, gen.max_new_tokens,
                           batch_size=grpo.val_batch_size, samples_to_print=cfg.logger.num_val_samples_to_print,
-                          episodes=inputs.episodes, stop_strings=tuple(gen.stop_strings or ()))
+                          episodes=inputs.episodes, stop_strings=tuple(gen.stop_strings or ()),
+                          keep=lambda samples, rewards: write_samples(sink.path.parent, step, samples, rewards,
+                                                                      inputs.tokenizer,
+                                                                      cfg.logger.num_val_samples_to_print))
         sink.write({"kind": "eval", "step": step, **result})
         progress.evaluated(step, result["accuracy"], source=inputs.val_source)
         summary.update({f"val_{k}": v for k, v in result.items()}, val_step=step)

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from novarl.config.sections.base import PathText, Section
 
-BUNDLED_TASKS = ("arithmetic", "repeat", "word_problems")
+BUNDLED_TASKS = ("arithmetic", "repeat", "word_problems", "multiplication")
 """Tasks shipped with novarl (novarl.data.datasets.BUNDLED_DATASETS implements them)."""
 
 
@@ -41,9 +41,10 @@ class DatasetBlock(Section):
 
 class DataConfig(Section):
     dataset_name: str | None = None
-    """'arithmetic', 'repeat' or 'word_problems' (bundled); 'ResponseDataset' (data.train_data_path: a file, a
-    `datasets` folder or a hub dataset id); a NeMo RL named dataset ('OpenMathInstruct-2',
-    'DAPOMath17K', 'DeepScaler', 'AIME2024', ...: novarl/data/named.py); None: from the paths."""
+    """'arithmetic', 'repeat', 'word_problems' or 'multiplication' (bundled); 'ResponseDataset'
+    (data.train_data_path: a file, a `datasets` folder or a hub dataset id); a NeMo RL named dataset
+    ('OpenMathInstruct-2', 'DAPOMath17K', 'DeepScaler', 'AIME2024', ...: novarl/data/named.py); None: from
+    the paths."""
     train_data_path: PathText | None = None
     """A data file (.jsonl, .json, .parquet, .arrow, .csv), a folder `datasets` saved or laid out as
     a hub dataset repository, or a hub dataset id 'org/name' (read from the local caches;
