@@ -13,7 +13,6 @@ import urllib.request
 import pytest
 import torch
 
-from novarl.backends.generation.engines import LocalGeneration
 from novarl.backends.generation.hf import HFGeneration
 from novarl.models.loading import load_tokenizer, resolve_model_path
 from novarl.rollout.agents import AgentEpisodes, load_agent
@@ -21,21 +20,9 @@ from novarl.rollout.endpoint import RenderPrompt
 from novarl.rollout.episodes import ContentTokens
 from novarl.types import Prompt, SamplingConfig
 from tests.helpers.agents import AGAIN
+from tests.helpers.recording import Recording
 
 pytest.importorskip("openai")
-
-
-class Recording(LocalGeneration):
-    """Every prompt the engine was given and what it sampled for it."""
-
-    def __init__(self, engine) -> None:
-        super().__init__(engine)
-        self.sampled: list[tuple[list[int], object]] = []
-
-    def submit(self, prompts, sampling):
-        ready = super().submit(prompts, sampling)
-        self.sampled += [(list(p.token_ids), c) for p, c in zip(prompts, ready.result())]
-        return ready
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +56,7 @@ def test_an_openai_agent_plays_two_turns_and_trains_on_exactly_what_was_sampled(
         played.shutdown()
     assert [c.turns for c in completions] == [2] * len(prompts) and all(c.failed is None for c in completions)
     assert set(rewards) <= {0.1, 1.0} and metrics["agent_requests"] == 2 * len(prompts)
-    sampled = [(sent, c.token_ids, c.logprobs) for sent, c in generator.sampled]
+    sampled = [(sent, c.token_ids, c.logprobs) for turn in generator.turns for sent, c in turn]
     observation = tokenizer(AGAIN, add_special_tokens=False)["input_ids"]
     for prompt, episode in zip(prompts, completions):
         assert episode.prompt.token_ids == prompt.token_ids  # the agent's first message, rendered as the run's are

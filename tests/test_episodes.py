@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from novarl.backends.generation.engines import LocalGeneration
 from novarl.backends.generation.hf import HFGeneration
 from novarl.models.loading import load_causal_lm, load_tokenizer, resolve_model_path, token_logprobs
 from novarl.rollout.environment import Environment, EnvStep, ScoredOnce
 from novarl.rollout.episodes import ContentTokens, play
 from novarl.rollout.batch import build_train_batch, rollout_metrics
 from novarl.types import Prompt, SamplingConfig
+from tests.helpers.recording import Recording
 
 TURNS = 3
 
@@ -32,19 +32,6 @@ class AskAgain:
             return EnvStep(reward=1.0, done=True)
         return EnvStep(reward=0.25, done=False, observation={"role": "user", "content": " again:"},
                        metadata={**metadata, "seen": turns})
-
-
-class Recording(LocalGeneration):
-    """The engine's completions of every submission, kept for the test."""
-
-    def __init__(self, engine) -> None:
-        super().__init__(engine)
-        self.turns: list[list] = []
-
-    def submit(self, prompts, sampling):
-        ready = super().submit(prompts, sampling)
-        self.turns.append([(list(p.token_ids), c) for p, c in zip(prompts, ready.result())])
-        return ready
 
 
 @pytest.fixture(scope="module")

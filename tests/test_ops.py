@@ -59,7 +59,11 @@ def test_op_cache_defaults_to_novarls_cache_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     monkeypatch.setenv("NOVARL_CACHE_DIR", str(tmp_path))
     ops.deepspeed_environment()
-    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "torch_extensions" / torch.__version__)
+    folder = os.environ["TORCH_EXTENSIONS_DIR"]  # this torch's version and installation
+    assert folder == str(ops.extensions_dir(torch.__version__, torch.__file__))
+    assert folder.startswith(str(tmp_path / "torch_extensions" / f"{torch.__version__}-"))
+    assert ops.extensions_dir(torch.__version__, "/another/venv/torch/__init__.py") != ops.extensions_dir(
+        torch.__version__, torch.__file__)  # another environment's torch builds its own
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/elsewhere")  # the user's setting wins
     ops.deepspeed_environment()
     assert os.environ["TORCH_EXTENSIONS_DIR"] == "/elsewhere"

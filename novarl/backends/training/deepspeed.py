@@ -105,7 +105,7 @@ class DeepSpeedModel(DataParallelRows):
                  accumulation_steps: int = 1, total_steps: int = 1, seed: int = 0,
                  value_head: bool = False) -> None:
         """value_head: the output head replaced by a scalar one before the engine (a critic)."""
-        from novarl.backends.training.ops import deepspeed_environment, first_build
+        from novarl.backends.training.ops import deepspeed_environment, skip_shared_memory_op
         from novarl.distributed.local import default_device
 
         deepspeed_environment()
@@ -120,8 +120,9 @@ class DeepSpeedModel(DataParallelRows):
         # DeepSpeed's CUDA accelerator reads the launcher's LOCAL_RANK; a Ray rank has it set (ray_group.py),
         # one in-process rank (the driver) may not: its device's index
         os.environ.setdefault("LOCAL_RANK", str(self.device.index or 0))
-        with first_build("deepspeed_shm_comm", "DeepSpeed's shared-memory communication op"):
-            deepspeed.init_distributed(dist_backend=dist.get_backend())
+        if self.device.type == "cpu":
+            skip_shared_memory_op()
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
         self.value_head = value_head
         self.dp_group = dist.group.WORLD
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()

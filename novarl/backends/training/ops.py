@@ -1,11 +1,16 @@
 """DeepSpeed's environment, and its C++ ops: built once, cached, never a silent wait.
 
 DeepSpeed compiles some ops (CPU Adam for optimizer offload) with the host's
-C++ compiler on first use, 30-45 s on a 2-core CPU. novarl points torch's
-extension cache at a folder of its own per torch version,
-`$NOVARL_CACHE_DIR/torch_extensions/<torch version>` (default `~/.cache/novarl`: one build serves
-every checkout and environment with that torch; an op built against another torch is never
-loaded), unless TORCH_EXTENSIONS_DIR is set, and prints a line every 10 s while a build runs.
+C++ compiler on first use, 30-60 s on a 2-core CPU. novarl points torch's
+extension cache at a folder of its own per torch installation,
+`$NOVARL_CACHE_DIR/torch_extensions/<torch version>-<its folder's hash>` (default `~/.cache/novarl`:
+one build serves every run of that environment; an op built against another torch is never loaded,
+and two environments do not rebuild each other's: the build holds the torch headers' path), unless
+TORCH_EXTENSIONS_DIR is set, and prints a line every 10 s while a build runs.
+
+DeepSpeed's shared-memory all-reduce op (deepspeed_shm_comm), which its communication builds as it
+starts on a CPU, is not built (`skip_shared_memory_op`): only DeepSpeed's inference all-reduce uses
+it; ZeRO's training collectives are torch.distributed's. That spares ~40 s of compiling at a first run.
 """
 
 from __future__ import annotations
@@ -28,12 +33,26 @@ def deepspeed_environment() -> None:
     import torch
 
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir(torch.__version__)))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir(torch.__version__, torch.__file__)))
 
 
-def extensions_dir(torch_version: str) -> Path:
-    """novarl's cache of C++ ops built against `torch_version` (their ABI is that torch's)."""
-    return cache_dir() / "torch_extensions" / torch_version
+def extensions_dir(torch_version: str, torch_file: str) -> Path:
+    """novarl's cache of C++ ops built against the torch `torch_version` installed at `torch_file`
+    (their ABI is that torch's; their build names its headers' folder)."""
+    import hashlib
+
+    where = hashlib.sha256(str(Path(torch_file).resolve().parent).encode()).hexdigest()[:10]
+    return cache_dir() / "torch_extensions" / f"{torch_version}-{where}"
+
+
+def skip_shared_memory_op() -> None:
+    """DeepSpeed on a CPU: its communication starts without building deepspeed_shm_comm (see the
+    module doc); a DeepSpeed without the op table is left as it is."""
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
 
 
 def cpu_adam():
