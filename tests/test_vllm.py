@@ -122,6 +122,37 @@ def test_episodes_each_on_its_own_play_what_lockstep_turns_play(engine):
     assert engine.unfinished() == 0
 
 
+def test_agents_requests_join_vllms_running_batch_and_sample_what_batches_sample(engine):
+    """Agents over the endpoint with vllm_cfg.async_engine: each request goes into vLLM's running batch
+    as it comes; the episodes are those of requests gathered into batches (each turn seeded by its
+    episode and turn), two turns each, on the engine's tokens."""
+    from novarl.backends.generation.engines import LocalGeneration
+    from novarl.rollout.agents import AgentEpisodes, load_agent
+    from novarl.rollout.endpoint import RenderPrompt
+    from novarl.rollout.episodes import ContentTokens
+
+    tokenizer, generator = engine.tokenizer, LocalGeneration(engine)
+    prompts = [Prompt(t, tokenizer(t)["input_ids"], answer=str(eval(t[:-1])), index=i, source=t)
+               for i, t in enumerate(["12+34=", "5+7=", "40+2="]) for _ in range(2)]
+    sampling = SamplingConfig(max_new_tokens=4, temperature=1.0, seed=9)
+    played = {}
+    for per_sample in (False, True):
+        agents = AgentEpisodes(load_agent("agent", "tests.helpers.agents:two_turns"), tokenizer,
+                               ContentTokens(tokenizer), RenderPrompt(tokenizer, None), model="tiny-arith", max_turns=2,
+                               max_tokens=32, max_failed_fraction=0.5, workers=None, per_sample=per_sample)
+        try:
+            assert (agents.serving(generator).batcher.continuous is engine) == per_sample
+            played[per_sample] = agents.play(generator, prompts, sampling)
+        finally:
+            agents.shutdown()
+    (batched, batched_rewards), (streamed, rewards) = played[False], played[True]
+    assert rewards == batched_rewards and all(c.turns == 2 and c.failed is None for c in streamed)
+    for a, b in zip(batched, streamed):
+        assert (a.token_ids, a.observed) == (b.token_ids, b.observed)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert engine.unfinished() == 0
+
+
 def test_version_check():
     check_vllm_version("0.32.0")
     with pytest.raises(UserError, match="vLLM 0.20.1 is installed; novarl supports 0.30"):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from novarl.backends.protocols import GenerationBackend
-from novarl.rollout.episodes import ObservationTokens
+from novarl.rollout.episodes import ObservationTokens, continuous_engine
 from novarl.types import Completion, Prompt, SamplingConfig
 
 MAX_AGENTS = 1024
@@ -65,10 +65,13 @@ class AgentEpisodes:
 
     def __init__(self, agent: AgentFunction, tokenizer, observations: ObservationTokens,
                  render: Callable[[list, list | None], list[int]], *, model: str, max_turns: int,
-                 max_tokens: int | None, max_failed_fraction: float, workers: int | None) -> None:
+                 max_tokens: int | None, max_failed_fraction: float, workers: int | None,
+                 per_sample: bool = False) -> None:
+        """per_sample: policy.generation.vllm_cfg.async_engine -- each request joins the engine's running
+        batch as it comes (an engine that takes requests while it generates), not a batch of its own."""
         self.agent, self.tokenizer, self.observations, self.render = agent, tokenizer, observations, render
         self.model, self.max_turns, self.max_tokens = model, max_turns, max_tokens
-        self.max_failed_fraction, self.workers = max_failed_fraction, workers
+        self.max_failed_fraction, self.workers, self.per_sample = max_failed_fraction, workers, per_sample
         self.endpoint = None
         self.generator: GenerationBackend | None = None
         self.http = None
@@ -81,8 +84,10 @@ class AgentEpisodes:
 
         if self.endpoint is None or self.generator is not generator:
             self.shutdown()
+            engine = continuous_engine(generator) if self.per_sample else None
             self.endpoint = ChatEndpoint(generator, self.tokenizer, self.observations, render=self.render,
-                                         model=self.model, max_turns=self.max_turns, max_tokens=self.max_tokens)
+                                         model=self.model, max_turns=self.max_turns, max_tokens=self.max_tokens,
+                                         continuous=engine)
             self.generator = generator
             # one connection pool for every agent's client (a client's own costs ~35 ms of CPU to make)
             self.http = httpx.Client(timeout=AGENT_TIMEOUT_S, limits=httpx.Limits(max_connections=None))

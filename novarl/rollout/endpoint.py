@@ -24,6 +24,7 @@ the run's max_new_tokens. Streaming and n > 1 are refused (400).
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import queue
 import secrets
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from novarl.backends.protocols import GenerationBackend
+from novarl.backends.protocols import ContinuousEngine, GenerationBackend
 from novarl.rollout.environment import Message
 from novarl.rollout.episodes import Episode, ObservationTokens, turn_seed
 from novarl.types import Completion, Prompt, SamplingConfig
@@ -138,12 +139,16 @@ class RenderPrompt:
 
 
 class Batcher:
-    """Gathers the sessions' requests into batches for the engines, on a thread of its own."""
+    """Gathers the sessions' requests into batches for the engines, on a thread of its own; with an
+    engine that takes requests while it generates (`continuous`: vLLM in this process), hands each
+    to it as it comes instead, so that no request waits for another's batch."""
 
-    def __init__(self, generator: GenerationBackend, live: Callable[[], int]) -> None:
-        self.generator, self.live = generator, live
+    def __init__(self, generator: GenerationBackend, live: Callable[[], int],
+                 continuous: ContinuousEngine | None = None) -> None:
+        self.generator, self.live, self.continuous = generator, live, continuous
         self.requests: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._loop, daemon=True, name="novarl-endpoint-batcher")
+        loop = self._loop if continuous is None else self._stream
+        self.thread = threading.Thread(target=loop, daemon=True, name="novarl-endpoint-batcher")
         self.thread.start()
 
     def generate(self, prompt: Prompt, sampling: SamplingConfig) -> Completion:
@@ -170,6 +175,35 @@ class Batcher:
                     break
                 batch.append(item)
             self._run(batch)
+
+    def _stream(self) -> None:
+        assert self.continuous is not None
+        engine, waiting, keys = self.continuous, {}, itertools.count()
+        while True:
+            try:  # block for a request only when the engine has nothing to do
+                item = self.requests.get(block=not engine.unfinished())
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            if item:
+                prompt, sampling, done = item
+                key = next(keys)
+                waiting[key] = done
+                try:
+                    engine.add(key, prompt, sampling)
+                except BaseException as err:  # this request fails with it
+                    waiting.pop(key).set_exception(err)
+                continue
+            try:
+                finished = engine.step()
+            except BaseException as err:  # every request in flight fails with it
+                for done in waiting.values():
+                    done.set_exception(err)
+                waiting.clear()
+                continue
+            for key, completion in finished:
+                waiting.pop(key).set_result(completion)
 
     def _run(self, batch: list) -> None:
         by_sampling: dict[SamplingConfig, list] = {}
@@ -201,16 +235,18 @@ class ChatEndpoint:
 
     def __init__(self, generator: GenerationBackend, tokenizer, observations: ObservationTokens, *,
                  render: Callable[[list[Message], list | None], list[int]], model: str, max_turns: int,
-                 max_tokens: int | None, host: str = "127.0.0.1", port: int = 0) -> None:
+                 max_tokens: int | None, host: str = "127.0.0.1", port: int = 0,
+                 continuous: ContinuousEngine | None = None) -> None:
         """render(messages, tools): a conversation's prompt token ids (the chat template, with the
-        generation prompt); observations: how messages after a turn become tokens."""
+        generation prompt); observations: how messages after a turn become tokens; continuous: the
+        generator's engine, to hand each request to as it comes (see Batcher)."""
         self.tokenizer, self.observations, self.render = tokenizer, observations, render
         self.model, self.max_turns, self.max_tokens = model, max_turns, max_tokens
         self.token = secrets.token_urlsafe(24)
         self.sessions: dict[str, Session] = {}
         self.counts = {"agent_requests": 0, "agent_rewrites": 0, "agent_refused": 0}
         self.lock = threading.Lock()
-        self.batcher = Batcher(generator, lambda: len(self.sessions))
+        self.batcher = Batcher(generator, lambda: len(self.sessions), continuous)
         self.server = Server((host, port), _handler(self))
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="novarl-endpoint")
         self.thread.start()

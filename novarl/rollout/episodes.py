@@ -181,6 +181,15 @@ class Stopwatch:
         return seconds
 
 
+def continuous_engine(generator: GenerationBackend) -> ContinuousEngine | None:
+    """The generator's engine when it is in this process and takes requests while it generates."""
+    from novarl.backends.generation.engines import LocalGeneration
+
+    if isinstance(generator, LocalGeneration) and isinstance(generator.engine, ContinuousEngine):
+        return generator.engine
+    return None
+
+
 class PlaysEpisodes(Protocol):
     """How a run plays its episodes: an environment's (Episodes) or an agent's (agents.AgentEpisodes)."""
 
@@ -220,12 +229,7 @@ class Episodes:
 
     def continuous(self, generator: GenerationBackend) -> ContinuousEngine | None:
         """The engine that plays each episode on its own, None when the turns run in lockstep."""
-        from novarl.backends.generation.engines import LocalGeneration
-
-        if self.per_sample and isinstance(generator, LocalGeneration) and \
-                isinstance(generator.engine, ContinuousEngine):
-            return generator.engine
-        return None
+        return continuous_engine(generator) if self.per_sample else None
 
     def play(self, generator: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig
              ) -> tuple[list[Completion], list[float]]:

@@ -185,7 +185,8 @@ def run_episodes(cfg: NovaRLConfig, played, environment, tokenizer) -> PlaysEpis
         return AgentEpisodes(environment, tokenizer, observations, RenderPrompt(tokenizer, template, kwargs or {}),
                              model=cfg.policy.model_name, max_turns=cfg.grpo.max_rollout_turns,
                              max_tokens=cfg.policy.max_seq_length, max_failed_fraction=played[1].max_failed_fraction,
-                             workers=played[1].num_workers if "num_workers" in played[1].model_fields_set else None)
+                             workers=played[1].num_workers if "num_workers" in played[1].model_fields_set else None,
+                             per_sample=cfg.policy.generation.vllm_cfg.async_engine)
     return Episodes(environment, observations, cfg.grpo.max_rollout_turns, cfg.policy.max_seq_length,
                     max_failed_fraction=played[1].max_failed_fraction, workers=played[1].num_workers,
                     per_sample=cfg.policy.generation.vllm_cfg.async_engine)
@@ -193,7 +194,7 @@ def run_episodes(cfg: NovaRLConfig, played, environment, tokenizer) -> PlaysEpis
 
 def lockstep_warning(cfg: NovaRLConfig, episodes: PlaysEpisodes | None, choice: BackendChoice) -> list[str]:
     """vllm_cfg.async_engine asks for episodes each on its own, which this run's engines cannot play: said once."""
-    if not isinstance(episodes, Episodes) or not episodes.per_sample or (
+    if not isinstance(episodes, (Episodes, AgentEpisodes)) or not episodes.per_sample or (
             generation_spec(choice.generation).continuous_batching
             and generation_layout(cfg, choice.generation).in_process):
         return []

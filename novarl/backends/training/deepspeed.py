@@ -120,8 +120,7 @@ class DeepSpeedModel(DataParallelRows):
         # DeepSpeed's CUDA accelerator reads the launcher's LOCAL_RANK; a Ray rank has it set (ray_group.py),
         # one in-process rank (the driver) may not: its device's index
         os.environ.setdefault("LOCAL_RANK", str(self.device.index or 0))
-        if self.device.type == "cpu":
-            skip_shared_memory_op()
+        skip_shared_memory_op(self.device)
         deepspeed.init_distributed(dist_backend=dist.get_backend())
         self.value_head = value_head
         self.dp_group = dist.group.WORLD

@@ -45,13 +45,13 @@ def extensions_dir(torch_version: str, torch_file: str) -> Path:
     return cache_dir() / "torch_extensions" / f"{torch_version}-{where}"
 
 
-def skip_shared_memory_op() -> None:
-    """DeepSpeed on a CPU: its communication starts without building deepspeed_shm_comm (see the
-    module doc); a DeepSpeed without the op table is left as it is."""
+def skip_shared_memory_op(device) -> None:
+    """DeepSpeed on a CPU (`device`): its communication starts without building deepspeed_shm_comm
+    (see the module doc); on a GPU, or a DeepSpeed without the op table, nothing changes."""
     import deepspeed.ops
 
     compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
-    if isinstance(compatible, dict):
+    if device.type == "cpu" and isinstance(compatible, dict):
         compatible["deepspeed_shm_comm"] = False
 
 
