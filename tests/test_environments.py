@@ -122,8 +122,8 @@ def test_novarl_eval_plays_greedy_episodes(capsys):
 
 def test_async_grpo_plays_episodes_and_a_run_killed_mid_episode_resumes_on_the_same_trajectories(tmp_path):
     """Asynchronous GRPO over two-turn episodes (the engine in this process, one step ahead): ages
-    within the bound; killed with kill -9 after its second checkpoint (as the next round's episodes
-    play), resumed, it trains steps 3-5 on the trajectories of the uninterrupted run: the round in
+    within the bound; killed with kill -9 as soon as its second checkpoint lands (usually as the next
+    round's episodes play; the timing is not forced), resumed, it trains steps 3-5 on the trajectories of the uninterrupted run: the round in
     flight came back from the checkpoint with its observations, turns and the environment's rewards."""
     from tests.helpers import HF, train_steps, train_until_killed
 

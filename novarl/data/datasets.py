@@ -281,7 +281,7 @@ def to_prompts(examples: list[Example], tokenizer, *, template: str | None = Non
             messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
                 [{"role": "user", "content": text}]
         if jinja is not None:
-            texts.append(_render(tokenizer, messages, jinja, kwargs))
+            texts.append(render_chat(tokenizer, messages, jinja, kwargs))
         else:
             texts.append(f"{system_prompt}\n{text}" if system_prompt else text)
     # One call for every text: per text, the tokenizer's Python overhead costs more than the
@@ -293,7 +293,8 @@ def to_prompts(examples: list[Example], tokenizer, *, template: str | None = Non
             if max_prompt_tokens is None or len(ids) <= max_prompt_tokens]
 
 
-def _render(tokenizer, messages: list[dict[str, str]], jinja: str, kwargs: dict) -> str:
+def render_chat(tokenizer, messages: list[dict[str, str]], jinja: str, kwargs: dict) -> str:
+    """Messages rendered by the chat template `jinja`, with the generation prompt (a UserError when it cannot)."""
     try:
         return tokenizer.apply_chat_template(messages, chat_template=jinja, tokenize=False,
                                              add_generation_prompt=True, **kwargs)

@@ -10,7 +10,8 @@ Each episode trains on exactly the tokens the engines sampled for it (the endpoi
 with the engines' logprobs) and the tokens of the messages the agent added between turns, as the
 chat template renders them. An agent that raises, returns no number or makes no request fails its
 episode: counted, no loss (rollout/episodes.py check_failures). The agents of a round run each on
-a thread, all at once (up to MAX_AGENTS) or `env.<name>.num_workers` at a time when it is set;
+a thread, all at once (up to MAX_AGENTS) or `env.<name>.num_workers` at a time when it is set (a
+run's saved config keeps it unset, so a resumed run runs them alike);
 their requests are batched for the engines.
 """
 
@@ -80,8 +81,13 @@ class AgentEpisodes:
         """The endpoint over `generator` (started for it, the one before shut down)."""
         from novarl.rollout.endpoint import ChatEndpoint
 
+        import os
+
         import httpx
 
+        # the endpoint tokenises on many threads at once: the tokenizers' own thread pool on top of them
+        # takes the cores from the engines (measured: a round's generation 3x slower on 2 cores)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         if self.endpoint is None or self.generator is not generator:
             self.shutdown()
             engine = continuous_engine(generator) if self.per_sample else None
@@ -97,13 +103,7 @@ class AgentEpisodes:
              ) -> tuple[list[Completion], list[float]]:
         """One agent call per prompt (`workers` at once): (its episode's Completion, its reward) per
         prompt, in order."""
-        import os
-
         import openai  # once: importing it on each agent's thread would queue them on the import lock
-
-        # the endpoint tokenises on many threads at once: the tokenizers' own thread pool on top of them
-        # takes the cores from the engines (measured: a round's generation 3x slower on 2 cores)
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
         endpoint = self.serving(generator)
         workers = min(self.workers or MAX_AGENTS, len(prompts)) or 1

@@ -128,13 +128,14 @@ class RenderPrompt:
     def __call__(self, messages: list[Message], tools: list | None) -> list[int]:
         if self.template is None:
             return list(self.tokenizer("".join(m.get("content") or "" for m in messages))["input_ids"])
-        kwargs = {**self.kwargs, **({"tools": tools} if tools else {})}
+        from novarl.data.datasets import render_chat
+        from novarl.errors import UserError
+
         try:
-            text = self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=True, **kwargs)
-        except Exception as err:  # jinja2's errors, and those a template raises itself
-            raise RequestError(400, f"the run's chat template cannot render these messages "
-                               f"({type(err).__name__}: {err})") from None
+            kwargs = {**self.kwargs, **({"tools": tools} if tools else {})}
+            text = render_chat(self.tokenizer, messages, self.template, kwargs)
+        except UserError as err:  # the template refused the agent's messages: the agent's error, not the run's
+            raise RequestError(400, str(err)) from None
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

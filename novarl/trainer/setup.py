@@ -37,6 +37,8 @@ from novarl.rollout.episodes import ContentTokens, Episodes, PlaysEpisodes, Temp
 from novarl.types import Completion, Prompt
 
 
+ENV_WORKERS = 8
+"""An environment class's steps at once when env.<name>.num_workers is not set (NeMo RL's count)."""
 MADE_EXAMPLES = 4096
 """At most this many training examples an environment makes (a run cycles through them)."""
 
@@ -185,10 +187,10 @@ def run_episodes(cfg: NovaRLConfig, played, environment, tokenizer) -> PlaysEpis
         return AgentEpisodes(environment, tokenizer, observations, RenderPrompt(tokenizer, template, kwargs or {}),
                              model=cfg.policy.model_name, max_turns=cfg.grpo.max_rollout_turns,
                              max_tokens=cfg.policy.max_seq_length, max_failed_fraction=played[1].max_failed_fraction,
-                             workers=played[1].num_workers if "num_workers" in played[1].model_fields_set else None,
+                             workers=played[1].num_workers,
                              per_sample=cfg.policy.generation.vllm_cfg.async_engine)
     return Episodes(environment, observations, cfg.grpo.max_rollout_turns, cfg.policy.max_seq_length,
-                    max_failed_fraction=played[1].max_failed_fraction, workers=played[1].num_workers,
+                    max_failed_fraction=played[1].max_failed_fraction, workers=played[1].num_workers or ENV_WORKERS,
                     per_sample=cfg.policy.generation.vllm_cfg.async_engine)
 
 

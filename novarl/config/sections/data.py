@@ -132,9 +132,10 @@ class EnvConfig(Section):
     it with reward.function math_verify), or an environment that plays the episodes
     (novarl/rollout/environment.py), a class of the user's named by actor_class_fqn."""
 
-    num_workers: int = Field(8, ge=1)
+    num_workers: int | None = Field(None, ge=1)
     """How many of an environment class's steps run at once (threads beside the engines; a class
-    whose steps share state unguarded wants 1); the math environment's is not used."""
+    whose steps share state unguarded wants 1), or of an agent's episodes; None: 8 steps, every agent
+    of a round. The math environment's is not used."""
     math_verify_impl: str = "hf_math_verify"
     """The math environment's."""
     actor_class_fqn: PathText | None = None
