@@ -14,6 +14,7 @@ from typing import Any
 
 from novarl.config.files import MISSING, tree_get
 from novarl.config.schema import NovaRLConfig
+from novarl.config.sections.data import CODE_REWARDS, SandboxConfig
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ def check_settings(config: NovaRLConfig) -> list[str]:
             warnings.append("'policy.megatron_cfg.distributed_data_parallel_config.average_in_collective' = True: "
                             "gradients are summed in the collective, since each micro-batch's loss is already its "
                             "share of the step's mean (the same update)")
+    if config.reward.sandbox != SandboxConfig() and not set(config.reward.names) & set(CODE_REWARDS):
+        warnings.append(f"'reward.sandbox' is set: only the code rewards ({', '.join(CODE_REWARDS)}) run programs, "
+                        "and this run's reward.function names none")
     generation = config.policy.generation
     if generation.vllm_cfg.async_engine and not any(block.plays_episodes for block in config.env.values()):
         warnings.append("'policy.generation.vllm_cfg.async_engine' = True: it plays each episode's turns on its own "

@@ -59,6 +59,11 @@ REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {
     "exact_match": exact_match, "math_verify": math_verify, "boxed_match": boxed_match,
     "last_number": last_number_match, "boxed_format": boxed_format}
 
+REWARD_FACTORIES: dict[str, str] = {"code_tests": "novarl.rewards.code:code_tests",
+                                    "code_pass_rate": "novarl.rewards.code:code_pass_rate"}
+"""Registered rewards built from the reward section's settings (factory(settings) -> function),
+imported when named."""
+
 NEEDS: dict[str, tuple[str, str]] = {"math_verify": ("math_verify", "pip install 'novarl[math]'")}
 """Registered rewards that need a package: (module, how to install it)."""
 
@@ -73,8 +78,12 @@ limit sits far below both and far above any real reward (past 2**53 ~ 9e15 even 
 integers are not all distinct)."""
 
 
-def import_reward_fn(spec: str) -> Callable[..., float]:
-    """'exact_match', 'package.module:function' or 'path/to/file.py:function' -> the function."""
+def import_reward_fn(spec: str, settings: Any = None) -> Callable[..., float]:
+    """'exact_match', 'package.module:function' or 'path/to/file.py:function' -> the function
+    (a factory's with `settings`, the reward section)."""
+    if spec in REWARD_FACTORIES:
+        module, _, factory = REWARD_FACTORIES[spec].partition(":")
+        return getattr(importlib.import_module(module), factory)(settings)
     if spec in REWARD_FUNCTIONS:
         if spec in NEEDS and importlib.util.find_spec(NEEDS[spec][0]) is None:
             raise UserError(f"reward.function='{spec}' needs the {NEEDS[spec][0].replace('_', '-')} package: "
@@ -83,7 +92,7 @@ def import_reward_fn(spec: str) -> Callable[..., float]:
     source, colon, attr = spec.rpartition(":")
     if not colon or not source or not attr:
         raise UserError(f"reward.function='{spec}' is neither a registered reward "
-                        f"({', '.join(REWARD_FUNCTIONS)}) nor an import path 'module:function' "
+                        f"({', '.join([*REWARD_FUNCTIONS, *REWARD_FACTORIES])}) nor an import path 'module:function' "
                         "or 'path/to/file.py:function'.")
     fn, where = import_attribute(spec, "reward.function")
     if not callable(fn):

@@ -26,6 +26,7 @@ import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from novarl.errors import UserError
 from novarl.rewards.registry import (DEFAULT_TIMEOUT_S, REWARD_LIMIT, RewardTimeout, _clip, _signal_hint,
@@ -83,7 +84,8 @@ class RewardScorer:
 
     @classmethod
     def from_spec(cls, spec: str | Callable | Sequence[str | Callable], *, weights: Sequence[float] | None = None,
-                  timeout_s: float | None = DEFAULT_TIMEOUT_S) -> "RewardScorer":
+                  timeout_s: float | None = DEFAULT_TIMEOUT_S, settings: Any = None) -> "RewardScorer":
+        """The scorer of reward.function `spec` (registered rewards built from `settings`, the reward section)."""
         specs = [spec] if isinstance(spec, str) or callable(spec) else list(spec)
         if not specs:
             raise UserError("reward.function is an empty list: give at least one reward function.")
@@ -93,7 +95,7 @@ class RewardScorer:
                             "one weight per function.")
         terms = []
         for one, weight in zip(specs, weights):
-            fn = one if callable(one) else import_reward_fn(one)
+            fn = one if callable(one) else import_reward_fn(one, settings)
             name = one if isinstance(one, str) else getattr(one, "__name__", repr(one))
             term = RewardTerm.of(fn, name, float(weight))
             term.metric = name.rpartition(":")[2]
@@ -180,6 +182,8 @@ class RewardScorer:
             return call_with_timeout(call, timeout_s, error=expired)
         except RewardTimeout:
             raise UserError(expired()) from None
+        except UserError:  # a registered reward's own, already naming what is wrong
+            raise
         except (Exception, SystemExit) as err:  # a user's function may raise anything
             raise UserError(f"Reward function '{term.name}' raised {type(err).__name__}: {_clip(str(err), 300)}"
                             f"{_signal_hint(err)} (on {sample()}).") from None

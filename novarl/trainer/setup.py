@@ -130,7 +130,8 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
     if cfg.value is not None and tokenizer is not None:
         critic_path = attempt(critic_model_path, cfg, model_path, tokenizer)
     scorer = attempt(RewardScorer.from_spec, reward_fn or cfg.reward.function,
-                     weights=None if reward_fn else cfg.reward.weights, timeout_s=cfg.reward.timeout_s)
+                     weights=None if reward_fn else cfg.reward.weights, timeout_s=cfg.reward.timeout_s,
+                     settings=cfg.reward)
     played = episode_environment(cfg)
     environment = attempt(load_environment, *played) if played else None
     made_train, made_val = made_examples(cfg, played, environment, attempt, notes) \
@@ -394,7 +395,8 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
 
     model_path = resolve_model_path(model)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.policy.trust_remote_code)
-    scorer = RewardScorer.from_spec(cfg.reward.function, weights=cfg.reward.weights, timeout_s=cfg.reward.timeout_s)
+    scorer = RewardScorer.from_spec(cfg.reward.function, weights=cfg.reward.weights, timeout_s=cfg.reward.timeout_s,
+                                    settings=cfg.reward)
     played = episode_environment(cfg)
     environment = load_environment(*played) if played else None
     made = environment_examples(played[0], environment, "validation", cfg.grpo.max_val_samples or MADE_EXAMPLES,

@@ -97,9 +97,40 @@ class DataConfig(Section):
         return self
 
 
+class SandboxConfig(Section):
+    """reward.sandbox: where the code rewards (code_tests, code_pass_rate) run programs, and their
+    limits (novarl/rewards/sandbox.py says how each is enforced)."""
+
+    timeout_s: float = Field(10.0, gt=0)
+    """Wall-clock seconds of one run of a program (one standard input; or the program and its assert tests)."""
+    memory_mb: int = Field(1024, ge=16)
+    """A program's address space, MiB."""
+    max_processes: int = Field(64, ge=1)
+    """Processes a program may have at once (a fork bomb is stopped there)."""
+    max_output_bytes: int = Field(1 << 20, ge=1)
+    """Standard output a run may write; past it the run stops, failed."""
+    max_file_mb: int = Field(64, ge=1)
+    """The program's own folder (a tmpfs) and any one file it writes, MiB."""
+    workers: int = Field(2, ge=1)
+    """Programs run at once."""
+    isolate: bool = True
+    """Namespaces (no network, the host's files read-only, leftover processes killed) where the
+    host allows them; false: the limits, a process group and a folder only."""
+    site_packages: bool = False
+    """Programs may import the interpreter's installed packages (false: the standard library only)."""
+    max_failed_fraction: float = Field(0.1, ge=0, le=1)
+    """Past this fraction of a batch's programs on which the sandbox itself failed (it did not
+    start or report), the run stops with its error."""
+
+
+CODE_REWARDS = ("code_tests", "code_pass_rate")
+"""The registered rewards that run programs in reward.sandbox."""
+
+
 class RewardConfig(Section):
     function: PathText | list[PathText] = "exact_match"
-    """A registered name (exact_match, math_verify, boxed_match, last_number, boxed_format), an import
+    """A registered name (exact_match, math_verify, boxed_match, last_number, boxed_format; code_tests,
+    code_pass_rate: programs run against the example's tests, novarl/rewards/code.py), an import
     path 'module:function' (also a module in the working directory), or a file
     'path/to/rewards.py:function' (relative to the working directory); or a list of them, whose
     rewards are added with `weights`. How each is called: novarl/rewards/scorer.py."""
@@ -121,6 +152,12 @@ class RewardConfig(Section):
     """Seconds one call of the function (one completion) may take; past it the run stops with an
     error naming the function and the completion. None: no limit, and the function is called
     as it is (see novarl.rewards.registry for how the limit is enforced)."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """The code rewards' sandbox."""
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.function) if isinstance(self.function, list) else [self.function]
 
 
 BUILT_IN_ENVIRONMENTS = {"sliding_puzzle_game": "novarl.rollout.games.sliding_puzzle:SlidingPuzzle"}

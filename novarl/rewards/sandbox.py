@@ -1,0 +1,172 @@
+"""Running generated programs without trusting them: novarl's code sandbox.
+
+`LocalSandbox` runs each program in a process tree of its own (novarl/rewards/sandbox_runner.py
+says how it is contained: on Linux, namespaces with no network, a read-only view of the host's
+files and a tmpfs folder, a process-id namespace that takes every leftover process with it; limits
+on memory, CPU seconds, processes, output and file sizes everywhere). Programs run `workers` at
+once. A program is either run once per standard input (stdin/stdout tests) or run once followed
+by assert-style tests in its globals (each test's verdict apart).
+
+What a program does to itself is its result (`RunResult.status`: ok, error, timeout, memory,
+output, processes, signal); only the sandbox failing (the runner did not start or report) is a
+`SandboxError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RUNNER = Path(__file__).with_name("sandbox_runner.py")
+STARTUP_GRACE_S = 10.0
+"""Seconds beyond the programs' own limits before the sandbox itself counts as failed."""
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not run a program (not the program's own failure)."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    timeout_s: float = 10.0
+    """Wall-clock seconds of one run."""
+    memory_mb: int = 1024
+    """Address space of a program's process, MiB."""
+    max_processes: int = 64
+    """Processes a program may have at once."""
+    max_output_bytes: int = 1 << 20
+    """Standard output kept; past it the run stops (status 'output')."""
+    max_file_mb: int = 64
+    """Size of the program's folder (a tmpfs where namespaces are available) and of any file it writes."""
+    cpu_s: float | None = None
+    """CPU seconds of one run; None: timeout_s."""
+
+
+@dataclass(frozen=True)
+class Program:
+    source: str
+    stdins: tuple[str, ...] = ("",)
+    """Runs it once per standard input (when `tests` is None)."""
+    tests: tuple[str, ...] | None = None
+    """Assert-style tests, run in order after the program in its globals (one run)."""
+    entry_point: str | None = None
+    """With tests that define check(candidate) (HumanEval's form): the program's function to pass."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    status: str
+    stdout: str = ""
+    stderr: str = ""
+    seconds: float = 0.0
+    passed: tuple[bool, ...] | None = None
+    """Assert-style tests: each one's verdict."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    runs: tuple[RunResult, ...]
+    isolation: str = ""
+    """'namespaces', or 'limits' where the host allows no namespaces."""
+    notes: tuple[str, ...] = field(default=())
+
+
+@dataclass
+class LocalSandbox:
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    workers: int = 2
+    isolate: bool = True
+    """Namespaces where the host allows them (False: limits, process group and folder only)."""
+    site_packages: bool = False
+    """Programs may import the interpreter's installed packages (False: the standard library only)."""
+    python: str = sys.executable
+    uid: int = 65534
+    """Where novarl runs as root: the host's user id of the sandbox's processes (nobody's by default;
+    a process-count limit binds no process of root's)."""
+
+    def run_all(self, programs: Sequence[Program]) -> list[Outcome | SandboxError]:
+        """Each program's outcome, or the SandboxError that stopped it, `workers` at a time."""
+        def one(program: Program) -> Outcome | SandboxError:
+            try:
+                return self.run(program)
+            except SandboxError as err:
+                return err
+
+        if len(programs) <= 1 or self.workers <= 1:
+            return [one(p) for p in programs]
+        with ThreadPoolExecutor(min(self.workers, len(programs)), thread_name_prefix="novarl-sandbox") as pool:
+            return list(pool.map(one, programs))
+
+    def run(self, program: Program) -> Outcome:
+        limits = self.limits
+        runs = 1 if program.tests is not None else len(program.stdins)
+        workdir = tempfile.mkdtemp(prefix="novarl-sandbox-")
+        job = {"nonce": secrets.token_hex(16), "workdir": workdir, "isolate": self.isolate, "uid": self.uid,
+               "site": self.site_packages, "source": program.source, "entry_point": program.entry_point,
+               "tests": None if program.tests is None else list(program.tests), "stdins": list(program.stdins),
+               "limits": {"timeout_s": limits.timeout_s, "cpu_s": limits.cpu_s or limits.timeout_s,
+                          "memory_mb": limits.memory_mb, "max_processes": limits.max_processes,
+                          "max_output_bytes": limits.max_output_bytes, "max_file_mb": limits.max_file_mb}}
+        try:
+            lines, stderr = self._start(job, runs * limits.timeout_s + STARTUP_GRACE_S)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return _outcome(lines, stderr, runs)
+
+    def _start(self, job: dict, deadline_s: float) -> tuple[list[str], str]:
+        read, write = os.pipe()
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": job["workdir"],
+               "OMP_NUM_THREADS": "1"}
+        try:
+            process = subprocess.Popen([self.python, "-I", "-S", str(RUNNER), str(read)], stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(read,), env=env,
+                                       cwd=job["workdir"], start_new_session=True)
+        except OSError as err:
+            os.close(read), os.close(write)
+            raise SandboxError(f"the sandbox's interpreter {self.python} did not start: {err}") from None
+        os.close(read)
+        try:
+            with os.fdopen(write, "wb") as channel:
+                channel.write(json.dumps(job).encode())
+            out, err = process.communicate(timeout=deadline_s)
+        except BrokenPipeError:
+            out, err = process.communicate()
+        except subprocess.TimeoutExpired:
+            _kill_group(process.pid)
+            process.communicate()
+            raise SandboxError(f"the sandbox did not finish within {deadline_s:g} s (its programs' limits "
+                               f"and {STARTUP_GRACE_S:g} s)") from None
+        finally:
+            _kill_group(process.pid)
+        return out.decode("utf-8", "replace").splitlines(), err.decode("utf-8", "replace")
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _outcome(lines: list[str], stderr: str, runs: int) -> Outcome:
+    try:
+        records = [json.loads(line) for line in lines if line.strip()]
+    except json.JSONDecodeError:
+        records = []
+    if not records or "isolation" not in records[0] or len(records) != runs + 1:
+        last = " ".join(stderr.strip().splitlines()[-3:])[-400:] or "no message"
+        raise SandboxError(f"the sandbox reported {max(len(records) - 1, 0)} of {runs} run(s): {last}")
+    head, results = records[0], records[1:]
+    return Outcome(tuple(RunResult(r["status"], r["stdout"], r["stderr"], r["seconds"],
+                                   None if r.get("passed") is None else tuple(r["passed"])) for r in results),
+                   head["isolation"], tuple(head["notes"]))
