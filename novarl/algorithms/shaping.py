@@ -36,6 +36,13 @@ def shape_rewards(rewards: torch.Tensor, completion_lengths: torch.Tensor, trunc
     return rewards + penalty
 
 
+def difficulty_mask(rewards: torch.Tensor, group_size: int, low: float, high: float) -> torch.Tensor:
+    """[S] bool: the samples whose group's mean task reward is strictly between `low` and `high`
+    (ROLL's difficulty mask: the others, too easy or too hard, get no loss)."""
+    mean = rewards.float().view(-1, group_size).mean(dim=1)
+    return ((mean > low) & (mean < high)).repeat_interleave(group_size)
+
+
 def groups_with_signal(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """[P] bool: the prompt groups whose rewards are not all equal (DAPO's dynamic sampling keeps
     these; the others have advantage 0 under a group baseline and train nothing)."""

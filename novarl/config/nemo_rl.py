@@ -494,7 +494,8 @@ def _dataset_lists(data: dict[str, Any], train: Any, validation: Any, default: A
             if role == "train" and merged.get("repeat", 1) != 1:
                 refused.append(f"'{where}.repeat' = {show_value(merged['repeat'])}: repeating a training dataset is "
                                f"{ISSUE_DATA}.")
-            out.append({k: v for k, v in merged.items() if k in BLOCK_KEYS[role] and v is not None})
+            out.append({k: v for k, v in merged.items() if v is not None and (
+                k in BLOCK_KEYS[role] or (k == "env_name" and v not in MATH_ENVIRONMENTS))})  # math: the default
         data.setdefault(role, out)
     return refused
 
@@ -520,6 +521,8 @@ def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
 
     data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
     used = data.pop("_env_names", set()) if data else set()
+    reward = tree.get("reward") if isinstance(tree.get("reward"), dict) else {}
+    used -= set(reward.get("domains") or {})  # novarl's reward domains, named by env_name
     env = tree.get("env")
     if not isinstance(env, dict):
         return []

@@ -66,6 +66,9 @@ COPIED = {
     "num_gpus_per_node": "cluster.gpus_per_node",
     "reward_clip": "grpo.reward_clip",
     "max_len_mask": "grpo.overlong_filtering",
+    "difficulty_mask": "grpo.difficulty_mask.enabled",
+    "difficulty_low_threshold": "grpo.difficulty_mask.low_threshold",
+    "difficulty_high_threshold": "grpo.difficulty_mask.high_threshold",
     "ppo_epochs": "grpo.ppo_epochs",
 }
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -76,8 +79,6 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "reward_norm": ((None,), "ROLL's running reward normalisation is not built; set it null"),
     "reward_shift": ((None, 0, 0.0, False), "shifting the rewards is not built; set it false"),
     "reward_scale": ((None, 1, 1.0, False), "scaling the rewards is not built; set it false"),
-    "difficulty_mask": ((False,), "dropping groups by difficulty thresholds is not built; set it false "
-                                  "(novarl's grpo.use_dynamic_sampling drops groups whose rewards are all equal)"),
     "error_max_len_clip": ((False,), "clipping error rewards at the maximum length is not built; set it false"),
     "difficulty_loss_weight": ((False,), "weighting the loss by difficulty is not built; set it false"),
     "length_loss_weight": ((False,), "weighting the loss by length is not built; set it false"),
@@ -92,7 +93,7 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "is_num_return_sequences_expand": ((False, True), ""),
     "use_pg_clip_range": ((False, True), ""),
 }
-GOVERNED = ("difficulty_low_threshold", "difficulty_high_threshold", "value_clip", "lambd", "gamma", "target_kl",
+GOVERNED = ("value_clip", "lambd", "gamma", "target_kl",
             "kl_horizon", "kl_penalty", "critic_warmup", "reward_pretrain", "pg_clip", "pg_clip_low", "pg_clip_high",
             "dual_clip_loss", "use_kl_loss", "kl_loss_coef", "norm_mean_type", "norm_std_type", "adv_estimator",
             "whiten_advantages",
@@ -118,8 +119,6 @@ VLLM_OPERATIONAL = ("block_size", "load_format", "sleep_level", "distributed_exe
                     "max_num_batched_tokens", "disable_mm_preprocessor_cache")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "float32": "float32"}
-MATH_REWARDS = ("MathRuleRewardWorker",)
-"""ROLL's reward workers that are novarl's reward.function 'math_verify'."""
 
 
 def from_roll(tree: Mapping[str, Any]) -> Translation:
@@ -150,7 +149,10 @@ def from_roll(tree: Mapping[str, Any]) -> Translation:
     _actor_infer(tree.get("actor_infer"), out, placement, tree)
     _reference(tree.get("reference"), out, placement, train)
     _critic(tree, out, placement, train)
-    _rewards(tree.get("rewards"), out)
+    refused = _rewards(tree.get("rewards"), out)
+    probs = out.tree.get("data", {}).get("domain_interleave_probs")
+    if probs and refused:  # said once, at the worker
+        out.tree["data"]["domain_interleave_probs"] = {d: p for d, p in probs.items() if d not in refused}
     _validation(tree.get("validation"), out)
     return out
 
@@ -401,12 +403,13 @@ def _training_args(args: Mapping[str, Any], out: Translation, training: str, pla
 def _data_args(args: Mapping[str, Any], out: Translation) -> None:
     files = args.get("file_name")
     files = [files] if isinstance(files, str) else list(files or [])
-    mixing = args.get("domain_interleave_probs") or args.get("interleave_probs")
-    if len(files) > 1 and mixing:
-        out.refuse("actor_train.data_args.domain_interleave_probs", mixing,
-                   "sampling the files' domains by probability is not built yet; "
-                   "without it the files are read as one shuffled pool")
-    elif len(files) > 1:
+    mixing = args.get("domain_interleave_probs")
+    if args.get("interleave_probs") not in (None, 1, 1.0, "1", "1.0"):  # one file's: neutral
+        out.refuse("actor_train.data_args.interleave_probs", args["interleave_probs"],
+                   "sampling the files by probability is not built; domain_interleave_probs samples the domains")
+    if mixing:
+        out.set("data.domain_interleave_probs", dict(mixing))
+    if len(files) > 1:
         out.set("data.train", [{"data_path": f} for f in files])
     elif files:
         out.set("data.train_data_path", files[0])
@@ -603,20 +606,77 @@ def _leaf_paths(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
         _leaf_paths(value, f"{prefix}{key}.") if isinstance(value, Mapping) and value else [f"{prefix}{key}"])]
 
 
-def _rewards(rewards: Any, out: Translation) -> None:
+REWARD_WORKERS = {"MathRuleRewardWorker": "math_verify", "CodeSandboxRewardWorker": "code_tests",
+                  "CrossThinkQARuleRewardWorker": "crossthinkqa", "GeneralRuleRewardWorker": "ifeval"}
+"""ROLL's reward workers -> novarl's registered rewards (the rule workers' reward_type picks a variant)."""
+REWARD_KEYS = ("worker_cls", "tag_included", "model_args", "data_args", "world_size", "infer_batch_size",
+               "reward_type", "response_length_penalty_coef", "use_local", "query_filter_config", "generating_args",
+               "strategy_args", "device_mapping", "num_gpus_per_worker", "judge_prompt", "judge_model_type")
+
+
+def _rewards(rewards: Any, out: Translation) -> set[str]:
+    """ROLL's reward workers as reward domains routed by their tags: the math rule is the default
+    domain (ROLL sends rows of no listed tag to math_rule), the others reward.domains.<name>. The
+    names of the workers refused."""
     if not isinstance(rewards, Mapping):
-        return
+        return set()
+    domains: dict[str, Any] = {}
+    refused: set[str] = set()
     for name, block in rewards.items():
-        worker = str((block or {}).get("worker_cls", "")).rsplit(".", 1)[-1]
-        if worker in MATH_REWARDS:
-            out.tree.setdefault("reward", {}).setdefault("function", "math_verify")
-            out.became.append(f"rewards.{name} ({worker}) -> reward.function="
-                              f"{show_value(out.tree['reward']['function'])} (ROLL's math rule reward: math-verify, 1 "
-                              "when the answer is right, else 0)")
+        block = block or {}
+        worker = str(block.get("worker_cls", "")).rsplit(".", 1)[-1]
+        function = REWARD_WORKERS.get(worker)
+        if function is None:
+            out.refuse(f"rewards.{name}.worker_cls", worker or None, f"not built yet (novarl has ROLL's "
+                                                                     f"{', '.join(REWARD_WORKERS)})")
+            refused.add(name)
+            continue
+        function = _reward_variant(name, block, function, out)
+        if function is None:
+            refused.add(name)
+            continue
+        tags = [str(t) for t in block.get("tag_included") or []]
+        if worker == "MathRuleRewardWorker":
+            out.tree.setdefault("reward", {}).setdefault("function", function)
+            out.set("reward.default_domain", name)
+            out.became.append(f"rewards.{name} ({worker}) -> reward.function={show_value(out.tree['reward']['function'])}"
+                              f", the default domain '{name}' (math-verify: 1 when the answer is right, else 0)")
         else:
-            out.refuse(f"rewards.{name}.worker_cls", worker or None, "only ROLL's math rule reward has a stand-in "
-                                                                     "(reward.function); other reward workers "
-                                                                     "are not built")
+            domains[name] = {"function": function, "tags": tags}
+            out.became.append(f"rewards.{name} ({worker}) -> reward.domains.{name}: {function} on the examples "
+                              f"tagged {', '.join(tags) or '(none)'}")
+        unknown = set(block) - set(REWARD_KEYS)
+        out.refused.extend(f"unknown key 'rewards.{name}.{k}'." for k in sorted(unknown))
+    if domains:
+        out.set("reward.domains", domains)
+    return refused
+
+
+def _reward_variant(name: str, block: Mapping[str, Any], function: str, out: Translation) -> str | None:
+    """The registered reward for a worker's settings, or None (refused)."""
+    if block.get("query_filter_config"):
+        out.refuse(f"rewards.{name}.query_filter_config", block["query_filter_config"],
+                   "filtering prompt groups by their rewards is not mapped; novarl's grpo.use_dynamic_sampling drops "
+                   "the groups whose rewards are all equal")
+        return None
+    if function == "code_tests" and block.get("use_local", True) is not True:
+        out.refuse(f"rewards.{name}.use_local", block["use_local"], "a remote sandbox is not built yet; novarl runs "
+                                                                     "programs in its local sandbox (reward.sandbox)")
+        return None
+    if function == "crossthinkqa":
+        kind = block.get("reward_type", "soft")
+        if kind not in ("loose", "soft", "strict"):
+            out.refuse(f"rewards.{name}.reward_type", kind, "ROLL's CrossThinkQA rule has loose, soft and strict")
+            return None
+        if block.get("response_length_penalty_coef", 0.0) not in (0, 0.0, None):
+            out.refuse(f"rewards.{name}.response_length_penalty_coef", block["response_length_penalty_coef"],
+                       "a length penalty is not built; set it 0")
+            return None
+        return function if kind == "soft" else f"{function}_{kind}"
+    if function == "ifeval" and "reward_type" in block:
+        out.warnings.append(f"rewards.{name}.reward_type={show_value(block['reward_type'])}: ROLL's IFEval rule worker "
+                            "does not read it, nor does novarl (1 when the check holds, plus the repetition penalty)")
+    return function
 
 
 def _validation(validation: Any, out: Translation) -> None:

@@ -27,7 +27,7 @@ from novarl.config.sections.algorithm import (  # noqa: F401 (re-exported: the s
 from novarl.config.sections.base import (  # noqa: F401
     NAME_MAX_BYTES, PATH_MAX_BYTES, PathText, Precision, Section, _finite_numbers)
 from novarl.config.sections.data import (  # noqa: F401
-    BUNDLED_TASKS, DataConfig, DatasetBlock, EnvConfig, RewardConfig)
+    BUNDLED_TASKS, DataConfig, DatasetBlock, EnvConfig, RewardConfig, check_domains)
 
 
 # --------------------------------------------------------------------- cluster
@@ -605,6 +605,7 @@ class NovaRLConfig(Section):
                 "for generation on GPUs of its own")
         self._critic_checks()
         self._forced_ratio_checks()
+        check_domains(self.data, self.reward)
         classes = sorted(name for name, block in self.env.items() if block.plays_episodes)
         if len(classes) > 1:
             raise ValueError(f"env: {', '.join(classes)} each name an environment class (actor_class_fqn) or an "

@@ -68,6 +68,9 @@ def spec_examples(spec: SplitSpec) -> list[Example]:
         source = locate(spec.text, spec.where, split=spec.split, subset=subset,
                         fallback_splits=spec.fallback_splits, download=True)
         examples.extend(source_examples(source, spec.input_key, spec.output_key, answer_after=spec.answer_after))
+    if spec.domain is not None:  # its block's env_name, where a row names no domain of its own
+        examples = [e if "domain" in e.columns else Example(e.prompt, e.answer, {**e.columns, "domain": spec.domain})
+                    for e in examples]
     return examples
 
 

@@ -38,6 +38,8 @@ class SplitSpec:
     """A validation source: each example this many times."""
     from_training: bool = False
     """A validation source that is the training source (its validation, test or training split)."""
+    domain: str | None = None
+    """Its examples' reward domain (its block's env_name), where a row has no `domain` of its own."""
 
 
 def split_specs(data: DataConfig, split: str) -> list[SplitSpec]:
@@ -50,7 +52,7 @@ def split_specs(data: DataConfig, split: str) -> list[SplitSpec]:
         return []
     if data.train is not None:
         train = [_spec(data, b.dataset_name, b.data_path, b.split, "train", f"data.train[{i}]", b.input_key,
-                       b.output_key, b.subset, held_out=_fraction(b.split_validation_size, data))
+                       b.output_key, b.subset, held_out=_fraction(b.split_validation_size, data), domain=b.env_name)
                  for i, b in enumerate(data.train)]
     else:
         train = [_spec(data, name, data.train_data_path, data.train_split, "train",
@@ -59,7 +61,8 @@ def split_specs(data: DataConfig, split: str) -> list[SplitSpec]:
         return train
     if data.validation is not None:
         return [_spec(data, b.dataset_name, b.data_path, b.split, "validation", f"data.validation[{i}]",
-                      b.input_key, b.output_key, b.subset, repeat=b.repeat) for i, b in enumerate(data.validation)]
+                      b.input_key, b.output_key, b.subset, repeat=b.repeat, domain=b.env_name)
+                for i, b in enumerate(data.validation)]
     if data.val_dataset_name is not None:
         return [_spec(data, data.val_dataset_name, None, data.val_split, "validation")]
     if data.val_data_path:
@@ -68,7 +71,7 @@ def split_specs(data: DataConfig, split: str) -> list[SplitSpec]:
         return []
     return [SplitSpec(t.where, t.text, t.subsets, data.val_split,
                       (data.val_split,) if data.val_split else ("validation", "test", t.split or "train"),
-                      t.input_key, t.output_key, t.answer_after, from_training=True) for t in train]
+                      t.input_key, t.output_key, t.answer_after, from_training=True, domain=t.domain) for t in train]
 
 
 def _fraction(block: float | None, data: DataConfig) -> float:
@@ -77,7 +80,8 @@ def _fraction(block: float | None, data: DataConfig) -> float:
 
 def _spec(data: DataConfig, name: str | None, path: str | None, split: str | None, role: str,
           block: str | None = None, input_key: str | None = None, output_key: str | None = None,
-          subset: str | None = None, *, held_out: float = 0.0, repeat: int = 1) -> SplitSpec:
+          subset: str | None = None, *, held_out: float = 0.0, repeat: int = 1, domain: str | None = None
+          ) -> SplitSpec:
     named = NAMED_DATASETS.get(name or "")
     given = data.model_fields_set  # keys given in the config win over a named dataset's own fields
     if named is None:
@@ -86,14 +90,14 @@ def _spec(data: DataConfig, name: str | None, path: str | None, split: str | Non
         fallback = ("train",) if role == "train" else ("validation", "test", "train")
         return SplitSpec(f"{setting}='{path}'", str(path), (subset or data.subset,), split, fallback,
                          input_key or data.input_key, output_key or data.output_key, held_out=held_out,
-                         repeat=repeat)
+                         repeat=repeat, domain=domain)
     setting = f"{block}.dataset_name" if block else "data.dataset_name" if role == "train" else \
         "data.val_dataset_name"
     return SplitSpec(f"{setting}='{name}' (hub dataset '{named.repo_id}')", named.repo_id, named.subsets,
                      split or named.split, (named.split,),
                      input_key or (data.input_key if "input_key" in given else named.input_key),
                      output_key or (data.output_key if "output_key" in given else named.output_key),
-                     named.answer_after, held_out=held_out, repeat=repeat)
+                     named.answer_after, held_out=held_out, repeat=repeat, domain=domain)
 
 
 def prompt_file(path: str, setting: str) -> tuple[str, str | None]:

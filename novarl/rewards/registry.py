@@ -52,12 +52,14 @@ from types import ModuleType
 from typing import Any
 
 from novarl.errors import UserError
+from novarl.rewards.ifeval import ifeval
 from novarl.rewards.math import boxed_format, boxed_match, last_number_match, math_verify
-from novarl.rewards.verifiers import exact_match
+from novarl.rewards.verifiers import crossthinkqa, crossthinkqa_loose, crossthinkqa_strict, exact_match
 
 REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {
     "exact_match": exact_match, "math_verify": math_verify, "boxed_match": boxed_match,
-    "last_number": last_number_match, "boxed_format": boxed_format}
+    "last_number": last_number_match, "boxed_format": boxed_format, "crossthinkqa": crossthinkqa,
+    "crossthinkqa_loose": crossthinkqa_loose, "crossthinkqa_strict": crossthinkqa_strict, "ifeval": ifeval}
 
 REWARD_FACTORIES: dict[str, str] = {"code_tests": "novarl.rewards.code:code_tests",
                                     "code_pass_rate": "novarl.rewards.code:code_pass_rate"}

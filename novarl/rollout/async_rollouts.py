@@ -115,7 +115,8 @@ class AsyncRollouts:
             raw, scaled, shaped = score_round(self.cfg, self.inputs, completions)
         metrics = {"trajectory_age_mean": sum(ages) / len(ages), "trajectory_age_max": float(max(ages)),
                    **age_histogram(ages, self.max_age), **round_.engine_times()}
-        return Rollouts(completions, shaped, round_metrics(self.cfg, completions, raw, shaped)), metrics
+        return Rollouts.of(self.cfg, completions, raw, shaped, round_metrics(self.cfg, completions, raw, shaped)), \
+            metrics
 
     def sync(self, version: int) -> dict[str, float]:
         """Queue the policy's weights `version` to the engines (for an evaluation, which goes behind

@@ -10,13 +10,13 @@ from novarl.types import Completion, TrainBatch
 
 
 def build_train_batch(completions: Sequence[Completion], advantages: torch.Tensor, *,
-                      overlong_filtering: bool = False) -> TrainBatch:
+                      overlong_filtering: bool = False, trained: torch.Tensor | None = None) -> TrainBatch:
     """Prompt + completion sequences end to end; loss on the tokens the engine sampled only (a
     multi-turn episode's observations have none: Completion.observed). `advantages`: [S] one per
     sequence (repeated over its tokens) or [N] one per token.
 
     With `overlong_filtering`, completions cut by max_new_tokens get no loss; a failed episode
-    (Completion.failed) gets none either.
+    (Completion.failed) gets none either, nor a sample `trained` marks False.
     """
     prompt_lengths = torch.tensor([len(c.prompt.token_ids) for c in completions])
     completion_lengths = torch.tensor([len(c.token_ids) for c in completions])
@@ -30,8 +30,9 @@ def build_train_batch(completions: Sequence[Completion], advantages: torch.Tenso
         first = int(cu_seqlens[s] + prompt_lengths[s])
         for start, end in c.observed:
             sampled[first + start:first + end] = False
-    trained = torch.tensor([not (overlong_filtering and c.finish_reason == "length") and c.failed is None
-                            for c in completions])
+    kept = torch.tensor([not (overlong_filtering and c.finish_reason == "length") and c.failed is None
+                         for c in completions])
+    trained = kept if trained is None else kept & trained
     input_ids = torch.tensor([t for c in completions for t in (*c.prompt.token_ids, *c.token_ids)],
                              dtype=torch.long)
     generator_logprobs = torch.zeros(len(input_ids), dtype=torch.float32)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from novarl.algorithms.shaping import groups_with_signal, scale_rewards, shape_rewards
+from novarl.algorithms.shaping import difficulty_mask, groups_with_signal, scale_rewards, shape_rewards
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import RunFailed
 from novarl.rollout.environment import episode_environment
@@ -30,6 +30,20 @@ class Rollouts:
     metrics: dict[str, float] = field(default_factory=dict)
     """Over everything generated this step: the task's rewards (reward_mean, ...), lengths,
     reward_shaped_mean when scaling or shaping is on, and dynamic sampling's counts."""
+    trained: torch.Tensor | None = None
+    """[S] bool: the samples that get a loss (grpo.difficulty_mask); None: all."""
+
+    @classmethod
+    def of(cls, cfg: NovaRLConfig, completions: list[Completion], raw: torch.Tensor, shaped: torch.Tensor,
+           metrics: dict[str, float]) -> "Rollouts":
+        """The samples with their shaped rewards; with grpo.difficulty_mask, those whose group's mean
+        task reward (`raw`) is outside its thresholds marked untrained (difficulty_mask_ratio: the share kept)."""
+        mask = cfg.grpo.difficulty_mask
+        if not mask.enabled or cfg.grpo.num_generations_per_prompt <= 1:
+            return cls(completions, shaped, metrics)
+        trained = difficulty_mask(raw, cfg.grpo.num_generations_per_prompt, mask.low_threshold, mask.high_threshold)
+        metrics["difficulty_mask_ratio"] = float(trained.float().mean())
+        return cls(completions, shaped, metrics, trained)
 
 
 class DynamicSamplingExhausted(RunFailed):
@@ -45,9 +59,10 @@ def collect(cfg: NovaRLConfig, inputs, roles, step: int, timer) -> Rollouts:
     group, wanted = grpo.num_generations_per_prompt, grpo.num_prompts_per_step
     if not grpo.use_dynamic_sampling:
         completions, raw, _, shaped = _round(cfg, inputs, roles, step, 0, wanted, timer)
-        return Rollouts(completions, shaped, round_metrics(cfg, completions, raw, shaped))
+        return Rollouts.of(cfg, completions, raw, shaped, round_metrics(cfg, completions, raw, shaped))
     kept: list[Completion] = []
     kept_rewards: list[torch.Tensor] = []
+    kept_raw: list[torch.Tensor] = []
     generated: list[Completion] = []
     generated_rewards: dict[str, list[torch.Tensor]] = {"raw": [], "shaped": []}
     per_round = math.ceil(wanted * grpo.batch_multiplier)
@@ -68,10 +83,12 @@ def collect(cfg: NovaRLConfig, inputs, roles, step: int, timer) -> Rollouts:
         for g in groups_with_signal(scaled, group).nonzero().view(-1).tolist():
             kept += completions[g * group:(g + 1) * group]
             kept_rewards.append(shaped[g * group:(g + 1) * group])
+            kept_raw.append(raw[g * group:(g + 1) * group])
     metrics = round_metrics(cfg, generated, torch.cat(generated_rewards["raw"]), torch.cat(generated_rewards["shaped"]))
     metrics.update(dynamic_sampling_rounds=float(rounds), groups_kept=float(len(kept) // group),
                    samples_discarded=float(len(kept) - wanted * group))
-    return Rollouts(kept[:wanted * group], torch.cat(kept_rewards)[:wanted * group], metrics)
+    return Rollouts.of(cfg, kept[:wanted * group], torch.cat(kept_raw)[:wanted * group],
+                       torch.cat(kept_rewards)[:wanted * group], metrics)
 
 
 def round_metrics(cfg: NovaRLConfig, completions: list[Completion], raw: torch.Tensor, shaped: torch.Tensor

@@ -156,7 +156,7 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, stages: list[S
         rollouts, pipeline_metrics = pipeline.take(step, timer)
         pipeline_metrics.update(queued)
     batch = build_train_batch(rollouts.completions, torch.zeros(len(rollouts.completions)),
-                              overlong_filtering=grpo.overlong_filtering)
+                              overlong_filtering=grpo.overlong_filtering, trained=rollouts.trained)
     # before grpo.policy_training_start_step: the critic's warm-up
     work = StepWork(batch, rollouts.rewards, policy_trains=step > grpo.policy_training_start_step)
     for stage in stages:

@@ -30,6 +30,7 @@ from novarl.backends.generation.layout import generation_layout
 from novarl.backends.contract.checks import ConfigReport, check_config, one_error
 from novarl.backends.contract.resolve import BackendChoice, BatchPlan, world_size
 from novarl.backends.registry import generation_spec, training_spec
+from novarl.rewards.domains import DomainSampler, DomainScorer, run_sampler, run_scorer
 from novarl.rewards.scorer import RewardScorer
 from novarl.rollout.environment import MakesExamples, environment_examples, episode_environment, load_environment
 from novarl.rollout.agents import AgentEpisodes, AgentFunction
@@ -51,8 +52,8 @@ class RunInputs:
     batches: BatchPlan
     model_path: str
     tokenizer: object
-    scorer: RewardScorer
-    sampler: PromptSampler
+    scorer: RewardScorer | DomainScorer
+    sampler: PromptSampler | DomainSampler
     val_prompts: list[Prompt]
     val_source: str = "held-out"
     """Where val_prompts come from: "held-out" (a split that is not trained on) or "training-set"
@@ -129,9 +130,7 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
     critic_path = model_path
     if cfg.value is not None and tokenizer is not None:
         critic_path = attempt(critic_model_path, cfg, model_path, tokenizer)
-    scorer = attempt(RewardScorer.from_spec, reward_fn or cfg.reward.function,
-                     weights=None if reward_fn else cfg.reward.weights, timeout_s=cfg.reward.timeout_s,
-                     settings=cfg.reward)
+    scorer = attempt(run_scorer, cfg, reward_fn)
     played = episode_environment(cfg)
     environment = attempt(load_environment, *played) if played else None
     made_train, made_val = made_examples(cfg, played, environment, attempt, notes) \
@@ -152,7 +151,9 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
         return None
     episodes = run_episodes(cfg, played, environment, tokenizer)
     warnings.extend(lockstep_warning(cfg, episodes, report.choice))
-    sampler = PromptSampler(train, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
+    sampler = attempt(run_sampler, cfg, train, notes)
+    if sampler is None:
+        return None
     if gap is None and val is not None:
         val = val[:cfg.grpo.max_val_samples]
         prompts = f"{len(train)} train / {len(val)} held-out prompts"
@@ -287,7 +288,7 @@ def held_out_gap(cfg: NovaRLConfig, train_examples: list[Example] | None = None)
                                               ", and the training data has no validation or test split")
 
 
-def check_reward(scorer: RewardScorer, prompt: Prompt, *, where: str) -> None:
+def check_reward(scorer: RewardScorer | DomainScorer, prompt: Prompt, *, where: str) -> None:
     """Call the reward once, on a training prompt completed with its own answer, so a function
     that raises or returns a non-number stops the run before anything starts."""
     sample = Completion(prompt=prompt, token_ids=[], logprobs=[], text=prompt.answer or "",
@@ -380,7 +381,7 @@ class EvalInputs:
     generator: GenerationBackend
     """One Hugging Face engine in this process, holding the model under evaluation."""
     prompts: list[Prompt]
-    scorer: RewardScorer
+    scorer: RewardScorer | DomainScorer
     val_source: str
     """"held-out", or "training-set" when the data has no held-out split (see RunInputs.val_source)."""
     episodes: PlaysEpisodes | None = None
@@ -395,8 +396,7 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
 
     model_path = resolve_model_path(model)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.policy.trust_remote_code)
-    scorer = RewardScorer.from_spec(cfg.reward.function, weights=cfg.reward.weights, timeout_s=cfg.reward.timeout_s,
-                                    settings=cfg.reward)
+    scorer = run_scorer(cfg)
     played = episode_environment(cfg)
     environment = load_environment(*played) if played else None
     made = environment_examples(played[0], environment, "validation", cfg.grpo.max_val_samples or MADE_EXAMPLES,

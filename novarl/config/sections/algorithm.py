@@ -87,6 +87,22 @@ class RewardShapingConfig(Section):
         return self
 
 
+class DifficultyMaskConfig(Section):
+    """ROLL's difficulty mask: a group whose mean task reward is not strictly between the thresholds
+    (too easy or too hard) gets no loss."""
+
+    enabled: bool = False
+    low_threshold: float = 0.0
+    high_threshold: float = 1.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "DifficultyMaskConfig":
+        if self.low_threshold >= self.high_threshold:
+            raise ValueError(f"grpo.difficulty_mask: low_threshold={self.low_threshold:g} must be below "
+                             f"high_threshold={self.high_threshold:g}")
+        return self
+
+
 class GRPOConfig(Section):
     num_prompts_per_step: int = Field(32, ge=1)
     """Prompts drawn per step (alias: algorithm.batch_size)."""
@@ -132,6 +148,7 @@ class GRPOConfig(Section):
     val_at_start: bool = True
     val_at_end: bool = True
     overlong_filtering: bool = False
+    difficulty_mask: DifficultyMaskConfig = Field(default_factory=DifficultyMaskConfig)
     max_val_samples: int | None = Field(256, ge=1)
     """At most this many evaluation prompts; None: all of the held-out split (NeMo RL's null)."""
     val_batch_size: int = Field(256, ge=1)

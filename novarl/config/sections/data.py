@@ -29,6 +29,9 @@ class DatasetBlock(Section):
     data.split_validation_size."""
     repeat: int = Field(1, ge=1)
     """Validation blocks: each example this many times (NeMo RL: AIME x16, averaged over samples)."""
+    env_name: str | None = None
+    """The reward domain of this dataset's examples (NeMo RL's key): a name under reward.domains, or
+    reward.default_domain; None: the default domain (an example's own `domain` column wins)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "DatasetBlock":
@@ -75,6 +78,9 @@ class DataConfig(Section):
     pool; instead of dataset_name / train_data_path."""
     validation: list[DatasetBlock] | None = None
     """Several evaluation datasets, instead of val_dataset_name / val_data_path."""
+    domain_interleave_probs: dict[str, float] | None = None
+    """Each step's prompts drawn by reward domain (ROLL's key): domain d gets int(p_d x prompts) of
+    them, the last domain listed the rest, each from its own shuffled pool of examples; None: one pool."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "DataConfig":
@@ -127,6 +133,18 @@ CODE_REWARDS = ("code_tests", "code_pass_rate")
 """The registered rewards that run programs in reward.sandbox."""
 
 
+class RewardDomain(Section):
+    """One reward domain (reward.domains.<name>): the verifier of the examples routed to it (ROLL's
+    rewards.<domain> blocks, NeMo RL's environments named by data.*.env_name)."""
+
+    function: PathText | list[PathText]
+    """As reward.function."""
+    weights: list[float] | None = None
+    """As reward.weights."""
+    tags: list[str] = []
+    """Examples whose `tag` column is one of these come here (ROLL's tag_included)."""
+
+
 class RewardConfig(Section):
     function: PathText | list[PathText] = "exact_match"
     """A registered name (exact_match, math_verify, boxed_match, last_number, boxed_format; code_tests,
@@ -154,6 +172,13 @@ class RewardConfig(Section):
     as it is (see novarl.rewards.registry for how the limit is enforced)."""
     sandbox: SandboxConfig = SandboxConfig()
     """The code rewards' sandbox."""
+    domains: dict[str, RewardDomain] = {}
+    """Several verifiers in one run, each scoring the examples routed to it: by the example's
+    `domain` column, else its `tag` column (a domain's tags), else its dataset's env_name, else
+    default_domain (novarl/rewards/domains.py)."""
+    default_domain: str = "default"
+    """The domain of examples routed nowhere else: scored by reward.function (or by the domain of
+    this name when reward.domains has one: ROLL's fallback to math_rule)."""
 
     @property
     def names(self) -> list[str]:
@@ -210,3 +235,26 @@ class EnvConfig(Section):
     def plays_episodes(self) -> bool:
         """It names an environment class or an agent (not NeMo RL's math environment)."""
         return self.actor_class_fqn is not None or self.agent is not None
+
+
+def check_domains(data: DataConfig, reward: RewardConfig) -> None:
+    """The domains that data names (env_name, domain_interleave_probs) are reward's; no tag routes to two."""
+    names = [reward.default_domain, *(d for d in reward.domains if d != reward.default_domain)]
+    for role in ("train", "validation"):
+        for i, block in enumerate(getattr(data, role) or []):
+            if block.env_name is not None and block.env_name not in names:
+                raise ValueError(f"data.{role}[{i}].env_name={block.env_name!r} is not a reward domain (reward.domains "
+                                 f"and reward.default_domain: {', '.join(names)})")
+    probs = data.domain_interleave_probs
+    if probs is not None:
+        unknown = [d for d in probs if d not in names]
+        if unknown or not probs:
+            raise ValueError(f"data.domain_interleave_probs names {', '.join(map(repr, unknown)) or 'no domain'}: "
+                             f"give the reward domains' probabilities ({', '.join(names)})")
+        if any(not math.isfinite(p) or p < 0 for p in probs.values()):
+            raise ValueError(f"data.domain_interleave_probs={probs}: probabilities are finite and >= 0")
+    owner: dict[str, str] = {}
+    for name, domain in reward.domains.items():
+        for tag in domain.tags:
+            if owner.setdefault(tag, name) != name:
+                raise ValueError(f"reward.domains: tag {tag!r} is in both {owner[tag]} and {name}: a tag routes to one")
