@@ -65,7 +65,8 @@ def test_each_example_is_scored_by_its_domains_verifier(tmp_path, monkeypatch):
             "code.jsonl": [{"prompt": "add", "answer": "", "tests": ["assert add(1, 2) == 3"]}]}
     for name, lines in rows.items():
         Path(name).write_text("".join(json.dumps(r) + "\n" for r in lines))
-    cfg = load_config({"data": {"train": [{"data_path": "math.jsonl"}, {"data_path": "code.jsonl", "env_name": "code"}]},
+    datasets = [{"data_path": "math.jsonl"}, {"data_path": "code.jsonl", "env_name": "code"}]
+    cfg = load_config({"data": {"train": datasets},
                        "reward": {"function": "exact_match", "domains": {
                            "code": {"function": "code_tests", "tags": ["KodCode"]},
                            "choice": {"function": "crossthinkqa"}}}})

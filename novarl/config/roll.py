@@ -639,7 +639,8 @@ def _rewards(rewards: Any, out: Translation) -> set[str]:
         if worker == "MathRuleRewardWorker":
             out.tree.setdefault("reward", {}).setdefault("function", function)
             out.set("reward.default_domain", name)
-            out.became.append(f"rewards.{name} ({worker}) -> reward.function={show_value(out.tree['reward']['function'])}"
+            chosen = show_value(out.tree["reward"]["function"])
+            out.became.append(f"rewards.{name} ({worker}) -> reward.function={chosen}"
                               f", the default domain '{name}' (math-verify: 1 when the answer is right, else 0)")
         else:
             domains[name] = {"function": function, "tags": tags}

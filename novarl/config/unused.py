@@ -94,9 +94,7 @@ def check_settings(config: NovaRLConfig) -> list[str]:
             warnings.append("'policy.megatron_cfg.distributed_data_parallel_config.average_in_collective' = True: "
                             "gradients are summed in the collective, since each micro-batch's loss is already its "
                             "share of the step's mean (the same update)")
-    if config.reward.sandbox != SandboxConfig() and not set(config.reward.names) & set(CODE_REWARDS):
-        warnings.append(f"'reward.sandbox' is set: only the code rewards ({', '.join(CODE_REWARDS)}) run programs, "
-                        "and this run's reward.function names none")
+    warnings.extend(_reward_warnings(config))
     generation = config.policy.generation
     if generation.vllm_cfg.async_engine and not any(block.plays_episodes for block in config.env.values()):
         warnings.append("'policy.generation.vllm_cfg.async_engine' = True: it plays each episode's turns on its own "
@@ -113,3 +111,14 @@ def _get(config: Any, path: str) -> Any:
     for part in path.split("."):
         config = getattr(config, "v2" if part == "_v2" else part)
     return config
+
+
+def _reward_warnings(config: NovaRLConfig) -> list[str]:
+    """reward.sandbox set where no code reward runs."""
+    reward = config.reward
+    functions = {*reward.names, *(f for d in reward.domains.values() for f in
+                                  (d.function if isinstance(d.function, list) else [d.function]))}
+    if reward.sandbox != SandboxConfig() and not functions & set(CODE_REWARDS):
+        return [f"'reward.sandbox' is set: only the code rewards ({', '.join(CODE_REWARDS)}) run programs, and this "
+                "run's reward functions name none"]
+    return []

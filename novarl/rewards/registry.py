@@ -35,6 +35,7 @@ function directly, with no timer.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -93,9 +94,11 @@ def import_reward_fn(spec: str, settings: Any = None) -> Callable[..., float]:
         return REWARD_FUNCTIONS[spec]
     source, colon, attr = spec.rpartition(":")
     if not colon or not source or not attr:
-        raise UserError(f"reward.function='{spec}' is neither a registered reward "
-                        f"({', '.join([*REWARD_FUNCTIONS, *REWARD_FACTORIES])}) nor an import path 'module:function' "
-                        "or 'path/to/file.py:function'.")
+        names = [*REWARD_FUNCTIONS, *REWARD_FACTORIES]
+        close = difflib.get_close_matches(spec, names, n=1, cutoff=0.7)
+        raise UserError(f"reward.function='{spec}' is neither a registered reward ({', '.join(names)}) nor an import "
+                        "path 'module:function' or 'path/to/file.py:function'"
+                        + (f": did you mean '{close[0]}'?" if close else "."))
     fn, where = import_attribute(spec, "reward.function")
     if not callable(fn):
         raise UserError(f"reward.function='{spec}': '{attr}' in {where} is not a function "

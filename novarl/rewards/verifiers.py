@@ -13,7 +13,8 @@ def exact_match(completion: str, answer: str) -> float:
     return 1.0 if completion.strip() == answer.strip() else 0.0
 
 
-CROSSTHINKQA_TABLE = {"loose": (1.0, 1.0, -1.0, -1.0), "soft": (1.0, 0.5, -0.5, -1.0), "strict": (1.0, -1.0, -1.0, -1.0)}
+CROSSTHINKQA_TABLE = {"loose": (1.0, 1.0, -1.0, -1.0), "soft": (1.0, 0.5, -0.5, -1.0),
+                      "strict": (1.0, -1.0, -1.0, -1.0)}
 """ROLL's CrossThinkQA rule rewards by reward_type: (right and boxed, right only, boxed only, neither)."""
 _BOXED = re.compile(r"\\boxed\{([^}]+)\}")
 _ANSWER_IS = re.compile(r"answer is", re.IGNORECASE)

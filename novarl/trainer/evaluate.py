@@ -6,12 +6,14 @@ from collections.abc import Callable, Sequence
 
 from novarl.backends.protocols import GenerationBackend
 from novarl.logging.console import info
+from novarl.rewards.domains import DomainScorer
 from novarl.rewards.scorer import RewardScorer
 from novarl.rollout.episodes import PlaysEpisodes, check_failures
 from novarl.types import Completion, Prompt, SamplingConfig
 
 
-def evaluate(generator: GenerationBackend, prompts: Sequence[Prompt], scorer: RewardScorer, max_new_tokens: int, *,
+def evaluate(generator: GenerationBackend, prompts: Sequence[Prompt], scorer: RewardScorer | DomainScorer,
+             max_new_tokens: int, *,
              batch_size: int = 256, samples_to_print: int = 0, episodes: PlaysEpisodes | None = None,
              stop_strings: tuple[str, ...] = (),
              keep: Callable[[list[Completion], list[float]], object] | None = None) -> dict[str, float]:

@@ -146,14 +146,12 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
     val = None
     if gap is None and tokenizer is not None:
         val = attempt(split_prompts, cfg, tokenizer, "validation", made_val, notes=notes, tools=tools)
+    sampler = attempt(run_sampler, cfg, train, notes) if train else None
     if report.problems or report.gpu_only or report.choice is None or report.batches is None or not train \
-            or scorer is None or (gap is None and val is None) or (played and environment is None):
+            or sampler is None or scorer is None or (gap is None and val is None) or (played and environment is None):
         return None
     episodes = run_episodes(cfg, played, environment, tokenizer)
     warnings.extend(lockstep_warning(cfg, episodes, report.choice))
-    sampler = attempt(run_sampler, cfg, train, notes)
-    if sampler is None:
-        return None
     if gap is None and val is not None:
         val = val[:cfg.grpo.max_val_samples]
         prompts = f"{len(train)} train / {len(val)} held-out prompts"
@@ -299,6 +297,7 @@ def check_reward(scorer: RewardScorer | DomainScorer, prompt: Prompt, *, where: 
         raise UserError(f"{where}: a trial call on a training example (completed with its own answer) "
                         f"failed before the run started. {err} A reward function must return a finite "
                         "number for any completion.") from None
+    scorer.take_metrics()  # the trial's: not the first step's
 
 
 def check_stop_token_ids(cfg: NovaRLConfig, tokenizer) -> None:

@@ -12,8 +12,9 @@ the optimizer state (stage 1), and the gradients (2), and the parameters (3).
   explicitly, so a short last chunk is handled the same way as DTensor's).
 - Clipping: `policy.max_grad_norm` becomes DeepSpeed's `gradient_clipping`.
 - Offload: `deepspeed_cfg.offload_optimizer` keeps the optimizer state and step
-  on the CPU (DeepSpeed's CPU Adam, a C++ op built on first use: see
-  ops.py); `offload_param` (stage 3) keeps the parameters there too.
+  on the CPU (from GPUs, DeepSpeed's CPU Adam, a C++ op built on first use: see
+  ops.py; on a CPU host, torch's AdamW, with no op to build); `offload_param`
+  (stage 3) keeps the parameters there too.
 - `deepspeed_cfg.config` is merged over the config built here, for any
   DeepSpeed key novarl does not set (see `deepspeed_config`).
 
@@ -61,6 +62,10 @@ def deepspeed_config(policy: PolicyConfig, *, world_size: int, accumulation_step
     zero: dict[str, Any] = {"stage": ds.zero_stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+        # on a CPU host the training is on the CPU already: torch's AdamW steps it (build_deepspeed_optimizer)
+        extra_top = {} if on_gpu else {"zero_force_ds_cpu_optimizer": False}
+    else:
+        extra_top = {}
     if ds.offload_param:
         if ds.zero_stage != 3:
             raise ConfigError(f"policy.deepspeed_cfg.offload_param needs zero_stage 3 (it is {ds.zero_stage}): "
@@ -81,6 +86,7 @@ def deepspeed_config(policy: PolicyConfig, *, world_size: int, accumulation_step
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
+        **extra_top,
     }
     return _merge(config, ds.config or {})
 
@@ -159,7 +165,8 @@ class DeepSpeedModel(DataParallelRows):
         model.train(trainable)
         self.optimizer = self.scheduler = None
         if trainable:
-            self.optimizer = build_deepspeed_optimizer(policy, [p for p in model.parameters() if p.requires_grad])
+            self.optimizer = build_deepspeed_optimizer(policy, [p for p in model.parameters() if p.requires_grad],
+                                                       on_gpu=self.device.type == "cuda")
             self.scheduler = build_scheduler(policy.scheduler, self.optimizer, total_steps)
         elif self.zero_stage != 3:  # a frozen copy needs no engine unless its parameters are partitioned
             config = None
@@ -360,9 +367,11 @@ def _drop_every_frozen_name(engine) -> None:
     engine.module_state_dict = module_state_dict
 
 
-def build_deepspeed_optimizer(policy: PolicyConfig, params) -> torch.optim.Optimizer:
-    """The configured torch optimizer; with optimizer offload, DeepSpeed's CPU Adam(W) with
-    the same hyper-parameters (DeepSpeed steps offloaded state with its own kernel)."""
+def build_deepspeed_optimizer(policy: PolicyConfig, params, *, on_gpu: bool) -> torch.optim.Optimizer:
+    """The configured torch optimizer; with optimizer offload from a GPU, DeepSpeed's CPU Adam(W)
+    with the same hyper-parameters (DeepSpeed steps offloaded state with its own kernel). On a
+    CPU host the training is on the CPU already: torch's optimizer steps the offloaded state,
+    and no C++ op is built."""
     optimizer = policy.optimizer
     assert optimizer is not None  # null only with Megatron (schema.py)
     if not policy.deepspeed_cfg.offload_optimizer:
@@ -371,6 +380,8 @@ def build_deepspeed_optimizer(policy: PolicyConfig, params) -> torch.optim.Optim
     if name not in ("Adam", "AdamW"):
         raise ConfigError(f"policy.deepspeed_cfg.offload_optimizer steps Adam or AdamW on the CPU; "
                           f"policy.optimizer.name is {optimizer.name}.")
+    if not on_gpu:
+        return build_optimizer(optimizer, params)
     from novarl.backends.training.ops import cpu_adam
 
     kwargs = dict(optimizer.kwargs)
