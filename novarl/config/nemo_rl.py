@@ -533,7 +533,9 @@ def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
         if name in MATH_ENVIRONMENTS or (isinstance(env[name], dict) and {"actor_class_fqn", "agent"} & set(env[name])):
             continue  # math is reward.function math_verify; a class (novarl's or the user's) plays episodes
         block = env.pop(name)
-        if name not in NEMO_RL_ENVIRONMENTS:
+        if name == "reward_model" and isinstance(block, dict) and name in used:
+            refused.extend(_reward_model_environment(tree, block, warnings))
+        elif name not in NEMO_RL_ENVIRONMENTS:
             close = difflib.get_close_matches(name, NEMO_RL_ENVIRONMENTS, n=1, cutoff=0.6)
             refused.append(f"unknown key 'env.{name}'" + (f" (did you mean '{close[0]}'?)" if close else "")
                            + ": env holds NeMo RL's environments (math is built: reward.function math_verify) "
@@ -550,6 +552,42 @@ def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
     math = {name: env[name] for name in MATH_ENVIRONMENTS if name in env}
     if math:
         refused.extend(_math_environment(tree, math, warnings))
+    return refused
+
+
+REWARD_MODEL_KEYS = {"model_name": "model_name", "precision": "precision", "batch_size": "batch_size",
+                     "max_model_len": "max_model_len"}
+REWARD_MODEL_UNUSED = ("processor", "offload_optimizer_for_logprob", "dtensor_cfg", "dynamic_batching",
+                       "sequence_packing", "max_grad_norm", "enabled")
+
+
+def _reward_model_environment(tree: dict[str, Any], block: dict[str, Any], warnings: list[str]) -> list[str]:
+    """NeMo RL's reward-model environment, named by the data's env_name: reward.reward_model's
+    settings, scored by the registered reward 'reward_model' (the run's reward.function, or the
+    domain of the datasets that name it)."""
+    refused = []
+    kind = (block.get("reward_model_cfg") or {}).get("reward_model_type", "bradley_terry")
+    if kind != "bradley_terry" or (block.get("reward_model_cfg") or {}).get("enabled") is False:
+        refused.append(f"'env.reward_model.reward_model_cfg' = {show_value(block.get('reward_model_cfg'))}: a "
+                       "Bradley-Terry reward model (enabled, reward_model_type: bradley_terry) is what is built.")
+    if block.get("checkpoint_path") is not None:
+        refused.append(f"'env.reward_model.checkpoint_path' = {show_value(block['checkpoint_path'])}: give the reward "
+                       "model's Hugging Face folder in env.reward_model.model_name.")
+    settings = {ours: block[theirs] for theirs, ours in REWARD_MODEL_KEYS.items() if block.get(theirs) is not None}
+    tokenizer = (block.get("tokenizer") or {}).get("name")
+    if tokenizer not in (None, block.get("model_name")):
+        settings["tokenizer_name"] = tokenizer
+    reward = tree.setdefault("reward", {})
+    reward.setdefault("reward_model", {}).update(settings)
+    data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
+    if any(isinstance(b, dict) and b.get("env_name") == "reward_model" for b in data.get("train") or []):
+        reward.setdefault("domains", {}).setdefault("reward_model", {"function": "reward_model"})
+    else:
+        reward.setdefault("function", "reward_model")
+    unused = [k for k in (*REWARD_MODEL_UNUSED, "resources") if k in block]
+    if unused:
+        warnings.append(f"env.reward_model: {', '.join(unused)} not used (the reward model scores in the driver's "
+                        "process, on its first GPU or the CPU; GPUs of its own are not placed yet)")
     return refused
 
 

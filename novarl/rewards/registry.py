@@ -63,7 +63,8 @@ REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {
     "crossthinkqa_loose": crossthinkqa_loose, "crossthinkqa_strict": crossthinkqa_strict, "ifeval": ifeval}
 
 REWARD_FACTORIES: dict[str, str] = {"code_tests": "novarl.rewards.code:code_tests",
-                                    "code_pass_rate": "novarl.rewards.code:code_pass_rate"}
+                                    "code_pass_rate": "novarl.rewards.code:code_pass_rate",
+                                    "reward_model": "novarl.rewards.reward_model:reward_model"}
 """Registered rewards built from the reward section's settings (factory(settings) -> function),
 imported when named."""
 

@@ -8,7 +8,8 @@ A reward function is called in one of two ways, told apart by its first paramete
   it gets them all.
 - batched, TRL's convention, when the first parameter is ``completions``:
   ``fn(completions: list[str], **kwargs) -> list[float]``, once per batch, with keyword lists
-  ``prompts``, ``answers`` and every column of the rows (only those it names, unless it has
+  ``prompts``, ``answers``, ``sources`` (each prompt as the data gave it: chat messages or text,
+  before the template) and every column of the rows (only those it names, unless it has
   ``**kwargs``). A function that is expensive per call (a model, a sandbox) should be batched.
 
 A function returns a number, or a dict with a number under ``"reward"`` and other numbers that
@@ -149,6 +150,7 @@ class RewardScorer:
     def _batch(self, term: RewardTerm, completions: Sequence[Completion]) -> list[object]:
         columns = sorted({k for c in completions for k in c.prompt.columns if isinstance(k, str)})
         offered = {"prompts": [c.prompt.text for c in completions], "answers": [c.prompt.answer for c in completions],
+                   "sources": [c.prompt.source for c in completions],
                    **{k: [c.prompt.columns.get(k) for c in completions] for k in columns}}
         offered = {k: v for k, v in offered.items() if k != "completions"}
         kwargs = offered if term.takes_all else {k: v for k, v in offered.items() if k in term.named}

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from novarl.config.sections.base import PathText, Section
+from novarl.config.sections.base import PathText, Precision, Section
 
 BUNDLED_TASKS = ("arithmetic", "repeat", "word_problems", "multiplication")
 """Tasks shipped with novarl (novarl.data.datasets.BUNDLED_DATASETS implements them)."""
@@ -129,6 +129,25 @@ class SandboxConfig(Section):
     start or report), the run stops with its error."""
 
 
+class RewardModelConfig(Section):
+    """reward.reward_model: the model the registered reward `reward_model` scores with (NeMo RL's
+    env.reward_model): a sequence-classification model with one output (Bradley-Terry), whose
+    score of the conversation (the prompt, then the completion as the assistant's turn, in its
+    own tokenizer's chat template) is the reward, as it comes (no sigmoid)."""
+
+    model_name: PathText | None = None
+    """A Hugging Face folder or hub id (read from the local caches; `novarl train` downloads it)."""
+    tokenizer_name: PathText | None = None
+    """Its tokenizer, when not the model's own folder (NeMo RL's env.reward_model.tokenizer.name)."""
+    precision: Precision = "float32"
+    """Its weights' dtype (float32 on a CPU whatever is given)."""
+    batch_size: int = Field(8, ge=1)
+    """Conversations scored per forward."""
+    max_model_len: int | None = Field(None, ge=2)
+    """A longer conversation keeps its last this many tokens (the completion's end); None: whole."""
+    trust_remote_code: bool = False
+
+
 CODE_REWARDS = ("code_tests", "code_pass_rate")
 """The registered rewards that run programs in reward.sandbox."""
 
@@ -147,8 +166,9 @@ class RewardDomain(Section):
 
 class RewardConfig(Section):
     function: PathText | list[PathText] = "exact_match"
-    """A registered name (exact_match, math_verify, boxed_match, last_number, boxed_format; code_tests,
-    code_pass_rate: programs run against the example's tests, novarl/rewards/code.py), an import
+    """A registered name (exact_match, math_verify, boxed_match, last_number, boxed_format, crossthinkqa,
+    ifeval; code_tests, code_pass_rate: programs run against the example's tests, novarl/rewards/code.py;
+    reward_model: reward.reward_model's score), an import
     path 'module:function' (also a module in the working directory), or a file
     'path/to/rewards.py:function' (relative to the working directory); or a list of them, whose
     rewards are added with `weights`. How each is called: novarl/rewards/scorer.py."""
@@ -172,6 +192,8 @@ class RewardConfig(Section):
     as it is (see novarl.rewards.registry for how the limit is enforced)."""
     sandbox: SandboxConfig = SandboxConfig()
     """The code rewards' sandbox."""
+    reward_model: RewardModelConfig = RewardModelConfig()
+    """The reward model's (the registered reward `reward_model`)."""
     domains: dict[str, RewardDomain] = {}
     """Several verifiers in one run, each scoring the examples routed to it: by the example's
     `domain` column, else its `tag` column (a domain's tags), else its dataset's env_name, else
