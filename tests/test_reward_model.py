@@ -88,11 +88,13 @@ def test_nemo_rls_reward_model_recipe_loads_and_trains_scaled_to_the_tiny_models
         "grpo.max_val_samples=4", "grpo.val_period=0", "grpo.val_at_start=false", "policy.train_global_batch_size=8",
         "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8", "policy.dtensor_cfg.cpu_offload=false",
         "checkpointing.enabled=false", "logger.monitor_gpus=false", "logger.progress_bar=false",
-        "logger.num_val_samples_to_print=4", "grpo.val_at_end=true", "grpo.max_train_seconds=null", f"logger.log_dir={tmp_path}"])
+        "logger.num_val_samples_to_print=4", "grpo.val_at_end=true", "grpo.max_train_seconds=null",
+        f"logger.log_dir={tmp_path}"])
     result = GRPOTrainer(small).train()
     steps = [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert len(steps) == 2
-    samples = [json.loads(line) for line in (result.output_dir / "samples" / "eval_step_2.jsonl").read_text().splitlines()]
+    kept = (result.output_dir / "samples" / "eval_step_2.jsonl").read_text()
+    samples = [json.loads(line) for line in kept.splitlines()]
     assert samples, "the evaluation kept no samples"
     from transformers import AutoTokenizer
 
