@@ -104,24 +104,27 @@ STDIO = [{"stdin": "2 3", "expected_stdout": "5"}, {"stdin": "10 5\n", "expected
          {"stdin": "1 1", "expected_stdout": "3"}]
 
 
+ROWS = [  # (completion, columns, tests passed of tests)
+    (ADD, {"test_cases": json.dumps(STDIO), "case_type": "input"}, (2, 3)),
+    (ADD, {"input_output": {"inputs": ["1 2", "3 4"], "outputs": ["3", "7.0000000001"]}}, (2, 2)),
+    (TWICE, {"test_cases": [{"assert_code": "assert twice(2) == 4"}, {"assert_code": "assert twice(3) == 7"},
+                            {"assert_code": "def test_zero():\n    assert twice(0) == 0\n"}],
+             "case_type": "pytest"}, (2, 3)),
+    (TWICE, {"test_cases": [{"assert_code": "def check(candidate):\n    assert candidate(5) == 10\n",
+                             "entry_point": "twice"}], "case_type": "check_based"}, (1, 1)),
+    (TWICE, {"tests": ["assert twice(1) == 2", "assert twice(1) == 3"]}, (1, 2)),
+    (TWICE, {"test": "def check(f):\n    assert f(4) == 9\n", "entry_point": "twice"}, (0, 1)),
+    ("The answer is 42.", {"test_cases": [{"assert_code": "assert '42' in {response}"}], "case_type": "text"},
+     (1, 1)),
+    ("```python\nimport os\ndef twice(x):\n    os._exit(0)\n```", {"tests": ["assert twice(1) == 2"]}, (0, 1)),
+    ("```python\nraise ValueError('broken')\ndef twice(x):\n    return 2 * x\n```",
+     {"tests": ["assert twice(1) == 2"]}, (0, 1)),
+    ("```python\nwhile True:\n    pass\n```", {"tests": ["assert True"]}, (0, 1)),
+]
+
+
 def test_code_rewards_equal_hand_computed_pass_rates():
-    rows = [  # (completion, columns, tests passed of tests)
-        (ADD, {"test_cases": json.dumps(STDIO), "case_type": "input"}, (2, 3)),
-        (ADD, {"input_output": {"inputs": ["1 2", "3 4"], "outputs": ["3", "7.0000000001"]}}, (2, 2)),
-        (TWICE, {"test_cases": [{"assert_code": "assert twice(2) == 4"}, {"assert_code": "assert twice(3) == 7"},
-                                {"assert_code": "def test_zero():\n    assert twice(0) == 0\n"}],
-                 "case_type": "pytest"}, (2, 3)),
-        (TWICE, {"test_cases": [{"assert_code": "def check(candidate):\n    assert candidate(5) == 10\n",
-                                 "entry_point": "twice"}], "case_type": "check_based"}, (1, 1)),
-        (TWICE, {"tests": ["assert twice(1) == 2", "assert twice(1) == 3"]}, (1, 2)),
-        (TWICE, {"test": "def check(f):\n    assert f(4) == 9\n", "entry_point": "twice"}, (0, 1)),
-        ("The answer is 42.", {"test_cases": [{"assert_code": "assert '42' in {response}"}], "case_type": "text"},
-         (1, 1)),
-        ("```python\nimport os\ndef twice(x):\n    os._exit(0)\n```", {"tests": ["assert twice(1) == 2"]}, (0, 1)),
-        ("```python\nraise ValueError('broken')\ndef twice(x):\n    return 2 * x\n```",
-         {"tests": ["assert twice(1) == 2"]}, (0, 1)),
-        ("```python\nwhile True:\n    pass\n```", {"tests": ["assert True"]}, (0, 1)),
-    ]
+    rows = ROWS
     completions = [completion(text, **columns) for text, columns, _ in rows]
     for name, expected in (("code_pass_rate", [p / n for _, _, (p, n) in rows]),
                            ("code_tests", [float(p == n) for _, _, (p, n) in rows])):
@@ -163,3 +166,20 @@ def test_sandbox_settings_are_warned_about_when_no_code_reward_runs():
     assert any("'reward.sandbox' is set" in w for w in unused.load_warnings)
     used = load_config(overrides=["reward.function=code_tests", "reward.sandbox.timeout_s=3"])
     assert not any("reward.sandbox" in w for w in used.load_warnings)
+
+
+def test_the_remote_sandbox_scores_as_the_local_one_and_a_service_that_is_down_stops_the_run():
+    """reward.sandbox.url: SandboxFusion's /run_code (served here by tests/helpers/sandbox_fusion.py)."""
+    from tests.helpers.sandbox_fusion import FusionService
+
+    rows = ROWS[:9]  # the endless loop aside (the service's own timeout is tested locally)
+    completions = [completion(text, **columns) for text, columns, _ in rows]
+    with FusionService() as service:
+        settings = RewardConfig(function="code_pass_rate", sandbox={"timeout_s": 2.0, "url": service.url})
+        scorer = RewardScorer.from_spec(settings.function, settings=settings)
+        assert scorer.score(completions) == pytest.approx([p / n for _, _, (p, n) in rows])
+        assert service.requests == sum(n for _, _, (_, n) in rows)  # one request per input or test
+        url = service.url
+    down = RewardConfig(function="code_tests", sandbox={"timeout_s": 2.0, "url": url})
+    with pytest.raises(UserError, match="the code sandbox failed on 2 of 2 programs .* failed 3 time"):
+        RewardScorer.from_spec("code_tests", settings=down).score(completions[:2])

@@ -25,23 +25,18 @@ from novarl.types import Completion, Prompt
 ROLL = Path(__file__).parent / "data" / "roll"
 
 
-def roll_without_unbuilt_workers() -> dict:
-    """ROLL's 5-domain RLVR example (qwen2.5-7B) without the worker novarl has not built (its LLM judge)."""
-    tree = yaml.safe_load((ROLL / "qwen2.5-7B-rlvr_megatron.yaml").read_text())
-    del tree["rewards"]["llm_judge"]
-    del tree["actor_train"]["data_args"]["domain_interleave_probs"]["llm_judge"]
-    return tree
-
-
 def test_rolls_reward_workers_become_domains_with_their_mix_and_difficulty_mask():
-    cfg = load_config(roll_without_unbuilt_workers())
+    cfg = load_config(ROLL / "qwen2.5-7B-rlvr_megatron.yaml")
     reward = cfg.reward
     assert (reward.function, reward.default_domain) == ("math_verify", "math_rule")
     assert {n: (d.function, d.tags) for n, d in reward.domains.items()} == {
         "crossthinkqa": ("crossthinkqa", ["crossthinkqa"]), "ifeval": ("ifeval", ["ifeval"]),
-        "code_sandbox": ("code_tests", ["KodCode"])}
-    assert cfg.data.domain_interleave_probs == {"math_rule": 0.4, "code_sandbox": 0.3, "crossthinkqa": 0.1,
-                                                "ifeval": 0.1}
+        "code_sandbox": ("code_tests", ["KodCode"]), "llm_judge": ("llm_judge", ["RLVR"])}
+    judge = reward.judge
+    assert (judge.backend, judge.prompt, judge.parser, judge.max_new_tokens, judge.top_k, judge.temperature,
+            judge.precision, judge.max_model_len) == ("vllm", "yes_no", "yes_no", 100, 50, 0.8, "bfloat16", 8000)
+    assert cfg.data.domain_interleave_probs == {"math_rule": 0.4, "code_sandbox": 0.3, "llm_judge": 0.1,
+                                                "crossthinkqa": 0.1, "ifeval": 0.1}
     assert any("rewards.ifeval.reward_type='soft': ROLL's IFEval rule worker does not read it" in w
                for w in cfg.load_warnings)
     mask = cfg.grpo.difficulty_mask
@@ -49,10 +44,15 @@ def test_rolls_reward_workers_become_domains_with_their_mix_and_difficulty_mask(
     became = "\n".join(cfg.load_notes)
     assert "rewards.code_sandbox (CodeSandboxRewardWorker) -> reward.domains.code_sandbox: code_tests on the " \
            "examples tagged KodCode" in became
-    tree = roll_without_unbuilt_workers()
+    tree = yaml.safe_load((ROLL / "qwen2.5-7B-rlvr_megatron.yaml").read_text())
     tree["rewards"]["code_sandbox"]["use_local"] = False
-    with pytest.raises(ConfigError, match="'rewards.code_sandbox.use_local' = false: a remote sandbox is not built"):
+    tree["rewards"]["llm_judge"]["judge_model_type"] = "api"
+    with pytest.raises(ConfigError) as refused:
         load_config(tree)
+    message = str(refused.value)
+    assert "'rewards.code_sandbox.use_local' = false: a remote sandbox needs its code_url" in message
+    assert "'rewards.llm_judge.judge_model_type' = 'api': novarl's judge is a model it runs" in message
+    assert "domain_interleave_probs" not in message  # said once, at the workers
 
 
 def completion(text: str, answer: str | None = None, **columns) -> Completion:

@@ -146,7 +146,7 @@ def test_file_imports_the_files_beside_it(workdir):
      "'score' in file '{root}/rewards.py' is not a function (its type is float)."),
     ({}, "rewards.py:", "is neither a registered reward (exact_match, math_verify, boxed_match, last_number, "
                         "boxed_format, crossthinkqa, crossthinkqa_loose, crossthinkqa_strict, ifeval, code_tests, "
-                        "code_pass_rate, reward_model) nor an import path 'module:function' or 'path/to/file.py:function'."),
+                        "code_pass_rate, reward_model, llm_judge) nor an import path 'module:function' or 'path/to/file.py:function'."),
 ], ids=["missing", "missing-absolute", "folder-as-module", "folder-as-file", "syntax-error", "raises-on-import",
         "no-such-function", "not-callable", "no-function-named"])
 def test_file_path_errors_name_the_setting_the_file_and_the_problem(workdir, files, spec, expected):

@@ -607,11 +607,12 @@ def _leaf_paths(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
 
 
 REWARD_WORKERS = {"MathRuleRewardWorker": "math_verify", "CodeSandboxRewardWorker": "code_tests",
-                  "CrossThinkQARuleRewardWorker": "crossthinkqa", "GeneralRuleRewardWorker": "ifeval"}
+                  "CrossThinkQARuleRewardWorker": "crossthinkqa", "GeneralRuleRewardWorker": "ifeval",
+                  "LLMJudgeRewardWorker": "llm_judge"}
 """ROLL's reward workers -> novarl's registered rewards (the rule workers' reward_type picks a variant)."""
 REWARD_KEYS = ("worker_cls", "tag_included", "model_args", "data_args", "world_size", "infer_batch_size",
                "reward_type", "response_length_penalty_coef", "use_local", "query_filter_config", "generating_args",
-               "strategy_args", "device_mapping", "num_gpus_per_worker", "judge_prompt", "judge_model_type")
+               "strategy_args", "device_mapping", "num_gpus_per_worker", "judge_prompt", "judge_model_type", "code_url")
 
 
 def _rewards(rewards: Any, out: Translation) -> set[str]:
@@ -661,9 +662,10 @@ def _reward_variant(name: str, block: Mapping[str, Any], function: str, out: Tra
                    "the groups whose rewards are all equal")
         return None
     if function == "code_tests" and block.get("use_local", True) is not True:
-        out.refuse(f"rewards.{name}.use_local", block["use_local"], "a remote sandbox is not built yet; novarl runs "
-                                                                     "programs in its local sandbox (reward.sandbox)")
-        return None
+        if not block.get("code_url"):
+            out.refuse(f"rewards.{name}.use_local", block["use_local"], "a remote sandbox needs its code_url")
+            return None
+        out.set("reward.sandbox.url", block["code_url"])
     if function == "crossthinkqa":
         kind = block.get("reward_type", "soft")
         if kind not in ("loose", "soft", "strict"):
@@ -674,10 +676,55 @@ def _reward_variant(name: str, block: Mapping[str, Any], function: str, out: Tra
                        "a length penalty is not built; set it 0")
             return None
         return function if kind == "soft" else f"{function}_{kind}"
+    if function == "llm_judge":
+        return function if _judge(name, block, out) else None
     if function == "ifeval" and "reward_type" in block:
         out.warnings.append(f"rewards.{name}.reward_type={show_value(block['reward_type'])}: ROLL's IFEval rule worker "
                             "does not read it, nor does novarl (1 when the check holds, plus the repetition penalty)")
     return function
+
+
+JUDGE_PROMPTS = {"Qwen2.5-7B-Instruct-RLVR-prompt": "yes_no"}
+"""ROLL's judge prompts -> novarl's templates asking the same (rewards/judge.py)."""
+JUDGE_GENERATING = {"max_new_tokens": "max_new_tokens", "top_p": "top_p", "top_k": "top_k",
+                    "temperature": "temperature"}
+
+
+def _judge(name: str, block: Mapping[str, Any], out: Translation) -> bool:
+    """ROLL's LLM judge block as reward.judge (one judge a run); False when refused."""
+    where = f"rewards.{name}"
+    if "judge" in out.tree.get("reward", {}):
+        out.refused.append(f"'{where}': a second LLM judge; novarl runs one (reward.judge) a run.")
+        return False
+    kind, prompt = block.get("judge_model_type", "inference"), block.get("judge_prompt")
+    if kind != "inference":
+        out.refuse(f"{where}.judge_model_type", kind, "novarl's judge is a model it runs ('inference'); an API "
+                                                       "or a shared cluster is not built")
+        return False
+    if prompt is not None and prompt not in JUDGE_PROMPTS:
+        out.refuse(f"{where}.judge_prompt", prompt, f"novarl knows ROLL's {', '.join(JUDGE_PROMPTS)} (or give "
+                                                     "reward.judge.prompt a template of your own)")
+        return False
+    model = block.get("model_args") or {}
+    generating = block.get("generating_args") or {}
+    strategy = (block.get("strategy_args") or {}).get("strategy_name", "hf_infer")
+    if strategy not in ("vllm", "hf_infer") or generating.get("num_beams", 1) != 1 or \
+            generating.get("num_return_sequences", 1) != 1:
+        out.refuse(f"{where}.strategy_args.strategy_name", strategy, "the judge generates one greedy or sampled answer "
+                                                                     "with vllm or hf_infer")
+        return False
+    judge = {"model_name": model.get("model_name_or_path"), "backend": "vllm" if strategy == "vllm" else "hf",
+             "prompt": JUDGE_PROMPTS.get(prompt, "yes_no"), "parser": "yes_no",
+             **{ours: generating[theirs] for theirs, ours in JUDGE_GENERATING.items() if theirs in generating}}
+    if model.get("dtype") in DTYPES:
+        judge["precision"] = DTYPES[model["dtype"]]
+    length = ((block.get("strategy_args") or {}).get("strategy_config") or {}).get("max_model_len")
+    if length:
+        judge["max_model_len"] = length
+    out.set("reward.judge", {k: v for k, v in judge.items() if v is not None})
+    out.warnings.append(f"{where}: the LLM judge runs in the driver's process (its device_mapping, world_size and "
+                        "strategy_config other than max_model_len are not used; GPUs of its own are not placed yet)")
+    return True
 
 
 def _validation(validation: Any, out: Translation) -> None:

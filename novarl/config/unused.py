@@ -121,4 +121,9 @@ def _reward_warnings(config: NovaRLConfig) -> list[str]:
     if reward.sandbox != SandboxConfig() and not functions & set(CODE_REWARDS):
         return [f"'reward.sandbox' is set: only the code rewards ({', '.join(CODE_REWARDS)}) run programs, and this "
                 "run's reward functions name none"]
+    local = [k for k in ("isolate", "site_packages", "max_processes", "max_output_bytes", "max_file_mb")
+             if getattr(reward.sandbox, k) != getattr(SandboxConfig(), k)]
+    if reward.sandbox.url and local:
+        return [f"'reward.sandbox.{{{', '.join(local)}}}': the local sandbox's settings, not used: programs run at "
+                f"reward.sandbox.url={reward.sandbox.url!r}, under its own"]
     return []

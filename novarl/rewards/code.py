@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from novarl.errors import UserError
-from novarl.rewards.sandbox import LocalSandbox, Outcome, Program, SandboxError, SandboxLimits
+from novarl.rewards.sandbox import LocalSandbox, Outcome, Program, RemoteSandbox, SandboxError, SandboxLimits
 
 FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
 STATUSES = ("timeout", "memory", "output", "processes")
@@ -152,7 +152,8 @@ def passed(check: Check, outcome: Outcome) -> list[bool]:
 class CodeReward:
     """A batched reward over the sandbox: fn(completions, **columns) -> [{"reward": ..., ...}]."""
 
-    def __init__(self, sandbox: LocalSandbox, *, all_or_nothing: bool, max_failed_fraction: float, name: str):
+    def __init__(self, sandbox: LocalSandbox | RemoteSandbox, *, all_or_nothing: bool, max_failed_fraction: float,
+                 name: str):
         self.sandbox, self.all_or_nothing, self.max_failed_fraction = sandbox, all_or_nothing, max_failed_fraction
         self.__name__ = name
 
@@ -176,12 +177,14 @@ class CodeReward:
                 "sandbox_failed": 0.0, **{s: float(s in statuses) for s in STATUSES}}
 
 
-def sandbox_of(block: Any) -> LocalSandbox:
-    """The LocalSandbox of a reward.sandbox block (defaults without one)."""
+def sandbox_of(block: Any) -> LocalSandbox | RemoteSandbox:
+    """The sandbox of a reward.sandbox block: a SandboxFusion service at its url, else the local one."""
     if block is None:
         return LocalSandbox()
     limits = SandboxLimits(timeout_s=block.timeout_s, memory_mb=block.memory_mb, max_processes=block.max_processes,
                            max_output_bytes=block.max_output_bytes, max_file_mb=block.max_file_mb)
+    if block.url:
+        return RemoteSandbox(block.url, limits, workers=block.workers)
     return LocalSandbox(limits, workers=block.workers, isolate=block.isolate, site_packages=block.site_packages)
 
 

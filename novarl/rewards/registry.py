@@ -64,7 +64,8 @@ REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {
 
 REWARD_FACTORIES: dict[str, str] = {"code_tests": "novarl.rewards.code:code_tests",
                                     "code_pass_rate": "novarl.rewards.code:code_pass_rate",
-                                    "reward_model": "novarl.rewards.reward_model:reward_model"}
+                                    "reward_model": "novarl.rewards.reward_model:reward_model",
+                                    "llm_judge": "novarl.rewards.judge:llm_judge"}
 """Registered rewards built from the reward section's settings (factory(settings) -> function),
 imported when named."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -127,6 +127,11 @@ class SandboxConfig(Section):
     max_failed_fraction: float = Field(0.1, ge=0, le=1)
     """Past this fraction of a batch's programs on which the sandbox itself failed (it did not
     start or report), the run stops with its error."""
+    url: str | None = None
+    """A SandboxFusion service (http://host:port) that runs the programs instead (its /run_code;
+    verl's and ROLL's remote sandbox): timeout_s and memory_mb are sent with each request,
+    workers requests go at once; the local-only settings (isolate, site_packages, max_processes,
+    max_output_bytes, max_file_mb) are the service's own. None: the local sandbox."""
 
 
 class RewardModelConfig(Section):
@@ -146,6 +151,40 @@ class RewardModelConfig(Section):
     max_model_len: int | None = Field(None, ge=2)
     """A longer conversation keeps its last this many tokens (the completion's end); None: whole."""
     trust_remote_code: bool = False
+
+
+class JudgeConfig(Section):
+    """reward.judge: the LLM judge the registered reward `llm_judge` asks (ROLL's LLMJudgeRewardWorker;
+    novarl/rewards/judge.py): an engine of its own, a prompt template and a parser of its answers."""
+
+    model_name: PathText | None = None
+    """The judge's model: a Hugging Face folder or hub id."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """Its engine (never the policy's)."""
+    prompt: str = "yes_no"
+    """A template: 'yes_no' (does the final answer match the reference), 'score' (a 0-10 grade), or a
+    text of your own with {question}, {response} and {reference}."""
+    parser: Literal["yes_no", "score"] = "yes_no"
+    """How an answer becomes the reward: yes 1 / no 0, or 'Score: N' / 10."""
+    max_new_tokens: int = Field(100, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    """0: greedy."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    seed: int = 0
+    batch_size: int = Field(32, ge=1)
+    max_model_len: int = Field(4096, ge=16)
+    """The judge's prompt and answer, tokens at most."""
+    precision: Precision = "bfloat16"
+    """Its weights' dtype on a GPU (float32 on a CPU)."""
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _template(self) -> "JudgeConfig":
+        if self.prompt not in ("yes_no", "score") and "{response}" not in self.prompt:
+            raise ValueError(f"reward.judge.prompt={self.prompt[:60]!r} is neither 'yes_no' nor 'score', and a "
+                             "template of your own must place the {response}")
+        return self
 
 
 CODE_REWARDS = ("code_tests", "code_pass_rate")
@@ -168,7 +207,7 @@ class RewardConfig(Section):
     function: PathText | list[PathText] = "exact_match"
     """A registered name (exact_match, math_verify, boxed_match, last_number, boxed_format, crossthinkqa,
     ifeval; code_tests, code_pass_rate: programs run against the example's tests, novarl/rewards/code.py;
-    reward_model: reward.reward_model's score), an import
+    reward_model: reward.reward_model's score; llm_judge: reward.judge's verdict), an import
     path 'module:function' (also a module in the working directory), or a file
     'path/to/rewards.py:function' (relative to the working directory); or a list of them, whose
     rewards are added with `weights`. How each is called: novarl/rewards/scorer.py."""
@@ -194,6 +233,8 @@ class RewardConfig(Section):
     """The code rewards' sandbox."""
     reward_model: RewardModelConfig = RewardModelConfig()
     """The reward model's (the registered reward `reward_model`)."""
+    judge: JudgeConfig = JudgeConfig()
+    """The LLM judge's (the registered reward `llm_judge`)."""
     domains: dict[str, RewardDomain] = {}
     """Several verifiers in one run, each scoring the examples routed to it: by the example's
     `domain` column, else its `tag` column (a domain's tags), else its dataset's env_name, else
