@@ -224,11 +224,13 @@ def test_nemo_rl_multiple_datasets_config_validates_as_written(hub_cache, capsys
            "it is in no local cache" in out
 
 
-def test_roll_several_files_are_one_pool_and_domain_sampling_is_refused():
+def test_roll_several_files_are_one_pool_sampled_by_domain():
     from novarl.config.roll import from_roll
 
     base = {"actor_train": {"strategy_args": {"strategy_name": "fsdp2_train"},
                             "data_args": {"file_name": ["a.jsonl", "b.jsonl"], "messages": "messages"}}}
     assert from_roll(base).tree["data"]["train"] == [{"data_path": "a.jsonl"}, {"data_path": "b.jsonl"}]
     base["actor_train"]["data_args"]["domain_interleave_probs"] = {"math": 0.6, "code": 0.4}
-    assert any("sampling the files' domains by probability is not built yet" in r for r in from_roll(base).refused)
+    assert from_roll(base).tree["data"]["domain_interleave_probs"] == {"math": 0.6, "code": 0.4}
+    base["actor_train"]["data_args"]["interleave_probs"] = "0.5,0.5"
+    assert any("sampling the files by probability is not built" in r for r in from_roll(base).refused)

@@ -175,3 +175,43 @@ def test_ifeval_refuses_answers_that_name_no_check():
         ifeval("x", json.dumps({"func_name": "nope"}))
     with pytest.raises(UserError, match="check verify_keywords needs keyword_list"):
         ifeval("x", json.dumps({"func_name": "verify_keywords"}))
+
+
+def test_a_roll_config_with_math_code_and_judge_domains_trains_on_the_tiny_models(tmp_path, monkeypatch, capsys):
+    """ROLL's format end to end on one CPU rank: a math rule, the code sandbox and an LLM judge (the bundled
+    tiny model, in an engine of its own), each step's prompts drawn 2 / 1 / 1 by domain, every reward
+    computed by its domain's verifier."""
+    from novarl.cli import main
+    from novarl.logging.metrics import read_jsonl
+
+    monkeypatch.chdir(tmp_path)
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "tag": "arithmetic"} for a in range(10, 20) for b in (40, 41)]
+    rows += [{"prompt": f"{a}+{b}=", "answer": "", "tag": "KodCode", "tests": [f"assert {a} + {b} == {a + b}"]}
+             for a in range(10, 16) for b in (40, 41)]
+    rows += [{"prompt": f"{a}+{b}=", "answer": str(a + b), "tag": "RLVR"} for a in range(20, 26) for b in (1, 2)]
+    Path("data").mkdir()
+    Path("data/train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tree = yaml.safe_load((ROLL / "tiny_grpo_fsdp2.yaml").read_text())
+    tree["num_gpus_per_node"] = 1
+    for role in ("actor_train", "actor_infer", "reference"):
+        tree[role]["device_mapping"] = [0]
+    tree["actor_train"]["strategy_args"]["strategy_config"]["fsdp_size"] = 1
+    tree["actor_train"]["data_args"]["domain_interleave_probs"] = {"math_rule": 0.5, "code_sandbox": 0.25,
+                                                                   "llm_judge": 0.25}
+    tree["rewards"]["code_sandbox"] = {"worker_cls": "CodeSandboxRewardWorker", "tag_included": ["KodCode"],
+                                       "use_local": True}
+    tree["rewards"]["llm_judge"] = {
+        "worker_cls": "LLMJudgeRewardWorker", "judge_prompt": "Qwen2.5-7B-Instruct-RLVR-prompt",
+        "judge_model_type": "inference", "tag_included": ["RLVR"], "model_args": {"model_name_or_path": "tiny-arith"},
+        "generating_args": {"max_new_tokens": 4, "temperature": 0.0}, "strategy_args": {"strategy_name": "hf_infer"}}
+    Path("roll.yaml").write_text(yaml.safe_dump(tree))
+    code = main(["train", "roll.yaml", "logger.progress_bar=false", "grpo.max_num_steps=2", "grpo.val_at_start=false",
+                 "grpo.val_at_end=false", "checkpointing.enabled=false"])
+    assert code == 0, capsys.readouterr().err[-3000:]
+    metrics = [r for r in read_jsonl(next(Path("output/logs").glob("*/metrics.jsonl"))) if r["kind"] == "train"]
+    assert len(metrics) == 2
+    for step in metrics:  # 4 prompts x 4 samples: 2 math, 1 code, 1 judged prompt a step
+        assert (step["domain/math_rule/samples"], step["domain/code_sandbox/samples"],
+                step["domain/llm_judge/samples"]) == (8, 4, 4)
+        assert step["domain/code_sandbox/reward/code_tests/sandbox_failed"] == 0.0
+        assert "domain/llm_judge/reward/llm_judge/unparsable" in step  # the judge's own answers, parsed
