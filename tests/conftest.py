@@ -16,10 +16,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 from tests.helpers.hub import hub_cache  # noqa: F401 (a fixture: an empty Hugging Face cache in tmp_path)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_session():
-    """Ray for one test module (skipped where Ray is not installed), shut down after it: each module
-    that starts ranks uses it (`pytest.mark.usefixtures("ray_session")` for all of its tests)."""
+    """Ray for the modules that start ranks (`pytest.mark.usefixtures("ray_session")`; skipped where Ray
+    is not installed), shut down when the test process ends: one local instance serves every such
+    module a pytest-xdist worker runs (~5 s of starting and stopping Ray saved for each), and the rank
+    processes a module's last run keeps serve the next module's runs of the same shape. A test that
+    needs an instance of its own shuts this one down; the next run starts another."""
     ray = pytest.importorskip("ray")
     yield
     ray.shutdown()

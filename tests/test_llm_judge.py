@@ -1,4 +1,4 @@
-"""The LLM judge's reward (novarl/rewards/judge.py; ROLL's LLMJudgeRewardWorker): its engine's answers
+"""The LLM judge's reward (novarl/rollout/judge.py; ROLL's LLMJudgeRewardWorker): its engine's answers
 equal a direct call of the same model, its parsers, its templates."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from novarl.config import load_config
 from novarl.config.sections.data import RewardConfig
 from novarl.errors import ConfigError, UserError
 from novarl.models.bundled import BUNDLED_MODELS
-from novarl.rewards.judge import judge_prompt, parse_answer
+from novarl.rollout.judge import judge_prompt, parse_answer
 from novarl.rewards.scorer import RewardScorer
 from novarl.types import Completion, Prompt
 

@@ -40,7 +40,7 @@ def test_a_batched_reward_is_called_once_with_lists():
 
     scores = RewardScorer.from_spec(accuracy).score([completion("4", level=1), completion("3", level=2)])
     assert scores == [1.0, 0.0]
-    assert calls == [(["4", "3"], ["4", "4"], [1, 2], ["prompts"])]
+    assert calls == [(["4", "3"], ["4", "4"], [1, 2], ["prompts", "sources"])]  # sources: the data's prompts
 
 
 def test_wrong_signatures_and_returns_say_what_novarl_calls():

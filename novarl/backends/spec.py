@@ -224,3 +224,18 @@ class GenerationSpec:
 
     def implementation(self) -> type:
         return load(self.engine_class or self.on_policy_ranks_class or "")
+
+    def standalone_engine(self, model_path: str, tokenizer, *, precision: str, max_seq_length: int,
+                          batch_size: int | None = None, trust_remote_code: bool = False):
+        """An engine of its own for a model that is not the policy's (an LLM judge's), in this process
+        on its first GPU, else the CPU; a UserError where the backend has no engine of its own."""
+        from novarl.errors import UserError
+
+        if self.engine_class is None:
+            raise UserError(f"{self.title} generation samples with the policy's own model: it runs no engine of "
+                            "its own (give 'hf' or 'vllm')")
+        return self._standalone(model_path, tokenizer, precision=precision, max_seq_length=max_seq_length,
+                                batch_size=batch_size, trust_remote_code=trust_remote_code)
+
+    def _standalone(self, model_path: str, tokenizer, **kwargs):
+        return self.implementation()(model_path, tokenizer, **kwargs)

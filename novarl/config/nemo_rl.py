@@ -522,7 +522,8 @@ def _environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
     data = tree.get("data") if isinstance(tree.get("data"), dict) else {}
     used = data.pop("_env_names", set()) if data else set()
     reward = tree.get("reward") if isinstance(tree.get("reward"), dict) else {}
-    used -= set(reward.get("domains") or {})  # novarl's reward domains, named by env_name
+    domains = reward.get("domains")
+    used -= set(domains) if isinstance(domains, dict) else set()  # novarl's reward domains, named by env_name
     env = tree.get("env")
     if not isinstance(env, dict):
         return []

@@ -685,7 +685,9 @@ def _reward_variant(name: str, block: Mapping[str, Any], function: str, out: Tra
 
 
 JUDGE_PROMPTS = {"Qwen2.5-7B-Instruct-RLVR-prompt": "yes_no"}
-"""ROLL's judge prompts -> novarl's templates asking the same (rewards/judge.py)."""
+"""ROLL's judge prompts -> novarl's templates asking the same (rollout/judge.py)."""
+JUDGE_STRATEGIES = {"vllm": "vllm", "hf_infer": "hf"}
+"""ROLL's strategies for a judge -> the engine of its own that runs it (reward.judge.backend)."""
 JUDGE_GENERATING = {"max_new_tokens": "max_new_tokens", "top_p": "top_p", "top_k": "top_k",
                     "temperature": "temperature"}
 
@@ -708,12 +710,12 @@ def _judge(name: str, block: Mapping[str, Any], out: Translation) -> bool:
     model = block.get("model_args") or {}
     generating = block.get("generating_args") or {}
     strategy = (block.get("strategy_args") or {}).get("strategy_name", "hf_infer")
-    if strategy not in ("vllm", "hf_infer") or generating.get("num_beams", 1) != 1 or \
-            generating.get("num_return_sequences", 1) != 1:
+    backend = JUDGE_STRATEGIES.get(strategy)
+    if backend is None or generating.get("num_beams", 1) != 1 or generating.get("num_return_sequences", 1) != 1:
         out.refuse(f"{where}.strategy_args.strategy_name", strategy, "the judge generates one greedy or sampled answer "
-                                                                     "with vllm or hf_infer")
+                                                                     f"with {' or '.join(JUDGE_STRATEGIES)}")
         return False
-    judge = {"model_name": model.get("model_name_or_path"), "backend": "vllm" if strategy == "vllm" else "hf",
+    judge = {"model_name": model.get("model_name_or_path"), "backend": backend,
              "prompt": JUDGE_PROMPTS.get(prompt, "yes_no"), "parser": "yes_no",
              **{ours: generating[theirs] for theirs, ours in JUDGE_GENERATING.items() if theirs in generating}}
     if model.get("dtype") in DTYPES:

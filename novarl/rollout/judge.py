@@ -74,25 +74,17 @@ class LLMJudge:
     def _engine(block: Any) -> tuple[Any, Any]:
         import torch
 
+        from novarl.backends.registry import generation_spec
         from novarl.models.loading import load_tokenizer
         from novarl.models.locate import resolve_model_path
 
         path = resolve_model_path(block.model_name)
         tokenizer = load_tokenizer(path, trust_remote_code=block.trust_remote_code)
-        on_gpu = torch.cuda.is_available()
-        precision = block.precision if on_gpu else "float32"
-        if block.backend == "vllm":
-            from novarl.backends.generation.vllm import VllmGeneration
-            from novarl.config.schema import GenerationConfig
-
-            config = GenerationConfig(vllm_cfg={"enforce_eager": not on_gpu, "gpu_memory_utilization": 0.3})
-            return VllmGeneration(path, tokenizer, config, precision=precision,
-                                  max_seq_length=block.max_model_len), tokenizer
-        from novarl.backends.generation.hf import HFGeneration
-
-        return HFGeneration(path, tokenizer, torch.device("cuda" if on_gpu else "cpu"), precision=precision,
-                            batch_size=block.batch_size, max_seq_length=block.max_model_len,
-                            trust_remote_code=block.trust_remote_code), tokenizer
+        precision = block.precision if torch.cuda.is_available() else "float32"
+        engine = generation_spec(block.backend).standalone_engine(
+            path, tokenizer, precision=precision, max_seq_length=block.max_model_len, batch_size=block.batch_size,
+            trust_remote_code=block.trust_remote_code)
+        return engine, tokenizer
 
     def prompts(self, questions: Sequence[str], responses: Sequence[str], references: Sequence[str | None]
                 ) -> list[Prompt]:
