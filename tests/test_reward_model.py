@@ -66,6 +66,9 @@ def test_reward_model_scores_equal_a_direct_call_of_the_same_model(tiny_rm):
         assert scorer.score(done) == pytest.approx(direct_scores(tiny_rm, texts, keep), abs=1e-5)
     with pytest.raises(UserError, match="reward.reward_model.model_name, which is not set"):
         RewardScorer.from_spec("reward_model", settings=RewardConfig(function="reward_model"))
+    with pytest.raises(UserError, match="reward.reward_model.model_name='/no/such/rm': no model folder there"):
+        RewardScorer.from_spec("reward_model", settings=RewardConfig(function="reward_model",
+                                                                     reward_model={"model_name": "/no/such/rm"}))
 
 
 def test_nemo_rls_reward_model_recipe_loads_and_trains_scaled_to_the_tiny_models(tiny_rm, tmp_path):

@@ -13,13 +13,13 @@ from novarl.errors import UserError
 from novarl.models.bundled import resolve_bundled
 
 
-def resolve_model_path(name_or_path: str, *, download: bool = True) -> str:
+def resolve_model_path(name_or_path: str, *, download: bool = True, key: str = "policy.model_name") -> str:
     """The folder or hub id to load: bundled names first, then local paths, then hub ids.
 
     An `org/name` that is not a local folder is a Hugging Face hub id: see
     `resolve_hub_id` (`download=False` for callers that read only config.json from
     the cache, such as `novarl plan`). Anything else that is not a model folder is
-    an error naming it.
+    an error naming it (and `key`, the setting that gave it).
     """
     bundled = resolve_bundled(name_or_path)
     if bundled is not None:
@@ -29,16 +29,16 @@ def resolve_model_path(name_or_path: str, *, download: bool = True) -> str:
         is_dir, exists = path.is_dir(), path.exists()
         has_config = is_dir and (path / "config.json").is_file()
     except (OSError, ValueError) as err:  # a name too long, a folder that may not be entered, a NUL byte
-        raise UserError(f"policy.model_name='{name_or_path}': cannot open it "
+        raise UserError(f"{key}='{name_or_path}': cannot open it "
                         f"({getattr(err, 'strerror', None) or err}).") from None
     if is_dir:
         if not has_config:
-            raise UserError(f"policy.model_name='{name_or_path}': the folder has no config.json; "
+            raise UserError(f"{key}='{name_or_path}': the folder has no config.json; "
                             "give a Hugging Face model folder (config.json + *.safetensors).")
         return str(path)
     hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~"))
     if not hub_id or exists:
-        raise UserError(f"policy.model_name='{name_or_path}': no model folder there. Give a local "
+        raise UserError(f"{key}='{name_or_path}': no model folder there. Give a local "
                         "Hugging Face folder, a hub id (org/name), or a bundled model (tiny-arith).")
     return resolve_hub_id(name_or_path, download=download)
 

@@ -58,6 +58,10 @@ class DomainScorer:
         self._metrics: dict[str, list[float]] = {}
 
     @property
+    def loads_models(self) -> bool:
+        return any(getattr(scorer, "loads_models", False) for scorer in self.scorers.values())
+
+    @property
     def name(self) -> str:
         return "; ".join(f"{domain}: {scorer.name}" for domain, scorer in self.scorers.items())
 

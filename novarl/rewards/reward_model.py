@@ -23,17 +23,28 @@ from novarl.errors import UserError
 
 
 class RewardModel:
+    loads_model = True
+    """Its weights load at its first call, not when the run's checks build it (they load no weights)."""
+
     def __init__(self, block: Any, device: torch.device | None = None) -> None:
+        if block is None or not block.model_name:
+            raise UserError("reward.function 'reward_model' scores with reward.reward_model.model_name, which is "
+                            "not set: name a sequence-classification model (a folder or hub id).")
+        from novarl.models.locate import resolve_model_path
+
+        resolve_model_path(block.model_name, download=False, key="reward.reward_model.model_name")  # named wrong?
+        self.block = block
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model: Any = None
+        self.__name__ = "reward_model"
+
+    def load(self) -> None:
         from transformers import AutoModelForSequenceClassification
 
         from novarl.models.loading import DTYPES, load_tokenizer
         from novarl.models.locate import resolve_model_path
 
-        if block is None or not block.model_name:
-            raise UserError("reward.function 'reward_model' scores with reward.reward_model.model_name, which is "
-                            "not set: name a sequence-classification model (a folder or hub id).")
-        self.block = block
-        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        block = self.block
         dtype = DTYPES[block.precision] if self.device.type == "cuda" else torch.float32
         source = resolve_model_path(block.model_name)
         self.tokenizer = load_tokenizer(block.tokenizer_name or block.model_name,
@@ -49,7 +60,6 @@ class RewardModel:
             raise UserError(f"reward.reward_model.model_name='{block.model_name}' has {model.config.num_labels} "
                             "outputs; a reward model (Bradley-Terry) has one.")
         self.model = model.to(self.device).eval()
-        self.__name__ = "reward_model"
 
     def conversation(self, source: Any, completion: str) -> str:
         """The text the model scores: the prompt's turns and the completion's, in its chat template."""
@@ -64,6 +74,8 @@ class RewardModel:
 
     @torch.no_grad()
     def scores(self, texts: Sequence[str]) -> list[float]:
+        if self.model is None:
+            self.load()
         out: list[float] = []
         size = self.block.batch_size
         for start in range(0, len(texts), size):
@@ -89,6 +101,8 @@ class RewardModel:
 
     def __call__(self, completions: Sequence[str], prompts: Sequence[str] = (), sources: Sequence[Any] = (),
                  **_: Any) -> list[float]:
+        if self.model is None:
+            self.load()
         sources = list(sources) or [None] * len(completions)
         prompts = list(prompts) or [""] * len(completions)
         return self.scores([self.conversation(source if source is not None else prompt, completion)

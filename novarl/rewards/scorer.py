@@ -106,6 +106,11 @@ class RewardScorer:
         return cls(terms, timeout_s)
 
     @property
+    def loads_models(self) -> bool:
+        """A function of it loads a model at its first call (a reward model, an LLM judge)."""
+        return any(getattr(t.fn, "loads_model", False) for t in self.terms)
+
+    @property
     def name(self) -> str:
         return " + ".join(t.name if t.weight == 1.0 else f"{t.weight:g} x {t.name}" for t in self.terms)
 

@@ -61,14 +61,32 @@ def judge_prompt(template: str, question: str, response: str, reference: str | N
 
 
 class LLMJudge:
-    def __init__(self, block: Any, engine: Any = None) -> None:
+    loads_model = True
+    """Its engine starts at its first call, not when the run's checks build it (they load no weights)."""
+
+    def __init__(self, block: Any) -> None:
         if block is None or not block.model_name:
             raise UserError("reward.function 'llm_judge' asks reward.judge.model_name, which is not set: name the "
                             "judge's model (a folder or hub id).")
+        from novarl.models.locate import resolve_model_path
+
+        resolve_model_path(block.model_name, download=False, key="reward.judge.model_name")  # named wrong?
         self.block = block
         self.__name__ = "llm_judge"
-        self.engine, self.tokenizer = engine if engine is not None else self._engine(block)
-        self.unparsable = 0
+        self._started: tuple[Any, Any] | None = None
+
+    @property
+    def engine(self) -> Any:
+        return self._start()[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._start()[1]
+
+    def _start(self) -> tuple[Any, Any]:
+        if self._started is None:
+            self._started = self._engine(self.block)
+        return self._started
 
     @staticmethod
     def _engine(block: Any) -> tuple[Any, Any]:

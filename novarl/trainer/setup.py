@@ -288,7 +288,10 @@ def held_out_gap(cfg: NovaRLConfig, train_examples: list[Example] | None = None)
 
 def check_reward(scorer: RewardScorer | DomainScorer, prompt: Prompt, *, where: str) -> None:
     """Call the reward once, on a training prompt completed with its own answer, so a function
-    that raises or returns a non-number stops the run before anything starts."""
+    that raises or returns a non-number stops the run before anything starts. Not a reward that
+    loads a model (a reward model, an LLM judge): the checks load no weights; its first step calls it."""
+    if scorer.loads_models:
+        return
     sample = Completion(prompt=prompt, token_ids=[], logprobs=[], text=prompt.answer or "",
                         finish_reason="stop", policy_version=0)
     try:
