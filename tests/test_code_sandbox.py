@@ -87,11 +87,13 @@ def test_hostile_programs_are_contained_and_leave_nothing_behind(tmp_path, liste
     assert outcomes["daemon"].runs[0].seconds < 1.0  # its detached child did not hold the run
     assert runners() == []
 
-    # without namespaces (isolate: false) the limits still hold
-    plain = LocalSandbox(SandboxLimits(timeout_s=1.0, max_output_bytes=1000), isolate=False)
-    loop, output = plain.run_all([Program(hostile["loop"]), Program(hostile["output"])])
+    # without namespaces (isolate: false; a container that refuses them) the limits still hold, a fork bomb
+    # included: as root the runner becomes the sandbox's user first, whom the process count binds
+    plain = LocalSandbox(SandboxLimits(timeout_s=1.0, max_output_bytes=1000, max_processes=16), isolate=False)
+    loop, output, bomb = plain.run_all([Program(hostile["loop"]), Program(hostile["output"]),
+                                        Program(hostile["fork bomb"])])
     assert (loop.isolation, loop.runs[0].status, output.runs[0].status) == ("limits", "timeout", "output")
-    assert runners() == []
+    assert bomb.runs[0].status == "timeout" and runners() == []
 
 
 def completion(text: str, **columns) -> Completion:

@@ -18,8 +18,10 @@ process ids, IPC, host name -- and there:
 Each program then runs in a forked child with its own process group, resource limits (address space
 ``memory_mb``, CPU seconds, file size, open files, no core files), its standard input from the job,
 its output read up to ``max_output_bytes`` and a wall-clock limit. Where namespaces are not
-available the limits, the process group, the scrubbed environment and the folder still apply, and
-the first result line says what is missing.
+available (a container whose seccomp profile refuses them, macOS) the limits, the process group
+(killed until it is empty), the scrubbed environment and the folder still apply -- as root the
+runner first becomes the sandbox's user, so that the process count binds and the host's files are
+not root's to write -- and the first result line says what is missing.
 
 Assert-style tests run after the program, in its globals, each reporting its verdict with a token
 the program never sees on a descriptor of its own (a program that exits early, ``os._exit(0)``
@@ -62,6 +64,8 @@ def main() -> None:
         _private_files(libc, job["workdir"], job["limits"]["max_file_mb"], notes)
         _expose(libc, closed, notes)
         _drop_mount_rights(libc, notes)
+    elif os.getuid() == 0 and job["uid"]:
+        _become_user(job["workdir"], job["uid"], notes)
     os.chdir(job["workdir"])
     _limit_runner(job["limits"])
     _emit({"isolation": "namespaces" if isolated else "limits", "notes": notes})
@@ -121,7 +125,8 @@ def _enter_namespaces(libc, notes: list[str], sandbox_uid: int, paths: list[str]
 
 def _refused(notes: list[str]) -> None:
     notes.append(f"no namespaces ({os.strerror(ctypes.get_errno()) or 'the host refused'}): the network and the "
-                 "file system are the host's, and a program's leftover processes are killed by process group only")
+                 "file system are the host's (a program writes where its user may, /tmp included), and a program's "
+                 "leftover processes are killed by process group only")
     return None
 
 
@@ -213,6 +218,30 @@ def _expose(libc, blocked: dict[str, dict[str, int]], notes: list[str]) -> None:
         _mount(libc, None, folder, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
+PRELOADED = ("abc", "array", "bisect", "collections", "copy", "dataclasses", "datetime", "decimal", "enum",
+             "fractions", "functools", "heapq", "io", "itertools", "math", "operator", "queue", "random", "re",
+             "statistics", "string", "textwrap", "typing", "unicodedata")
+"""Modules imported before the runner becomes the sandbox's user without namespaces: where the
+interpreter's library is closed to that user (under /root), programs still find these."""
+
+
+def _become_user(workdir: str, uid: int, notes: list[str]) -> None:
+    """Without namespaces, as root: become `uid` (RLIMIT_NPROC binds no process of root's, and root
+    writes anywhere), the folder its own."""
+    import importlib
+
+    for name in PRELOADED:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    os.chown(workdir, uid, uid)
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    notes.append(f"programs run as user {uid} (the process count binds it)")
+
+
 def _drop_mount_rights(libc, notes: list[str]) -> None:
     """A nested user namespace: root in it holds no rights over the mounts made above."""
     if libc.unshare(CLONE_NEWUSER):
@@ -302,13 +331,14 @@ class Runner:
     def _kill_rest(self, pid: int, exit_status: int | None) -> int:
         """Kill every process the program started -- all of the namespace's but this one (again
         while a fork races the signal), else its group -- and reap them; the program's exit status."""
-        for _ in range(100 if self.watch else 1):
+        for _ in range(100):
             try:
                 os.kill(-1, signal.SIGKILL) if self.isolated else os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
-                pass
+                if not self.isolated:  # the group is gone
+                    break
             exit_status = _reap(pid, exit_status)
-            if not self.watch or _process_count() == 0:
+            if self.isolated and (not self.watch or _process_count() == 0):
                 break
             time.sleep(0.001)
         if exit_status is None:
