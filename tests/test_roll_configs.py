@@ -1,6 +1,7 @@
 """ROLL's RLVR pipeline configs (seed 003's format): role blocks, strategies, device
-mappings turned into novarl's sections (config/roll.py). tests/data/roll holds four of
-ROLL's own examples (alibaba/ROLL at 8eb27cc) and one of novarl's in the same format."""
+mappings turned into novarl's sections (config/roll.py). tests/data/roll holds seven of
+ROLL's own RLVR examples (alibaba/ROLL at 8eb27cc; tests/data/README.md names them) and one of novarl's
+in the same format."""
 
 from __future__ import annotations
 
@@ -64,18 +65,27 @@ def test_validate_on_the_roll_config_lists_what_each_block_became(in_tmp, capsys
     assert "# valid. training backend: dtensor; generation backend: hf" in out
 
 
-@pytest.mark.parametrize("name", ["qwen3-8B-rlvr_fsdp2.yaml", "qwen2.5-7B-rlvr_megatron.yaml",
-                                  "qwen3-30BA3B-rlvr_megatron.yaml"])
-def test_rolls_own_rlvr_examples_load_as_written(name):
-    """Their five reward workers (math rule, code sandbox, LLM judge, CrossThinkQA and IFEval rules), the
+FIVE_DOMAINS = {"code_sandbox": "code_tests", "llm_judge": "llm_judge", "crossthinkqa": "crossthinkqa",
+                "ifeval": "ifeval"}
+
+
+@pytest.mark.parametrize("name, domains", [
+    ("qwen3-8B-rlvr_fsdp2.yaml", FIVE_DOMAINS), ("qwen2.5-7B-rlvr_megatron.yaml", FIVE_DOMAINS),
+    ("qwen3-30BA3B-rlvr_megatron.yaml", FIVE_DOMAINS), ("qwen2.5-7B-rlvr_megatron_8gpus.yaml", FIVE_DOMAINS),
+    ("qwen3-8B-rlvr_megatron.yaml", FIVE_DOMAINS),
+    ("qwen2.5-7B-rlvr_megatron_8gpus_llm_as_judge.yaml", {"llm_judge": "llm_judge"}),
+])
+def test_rolls_own_rlvr_examples_load_as_written(name, domains):
+    """Their reward workers (math rule, code sandbox, LLM judge, CrossThinkQA and IFEval rules), the
     domains' mix, the difficulty mask and their chat-message rows are all read."""
     cfg = load_config(ROLL / name)
-    assert cfg.reward.default_domain == "math_rule" and cfg.reward.function == "math_verify"
-    assert {n: d.function for n, d in cfg.reward.domains.items()} == {
-        "code_sandbox": "code_tests", "llm_judge": "llm_judge", "crossthinkqa": "crossthinkqa", "ifeval": "ifeval"}
-    assert cfg.reward.judge.model_name == "virtuoussy/Qwen2.5-7B-Instruct-RLVR" and cfg.reward.judge.backend == "vllm"
-    assert cfg.grpo.difficulty_mask.enabled and set(cfg.data.domain_interleave_probs) == {
-        "math_rule", "code_sandbox", "llm_judge", "crossthinkqa", "ifeval"}
+    math = len(domains) > 1  # the judge-only example has no math rule: its other rows are not drawn
+    assert (cfg.reward.default_domain, cfg.reward.function) == (("math_rule", "math_verify") if math else
+                                                                ("default", "exact_match"))
+    assert {n: d.function for n, d in cfg.reward.domains.items()} == domains
+    judge = "virtuoussy/Qwen2.5-7B-Instruct-RLVR" if math else cfg.policy.model_name  # ${pretrain}: the policy's
+    assert cfg.reward.judge.model_name == judge and cfg.reward.judge.backend == "vllm"
+    assert cfg.grpo.difficulty_mask.enabled and set(cfg.data.domain_interleave_probs) <= {"math_rule", *domains}
     assert (cfg.data.input_key, cfg.data.output_key) == ("messages", "ground_truth")
 
 
