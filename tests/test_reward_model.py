@@ -71,7 +71,9 @@ def test_reward_model_scores_equal_a_direct_call_of_the_same_model(tiny_rm):
                                                                      reward_model={"model_name": "/no/such/rm"}))
 
 
-def test_nemo_rls_reward_model_recipe_loads_and_trains_scaled_to_the_tiny_models(tiny_rm, tmp_path):
+def test_nemo_rls_reward_model_recipe_loads_and_trains_scaled_to_the_tiny_models(tiny_rm, tmp_path, capsys):
+    """As NeMo RL lays it out: 2 devices, the reward model on 1 of its own (a Ray actor; CPU slots here), the
+    policy and its colocated engine on the other."""
     from novarl.logging.metrics import read_jsonl
     from novarl.trainer.api import GRPOTrainer
 
@@ -81,11 +83,12 @@ def test_nemo_rls_reward_model_recipe_loads_and_trains_scaled_to_the_tiny_models
     assert (rm.model_name, rm.precision, rm.batch_size, rm.max_model_len) == \
         ("Skywork/Skywork-Reward-V2-Qwen3-0.6B", "bfloat16", 4, 2048)
     assert any(w.startswith("env.reward_model: processor, offload_optimizer_for_logprob") for w in cfg.load_warnings)
+    assert (rm.resources.gpus_per_node, cfg.cluster.gpus_per_node) == (1, 2)  # NeMo RL's: 1 of the node's 2 GPUs
     small = load_config(RM_RECIPE, overrides=[
         "policy.model_name=tiny-arith", "policy.tokenizer.name=null", "policy.tokenizer.chat_template=null",
         "policy.generation.backend=hf", "data.dataset_name=arithmetic", "data.prompt_file=null",
         "data.split_validation_size=0",
-        f"env.reward_model.model_name={tiny_rm}", "cluster.gpus_per_node=1",
+        f"env.reward_model.model_name={tiny_rm}",
         "policy.max_total_sequence_length=64", "policy.generation.max_new_tokens=4",
         "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=2",
         "grpo.max_val_samples=4", "grpo.val_period=0", "grpo.val_at_start=false", "policy.train_global_batch_size=8",
@@ -93,7 +96,11 @@ def test_nemo_rls_reward_model_recipe_loads_and_trains_scaled_to_the_tiny_models
         "checkpointing.enabled=false", "logger.monitor_gpus=false", "logger.progress_bar=false",
         "logger.num_val_samples_to_print=4", "grpo.val_at_end=true", "grpo.max_train_seconds=null",
         f"logger.log_dir={tmp_path}"])
+    from novarl.backends.generation.layout import training_devices
+
+    assert training_devices(small)[0] == 1  # the reward model's device is not the policy's
     result = GRPOTrainer(small).train()
+    assert "reward_model: a Ray actor on 1 CPU slot(s) of its own" in capsys.readouterr().err
     steps = [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert len(steps) == 2
     kept = (result.output_dir / "samples" / "eval_step_2.jsonl").read_text()

@@ -575,6 +575,9 @@ def _reward_model_environment(tree: dict[str, Any], block: dict[str, Any], warni
         refused.append(f"'env.reward_model.checkpoint_path' = {show_value(block['checkpoint_path'])}: give the reward "
                        "model's Hugging Face folder in env.reward_model.model_name.")
     settings = {ours: block[theirs] for theirs, ours in REWARD_MODEL_KEYS.items() if block.get(theirs) is not None}
+    resources = block.get("resources")
+    if isinstance(resources, dict):
+        settings["resources"] = {k: resources[k] for k in ("gpus_per_node", "num_nodes") if resources.get(k)}
     tokenizer = (block.get("tokenizer") or {}).get("name")
     if tokenizer not in (None, block.get("model_name")):
         settings["tokenizer_name"] = tokenizer
@@ -585,10 +588,10 @@ def _reward_model_environment(tree: dict[str, Any], block: dict[str, Any], warni
         reward.setdefault("domains", {}).setdefault("reward_model", {"function": "reward_model"})
     else:
         reward.setdefault("function", "reward_model")
-    unused = [k for k in (*REWARD_MODEL_UNUSED, "resources") if k in block]
+    unused = [k for k in REWARD_MODEL_UNUSED if k in block]
     if unused:
-        warnings.append(f"env.reward_model: {', '.join(unused)} not used (the reward model scores in the driver's "
-                        "process, on its first GPU or the CPU; GPUs of its own are not placed yet)")
+        warnings.append(f"env.reward_model: {', '.join(unused)} not used (novarl scores with the reward model on "
+                        "env.reward_model.resources, a Ray actor of its own, or in the driver's process without them)")
     return refused
 
 

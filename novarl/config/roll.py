@@ -725,7 +725,8 @@ def _judge(name: str, block: Mapping[str, Any], out: Translation) -> bool:
         judge["max_model_len"] = length
     out.set("reward.judge", {k: v for k, v in judge.items() if v is not None})
     out.warnings.append(f"{where}: the LLM judge runs in the driver's process (its device_mapping, world_size and "
-                        "strategy_config other than max_model_len are not used; GPUs of its own are not placed yet)")
+                        "strategy_config other than max_model_len are not used: give it devices of its own with "
+                        "reward.judge.resources)")
     return True
 
 

@@ -116,9 +116,7 @@ def _get(config: Any, path: str) -> Any:
 def _reward_warnings(config: NovaRLConfig) -> list[str]:
     """reward.sandbox set where no code reward runs."""
     reward = config.reward
-    functions = {*reward.names, *(f for d in reward.domains.values() for f in
-                                  (d.function if isinstance(d.function, list) else [d.function]))}
-    if reward.sandbox != SandboxConfig() and not functions & set(CODE_REWARDS):
+    if reward.sandbox != SandboxConfig() and not reward.used & set(CODE_REWARDS):
         return [f"'reward.sandbox' is set: only the code rewards ({', '.join(CODE_REWARDS)}) run programs, and this "
                 "run's reward functions name none"]
     local = [k for k in ("isolate", "site_packages", "max_processes", "max_output_bytes", "max_file_mb")

@@ -64,10 +64,11 @@ REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {
 
 REWARD_FACTORIES: dict[str, str] = {"code_tests": "novarl.rewards.code:code_tests",
                                     "code_pass_rate": "novarl.rewards.code:code_pass_rate",
-                                    "reward_model": "novarl.rewards.reward_model:reward_model",
-                                    "llm_judge": "novarl.rollout.judge:llm_judge"}
+                                    "reward_model": "novarl.rollout.reward_host:reward_model",
+                                    "llm_judge": "novarl.rollout.reward_host:llm_judge"}
 """Registered rewards built from the reward section's settings (factory(settings) -> function),
-imported when named (by path, as a plugin: the judge generates, so it lives with the rollouts)."""
+imported when named (by path, as a plugin: the model-based ones may run on Ray actors of their own,
+rollout/reward_host.py, which the rewards' layer does not import)."""
 
 NEEDS: dict[str, tuple[str, str]] = {"math_verify": ("math_verify", "pip install 'novarl[math]'")}
 """Registered rewards that need a package: (module, how to install it)."""

@@ -8,8 +8,9 @@ comes, in float32 (NeMo RL's: no sigmoid). Scored reward.reward_model.batch_size
 at its last token (padding never mistaken for it); with max_model_len, a longer conversation
 keeps its end.
 
-It runs in the driver's process, on its first GPU when it has one, else on the CPU; GPUs of its
-own, counted apart from the policy's (NeMo RL's env.reward_model.resources), are not placed yet.
+It runs in the driver's process (its first GPU, else the CPU), or with reward.reward_model.resources
+(NeMo RL's env.reward_model.resources) in a Ray actor on devices of its own, counted apart from the
+policy's (rollout/reward_host.py).
 """
 
 from __future__ import annotations

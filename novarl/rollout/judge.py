@@ -13,8 +13,8 @@ answer matches the reference (ROLL's Qwen2.5-7B-Instruct-RLVR-prompt asks the sa
 grades the response; any other text is a template of its own with {question}, {response} and
 {reference}. The prompt is the user's turn in the judge's chat template (its text, without one).
 
-The judge runs in the driver's process, on its first GPU when it has one, else on the CPU;
-GPUs of its own (ROLL's device_mapping for the judge) are not placed yet.
+The judge runs in the driver's process (its first GPU, else the CPU), or with reward.judge.resources
+in a Ray actor on devices of its own, counted apart from the policy's (rollout/reward_host.py).
 """
 
 from __future__ import annotations

@@ -78,6 +78,12 @@ def check_config(cfg: NovaRLConfig) -> ConfigReport:
     report.batches = report.attempt(plan_batches, cfg)
     report.attempt(check_output_dirs, cfg)
     report.attempt(check_reward_packages, cfg)
+    devices, nodes = cfg.reward.held_devices()
+    if nodes:
+        held = f"{devices} of the node's {cfg.cluster.gpus_per_node} device(s)" if cfg.cluster.num_nodes == 1 else \
+            f"{nodes} of the cluster's {cfg.cluster.num_nodes} node(s)"
+        report.notes.append(f"the model-based rewards hold {held} of their own (reward.reward_model / reward.judge "
+                            "resources): the policy and generation get the rest")
     from novarl.logging.trackers import missing_packages
 
     report.problems.extend(UserError(line + ".") for line in missing_packages(cfg.logger))

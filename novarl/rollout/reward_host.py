@@ -1,0 +1,81 @@
+"""Model-based rewards on devices of their own (reward.reward_model.resources, reward.judge.resources;
+NeMo RL's env.reward_model.resources): the reward model or the judge runs in a Ray actor holding those
+devices -- GPUs, or on a host without them as many CPU slots -- counted apart from the policy's
+(backends/generation/layout.py reward_devices). Without resources it runs in the driver's process.
+
+The actor starts at the reward's first call (the run's checks load no weights) and ends with the
+run's Ray instance or when the reward is dropped.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+LOCAL = {"reward_model": "novarl.rewards.reward_model:reward_model", "llm_judge": "novarl.rollout.judge:llm_judge"}
+"""Each model-based reward's factory in the process that runs it."""
+
+
+def _local(name: str, settings: Any) -> Any:
+    module, _, factory = LOCAL[name].partition(":")
+    return getattr(importlib.import_module(module), factory)(settings)
+
+
+class RewardHost:
+    """The actor: the reward built where it runs."""
+
+    def __init__(self, name: str, settings: Any) -> None:
+        self.reward = _local(name, settings)
+
+    def score(self, completions: list[str], columns: dict[str, Any]) -> list[Any]:
+        return self.reward(completions, **columns)
+
+
+class RemoteReward:
+    """A model-based reward whose model runs in a Ray actor on `devices` devices of its own."""
+
+    loads_model = True
+
+    def __init__(self, name: str, settings: Any, devices: int) -> None:
+        _local(name, settings)  # its settings checked here, its weights loaded by the actor
+        self.name, self.settings, self.devices = name, settings, devices
+        self.__name__ = name
+        self._actor: Any = None
+
+    def _start(self) -> Any:
+        if self._actor is None:
+            import ray
+
+            from novarl.distributed.ray_group import ensure_ray
+
+            ensure_ray()
+            from novarl.logging.console import info
+
+            on_gpus = ray.cluster_resources().get("GPU", 0) > 0
+            kind = "num_gpus" if on_gpus else "num_cpus"
+            self._actor = ray.remote(RewardHost).options(**{kind: self.devices}).remote(self.name, self.settings)
+            info(f"{self.name}: a Ray actor on {self.devices} {'GPU' if on_gpus else 'CPU slot'}(s) of its own")
+        return self._actor
+
+    def __call__(self, completions: Sequence[str], **columns: Any) -> list[Any]:
+        import ray
+
+        return ray.get(self._start().score.remote(list(completions), columns))
+
+
+def _placed(name: str, settings: Any, block: Any) -> Any:
+    resources = getattr(block, "resources", None)
+    if resources is not None and (resources.gpus_per_node or resources.num_nodes):
+        return RemoteReward(name, settings, resources.gpus_per_node or 1)
+    return _local(name, settings)
+
+
+def reward_model(settings: Any = None) -> Any:
+    """The registered reward ``reward_model``: on reward.reward_model.resources, else in this process."""
+    return _placed("reward_model", settings, getattr(settings, "reward_model", None))
+
+
+def llm_judge(settings: Any = None) -> Any:
+    """The registered reward ``llm_judge``: on reward.judge.resources, else in this process."""
+    return _placed("llm_judge", settings, getattr(settings, "judge", None))
