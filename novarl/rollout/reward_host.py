@@ -47,12 +47,20 @@ class RemoteReward:
         if self._actor is None:
             import ray
 
-            from novarl.distributed.ray_group import ensure_ray
-
-            ensure_ray()
+            from novarl.distributed.kept_ranks import drop_kept_ranks
+            from novarl.distributed.ray_group import ensure_ray, require_capacity
+            from novarl.errors import UserError
             from novarl.logging.console import info
 
+            ensure_ray()
             on_gpus = ray.cluster_resources().get("GPU", 0) > 0
+            resource = "GPU" if on_gpus else "CPU"
+            require_capacity({resource: self.devices}, f"{self.name}'s resources")
+            drop_kept_ranks()  # rank processes kept from earlier runs (NOVARL_REUSE_RANKS) give their slots back
+            free = _free(resource, self.devices, FREE_WAIT_S)
+            if free < self.devices:  # else the actor would wait for them for ever
+                raise UserError(f"{self.name} asks {self.devices} {resource}(s) of its own, and the Ray cluster has "
+                                f"{free:g} free now: lower its resources or give the cluster more.")
             kind = "num_gpus" if on_gpus else "num_cpus"
             self._actor = ray.remote(RewardHost).options(**{kind: self.devices}).remote(self.name, self.settings)
             info(f"{self.name}: a Ray actor on {self.devices} {'GPU' if on_gpus else 'CPU slot'}(s) of its own")
@@ -62,6 +70,24 @@ class RemoteReward:
         import ray
 
         return ray.get(self._start().score.remote(list(completions), columns))
+
+
+FREE_WAIT_S = 30.0
+"""Seconds a reward's actor waits for its devices to come free (processes just stopped give them back)."""
+
+
+def _free(resource: str, wanted: float, wait_s: float) -> float:
+    """The Ray cluster's free amount of `resource`, once it reaches `wanted` or after `wait_s` seconds."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        free = ray.available_resources().get(resource, 0)
+        if free >= wanted or time.monotonic() > deadline:
+            return free
+        time.sleep(0.2)
 
 
 def _placed(name: str, settings: Any, block: Any) -> Any:
