@@ -215,3 +215,25 @@ def test_a_roll_config_with_math_code_and_judge_domains_trains_on_the_tiny_model
                 step["domain/llm_judge/samples"]) == (8, 4, 4)
         assert step["domain/code_sandbox/reward/code_tests/sandbox_failed"] == 0.0
         assert "domain/llm_judge/reward/llm_judge/unparsable" in step  # the judge's own answers, parsed
+
+
+def test_difficulty_loss_weight_scales_each_samples_advantages_by_rolls_rule():
+    from novarl.rollout.collect import difficulty_weights
+    from novarl.algorithms.losses import ClippedPGSettings
+    from novarl.trainer.stages import Advantages, StepWork, advantage_estimator
+
+    done = [completion("a", difficulty=d) for d in (0.0, 0.0, 1.0, 1.0, "0.5", "0.5", 3.0, 3.0)]
+    raw = 0.5 + 1.5 * torch.tensor([0.0, 0.0, 1.0, 1.0, 0.5, 0.5, 1.0, 1.0])  # clamped to [0, 1]
+    weights = difficulty_weights(done)
+    assert weights.tolist() == pytest.approx((raw * 8 / raw.sum()).tolist())
+    cfg = load_config({"grpo": {"num_generations_per_prompt": 2, "difficulty_loss_weight": True}})
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0])
+    rollouts = Rollouts.of(cfg, done, rewards, rewards, {})
+    assert rollouts.weights.tolist() == pytest.approx(weights.tolist())
+    stage = Advantages(advantage_estimator(cfg), ClippedPGSettings())
+    plain, weighted = (StepWork(build_train_batch(done, torch.zeros(8)), rewards, weights=w) for w in (None, weights))
+    stage(plain), stage(weighted)
+    index = plain.batch.sequence_index
+    assert weighted.batch.advantages.tolist() == pytest.approx((plain.batch.advantages * weights[index]).tolist())
+    with pytest.raises(UserError, match="reads each example's 'difficulty' column as a number; an example has 'hard'"):
+        difficulty_weights([completion("a", difficulty="hard")])

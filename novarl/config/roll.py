@@ -69,6 +69,7 @@ COPIED = {
     "difficulty_mask": "grpo.difficulty_mask.enabled",
     "difficulty_low_threshold": "grpo.difficulty_mask.low_threshold",
     "difficulty_high_threshold": "grpo.difficulty_mask.high_threshold",
+    "difficulty_loss_weight": "grpo.difficulty_loss_weight",
     "ppo_epochs": "grpo.ppo_epochs",
 }
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -80,7 +81,6 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "reward_shift": ((None, 0, 0.0, False), "shifting the rewards is not built; set it false"),
     "reward_scale": ((None, 1, 1.0, False), "scaling the rewards is not built; set it false"),
     "error_max_len_clip": ((False,), "clipping error rewards at the maximum length is not built; set it false"),
-    "difficulty_loss_weight": ((False,), "weighting the loss by difficulty is not built; set it false"),
     "length_loss_weight": ((False,), "weighting the loss by length is not built; set it false"),
     "add_token_level_kl": ((False,), "ROLL's KL controller in the reward is not built; set it false and use "
                                      "use_kl_loss with kl_loss_coef, or novarl's loss_fn.use_kl_in_reward=true with "

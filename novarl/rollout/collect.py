@@ -32,6 +32,8 @@ class Rollouts:
     reward_shaped_mean when scaling or shaping is on, and dynamic sampling's counts."""
     trained: torch.Tensor | None = None
     """[S] bool: the samples that get a loss (grpo.difficulty_mask); None: all."""
+    weights: torch.Tensor | None = None
+    """[S] float32 each sample's policy-loss weight (grpo.difficulty_loss_weight); None: 1 each."""
 
     @classmethod
     def of(cls, cfg: NovaRLConfig, completions: list[Completion], raw: torch.Tensor, shaped: torch.Tensor,
@@ -39,11 +41,29 @@ class Rollouts:
         """The samples with their shaped rewards; with grpo.difficulty_mask, those whose group's mean
         task reward (`raw`) is outside its thresholds marked untrained (difficulty_mask_ratio: the share kept)."""
         mask = cfg.grpo.difficulty_mask
+        weights = difficulty_weights(completions) if cfg.grpo.difficulty_loss_weight else None
         if not mask.enabled or cfg.grpo.num_generations_per_prompt <= 1:
-            return cls(completions, shaped, metrics)
+            return cls(completions, shaped, metrics, weights=weights)
         trained = difficulty_mask(raw, cfg.grpo.num_generations_per_prompt, mask.low_threshold, mask.high_threshold)
         metrics["difficulty_mask_ratio"] = float(trained.float().mean())
-        return cls(completions, shaped, metrics, trained)
+        return cls(completions, shaped, metrics, trained, weights)
+
+
+def difficulty_weights(completions: list[Completion]) -> torch.Tensor:
+    """[S] ROLL's difficulty loss weights: 0.5 + 1.5 x the example's `difficulty` (clamped to [0, 1]),
+    scaled to mean 1; a UserError naming a value that is not a number."""
+    from novarl.errors import UserError
+
+    values = []
+    for c in completions:
+        given = c.prompt.columns.get("difficulty")
+        try:
+            values.append(float(given))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise UserError(f"grpo.difficulty_loss_weight reads each example's 'difficulty' column as a number; "
+                            f"an example has {given!r} (prompt {c.prompt.text[:80]!r}).") from None
+    weights = 0.5 + 1.5 * torch.tensor(values, dtype=torch.float32).clamp(0.0, 1.0)
+    return weights * (len(weights) / weights.sum())
 
 
 class DynamicSamplingExhausted(RunFailed):

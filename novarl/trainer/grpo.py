@@ -158,7 +158,8 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, stages: list[S
     batch = build_train_batch(rollouts.completions, torch.zeros(len(rollouts.completions)),
                               overlong_filtering=grpo.overlong_filtering, trained=rollouts.trained)
     # before grpo.policy_training_start_step: the critic's warm-up
-    work = StepWork(batch, rollouts.rewards, policy_trains=step > grpo.policy_training_start_step)
+    work = StepWork(batch, rollouts.rewards, policy_trains=step > grpo.policy_training_start_step,
+                    weights=rollouts.weights)
     for stage in stages:
         with timer(stage.phase):
             stage(work)

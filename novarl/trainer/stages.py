@@ -39,6 +39,9 @@ class StepWork:
     """False during the critic's warm-up (grpo.policy_training_start_step)."""
     values: torch.Tensor | None = None
     """[N] the critic's values before the update."""
+    weights: torch.Tensor | None = None
+    """[S] each sample's policy-loss weight (grpo.difficulty_loss_weight): its advantages are scaled by it
+    (the clipped objective is linear in a positive scale of the advantage); None: 1 each."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -142,7 +145,8 @@ class Advantages:
             token_kl = clamped_kl(batch.old_logprobs, batch.reference_logprobs, self.kl) * batch.loss_mask
             work.metrics["kl_to_reference"] = float(token_kl.sum() / batch.loss_mask.sum().clamp(min=1))
         out = self.estimator(StepRewards(batch, work.rewards, work.values, token_kl))
-        batch.advantages = out.advantages
+        batch.advantages = out.advantages if work.weights is None else \
+            out.advantages * work.weights.to(out.advantages.device)[batch.sequence_index]
         if out.returns is not None:
             assert work.values is not None  # GAE read them
             batch.returns, batch.old_values = out.returns, work.values

@@ -149,6 +149,10 @@ class GRPOConfig(Section):
     val_at_end: bool = True
     overlong_filtering: bool = False
     difficulty_mask: DifficultyMaskConfig = Field(default_factory=DifficultyMaskConfig)
+    difficulty_loss_weight: bool = False
+    """ROLL's: each sample's policy loss weighted by 0.5 + 1.5 x its example's `difficulty` column
+    (clamped to [0, 1]), the weights scaled to mean 1 over the step (ROLL scales per micro-batch):
+    the advantages are scaled, so a KL penalty in the loss is not weighted (one in the reward is)."""
     max_val_samples: int | None = Field(256, ge=1)
     """At most this many evaluation prompts; None: all of the held-out split (NeMo RL's null)."""
     val_batch_size: int = Field(256, ge=1)
