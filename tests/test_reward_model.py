@@ -71,6 +71,7 @@ def test_reward_model_scores_equal_a_direct_call_of_the_same_model(tiny_rm):
                                                                      reward_model={"model_name": "/no/such/rm"}))
 
 
+@pytest.mark.usefixtures("ray_session")  # the worker's Ray instance (tests/conftest.py), for the reward model's actor
 def test_nemo_rls_reward_model_recipe_loads_and_trains_scaled_to_the_tiny_models(tiny_rm, tmp_path, capsys):
     """As NeMo RL lays it out: 2 devices, the reward model on 1 of its own (a Ray actor; CPU slots here), the
     policy and its colocated engine on the other."""
