@@ -1,0 +1,138 @@
+"""ROLL's reward workers in novarl's terms (config/roll.py reads the rest of a pipeline config):
+each `rewards.<domain>` block a reward domain routed by its `tag_included` -- the math rule the default
+domain, the code sandbox, the CrossThinkQA and IFEval rules and the LLM judge novarl's registered
+rewards (rewards/, rollout/judge.py) -- or refused in one line."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from novarl.config.files import show_value
+from novarl.config.roll_devices import Translation
+
+
+REWARD_WORKERS = {"MathRuleRewardWorker": "math_verify", "CodeSandboxRewardWorker": "code_tests",
+                  "CrossThinkQARuleRewardWorker": "crossthinkqa", "GeneralRuleRewardWorker": "ifeval",
+                  "LLMJudgeRewardWorker": "llm_judge"}
+"""ROLL's reward workers -> novarl's registered rewards (the rule workers' reward_type picks a variant)."""
+REWARD_KEYS = ("worker_cls", "tag_included", "model_args", "data_args", "world_size", "infer_batch_size",
+               "reward_type", "response_length_penalty_coef", "use_local", "query_filter_config", "generating_args",
+               "strategy_args", "device_mapping", "num_gpus_per_worker", "judge_prompt", "judge_model_type", "code_url")
+
+
+def read_rewards(rewards: Any, out: Translation) -> set[str]:
+    """ROLL's reward workers as reward domains routed by their tags: the math rule is the default
+    domain (ROLL sends rows of no listed tag to math_rule), the others reward.domains.<name>. The
+    names of the workers refused."""
+    if not isinstance(rewards, Mapping):
+        return set()
+    domains: dict[str, Any] = {}
+    refused: set[str] = set()
+    for name, block in rewards.items():
+        block = block or {}
+        worker = str(block.get("worker_cls", "")).rsplit(".", 1)[-1]
+        function = REWARD_WORKERS.get(worker)
+        if function is None:
+            out.refuse(f"rewards.{name}.worker_cls", worker or None, f"not built yet (novarl has ROLL's "
+                                                                     f"{', '.join(REWARD_WORKERS)})")
+            refused.add(name)
+            continue
+        function = _reward_variant(name, block, function, out)
+        if function is None:
+            refused.add(name)
+            continue
+        tags = [str(t) for t in block.get("tag_included") or []]
+        if worker == "MathRuleRewardWorker":
+            out.tree.setdefault("reward", {}).setdefault("function", function)
+            out.set("reward.default_domain", name)
+            chosen = show_value(out.tree["reward"]["function"])
+            out.became.append(f"rewards.{name} ({worker}) -> reward.function={chosen}"
+                              f", the default domain '{name}' (math-verify: 1 when the answer is right, else 0)")
+        else:
+            domains[name] = {"function": function, "tags": tags}
+            out.became.append(f"rewards.{name} ({worker}) -> reward.domains.{name}: {function} on the examples "
+                              f"tagged {', '.join(tags) or '(none)'}")
+        unknown = set(block) - set(REWARD_KEYS)
+        out.refused.extend(f"unknown key 'rewards.{name}.{k}'." for k in sorted(unknown))
+    if domains:
+        out.set("reward.domains", domains)
+    return refused
+
+
+def _reward_variant(name: str, block: Mapping[str, Any], function: str, out: Translation) -> str | None:
+    """The registered reward for a worker's settings, or None (refused)."""
+    if block.get("query_filter_config"):
+        out.refuse(f"rewards.{name}.query_filter_config", block["query_filter_config"],
+                   "filtering prompt groups by their rewards is not mapped; novarl's grpo.use_dynamic_sampling drops "
+                   "the groups whose rewards are all equal")
+        return None
+    if function == "code_tests" and block.get("use_local", True) is not True:
+        if not block.get("code_url"):
+            out.refuse(f"rewards.{name}.use_local", block["use_local"], "a remote sandbox needs its code_url")
+            return None
+        out.set("reward.sandbox.url", block["code_url"])
+    if function == "crossthinkqa":
+        kind = block.get("reward_type", "soft")
+        if kind not in ("loose", "soft", "strict"):
+            out.refuse(f"rewards.{name}.reward_type", kind, "ROLL's CrossThinkQA rule has loose, soft and strict")
+            return None
+        if block.get("response_length_penalty_coef", 0.0) not in (0, 0.0, None):
+            out.refuse(f"rewards.{name}.response_length_penalty_coef", block["response_length_penalty_coef"],
+                       "a length penalty is not built; set it 0")
+            return None
+        return function if kind == "soft" else f"{function}_{kind}"
+    if function == "llm_judge":
+        return function if _judge(name, block, out) else None
+    if function == "ifeval" and "reward_type" in block:
+        out.warnings.append(f"rewards.{name}.reward_type={show_value(block['reward_type'])}: ROLL's IFEval rule worker "
+                            "does not read it, nor does novarl (1 when the check holds, plus the repetition penalty)")
+    return function
+
+
+JUDGE_PROMPTS = {"Qwen2.5-7B-Instruct-RLVR-prompt": "yes_no"}
+"""ROLL's judge prompts -> novarl's templates asking the same (rollout/judge.py)."""
+JUDGE_STRATEGIES = {"vllm": "vllm", "hf_infer": "hf"}
+"""ROLL's strategies for a judge -> the engine of its own that runs it (reward.judge.backend)."""
+JUDGE_GENERATING = {"max_new_tokens": "max_new_tokens", "top_p": "top_p", "top_k": "top_k",
+                    "temperature": "temperature"}
+
+
+def _judge(name: str, block: Mapping[str, Any], out: Translation) -> bool:
+    """ROLL's LLM judge block as reward.judge (one judge a run); False when refused."""
+    where = f"rewards.{name}"
+    if "judge" in out.tree.get("reward", {}):
+        out.refused.append(f"'{where}': a second LLM judge; novarl runs one (reward.judge) a run.")
+        return False
+    kind, prompt = block.get("judge_model_type", "inference"), block.get("judge_prompt")
+    if kind != "inference":
+        out.refuse(f"{where}.judge_model_type", kind, "novarl's judge is a model it runs ('inference'); an API "
+                                                       "or a shared cluster is not built")
+        return False
+    if prompt is not None and prompt not in JUDGE_PROMPTS:
+        out.refuse(f"{where}.judge_prompt", prompt, f"novarl knows ROLL's {', '.join(JUDGE_PROMPTS)} (or give "
+                                                     "reward.judge.prompt a template of your own)")
+        return False
+    model = block.get("model_args") or {}
+    generating = block.get("generating_args") or {}
+    strategy = (block.get("strategy_args") or {}).get("strategy_name", "hf_infer")
+    backend = JUDGE_STRATEGIES.get(strategy)
+    if backend is None or generating.get("num_beams", 1) != 1 or generating.get("num_return_sequences", 1) != 1:
+        out.refuse(f"{where}.strategy_args.strategy_name", strategy, "the judge generates one greedy or sampled answer "
+                                                                     f"with {' or '.join(JUDGE_STRATEGIES)}")
+        return False
+    judge = {"model_name": model.get("model_name_or_path"), "backend": backend,
+             "prompt": JUDGE_PROMPTS.get(prompt, "yes_no"), "parser": "yes_no",
+             **{ours: generating[theirs] for theirs, ours in JUDGE_GENERATING.items() if theirs in generating}}
+    from novarl.config.roll import DTYPES  # (roll.py imports this module)
+
+    if model.get("dtype") in DTYPES:
+        judge["precision"] = DTYPES[model["dtype"]]
+    length = ((block.get("strategy_args") or {}).get("strategy_config") or {}).get("max_model_len")
+    if length:
+        judge["max_model_len"] = length
+    out.set("reward.judge", {k: v for k, v in judge.items() if v is not None})
+    out.warnings.append(f"{where}: the LLM judge runs in the driver's process (its device_mapping, world_size and "
+                        "strategy_config other than max_model_len are not used: give it devices of its own with "
+                        "reward.judge.resources)")
+    return True
