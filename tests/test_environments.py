@@ -154,9 +154,12 @@ def test_async_grpo_plays_episodes_and_a_run_killed_mid_episode_resumes_on_the_s
 
 @pytest.mark.parametrize("layout, said", [(["policy.generation.backend=vllm"], False),
                                           (["policy.generation.backend=hf"], True),
-                                          (["cluster.gpus_per_node=2"], True)], ids=["vllm-here", "hf", "ray-ranks"])
+                                          (["cluster.gpus_per_node=2"], True),
+                                          (["policy.generation.backend=vllm", "cluster.gpus_per_node=2"], False)],
+                         ids=["vllm-here", "hf", "hf-ray-ranks", "vllm-ray-ranks"])
 def test_per_sample_turns_where_the_engines_cannot_play_them_are_said(layout, said):
-    """vllm_cfg.async_engine plays each episode on its own with a vLLM engine in this process only."""
+    """vllm_cfg.async_engine plays each episode on its own with vLLM engines (in this process or on Ray
+    ranks); with others it is said once that the turns run in lockstep."""
     pytest.importorskip("vllm")
     from novarl.backends.contract.checks import check_config
     from novarl.rollout.episodes import ContentTokens, Episodes

@@ -126,6 +126,17 @@ class ContinuousEngine(Protocol):
         ...
 
 
+@runtime_checkable
+class StreamsRequests(Protocol):
+    """A GenerationBackend whose engines may take an episode's turns one by one (rollout/episodes.py
+    play_each)."""
+
+    def continuous(self) -> ContinuousEngine | None:
+        """Its engines as one ContinuousEngine (a new one per caller), None where they generate
+        only whole submissions."""
+        ...
+
+
 class Rollout(Protocol):
     """A step's completions on their way: the future `GenerationBackend.submit` returns."""
 

@@ -59,6 +59,8 @@ class RankActor:
         """Rank 0's thread sending queued weights over the bridge (queue_weights)."""
         self.free_since: float | None = None
         """When this rank's engine finished its last work (generate_share, receive_weights)."""
+        self.streams: dict[str | None, Any] = {}
+        """Each engine's EngineStreams (continue_requests), by role."""
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0"})
         import ray
         import torch
@@ -167,6 +169,25 @@ class RankActor:
         self.free_since = time.perf_counter()
         return {"completions": completions, "busy_s": self.free_since - start, "idle_s": idle}
 
+    def streams_requests(self, role: str | None) -> bool:
+        """Whether this process's engine takes requests while it generates (ContinuousEngine)."""
+        from novarl.backends.protocols import ContinuousEngine
+
+        return isinstance(self.others[role] if role else self.role, ContinuousEngine)
+
+    def continue_requests(self, role: str | None, stream: str, requests: list, max_steps: int) -> list:
+        """Episodes' turns on this process's engine, as they come (backends/generation/streams.py):
+        add `stream`'s requests, step until one of its turns is finished (max_steps steps at most);
+        its finished turns, (key, Completion) each."""
+        from novarl.backends.generation.streams import EngineStreams
+
+        streams = self.streams.get(role)
+        if streams is None:
+            streams = self.streams[role] = EngineStreams(self.others[role] if role else self.role)
+        finished = streams.run(stream, requests, max_steps)
+        self.free_since = time.perf_counter()
+        return finished
+
     def sync_generator(self, version: int, bucket_bytes: int, dtype) -> int:
         """Collective over the policy ranks: gather the full weights bucket by bucket from the
         shards and load each into this rank's own engine as it comes. Bytes loaded."""
@@ -257,7 +278,7 @@ class RankActor:
         if self.listener is not None:
             self.listener.close()
         self.role, self.others, self.bridge, self.listener, self.sender = None, {}, None, None, None
-        self.free_since = None
+        self.free_since, self.streams = None, {}
         self.__dict__.pop("memory_at_reset", None)
         try:  # DTensor's random-number tracker belongs to the destroyed process group's meshes
             import torch.distributed.tensor._random as dtensor_random
@@ -483,14 +504,15 @@ class RayWorkerGroup:
         rank); the refs, to pass to `collect` (nothing waits here)."""
         return [getattr(actor, method).remote(*args) for actor, args in zip(self.actors, per_rank, strict=True)]
 
-    def collect(self, refs: list) -> list[Any]:
-        """Results of refs started on this group, in order; a rank that died stops it (WorkerDied)."""
-        return self._get(refs)
+    def collect(self, refs: list, first_rank: int = 0) -> list[Any]:
+        """Results of refs started on this group, in order (on ranks first_rank, first_rank + 1, ...);
+        a rank that died stops it (WorkerDied)."""
+        return wait_groups([(self, refs)], first_rank)[0]
 
     def _get(self, refs: list) -> list[Any]:
         return wait_groups([(self, refs)])[0]
 
-    def _failure(self, refs: list, first: Any, err: Exception) -> WorkerDied:
+    def _failure(self, refs: list, first: Any, err: Exception, first_rank: int = 0) -> WorkerDied:
         """Name the rank that died, not a peer whose collective broke because of it: a rank
         that errored first is blamed only if no other rank turns out dead within a few seconds."""
         import ray
@@ -502,10 +524,11 @@ class RayWorkerGroup:
         self.kill()
         if isinstance(err, RayActorError) or dead:
             rank = refs.index(first) if isinstance(err, RayActorError) else dead[0]
-            return WorkerDied(f"{self.name} rank {rank} died; the worker group was shut down.")
+            return WorkerDied(f"{self.name} rank {first_rank + rank} died; the worker group was shut down.")
         cause = getattr(err, "cause", None) or err
         last_line = (str(cause).strip().splitlines() or [""])[-1]
-        return WorkerDied(f"{self.name} rank {refs.index(first)} failed: {type(cause).__name__}: {last_line}")
+        return WorkerDied(f"{self.name} rank {first_rank + refs.index(first)} failed: {type(cause).__name__}: "
+                          f"{last_line}")
 
     def shutdown(self) -> None:
         """Stop every rank: their processes end, or with NOVARL_REUSE_RANKS are kept for the next group
@@ -528,11 +551,12 @@ class RayWorkerGroup:
         self.actors = []
 
 
-def wait_groups(calls: list[tuple[RayWorkerGroup, list]]) -> list[list[Any]]:
+def wait_groups(calls: list[tuple[RayWorkerGroup, list]], first_rank: int = 0) -> list[list[Any]]:
     """Results of calls made on one or more groups at once (the two ends of a weight
     transfer, say), per group in rank order. Waits on whichever finishes first, so a rank
     that dies while the others block in a collective is seen at once; a failure shuts
-    down every group taking part, since their peers would wait on it forever."""
+    down every group taking part, since their peers would wait on it forever. first_rank: the
+    rank of each group's first ref (the one a failure names is counted from it)."""
     import ray
     from ray.exceptions import RayTaskError
 
@@ -551,7 +575,7 @@ def wait_groups(calls: list[tuple[RayWorkerGroup, list]]) -> list[list[Any]]:
                 group.kill()
                 raise err.cause from None
             # otherwise a RayTaskError, or RayActorError: the process behind the rank is gone
-            raise group._failure(refs, ready[0], err) from None
+            raise group._failure(refs, ready[0], err, first_rank) from None
     return [ray.get(refs) for _, refs in calls]
 
 

@@ -141,7 +141,7 @@ class RenderPrompt:
 
 class Batcher:
     """Gathers the sessions' requests into batches for the engines, on a thread of its own; with an
-    engine that takes requests while it generates (`continuous`: vLLM in this process), hands each
+    engine that takes requests while it generates (`continuous`: vLLM's, wherever it runs), hands each
     to it as it comes instead, so that no request waits for another's batch."""
 
     def __init__(self, generator: GenerationBackend, live: Callable[[], int],

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from novarl.backends.protocols import ContinuousEngine, GenerationBackend
+from novarl.backends.protocols import ContinuousEngine, GenerationBackend, StreamsRequests
 from novarl.errors import RunFailed
 from novarl.rollout.environment import Environment, EnvStep, Message
 from novarl.types import Completion, Prompt, SamplingConfig
@@ -182,12 +182,10 @@ class Stopwatch:
 
 
 def continuous_engine(generator: GenerationBackend) -> ContinuousEngine | None:
-    """The generator's engine when it is in this process and takes requests while it generates."""
-    from novarl.backends.generation.engines import LocalGeneration
-
-    if isinstance(generator, LocalGeneration) and isinstance(generator.engine, ContinuousEngine):
-        return generator.engine
-    return None
+    """The generator's engines as one that takes requests while it generates (vLLM's, in this
+    process or on Ray actors: backends/generation/streams.py), None where they take whole
+    submissions only."""
+    return generator.continuous() if isinstance(generator, StreamsRequests) else None
 
 
 class PlaysEpisodes(Protocol):
@@ -223,7 +221,7 @@ class Episodes:
     """env.<name>.num_workers: how many of the environment's steps run at once (threads)."""
     per_sample: bool = False
     """policy.generation.vllm_cfg.async_engine: each episode's turns on its own (play_each) where the
-    engine takes requests while it generates (vLLM in this process); turns in lockstep otherwise."""
+    engines take requests while they generate (vLLM's, wherever they run); turns in lockstep otherwise."""
     clock: Stopwatch = field(default_factory=Stopwatch, compare=False)
     """The environment's steps' seconds."""
 

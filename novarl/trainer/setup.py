@@ -196,13 +196,11 @@ def run_episodes(cfg: NovaRLConfig, played, environment, tokenizer) -> PlaysEpis
 
 def lockstep_warning(cfg: NovaRLConfig, episodes: PlaysEpisodes | None, choice: BackendChoice) -> list[str]:
     """vllm_cfg.async_engine asks for episodes each on its own, which this run's engines cannot play: said once."""
-    if not isinstance(episodes, (Episodes, AgentEpisodes)) or not episodes.per_sample or (
-            generation_spec(choice.generation).continuous_batching
-            and generation_layout(cfg, choice.generation).in_process):
+    if not isinstance(episodes, (Episodes, AgentEpisodes)) or not episodes.per_sample or \
+            generation_spec(choice.generation).continuous_batching:
         return []
-    return ["'policy.generation.vllm_cfg.async_engine' = True: this run plays each step's turns in lockstep; "
-            "episodes play their turns each on its own with vLLM engines in this process (a one-rank run), not yet "
-            "with engines on Ray ranks"]
+    return [f"'policy.generation.vllm_cfg.async_engine' = True: this run plays each step's turns in lockstep; "
+            f"episodes play their turns each on its own with vLLM engines, not {choice.generation}'s"]
 
 
 def made_examples(cfg: NovaRLConfig, played, environment, attempt, notes: list[str]

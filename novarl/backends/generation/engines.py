@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from novarl.backends.protocols import (Engine, GenerationBackend, Offloadable, QueuedWeights, Rollout, Stoppable,
-                                       WeightSender)
+from novarl.backends.protocols import (ContinuousEngine, Engine, GenerationBackend, Offloadable, QueuedWeights,
+                                       Rollout, Stoppable, StreamsRequests, WeightSender)
 from novarl.distributed.weight_sync import BUCKET_BYTES, flatten
 from novarl.errors import RunFailed, UserError
 from novarl.backends.generation.layout import GenerationLayout
@@ -146,7 +146,7 @@ def shares(prompts: Sequence[Prompt], sampling: SamplingConfig, engines: int
             for start, stop in share_groups(prompts, engines)]
 
 
-class LocalGeneration(GenerationBackend, QueuedWeights, Offloadable):
+class LocalGeneration(GenerationBackend, QueuedWeights, Offloadable, StreamsRequests):
     """Implements GenerationBackend: one engine in this process, beside an in-process policy."""
 
     def __init__(self, engine: Engine, policy: WeightSender | None = None, layout: GenerationLayout | None = None, *,
@@ -159,6 +159,10 @@ class LocalGeneration(GenerationBackend, QueuedWeights, Offloadable):
         start = time.perf_counter()
         completions = self.engine.generate(prompts, sampling)
         return Ready(completions, time.perf_counter() - start)
+
+    def continuous(self) -> ContinuousEngine | None:
+        """The engine itself, when it takes requests while it generates (vLLM)."""
+        return self.engine if isinstance(self.engine, ContinuousEngine) else None
 
     def sync_weights(self, version: int) -> dict[str, float]:
         assert self.policy is not None, "an engine of fixed weights (novarl eval) takes none"
@@ -191,7 +195,7 @@ class LocalGeneration(GenerationBackend, QueuedWeights, Offloadable):
             self.engine.shutdown()
 
 
-class ColocatedEngines(GenerationBackend, Offloadable):
+class ColocatedEngines(GenerationBackend, Offloadable, StreamsRequests):
     """Implements GenerationBackend: engines in the policy ranks' processes (role "generator" of
     the policy's RayWorkerGroup), one per rank or one spanning each layout.ranks_per_engine ranks."""
 
@@ -203,6 +207,8 @@ class ColocatedEngines(GenerationBackend, Offloadable):
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
         self.loaded: list[int] = []
         """Bytes each rank's engine took at the last sync, from its own rank's gather."""
+        self.streaming: dict[str, bool] = {}
+        """Whether the engines take requests while they generate (asked once)."""
         if layout.ranks_per_engine > 1:
             check_engine_nodes(policy_group.call_all_actors("node"), layout.ranks_per_engine)
         policy_group.add_role(self.ROLE, factory, kwargs)
@@ -212,6 +218,12 @@ class ColocatedEngines(GenerationBackend, Offloadable):
         work = rank_work([(self.ROLE, *w) for w in shares(prompts, sampling, self.layout.engines)],
                          self.layout.ranks_per_engine)
         return RayRollout(self.group, self.group.submit_each("generate_share", work), self.layout.ranks_per_engine)
+
+    def continuous(self) -> ContinuousEngine | None:
+        from novarl.backends.generation.streams import remote_continuous
+
+        return remote_continuous(self.group, self.ROLE, self.layout.engines, self.layout.ranks_per_engine,
+                                 self.streaming)
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Every rank loads its own gather into its engine (or its shard of one); weight_sync_mb is
@@ -232,7 +244,7 @@ class ColocatedEngines(GenerationBackend, Offloadable):
         """The policy's group stops the processes."""
 
 
-class DedicatedEngines(GenerationBackend, QueuedWeights):
+class DedicatedEngines(GenerationBackend, QueuedWeights, StreamsRequests):
     """Implements GenerationBackend: engine actors of their own, fed by the policy's rank 0 over
     a weight-transfer group (see weight_sync.WeightBridge)."""
 
@@ -250,10 +262,17 @@ class DedicatedEngines(GenerationBackend, QueuedWeights):
                                      for i, a in enumerate(engine_group.actors)])])
         self.receiving: list = []
         """The engines' queued weight update (queue_weights), until weights_taken."""
+        self.streaming: dict[str, bool] = {}
+        """Whether the engines take requests while they generate (asked once)."""
 
     def submit(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> RayRollout:
         work = shares(prompts, sampling, self.layout.engines)
         return RayRollout(self.group, self.group.submit_each("generate_share", [(None, *w) for w in work]))
+
+    def continuous(self) -> ContinuousEngine | None:
+        from novarl.backends.generation.streams import remote_continuous
+
+        return remote_continuous(self.group, None, self.layout.engines, 1, self.streaming)
 
     def sync_weights(self, version: int) -> dict[str, float]:
         from novarl.distributed.ray_group import wait_groups

@@ -87,6 +87,10 @@ def fp8_engine_args(v: VllmConfig, model_path: str, *, trust_remote_code: bool =
     return args, env
 
 
+CPU_BATCHED_TOKENS = 4096
+"""vLLM's token budget per step on a CPU host (its default there), raised to max_model_len where that is longer."""
+
+
 class VllmGeneration(Engine, Offloadable, Stoppable):
     """Implements Engine and Offloadable on a vllm.LLM engine."""
 
@@ -137,6 +141,11 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
             # traceback without one); prompts still go in as token ids, and detokenize=False below.
             enable_sleep_mode=self.sleep_mode, use_tqdm_on_load=False,
         )
+        if not torch.cuda.is_available():
+            # vLLM's CPU runner fails a seeded request whose prompt the scheduler splits over two steps (it
+            # rewinds the request's generator, which a CPU generator cannot do): prompts are not split on CPU
+            engine_args.update(enable_chunked_prefill=False,
+                               max_num_batched_tokens=max(CPU_BATCHED_TOKENS, engine_args["max_model_len"]))
         engine_args.update(fp8_args)
         if spans_ranks:
             engine_args.update(spanning_engine_args())
@@ -153,8 +162,10 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
         self.max_seq_length = engine_args["max_model_len"]
         self.version = 0
         self.requests = itertools.count()
-        self.running: dict[str, tuple[int, Prompt, tuple[str, ...]]] = {}
+        self.running: dict[str, tuple[Any, Prompt, tuple[str, ...]]] = {}
         """The requests `add` started, under vLLM's ids: (key, prompt, stop strings)."""
+        self.finished: list[tuple[Any, Completion]] = []
+        """Requests of `add` finished before a weight update or a whole submission, for `step` to return."""
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> list[Completion]:
         """One completion per prompt. Runs of the same prompt (a GRPO group) go to vLLM as
@@ -163,6 +174,7 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
         from vllm.inputs import TokensPrompt
 
         self.onload()
+        self._finish_running()  # LLM.generate would take their outputs as its own
         groups = _runs(prompts) if sampling.seeds is None else [(p, 1) for p in prompts]
         params = [self._params(prompt, sampling, count, position)
                   for (prompt, count), position in zip(groups, _starts(groups), strict=True)]
@@ -185,7 +197,7 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
             stop_token_ids=[self.tokenizer.eos_token_id, *sampling.stop_token_ids], logprobs=0, detokenize=False,
             seed=None if seeds is None else seeds[0])
 
-    def add(self, key: int, prompt: Prompt, sampling: SamplingConfig) -> None:
+    def add(self, key: Any, prompt: Prompt, sampling: SamplingConfig) -> None:
         """Start generating one completion (ContinuousEngine) beside those already under way: vLLM
         schedules it into its running batch at its next step. Its seed: sampling.seeds[0], else
         (sampling.seed, sampling.seed_offset)."""
@@ -200,8 +212,14 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
         self.llm.llm_engine.add_request(request, TokensPrompt(prompt_token_ids=list(prompt.token_ids)), params,
                                         lora_request=self.adapters.request if self.adapters is not None else None)
 
-    def step(self) -> list[tuple[int, Completion]]:
+    def step(self) -> list[tuple[Any, Completion]]:
         """One scheduling step of the engine: the completions it finished, under their keys."""
+        if self.finished:  # finished before weights came or a submission ran: returned first
+            finished, self.finished = self.finished, []
+            return finished
+        return self._step_engine()
+
+    def _step_engine(self) -> list[tuple[Any, Completion]]:
         finished = []
         for out in self.llm.llm_engine.step():
             if out.finished and out.request_id in self.running:
@@ -211,7 +229,13 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
 
     def unfinished(self) -> int:
         """The completions added and not yet returned by step."""
-        return len(self.running)
+        return len(self.running) + len(self.finished)
+
+    def _finish_running(self) -> None:
+        """Generate the requests `add` started to their end (kept for `step`): a weight update lands
+        between turns, never inside one, and a whole submission runs alone."""
+        while self.running:
+            self.finished += self._step_engine()
 
     def _completion(self, prompt: Prompt, out, stop_strings: Sequence[str] = ()) -> Completion:
         tokens = list(out.token_ids)
@@ -228,6 +252,7 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
         """Load the trainer's full tensors (Hugging Face names) into the engine. Asleep, only its
         weights wake for this: the KV cache is allocated when it next generates, so the
         optimizer's memory and the KV cache are never on the device at once."""
+        self._finish_running()  # on the weights their turns began with
         self._wake("weights")
         if self.adapters is not None:
             self.llm.llm_engine.add_lora(self.adapters.write(weights, version))  # loaded now; the last one evicted
