@@ -66,8 +66,15 @@ def test_a_wrong_environment_class_is_named_before_the_run(where, says, tmp_path
 
 
 def test_environment_blocks_are_checked_as_the_config_loads():
-    with pytest.raises(ConfigError, match="one environment plays a run's episodes"):
-        load_config(BUNDLED_RECIPE, overrides=[*ENV, "env.other.actor_class_fqn=x:Y"])
+    assert set(load_config(BUNDLED_RECIPE, overrides=[*ENV, "env.other.actor_class_fqn=x:Y"]).env) == {"again", "other"}
+    with pytest.raises(ConfigError, match="env.ask names an agent, which plays every episode of its run: it shares a "
+                                          r"run with no other environment or reward domain yet \(env.again\)"):
+        load_config(BUNDLED_RECIPE, overrides=[*ENV, "env.ask.agent=tests.helpers.agents:two_turns"])
+    with pytest.raises(ConfigError, match="data.train.0..env_name='elsewhere' is not a reward domain or an "
+                                          r"environment .* default, again\)"):
+        load_config(BUNDLED_RECIPE, overrides=[*ENV, "data.train=[{data_path: x.jsonl, env_name: elsewhere}]"])
+    with pytest.raises(ConfigError, match="env.again plays episodes and is also a reward domain"):
+        load_config(BUNDLED_RECIPE, overrides=[*ENV, "reward.domains.again.function=exact_match"])
     with pytest.raises(ConfigError, match="cfg and max_failed_fraction are an environment class's"):
         load_config(BUNDLED_RECIPE, overrides=["env.math.cfg={turns: 2}"])
     with pytest.raises(ConfigError, match="and yours, each naming its class in env.<name>.actor_class_fqn"):
@@ -170,3 +177,57 @@ def test_per_sample_turns_where_the_engines_cannot_play_them_are_said(layout, sa
     episodes = Episodes(AskAgain({}), ContentTokens(None), 2, per_sample=True)
     warned = lockstep_warning(cfg, episodes, check_config(cfg).choice)
     assert bool(warned) == said and all("plays each step's turns in lockstep" in w for w in warned)
+
+
+def test_examples_play_in_the_environment_their_data_names(tmp_path, monkeypatch, capsys):
+    """NeMo RL's data.*.env_name with several environments in one run: each example's episode plays in its
+    dataset's environment (2 or 3 turns), an example of the reward domain answers once and is scored by
+    reward.function as in a one-turn run (equal to a direct call of it); each domain counted; a run
+    trains on them."""
+    import json
+    from pathlib import Path
+
+    from novarl.backends.generation.engines import LocalGeneration
+    from novarl.backends.generation.hf import HFGeneration
+    from novarl.cli import main
+    from novarl.rewards.scorer import RewardScorer
+    from novarl.rollout.collect import draw_round
+    from novarl.rollout.routing import RoutedEnvironments
+    from novarl.trainer.setup import prepare_inputs
+
+    monkeypatch.chdir(tmp_path)
+    files = {"two.jsonl": range(10, 18), "three.jsonl": range(20, 28), "one.jsonl": range(30, 38)}
+    for name, numbers in files.items():
+        Path(name).write_text("".join(json.dumps({"prompt": f"{a}+{a % 7}=", "answer": str(a + a % 7)}) + "\n"
+                                      for a in numbers))
+    routed = ["env.twice.actor_class_fqn=tests.helpers.environments:AskAgain", "env.twice.cfg={turns: 2}",
+              "env.thrice.actor_class_fqn=tests.helpers.environments:AskAgain", "env.thrice.cfg={turns: 3}",
+              "data.train=[{data_path: two.jsonl, env_name: twice}, {data_path: three.jsonl, env_name: thrice}, "
+              "{data_path: one.jsonl}]", "reward.function=exact_match", "grpo.max_rollout_turns=3",
+              "policy.max_seq_length=48", "policy.generation.max_new_tokens=6", "grpo.num_prompts_per_step=6",
+              "grpo.num_generations_per_prompt=2", "policy.train_global_batch_size=12",
+              "policy.train_micro_batch_size=12", "grpo.max_val_samples=6"]
+    cfg = load_config(BUNDLED_RECIPE, overrides=[*routed, *QUICK])
+    inputs = prepare_inputs(cfg)
+    assert isinstance(inputs.episodes.environment, RoutedEnvironments)
+    assert "episodes of up to 3 turn(s) in env.twice" in inputs.summary and "scored by exact_match" in inputs.summary
+    engine = HFGeneration(inputs.model_path, inputs.tokenizer, torch.device("cpu"), precision="float32",
+                          max_seq_length=48)
+    prompts, sampling = draw_round(cfg, inputs, 1, 0, 6)
+    completions, rewards = inputs.episodes.play(LocalGeneration(engine), prompts, sampling)
+    turns = {"two.jsonl": 2, "three.jsonl": 3, "one.jsonl": 1}
+    for completion, reward in zip(completions, rewards):
+        first = int(completion.prompt.text.split("+")[0])
+        source = next(name for name, numbers in files.items() if first in numbers)
+        assert completion.turns == turns[source] and completion.failed is None
+        if source == "one.jsonl":  # as a one-turn run scores it
+            assert reward == RewardScorer.from_spec("exact_match").score([completion])[0]
+    counted = inputs.episodes.take_metrics()
+    assert counted["domain/twice/episode_turns_mean"] == 2 and counted["domain/thrice/episode_turns_mean"] == 3
+    assert counted["domain/default/episode_turns_mean"] == 1
+    assert sum(counted[f"domain/{d}/samples"] for d in ("twice", "thrice", "default")) == 12
+    code = main(["train", *routed, *QUICK, f"logger.log_dir={tmp_path / 'run'}"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    steps = [r for r in read_jsonl(next((tmp_path / "run").glob("*/metrics.jsonl"))) if r["kind"] == "train"]
+    assert len(steps) == 2 and all(math.isfinite(s["loss"]) and 1 < s["episode_turns_mean"] < 3 for s in steps)
+    assert all("domain/thrice/reward_mean" in s or "domain/twice/reward_mean" in s for s in steps)

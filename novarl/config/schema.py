@@ -572,7 +572,8 @@ class NovaRLConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     env: dict[str, EnvConfig] = {}
     """NeMo RL's environments: env.math (scored by reward.function math_verify), and the
-    environments that play episodes (actor_class_fqn, or an agent), one per run for now."""
+    environments that play episodes (actor_class_fqn, or an agent): several in a run, each example
+    in the one its data names (data.*.env_name; rollout/routing.py); an agent plays a run alone."""
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
@@ -605,11 +606,14 @@ class NovaRLConfig(Section):
                 "for generation on GPUs of its own")
         self._critic_checks()
         self._forced_ratio_checks()
-        check_domains(self.data, self.reward)
-        classes = sorted(name for name, block in self.env.items() if block.plays_episodes)
-        if len(classes) > 1:
-            raise ValueError(f"env: {', '.join(classes)} each name an environment class (actor_class_fqn) or an "
-                             "agent: one environment plays a run's episodes for now")
+        played = [name for name, block in self.env.items() if block.plays_episodes]
+        check_domains(self.data, self.reward, played)
+        agents = [name for name in played if self.env[name].agent is not None]
+        if agents and (len(played) > 1 or self.reward.domains):
+            others = [f"env.{name}" for name in played if name != agents[0]] + [f"reward.domains.{name}"
+                                                                              for name in self.reward.domains]
+            raise ValueError(f"env.{agents[0]} names an agent, which plays every episode of its run: it shares a "
+                             f"run with no other environment or reward domain yet ({', '.join(others)})")
         if self.loss_fn.ratio_clip_min >= 1:
             raise ValueError(f"loss_fn.ratio_clip_min={self.loss_fn.ratio_clip_min} must be < 1 "
                              "(the ratio is clipped to [1 - min, 1 + max])")

@@ -171,15 +171,15 @@ class RankActor:
 
     def streams_requests(self, role: str | None) -> bool:
         """Whether this process's engine takes requests while it generates (ContinuousEngine)."""
-        from novarl.backends.protocols import ContinuousEngine
+        from novarl.distributed.engine_streams import takes_requests
 
-        return isinstance(self.others[role] if role else self.role, ContinuousEngine)
+        return takes_requests(self.others[role] if role else self.role)
 
     def continue_requests(self, role: str | None, stream: str, requests: list, max_steps: int) -> list:
         """Episodes' turns on this process's engine, as they come (backends/generation/streams.py):
         add `stream`'s requests, step until one of its turns is finished (max_steps steps at most);
         its finished turns, (key, Completion) each."""
-        from novarl.backends.generation.streams import EngineStreams
+        from novarl.distributed.engine_streams import EngineStreams
 
         streams = self.streams.get(role)
         if streams is None:

@@ -35,15 +35,19 @@ class Routing:
     """tag -> domain."""
 
     @classmethod
-    def of(cls, reward) -> "Routing":
-        names = (reward.default_domain, *(d for d in reward.domains if d != reward.default_domain))
-        return cls(reward.default_domain, names, {t: d for d, block in reward.domains.items() for t in block.tags})
+    def of(cls, reward, environments: Sequence[str] = ()) -> "Routing":
+        """reward's domains, and `environments`: the env.<name> blocks that play episodes (named by
+        data.*.env_name as the reward domains are). An example routed nowhere goes to the run's
+        environment where it has one alone, else to reward.default_domain."""
+        default = environments[0] if len(environments) == 1 else reward.default_domain
+        names = tuple(dict.fromkeys((default, reward.default_domain, *reward.domains, *environments)))
+        return cls(default, names, {t: d for d, block in reward.domains.items() for t in block.tags})
 
     def domain_of(self, columns: Mapping[str, Any]) -> str:
         named = columns.get("domain")
         if named is not None:
             if named not in self.domains:
-                raise UserError(f"an example's domain column is {named!r}, not a reward domain ("
+                raise UserError(f"an example's domain column is {named!r}, not a reward domain or environment ("
                                 f"{', '.join(self.domains)}): add reward.domains.{named}, or fix the data.")
             return str(named)
         return self.tags.get(columns.get("tag"), self.default)
@@ -172,6 +176,22 @@ def run_scorer(cfg, reward_fn=None) -> Any:
     return domain_scorer(cfg.reward, make)
 
 
+def episode_names(cfg) -> list[str]:
+    """The env.<name> blocks that play episodes (an environment class, or an agent)."""
+    return [name for name, block in cfg.env.items() if block.plays_episodes]
+
+
+def run_routing(cfg) -> Routing | None:
+    """How the run's examples are routed, None where all go to one verifier or one environment: reward
+    domains, several environments, an environment beside the data's env_name or data.domain_interleave_probs."""
+    environments = episode_names(cfg)
+    named = any(block.env_name for role in ("train", "validation") for block in getattr(cfg.data, role) or [])
+    if not cfg.reward.domains and len(environments) <= 1 and not (environments and named) \
+            and cfg.data.domain_interleave_probs is None:
+        return None
+    return Routing.of(cfg.reward, environments)
+
+
 def run_sampler(cfg, prompts: Sequence[Any], notes: list[str]) -> Any:
     """The run's prompt sampler: one shuffled pool, or by domain (data.domain_interleave_probs). With
     reward domains, every example's domain is checked here, before the run starts."""
@@ -180,15 +200,14 @@ def run_sampler(cfg, prompts: Sequence[Any], notes: list[str]) -> Any:
     def make(pool, batch_size):
         return PromptSampler(list(pool), batch_size, seed=cfg.grpo.seed, shuffle=cfg.data.shuffle)
 
-    probs = cfg.data.domain_interleave_probs
-    if not cfg.reward.domains and probs is None:
+    probs, routing = cfg.data.domain_interleave_probs, run_routing(cfg)
+    if routing is None:
         return make(prompts, cfg.grpo.num_prompts_per_step)
-    routing = Routing.of(cfg.reward)
     counts: dict[str, int] = {}
     for prompt in prompts:
         domain = routing.domain_of(prompt.columns)
         counts[domain] = counts.get(domain, 0) + 1
-    notes.append("training examples by reward domain: " + ", ".join(f"{d} {n}" for d, n in counts.items()))
+    notes.append("training examples by domain: " + ", ".join(f"{d} {n}" for d, n in counts.items()))
     if probs is None:
         return make(prompts, cfg.grpo.num_prompts_per_step)
     left_out = {d: n for d, n in counts.items() if d not in probs}

@@ -231,13 +231,20 @@ class Episodes:
 
     def play(self, generator: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig
              ) -> tuple[list[Completion], list[float]]:
+        from novarl.rollout.routing import RoutedEnvironments
+
         engine = self.continuous(generator)
         if engine is not None:
-            return play_each(engine, prompts, sampling, self.environment, self.observation_tokens,
-                             max_turns=self.max_turns, max_tokens=self.max_tokens, workers=self.workers,
-                             clock=self.clock)
-        return play(generator, prompts, sampling, self.environment, self.observation_tokens,
-                    max_turns=self.max_turns, max_tokens=self.max_tokens, workers=self.workers, clock=self.clock)
+            completions, rewards = play_each(engine, prompts, sampling, self.environment, self.observation_tokens,
+                                             max_turns=self.max_turns, max_tokens=self.max_tokens,
+                                             workers=self.workers, clock=self.clock)
+        else:
+            completions, rewards = play(generator, prompts, sampling, self.environment, self.observation_tokens,
+                                        max_turns=self.max_turns, max_tokens=self.max_tokens, workers=self.workers,
+                                        clock=self.clock)
+        if isinstance(self.environment, RoutedEnvironments):  # the reward domains' answers scored
+            rewards = self.environment.finish(completions, rewards)
+        return completions, rewards
 
     def take_metrics(self) -> dict[str, float]:
         """Since the last call: the seconds the environment's steps took (summed over the episodes,

@@ -30,9 +30,10 @@ from novarl.backends.generation.layout import generation_layout
 from novarl.backends.contract.checks import ConfigReport, check_config, one_error
 from novarl.backends.contract.resolve import BackendChoice, BatchPlan, world_size
 from novarl.backends.registry import generation_spec, training_spec
-from novarl.rewards.domains import DomainSampler, DomainScorer, run_sampler, run_scorer
+from novarl.rewards.domains import DomainSampler, DomainScorer, episode_names, run_sampler, run_scorer
 from novarl.rewards.scorer import RewardScorer
-from novarl.rollout.environment import MakesExamples, environment_examples, episode_environment, load_environment
+from novarl.rollout.environment import MakesExamples, environment_examples, episode_environment
+from novarl.rollout.routing import describe_episodes, run_environment
 from novarl.rollout.agents import AgentEpisodes, AgentFunction
 from novarl.rollout.episodes import ContentTokens, Episodes, PlaysEpisodes, TemplateTokens
 from novarl.types import Completion, Prompt
@@ -132,7 +133,7 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
         critic_path = attempt(critic_model_path, cfg, model_path, tokenizer)
     scorer = attempt(run_scorer, cfg, reward_fn)
     played = episode_environment(cfg)
-    environment = attempt(load_environment, *played) if played else None
+    environment = attempt(run_environment, cfg, scorer) if played else None
     made_train, made_val = made_examples(cfg, played, environment, attempt, notes) \
         if played and train_examples is None else (None, None)
     tools = getattr(environment, "tool_schemas", None)  # rollout/tools.py: the chat template lists them
@@ -161,8 +162,7 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
         warnings.append(f"the evaluation accuracy is measured on training prompts, not held-out ones ({gap}); "
                         + ("set data.val_data_path to a held-out file" if train_examples is None else
                            "evaluate held-out examples separately (`novarl eval` with data.val_data_path)"))
-    reward = f"episodes of up to {cfg.grpo.max_rollout_turns} turn(s) in env.{played[0]} " \
-        f"({played[1].actor_class_fqn or 'agent ' + str(played[1].agent)})" if played else f"reward: {scorer.name}"
+    reward = describe_episodes(cfg, scorer) if played else f"reward: {scorer.name}"
     summary = f"model: {cfg.policy.model_name} ({model_path}); {prompts}; {reward}"
     max_steps = steps_in_epochs(cfg, len(train), notes)
     return RunInputs(report.choice, report.batches, model_path, tokenizer, scorer, sampler, val,
@@ -189,8 +189,10 @@ def run_episodes(cfg: NovaRLConfig, played, environment, tokenizer) -> PlaysEpis
                              max_tokens=cfg.policy.max_seq_length, max_failed_fraction=played[1].max_failed_fraction,
                              workers=played[1].num_workers,
                              per_sample=cfg.policy.generation.vllm_cfg.async_engine)
+    blocks = [cfg.env[name] for name in episode_names(cfg)]  # several where examples are routed
     return Episodes(environment, observations, cfg.grpo.max_rollout_turns, cfg.policy.max_seq_length,
-                    max_failed_fraction=played[1].max_failed_fraction, workers=played[1].num_workers or ENV_WORKERS,
+                    max_failed_fraction=min(b.max_failed_fraction for b in blocks),
+                    workers=max(b.num_workers or ENV_WORKERS for b in blocks),
                     per_sample=cfg.policy.generation.vllm_cfg.async_engine)
 
 
@@ -398,7 +400,7 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.policy.trust_remote_code)
     scorer = run_scorer(cfg)
     played = episode_environment(cfg)
-    environment = load_environment(*played) if played else None
+    environment = run_environment(cfg, scorer) if played else None
     made = environment_examples(played[0], environment, "validation", cfg.grpo.max_val_samples or MADE_EXAMPLES,
                                 cfg.grpo.seed) if played and isinstance(environment, MakesExamples) else None
     gap = None if made else held_out_gap(cfg)

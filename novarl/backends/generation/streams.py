@@ -10,20 +10,18 @@ whichever engine answers first. An example's turns all go to one engine (its GRP
 later turns reuse the engine's prefix cache), examples to the engine with the fewest turns open.
 
 Several callers may drive the same engines at once (asynchronous GRPO plays its rounds in flight,
-and an evaluation, each on a thread of its own): each is a stream, and `EngineStreams` on the
-actor keeps each stream's finished turns for its own next call. An engine spanning several ranks
-(tensor parallelism, colocated) gets the same calls on each of them in the same order -- one
-stream at a time drives it (a synchronous run) -- and steps them the same number of times, so its
-shards stay in lockstep; their answers are compared.
+and an evaluation, each on a thread of its own): each is a stream, and EngineStreams
+(distributed/engine_streams.py) on the actor keeps each stream's finished turns for its own next
+call. An engine spanning several ranks (tensor parallelism, colocated) gets the same calls on each
+of them in the same order -- one stream at a time drives it (a synchronous run) -- and steps them
+the same number of times, so its shards stay in lockstep; their answers are compared.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections import Counter, defaultdict
-from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 from novarl.backends.protocols import ContinuousEngine
 from novarl.errors import RunFailed
@@ -36,32 +34,6 @@ WAIT_S = 0.02
 """How long RemoteContinuous.step waits for an engine's answer before it returns none."""
 
 _STREAMS = itertools.count()
-
-
-class EngineStreams:
-    """An engine's requests from several callers (streams), on the engine's process: their keys
-    made unique per stream, and the turns finished for other streams kept for their next call."""
-
-    def __init__(self, engine: ContinuousEngine) -> None:
-        self.engine = engine
-        self.held: defaultdict[str, list[tuple[int, Completion]]] = defaultdict(list)
-        self.open: Counter[str] = Counter()
-
-    def run(self, stream: str, requests: Sequence[tuple[int, Prompt, SamplingConfig]], max_steps: int
-            ) -> list[tuple[int, Completion]]:
-        """Add the stream's requests, then step the engine until one of the stream's turns is
-        finished (or max_steps steps): the stream's finished turns, under its keys."""
-        for key, prompt, sampling in requests:
-            self.engine.add((stream, key), prompt, sampling)  # type: ignore[arg-type]
-            self.open[stream] += 1
-        for _ in range(max_steps):
-            if self.held[stream] or not self.open[stream]:
-                break
-            for tagged, completion in self.engine.step():
-                owner, key = cast(tuple[str, int], tagged)  # as `add` gave them
-                self.held[owner].append((key, completion))
-                self.open[owner] -= 1
-        return self.held.pop(stream, [])
 
 
 class RemoteContinuous(ContinuousEngine):

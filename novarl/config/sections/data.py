@@ -326,24 +326,36 @@ class EnvConfig(Section):
         return self.actor_class_fqn is not None or self.agent is not None
 
 
-def check_domains(data: DataConfig, reward: RewardConfig) -> None:
-    """The domains that data names (env_name, domain_interleave_probs) are reward's; no tag routes to two."""
+def check_domains(data: DataConfig, reward: RewardConfig, environments: list[str]) -> None:
+    """The domains that data names (env_name, domain_interleave_probs) are reward's or the environments'
+    that play episodes (`environments`); no tag routes to two; no environment shares a reward domain's name."""
     names = [reward.default_domain, *(d for d in reward.domains if d != reward.default_domain)]
+    shared = [e for e in environments if e in names]
+    if shared:
+        raise ValueError(f"env.{shared[0]} plays episodes and is also a reward domain (reward.domains or "
+                         "reward.default_domain): data.*.env_name would name both; rename one")
+    names += environments
     for role in ("train", "validation"):
         for i, block in enumerate(getattr(data, role) or []):
             if block.env_name is not None and block.env_name not in names:
-                raise ValueError(f"data.{role}[{i}].env_name={block.env_name!r} is not a reward domain (reward.domains "
-                                 f"and reward.default_domain: {', '.join(names)})")
-    probs = data.domain_interleave_probs
-    if probs is not None:
-        unknown = [d for d in probs if d not in names]
-        if unknown or not probs:
-            raise ValueError(f"data.domain_interleave_probs names {', '.join(map(repr, unknown)) or 'no domain'}: "
-                             f"give the reward domains' probabilities ({', '.join(names)})")
-        if any(not math.isfinite(p) or p < 0 for p in probs.values()):
-            raise ValueError(f"data.domain_interleave_probs={probs}: probabilities are finite and >= 0")
+                raise ValueError(f"data.{role}[{i}].env_name={block.env_name!r} is not a reward domain or an "
+                                 f"environment (reward.domains, reward.default_domain and the env.<name> blocks "
+                                 f"that play episodes: {', '.join(names)})")
+    check_probabilities(data.domain_interleave_probs, names)
     owner: dict[str, str] = {}
     for name, domain in reward.domains.items():
         for tag in domain.tags:
             if owner.setdefault(tag, name) != name:
                 raise ValueError(f"reward.domains: tag {tag!r} is in both {owner[tag]} and {name}: a tag routes to one")
+
+
+def check_probabilities(probs: dict[str, float] | None, names: list[str]) -> None:
+    """data.domain_interleave_probs: known domains' probabilities, finite and >= 0."""
+    if probs is None:
+        return
+    unknown = [d for d in probs if d not in names]
+    if unknown or not probs:
+        raise ValueError(f"data.domain_interleave_probs names {', '.join(map(repr, unknown)) or 'no domain'}: "
+                         f"give the domains' probabilities ({', '.join(names)})")
+    if any(not math.isfinite(p) or p < 0 for p in probs.values()):
+        raise ValueError(f"data.domain_interleave_probs={probs}: probabilities are finite and >= 0")
