@@ -58,6 +58,11 @@ class Completion:
     failed: str | None = None
     """Why its episode failed (its environment raised, or answered with something else than an
     EnvStep): it gets no loss, and its group's advantages are computed without it."""
+    segments: tuple["Completion", ...] = ()
+    """An agent's episode whose history the agent rewrote (rollout/endpoint.py): its earlier
+    segments, in order -- each with its own prompt (the rendering the agent's request made) and the
+    tokens sampled after it; this completion is the last. Each is trained as a sequence of its own
+    with the episode's advantage (rollout/batch.py with_segments)."""
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,10 @@ def test_a_rewritten_history_and_failing_agents_are_counted(tiny):
     for completion in completions:  # the last segment: the second question, rendered whole, and its answer
         assert completion.observed == () and completion.turns == 2 and completion.failed is None
         assert completion.prompt.token_ids == tokenizer(AGAIN + completion.prompt.source)["input_ids"]
+        (first,) = completion.segments  # the first: the first question and its answer
+        assert first.prompt.token_ids == tokenizer(completion.prompt.source)["input_ids"] and first.token_ids
+        assert len(first.logprobs) == len(first.token_ids) and first.turns == 1
+    check_segments_train_with_their_episodes_advantage(completions)
     failing = agents(tokenizer, "tests.helpers.agents:raises_on_odd")
     try:
         completions, rewards = failing.play(generator, prompts, SAMPLING)
@@ -122,6 +126,32 @@ def test_a_rewritten_history_and_failing_agents_are_counted(tiny):
     assert completion.token_ids == [] and completion.turns == 0
 
 
+def check_segments_train_with_their_episodes_advantage(completions):
+    """Each segment becomes a sequence of its own, before its episode's last, with the episode's GRPO
+    advantage on every loss token; a step's optimizer steps keep an episode's sequences together; a
+    round's segments survive a checkpoint (rollouts.pt)."""
+    from novarl.algorithms.advantages import AdvantageSettings
+    from novarl.algorithms.estimators import PerSequence, StepRewards
+    from novarl.rollout.async_rollouts import pack_round, segment_of, unpack_round
+    from novarl.rollout.batch import build_train_batch, with_segments
+    from novarl.trainer.stages import sample_chunks
+
+    sequences, episodes = with_segments(completions)
+    assert episodes.tolist() == [0, 0, 1, 1]
+    assert sequences == [completions[0].segments[0], completions[0], completions[1].segments[0], completions[1]]
+    batch = build_train_batch(sequences, torch.zeros(4))
+    rewards = torch.tensor([1.0, 0.0])
+    advantages = PerSequence("grpo", 2, AdvantageSettings())(StepRewards(batch, rewards, episodes=episodes))
+    per_sequence = [set(advantages.advantages[batch.sequence_index == s][batch.loss_mask[batch.sequence_index == s]]
+                        .tolist()) for s in range(4)]
+    assert per_sequence[0] == per_sequence[1] and per_sequence[2] == per_sequence[3]
+    assert next(iter(per_sequence[0])) > 0 > next(iter(per_sequence[2]))  # the rewarded episode's, both segments
+    assert sample_chunks(4, 1, episodes) == [(0, 2), (2, 4)]
+    saved = unpack_round(pack_round(3, completions, [1.0, 0.0]))["completions"]
+    assert [[segment_of(r, c.prompt) for r in s["segments"]] for s, c in zip(saved, completions)] == \
+        [list(c.segments) for c in completions]
+
+
 def test_a_run_trains_an_agent_named_in_the_config(tmp_path):
     from novarl.cli import BUNDLED_RECIPE
     from novarl.config import load_config
@@ -129,7 +159,8 @@ def test_a_run_trains_an_agent_named_in_the_config(tmp_path):
     from tests.helpers import HF, train_steps
 
     cfg = load_config(BUNDLED_RECIPE, overrides=[
-        HF, "env.agent.agent=tests.helpers.agents:two_turns", "grpo.max_rollout_turns=2", "policy.max_seq_length=32",
+        HF, "env.agent.agent=tests.helpers.agents:rewrites_on_odd", "grpo.max_rollout_turns=2",
+        "policy.max_seq_length=32",
         "logger.progress_bar=false", "grpo.val_at_start=false", "grpo.val_period=0", "grpo.val_at_end=false",
         "grpo.max_num_steps=2", "grpo.num_prompts_per_step=4", "policy.train_micro_batch_size=16",
         f"logger.log_dir={tmp_path}"])
@@ -138,4 +169,5 @@ def test_a_run_trains_an_agent_named_in_the_config(tmp_path):
     for step in steps.values():
         samples = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
         assert step["episode_turns_mean"] == 2.0 and step["agent_requests"] == 2 * samples
+        assert step["agent_rewrites"] > 0  # the odd examples' episodes: two segments, both trained
         assert step["logprob_mismatch"] < 0.05  # trained on what was sampled

@@ -34,6 +34,10 @@ class StepRewards:
     """[N] the critic's value of each token before the update (PPO)."""
     token_kl: torch.Tensor | None = None
     """[N] each loss token's KL of the policy to the reference (loss_fn.use_kl_in_reward)."""
+    episodes: torch.Tensor | None = None
+    """[S] the sample (index in rewards) each sequence of the batch belongs to, where a sample is
+    several sequences (an agent's rewritten history: rollout/batch.py with_segments); None: one each.
+    Per-sequence estimators only (trains_segments)."""
 
 
 @dataclass(frozen=True)
@@ -83,13 +87,19 @@ class PerSequence:
     def __call__(self, step: StepRewards) -> TokenAdvantages:
         batch = step.batch
         if self.kl_coef is not None:
-            assert step.token_kl is not None  # reads_kl: the stages computed it
+            assert step.token_kl is not None and step.episodes is None  # reads_kl: the stages computed it
             return TokenAdvantages(reinforce_plus_plus_with_kl(step.rewards, self.group_size, self.settings,
                                                                step.token_kl, batch.sequence_index, batch.loss_mask,
                                                                self.kl_coef))
         estimate = ADVANTAGE_ESTIMATORS.get(self.name)
-        per_sequence = estimate(step.rewards, self.group_size, self.settings, batch.sequence_sum(batch.loss_mask.long()))
-        return TokenAdvantages(per_sequence[batch.sequence_index])
+        tokens = batch.sequence_sum(batch.loss_mask.long())
+        if step.episodes is None:
+            return TokenAdvantages(estimate(step.rewards, self.group_size, self.settings, tokens)[batch.sequence_index])
+        episodes = step.episodes.to(tokens.device)  # a sample's loss tokens: its sequences' together
+        per_sample = estimate(step.rewards, self.group_size, self.settings,
+                              torch.zeros(len(step.rewards), dtype=tokens.dtype, device=tokens.device)
+                              .index_add_(0, episodes, tokens))
+        return TokenAdvantages(per_sample[episodes][batch.sequence_index])
 
 
 @dataclass(frozen=True)
@@ -108,7 +118,7 @@ class GeneralizedAdvantages:
 
     def __call__(self, step: StepRewards) -> TokenAdvantages:
         batch = step.batch
-        assert step.values is not None  # reads_values: the stages computed them
+        assert step.values is not None and step.episodes is None  # reads_values: the stages computed them
         mask = batch.to_rows(batch.loss_mask.cpu()).bool()
         kl = batch.to_rows(step.token_kl.float().cpu()) if step.token_kl is not None else None
         advantages, returns = ppo_advantages(step.rewards, batch.to_rows(step.values.float().cpu()), mask,

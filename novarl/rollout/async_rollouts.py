@@ -27,9 +27,11 @@ uninterrupted one, and no prompt is lost or repeated.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, deque
 from contextlib import nullcontext
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -194,7 +196,8 @@ class AsyncRollouts:
         return Round(saved["step"], prompts, sampling, before, rewards=saved.get("rewards"), completions=[
             Completion(prompt=p, token_ids=list(c["token_ids"]), logprobs=list(c["logprobs"]), text=c["text"],
                        finish_reason=c["finish_reason"], policy_version=int(c["policy_version"]),
-                       observed=tuple(c.get("observed", ())), turns=c.get("turns", 1), failed=c.get("failed"))
+                       observed=tuple(c.get("observed", ())), turns=c.get("turns", 1), failed=c.get("failed"),
+                       segments=tuple(segment_of(s, p) for s in c.get("segments", ())))
             for p, c in zip(prompts, completions)])
 
 
@@ -262,7 +265,26 @@ def pack_round(step: int, completions: list[Completion], rewards: list[float] | 
                       turns=torch.tensor([c.turns for c in completions]),
                       observed=[torch.tensor(c.observed, dtype=torch.int64).view(-1, 2) for c in completions],
                       failed=[c.failed for c in completions])
+    if any(c.segments for c in completions):  # an agent's rewritten histories: their earlier segments
+        packed["segments"] = [[segment_record(s) for s in c.segments] for c in completions]
     return packed
+
+
+def segment_record(segment: Completion) -> dict[str, Any]:
+    """An earlier segment of an episode (Completion.segments), as rollouts.pt holds it: its own prompt too."""
+    return {"prompt_text": segment.prompt.text, "prompt_token_ids": list(segment.prompt.token_ids),
+            "token_ids": list(segment.token_ids), "logprobs": list(segment.logprobs), "text": segment.text,
+            "finish_reason": segment.finish_reason, "policy_version": segment.policy_version,
+            "observed": [list(span) for span in segment.observed], "turns": segment.turns}
+
+
+def segment_of(record: dict[str, Any], example: Prompt) -> Completion:
+    """segment_record's dict back into a Completion (its prompt: the example's, with the segment's own tokens)."""
+    prompt = dataclasses.replace(example, text=record["prompt_text"], token_ids=list(record["prompt_token_ids"]))
+    return Completion(prompt=prompt, token_ids=list(record["token_ids"]), logprobs=list(record["logprobs"]),
+                      text=record["text"], finish_reason=record["finish_reason"],
+                      policy_version=int(record["policy_version"]),
+                      observed=tuple(tuple(span) for span in record["observed"]), turns=int(record["turns"]))
 
 
 def unpack_round(saved: dict[str, Any]) -> dict[str, Any]:
@@ -280,9 +302,10 @@ def unpack_round(saved: dict[str, Any]) -> dict[str, Any]:
                                                       starts, ends, saved["text"], saved["finish_reason"])]
     if "rewards" not in saved:
         return {"step": saved["step"], "completions": completions}
-    for completion, turns, observed, failed in zip(completions, saved["turns"].tolist(), saved["observed"],
-                                                   saved["failed"]):
-        completion.update(turns=turns, observed=[tuple(span) for span in observed.tolist()], failed=failed)
+    for completion, turns, observed, failed, segments in zip(completions, saved["turns"].tolist(), saved["observed"],
+                                                             saved["failed"], saved.get("segments") or repeat([])):
+        completion.update(turns=turns, observed=[tuple(span) for span in observed.tolist()], failed=failed,
+                          segments=segments)
     return {"step": saved["step"], "completions": completions, "rewards": saved["rewards"].tolist()}
 
 

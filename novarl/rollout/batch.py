@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -48,6 +49,19 @@ def build_train_batch(completions: Sequence[Completion], advantages: torch.Tenso
                        generator_logprobs=generator_logprobs, prompt_lengths=prompt_lengths,
                        group_ids=prompt_groups(completions))
     return batch.with_own_counts()
+
+
+def with_segments(completions: Sequence[Completion]) -> tuple[list[Completion], torch.Tensor | None]:
+    """Each episode's earlier segments (an agent that rewrote its history: Completion.segments) as
+    sequences of their own, before its last, and [S'] the episode (index in `completions`) of each
+    sequence; (the completions, None) where no episode has earlier segments. A failed episode's
+    segments fail with it (no loss)."""
+    if not any(c.segments for c in completions):
+        return list(completions), None
+    flat = [replace(s, failed=c.failed) if s is not c else c for c in completions for s in (*c.segments, c)]
+    episodes = torch.repeat_interleave(torch.arange(len(completions)),
+                                       torch.tensor([len(c.segments) + 1 for c in completions]))
+    return flat, episodes
 
 
 def prompt_groups(completions: Sequence[Completion]) -> torch.Tensor:

@@ -11,8 +11,8 @@ the tokens sampled -- never on a re-tokenisation of the conversation:
   trajectory: the new messages are rendered once, as the template writes them after the
   model's turn (episodes.TemplateTokens), and appended as observed tokens (no loss);
 - a request that does not (the agent rewrote or dropped part of the history) starts a new
-  segment from the whole rendering; the episode trains on its last segment, and the rewrite is
-  counted (agent_rewrites).
+  segment from the whole rendering; each segment trains as a sequence of its own with the
+  episode's advantage (Completion.segments), and the rewrite is counted (agent_rewrites).
 
 Requests from all the sessions are gathered into batches for the engines (a batch goes once every
 session with a request in flight has sent it, or after a short wait), each turn seeded by its
@@ -108,11 +108,12 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def completion(self) -> Completion | None:
-        """The last segment's trajectory, the example as its prompt's identity; None before any turn."""
+        """The last segment's trajectory, the earlier ones (with a turn) in its `segments`; None before
+        any turn."""
         if not self.segments:
             return None
-        last = self.segments[-1].completion()
-        return replace(last, turns=self.turns)
+        earlier = tuple(s.completion() for s in self.segments[:-1] if s.turns)
+        return replace(self.segments[-1].completion(), turns=self.turns, segments=earlier)
 
 
 @dataclass(frozen=True)

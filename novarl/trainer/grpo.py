@@ -27,9 +27,11 @@ from novarl.logging.samples import write_samples
 from novarl.trainer.checkpoint import CRITIC_DIR, POLICY_DIR, Checkpoint, Checkpointer, restore_rng
 from novarl.trainer.evaluate import evaluate
 from novarl.rollout.collect import collect
-from novarl.rollout.batch import MISMATCH_WARNING, build_train_batch, logprob_mismatch, mismatch_advice
+from novarl.rollout.batch import (MISMATCH_WARNING, build_train_batch, logprob_mismatch, mismatch_advice,
+                                  with_segments)
 from novarl.trainer.setup import Roles, RunInputs, value_section
-from novarl.trainer.stages import Stage, StepWork, build_stages, one_forward_fewer, zero_advantage_trains_nothing
+from novarl.trainer.stages import (Stage, StepWork, build_stages, one_forward_fewer, trains_segments,
+                                   zero_advantage_trains_nothing)
 
 
 class StepTimer:
@@ -155,11 +157,14 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, stages: list[S
         queued = pipeline.advance(step, timer)
         rollouts, pipeline_metrics = pipeline.take(step, timer)
         pipeline_metrics.update(queued)
-    batch = build_train_batch(rollouts.completions, torch.zeros(len(rollouts.completions)),
-                              overlong_filtering=grpo.overlong_filtering, trained=rollouts.trained)
+    sequences, episodes = with_segments(rollouts.completions) if trains_segments(cfg) else \
+        (rollouts.completions, None)  # an agent's rewritten history: a sequence per segment
+    trained = rollouts.trained if rollouts.trained is None or episodes is None else rollouts.trained[episodes]
+    batch = build_train_batch(sequences, torch.zeros(len(sequences)), overlong_filtering=grpo.overlong_filtering,
+                              trained=trained)
     # before grpo.policy_training_start_step: the critic's warm-up
     work = StepWork(batch, rollouts.rewards, policy_trains=step > grpo.policy_training_start_step,
-                    weights=rollouts.weights)
+                    weights=rollouts.weights, episodes=episodes)
     for stage in stages:
         with timer(stage.phase):
             stage(work)

@@ -42,6 +42,9 @@ class StepWork:
     weights: torch.Tensor | None = None
     """[S] each sample's policy-loss weight (grpo.difficulty_loss_weight): its advantages are scaled by it
     (the clipped objective is linear in a positive scale of the advantage); None: 1 each."""
+    episodes: torch.Tensor | None = None
+    """[sequences] the sample each sequence of the batch belongs to, where a sample is several (an
+    agent's rewritten history, trains_segments); None: one sequence a sample."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -79,6 +82,13 @@ def advantage_estimator(cfg: NovaRLConfig) -> AdvantageEstimator:
         inner = PerSequence(estimator.name, grpo.num_generations_per_prompt, settings,
                             kl_coef if loss.use_kl_in_reward else None)
     return Clipped(inner, grpo.reward_clip, grpo.advantage_clip_low, grpo.advantage_clip_high)
+
+
+def trains_segments(cfg: NovaRLConfig) -> bool:
+    """Whether an agent's earlier segments (Completion.segments) train, each as a sequence with its
+    episode's advantage: with a per-sequence estimator (GRPO, RLOO, REINFORCE++ without the KL in the
+    reward). GAE and the KL in the reward are per token over one sequence: the last segment alone."""
+    return cfg.value is None and not cfg.loss_fn.use_kl_in_reward
 
 
 def one_forward_fewer(cfg: NovaRLConfig, inputs: RunInputs) -> bool:
@@ -144,9 +154,10 @@ class Advantages:
             assert batch.old_logprobs is not None and batch.reference_logprobs is not None  # the forwards ran
             token_kl = clamped_kl(batch.old_logprobs, batch.reference_logprobs, self.kl) * batch.loss_mask
             work.metrics["kl_to_reference"] = float(token_kl.sum() / batch.loss_mask.sum().clamp(min=1))
-        out = self.estimator(StepRewards(batch, work.rewards, work.values, token_kl))
-        batch.advantages = out.advantages if work.weights is None else \
-            out.advantages * work.weights.to(out.advantages.device)[batch.sequence_index]
+        out = self.estimator(StepRewards(batch, work.rewards, work.values, token_kl, work.episodes))
+        weights = work.weights if work.weights is None or work.episodes is None else work.weights[work.episodes]
+        batch.advantages = out.advantages if weights is None else \
+            out.advantages * weights.to(out.advantages.device)[batch.sequence_index]
         if out.returns is not None:
             assert work.values is not None  # GAE read them
             batch.returns, batch.old_values = out.returns, work.values
@@ -185,7 +196,8 @@ class Update:
         if self.actor and not work.policy_trains:
             return {}
         trained = train_on_batch(self.role, self.head, work.batch, self.loss, self.global_batch_size,
-                                 skip_zero_advantage=self.skip_zero_advantage, token_level=self.token_level)
+                                 skip_zero_advantage=self.skip_zero_advantage, token_level=self.token_level,
+                                 episodes=work.episodes)
         return {f"{self.prefix}{name}": value for name, value in trained.items()}
 
 
@@ -234,16 +246,18 @@ def build_stages(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: Lo
 
 
 def train_on_batch(role: TrainingBackend, head: Head, batch: TrainBatch, loss_fn: LossFn, global_batch_size: int, *,
-                   skip_zero_advantage: bool = False, token_level: bool = True) -> dict[str, float]:
+                   skip_zero_advantage: bool = False, token_level: bool = True,
+                   episodes: torch.Tensor | None = None) -> dict[str, float]:
     """One optimizer step of the role (the policy or the critic, its scores under `head`) per
-    `global_batch_size` samples; metrics averaged over those steps.
+    `global_batch_size` samples (a sample's sequences together: `episodes`, StepWork's); metrics
+    averaged over those steps.
     skip_zero_advantage: leave out of each step the samples the loss gives no gradient (see
     `with_signal`); the step's loss divides by the same token count, so nothing changes but
     the compute, and the loss's metrics are means over the tokens trained on."""
     totals: dict[str, float] = {"samples_trained_fraction": 0.0}
-    chunks = range(0, len(batch), global_batch_size)
-    for start in chunks:
-        chunk = batch.slice(start, start + global_batch_size).with_own_counts()
+    chunks = sample_chunks(len(batch), global_batch_size, episodes)
+    for start, stop in chunks:
+        chunk = batch.slice(start, stop).with_own_counts()
         trained, scale = with_signal(chunk, token_level) if skip_zero_advantage else (chunk, 1.0)
         metrics = role.forward_backward(trained, loss_fn, head)
         metrics = {name: value * scale if _mean_share(name) else value for name, value in metrics.items()}
@@ -254,6 +268,15 @@ def train_on_batch(role: TrainingBackend, head: Head, batch: TrainBatch, loss_fn
             else:
                 totals[name] = totals.get(name, 0.0) + (value if name.startswith("tokens_") else value / len(chunks))
     return totals
+
+
+def sample_chunks(sequences: int, size: int, episodes: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    """[start, stop) of each optimizer step's sequences: `size` samples each, a sample being one
+    sequence, or the sequences `episodes` gives it (nondecreasing sample indices)."""
+    if episodes is None:
+        return [(start, min(start + size, sequences)) for start in range(0, sequences, size)]
+    cuts = torch.searchsorted(episodes, torch.arange(0, int(episodes[-1]) + 1, size)).tolist() + [sequences]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def zero_advantage_trains_nothing(cfg: NovaRLConfig) -> bool:

@@ -23,6 +23,11 @@ def rewrites(client, example) -> float:
     return 0.5
 
 
+def rewrites_on_odd(client, example) -> float:
+    """two_turns where the example's answer is even, rewrites where it is odd (a run trains on both)."""
+    return (rewrites if int(example["answer"]) % 2 else two_turns)(client, example)
+
+
 def raises_on_odd(client, example) -> float:
     """Raises (after one request) when the example's answer is odd; about half the episodes fail."""
     client.chat.completions.create(model="policy", messages=[{"role": "user", "content": example["prompt"]}])
