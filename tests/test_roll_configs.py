@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from novarl.cli import main
 from novarl.config import load_config
@@ -91,7 +92,8 @@ def test_rolls_own_rlvr_examples_load_as_written(name, domains):
 
 def test_rolls_separate_example_is_refused_for_its_placement_alone():
     lines = error_of(ROLL / "qwen2.5-7B-rlvr_megatron_separate.yaml").splitlines()
-    assert len(lines) == 2 and lines[1].startswith("  - 'actor_infer.device_mapping': 4 devices on a 2-node cluster")
+    assert len(lines) == 3 and lines[1].startswith("  - 'actor_infer.device_mapping': 4 devices on a 2-node cluster")
+    assert lines[2].startswith("  - 'rewards.llm_judge.device_mapping': 4 devices on a 2-node cluster")
 
 
 def test_device_mappings_become_placement():
@@ -109,6 +111,26 @@ def test_device_mappings_become_placement():
     assert "shares 4 of its 8 devices with actor_train" in error_of(partly)
     half_node = {**base, "actor_infer": {**base["actor_infer"], "device_mapping": "list(range(16,20))"}}
     assert "dedicated generation on several nodes takes whole nodes" in error_of(half_node)
+
+
+def test_a_judges_device_mapping_apart_from_the_policys_is_counted_as_its_own():
+    """ROLL's judge on devices no policy role uses -> reward.judge.resources (NeMo RL's accounting: the
+    policy gets the rest); on devices the policy's roles use too (ROLL time-shares them, as all its
+    examples do) -> the judge in the driver's process, said once."""
+    from novarl.backends.generation.layout import reward_devices
+
+    tree = yaml.safe_load((ROLL / "qwen2.5-7B-rlvr_megatron_8gpus_llm_as_judge.yaml").read_text())
+    shared = load_config(tree)
+    assert shared.reward.judge.resources.gpus_per_node is None
+    assert any("rewards.llm_judge: the LLM judge runs in the driver's process: its devices are the policy's too"
+               in w for w in shared.load_warnings)
+    for role in ("actor_train", "reference"):
+        tree[role]["device_mapping"] = "list(range(0,6))"
+    apart = load_config(tree)  # the judge's devices 6 and 7 are no role's
+    assert apart.reward.judge.resources.gpus_per_node == 2 and apart.cluster.num_nodes == 1
+    assert reward_devices(apart) == (6, 1)  # the policy and generation: the other 6 of the node's 8
+    assert any("rewards.llm_judge.device_mapping -> reward.judge.resources: 2 device(s) of its own" in note
+               for note in apart.load_notes)
 
 
 def test_rolls_chat_message_rows_are_read(in_tmp):

@@ -38,7 +38,7 @@ from typing import Any
 from novarl.config.files import show_value
 from novarl.config.roll_algorithm import algorithm, estimator_of, read_only_with
 from novarl.config.roll_devices import ROLES, Placement, Translation, _number, parse_devices  # noqa: F401 (tests)
-from novarl.config.roll_devices import placement as place
+from novarl.config.roll_devices import placement as place, role_devices
 from novarl.config.roll_rewards import read_rewards
 
 ROLL_VERSION = "ROLL main at 8eb27cc (2026-08-19), RLVR pipeline examples"
@@ -150,7 +150,7 @@ def from_roll(tree: Mapping[str, Any]) -> Translation:
     _actor_infer(tree.get("actor_infer"), out, placement, tree)
     _reference(tree.get("reference"), out, placement, train)
     _critic(tree, out, placement, train)
-    refused = read_rewards(tree.get("rewards"), out)
+    refused = read_rewards(tree.get("rewards"), out, role_devices(tree))
     probs = out.tree.get("data", {}).get("domain_interleave_probs")
     if probs and refused:  # said once, at the worker
         out.tree["data"]["domain_interleave_probs"] = {d: p for d, p in probs.items() if d not in refused}

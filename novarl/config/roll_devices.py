@@ -84,6 +84,20 @@ def parse_devices(value: Any, where: str) -> tuple[int, ...]:
                      "'list(range(a, b))'")
 
 
+def role_devices(tree: Mapping[str, Any]) -> frozenset[int]:
+    """Every device a role of the policy's names in its device_mapping (one that cannot be read is
+    refused where its role is read)."""
+    taken: set[int] = set()
+    for role in ROLES:
+        block = tree.get(role)
+        if isinstance(block, Mapping) and block.get("device_mapping") is not None:
+            try:
+                taken.update(parse_devices(block["device_mapping"], role))
+            except ValueError:
+                pass
+    return frozenset(taken)
+
+
 def placement(tree: Mapping[str, Any], out: Translation) -> Placement | None:
     gpus_per_node = _number(tree, "num_gpus_per_node", out, integer=True) if "num_gpus_per_node" in tree else 8
     if gpus_per_node is None:

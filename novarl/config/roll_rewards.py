@@ -21,10 +21,11 @@ REWARD_KEYS = ("worker_cls", "tag_included", "model_args", "data_args", "world_s
                "strategy_args", "device_mapping", "num_gpus_per_worker", "judge_prompt", "judge_model_type", "code_url")
 
 
-def read_rewards(rewards: Any, out: Translation) -> set[str]:
+def read_rewards(rewards: Any, out: Translation, taken: frozenset[int] = frozenset()) -> set[str]:
     """ROLL's reward workers as reward domains routed by their tags: the math rule is the default
-    domain (ROLL sends rows of no listed tag to math_rule), the others reward.domains.<name>. The
-    names of the workers refused."""
+    domain (ROLL sends rows of no listed tag to math_rule), the others reward.domains.<name>
+    (`taken`: the devices of the policy's roles, which a judge does not share). The names of the
+    workers refused."""
     if not isinstance(rewards, Mapping):
         return set()
     domains: dict[str, Any] = {}
@@ -38,7 +39,7 @@ def read_rewards(rewards: Any, out: Translation) -> set[str]:
                                                                      f"{', '.join(REWARD_WORKERS)})")
             refused.add(name)
             continue
-        function = _reward_variant(name, block, function, out)
+        function = _reward_variant(name, block, function, out, taken)
         if function is None:
             refused.add(name)
             continue
@@ -60,7 +61,8 @@ def read_rewards(rewards: Any, out: Translation) -> set[str]:
     return refused
 
 
-def _reward_variant(name: str, block: Mapping[str, Any], function: str, out: Translation) -> str | None:
+def _reward_variant(name: str, block: Mapping[str, Any], function: str, out: Translation,
+                    taken: frozenset[int]) -> str | None:
     """The registered reward for a worker's settings, or None (refused)."""
     if block.get("query_filter_config"):
         out.refuse(f"rewards.{name}.query_filter_config", block["query_filter_config"],
@@ -83,7 +85,7 @@ def _reward_variant(name: str, block: Mapping[str, Any], function: str, out: Tra
             return None
         return function if kind == "soft" else f"{function}_{kind}"
     if function == "llm_judge":
-        return function if _judge(name, block, out) else None
+        return function if _judge(name, block, out, taken) else None
     if function == "ifeval" and "reward_type" in block:
         out.warnings.append(f"rewards.{name}.reward_type={show_value(block['reward_type'])}: ROLL's IFEval rule worker "
                             "does not read it, nor does novarl (1 when the check holds, plus the repetition penalty)")
@@ -98,7 +100,7 @@ JUDGE_GENERATING = {"max_new_tokens": "max_new_tokens", "top_p": "top_p", "top_k
                     "temperature": "temperature"}
 
 
-def _judge(name: str, block: Mapping[str, Any], out: Translation) -> bool:
+def _judge(name: str, block: Mapping[str, Any], out: Translation, taken: frozenset[int]) -> bool:
     """ROLL's LLM judge block as reward.judge (one judge a run); False when refused."""
     where = f"rewards.{name}"
     if "judge" in out.tree.get("reward", {}):
@@ -132,7 +134,48 @@ def _judge(name: str, block: Mapping[str, Any], out: Translation) -> bool:
     if length:
         judge["max_model_len"] = length
     out.set("reward.judge", {k: v for k, v in judge.items() if v is not None})
-    out.warnings.append(f"{where}: the LLM judge runs in the driver's process (its device_mapping, world_size and "
-                        "strategy_config other than max_model_len are not used: give it devices of its own with "
-                        "reward.judge.resources)")
+    _judge_devices(where, block, out, taken)
     return True
+
+
+def _judge_devices(where: str, block: Mapping[str, Any], out: Translation, taken: frozenset[int]) -> None:
+    """The judge's device_mapping: devices no role of the policy's uses become reward.judge.resources,
+    counted in the cluster (as NeMo RL counts env.reward_model.resources); devices it shares with
+    the policy's roles (ROLL time-shares them) leave the judge in the driver's process, said once."""
+    from novarl.config.roll_devices import parse_devices
+
+    mapping = block.get("device_mapping")
+    shared = "its devices are the policy's too (ROLL time-shares them; novarl does not share a device between " \
+             "the policy and a judge)"
+    if mapping is not None:
+        try:
+            devices = parse_devices(mapping, f"{where}.device_mapping")
+        except ValueError as err:
+            out.refused.append(f"{err}.")
+            return
+        if not taken & set(devices):
+            _count_judge_devices(where, devices, out)
+            return
+    else:
+        shared = "it names no device_mapping"
+    out.warnings.append(f"{where}: the LLM judge runs in the driver's process: {shared}; give it devices of its own "
+                        "with reward.judge.resources (its world_size and strategy_config other than max_model_len "
+                        "are not used)")
+
+
+def _count_judge_devices(where: str, devices: tuple[int, ...], out: Translation) -> None:
+    """Devices of the judge's own: reward.judge.resources, and the cluster grown to hold them."""
+    cluster = out.tree.get("cluster", {})
+    per_node = int(cluster.get("gpus_per_node", 8))
+    nodes = max(int(cluster.get("num_nodes", 1)), -(-(max(devices) + 1) // per_node))
+    if nodes == 1:
+        out.set("reward.judge.resources.gpus_per_node", len(devices))
+    elif len(devices) % per_node == 0:
+        out.set("reward.judge.resources.num_nodes", len(devices) // per_node)
+    else:
+        out.refused.append(f"'{where}.device_mapping': {len(devices)} devices on a {nodes}-node cluster; a judge "
+                           f"on several nodes takes whole nodes ({per_node} devices each).")
+        return
+    out.set("cluster.num_nodes", nodes)
+    out.became.append(f"{where}.device_mapping -> reward.judge.resources: {len(devices)} device(s) of its own, "
+                      "apart from the policy's")
