@@ -193,6 +193,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from novarl.plan.advisor import advise
     from novarl.plan.table import format_advice
     from novarl.plan.auto import apply_auto
+    from novarl.plan.rewards import policy_cluster, reward_model_fits
     from novarl.backends.contract.model_shape import ModelShape, parse_parameter_count
     from novarl.backends.contract.resolve import (check_available, describe_layout, micro_batch_shape, plan_batches,
                                      resolve_backends, separate_reference)
@@ -231,16 +232,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
         skipped = f"the shape of policy.model_name='{name}' is not known without downloading ({err})"
     if skipped is None and cfg.cluster.gpus_per_node < 1:
         skipped = "cluster.gpus_per_node=0 (CPU ranks): the advisor plans GPU memory"
+    rewards = [] if model_only or cfg.cluster.gpus_per_node < 1 else reward_model_fits(cfg, args.gpu_memory_gb)
     if skipped is None:
-        advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
+        per_node, nodes = policy_cluster(cfg)  # less the model-based rewards' own devices
+        advice = advise(shape, gpus_per_node=per_node, num_nodes=nodes,
                         gpu_memory_gb=args.gpu_memory_gb, **micro_batch_shape(cfg.policy),
                         precision=training_precision(cfg.policy.precision, on_gpu=True),
                         with_reference=separate_reference(cfg), with_critic=cfg.value is not None)
     if args.json:
-        print(json.dumps(advice.to_dict() if advice else {"skipped": skipped}, indent=2))
+        print(json.dumps({**(advice.to_dict() if advice else {"skipped": skipped}),
+                          **({"rewards": [fit.__dict__ for fit in rewards]} if rewards else {})}, indent=2))
     else:
         print(f"\n{format_advice(advice)}" if advice else f"layout advice skipped: {skipped}")
-    return exit_code
+        for fit in rewards:
+            print(fit.describe(args.gpu_memory_gb))
+    return exit_code if all(fit.fits is not False for fit in rewards) else max(exit_code, 2)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -122,3 +122,23 @@ def test_train_runs_the_auto_choice_and_saves_it_explicitly(tmp_path):
     saved = load_config(result.output_dir / "config.yaml")
     assert saved.policy.backend is None and saved.policy.generation.backend == VLLM_OR_HF
     assert len([r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]) == 2
+
+
+def test_model_based_rewards_on_devices_of_their_own_are_planned_apart_from_the_policy(tmp_path, capsys):
+    """A reward model holding 4 of the node's 8 GPUs: the policy's layout is planned over the other 4, and
+    `novarl plan` sizes each reward model against one GPU (it loads whole on one): a 32B judge in bf16 does
+    not fit a 40 GB GPU (exit 2), the bundled tiny reward model does."""
+    judge = model_folder(tmp_path / "judge", QWEN_32B)
+    rewards = ["reward.function=[reward_model, llm_judge]", "reward.reward_model.model_name=tiny-arith",
+               "reward.reward_model.resources.gpus_per_node=4", f"reward.judge.model_name={judge}",
+               "cluster.gpus_per_node=8"]
+    cfg, why = auto(*rewards, on_gpu=True, gpu_memory_gb=40)
+    assert any("4 GPU" in line or "x 4" in line for line in why), why  # the advisor's count: 8 less the reward model's
+    assert any("reward.judge:" in line and "does not fit" in line for line in why)
+    config = tmp_path / "rm.yaml"
+    config.write_text("\n".join(["policy:", "  model_name: tiny-arith"]))
+    assert main(["plan", "-c", str(config), "--gpu-memory-gb", "40", *rewards]) == 2
+    out = capsys.readouterr().out
+    assert "reward.reward_model: tiny-arith, 0.3M parameters" in out
+    assert "on 4 GPU(s) of its own; it loads on one, the other 3 are idle: fits on a 40 GB GPU" in out
+    assert f"reward.judge: {judge}, 32." in out and "on the driver's first GPU: does not fit" in out

@@ -66,18 +66,20 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float) -> tuple[list[str], li
     from novarl.models.loading import resolve_model_path
     from novarl.models.scores import training_precision
     from novarl.plan.advisor import advise
+    from novarl.plan.rewards import policy_cluster, reward_model_fits
     from novarl.backends.contract.model_shape import ModelShape
     from novarl.backends.contract.resolve import micro_batch_shape, separate_reference
 
     shape = ModelShape.from_name(resolve_model_path(cfg.policy.model_name, download=False))
-    advice = advise(shape, gpus_per_node=cfg.cluster.gpus_per_node, num_nodes=cfg.cluster.num_nodes,
+    per_node, nodes = policy_cluster(cfg)  # less the model-based rewards' own devices
+    advice = advise(shape, gpus_per_node=per_node, num_nodes=nodes,
                     gpu_memory_gb=gpu_memory_gb, **micro_batch_shape(cfg.policy),
                     precision=training_precision(cfg.policy.precision, on_gpu=True),
                     with_reference=separate_reference(cfg), with_critic=cfg.value is not None)
     runnable = [c for c in advice.candidates if c.fits and c.built]
     if not runnable:
         raise UserError(f"policy.backend=auto: no layout novarl can run today fits {cfg.policy.model_name} on "
-                        f"{cfg.cluster.num_nodes} x {cfg.cluster.gpus_per_node} GPU(s) of {gpu_memory_gb:.0f} GB; "
+                        f"{nodes} x {per_node} GPU(s) of {gpu_memory_gb:.0f} GB; "
                         "`novarl plan -c CONFIG` lists every layout with its memory.")
     pick = advice.recommended if advice.recommended in runnable else runnable[0]
     why = [f"policy.backend=auto ({gpu_memory_gb:.0f} GB GPUs): {line}" for line in advice.explanation]
@@ -95,6 +97,7 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float) -> tuple[list[str], li
     if pick.placement == "dedicated":  # generation on the last node, training on the others (NeMo RL's count)
         overrides += [f"policy.generation.colocated.resources.gpus_per_node={cfg.cluster.gpus_per_node}",
                       "policy.generation.colocated.resources.num_nodes=1"]
+    why += [f"policy.backend=auto: {fit.describe(gpu_memory_gb)}" for fit in reward_model_fits(cfg, gpu_memory_gb)]
     return overrides, why
 
 
