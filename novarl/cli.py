@@ -183,20 +183,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Backends and batch arithmetic of the config (unless only --model is given),
-    then the layout advice for its model, cluster and workload. Exit 2 when the
-    config needs what is not built yet."""
+    then the layout advice for its model, cluster and workload, and the model-based rewards'
+    sizes. Exit 2 when the config needs what is not built yet, or a reward model does not fit."""
     import json
 
     from novarl.config import load_config
-    from novarl.models.loading import resolve_model_path
-    from novarl.models.scores import training_precision
-    from novarl.plan.advisor import advise
     from novarl.plan.table import format_advice
     from novarl.plan.auto import apply_auto
-    from novarl.plan.rewards import policy_cluster, reward_model_fits
-    from novarl.backends.contract.model_shape import ModelShape, parse_parameter_count
-    from novarl.backends.contract.resolve import (check_available, describe_layout, micro_batch_shape, plan_batches,
-                                     resolve_backends, separate_reference)
+    from novarl.plan.rewards import reward_model_fits
+    from novarl.backends.contract.resolve import check_available, describe_layout, plan_batches, resolve_backends
 
     model_only = args.model is not None and args.config is None
     # With only --model, the workload comes from the schema defaults (and the overrides,
@@ -220,25 +215,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 print(f"{'needs a GPU host' if item in availability.gpu_only else 'not available yet'}: {item}")
             for item in (*cfg.load_warnings, *availability.warnings):
                 print(f"warning: {item}")
-    name, advice, skipped = args.model or cfg.policy.model_name, None, None
-    try:
-        try:
-            shape = ModelShape.from_parameter_count(parse_parameter_count(name))
-        except UserError:  # not a count: a bundled name, a folder or a cached hub id
-            shape = ModelShape.from_name(resolve_model_path(name, download=False))
-    except UserError as err:
-        if args.model is not None:
-            raise
-        skipped = f"the shape of policy.model_name='{name}' is not known without downloading ({err})"
-    if skipped is None and cfg.cluster.gpus_per_node < 1:
-        skipped = "cluster.gpus_per_node=0 (CPU ranks): the advisor plans GPU memory"
+    advice, skipped = _layout_advice(args, cfg)
     rewards = [] if model_only or cfg.cluster.gpus_per_node < 1 else reward_model_fits(cfg, args.gpu_memory_gb)
-    if skipped is None:
-        per_node, nodes = policy_cluster(cfg)  # less the model-based rewards' own devices
-        advice = advise(shape, gpus_per_node=per_node, num_nodes=nodes,
-                        gpu_memory_gb=args.gpu_memory_gb, **micro_batch_shape(cfg.policy),
-                        precision=training_precision(cfg.policy.precision, on_gpu=True),
-                        with_reference=separate_reference(cfg), with_critic=cfg.value is not None)
     if args.json:
         print(json.dumps({**(advice.to_dict() if advice else {"skipped": skipped}),
                           **({"rewards": [fit.__dict__ for fit in rewards]} if rewards else {})}, indent=2))
@@ -247,6 +225,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for fit in rewards:
             print(fit.describe(args.gpu_memory_gb))
     return exit_code if all(fit.fits is not False for fit in rewards) else max(exit_code, 2)
+
+
+def _layout_advice(args: argparse.Namespace, cfg):
+    """(the advisor's layouts for the model over the devices the policy gets, None), or (None, why it
+    was skipped)."""
+    from novarl.models.loading import resolve_model_path
+    from novarl.models.scores import training_precision
+    from novarl.plan.advisor import advise
+    from novarl.plan.rewards import policy_cluster
+    from novarl.backends.contract.model_shape import ModelShape, parse_parameter_count
+    from novarl.backends.contract.resolve import micro_batch_shape, separate_reference
+
+    name = args.model or cfg.policy.model_name
+    try:
+        try:
+            shape = ModelShape.from_parameter_count(parse_parameter_count(name))
+        except UserError:  # not a count: a bundled name, a folder or a cached hub id
+            shape = ModelShape.from_name(resolve_model_path(name, download=False))
+    except UserError as err:
+        if args.model is not None:
+            raise
+        return None, f"the shape of policy.model_name='{name}' is not known without downloading ({err})"
+    if cfg.cluster.gpus_per_node < 1:
+        return None, "cluster.gpus_per_node=0 (CPU ranks): the advisor plans GPU memory"
+    per_node, nodes = policy_cluster(cfg)  # less the model-based rewards' own devices
+    return advise(shape, gpus_per_node=per_node, num_nodes=nodes, gpu_memory_gb=args.gpu_memory_gb,
+                  **micro_batch_shape(cfg.policy), precision=training_precision(cfg.policy.precision, on_gpu=True),
+                  with_reference=separate_reference(cfg), with_critic=cfg.value is not None), None
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

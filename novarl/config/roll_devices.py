@@ -84,6 +84,19 @@ def parse_devices(value: Any, where: str) -> tuple[int, ...]:
                      "'list(range(a, b))'")
 
 
+def own_devices(out: Translation, key: str, count: int, nodes: int, per_node: int) -> bool:
+    """`count` devices of a role's own, apart from the training ones, as NeMo RL counts them: `key`.gpus_per_node
+    of the one node, or `key`.num_nodes whole nodes of several; False (nothing set) when they are not whole
+    nodes of several."""
+    if nodes == 1:
+        out.set(f"{key}.gpus_per_node", count)
+    elif count % per_node == 0:
+        out.set(f"{key}.num_nodes", count // per_node)
+    else:
+        return False
+    return True
+
+
 def role_devices(tree: Mapping[str, Any]) -> frozenset[int]:
     """Every device a role of the policy's names in its device_mapping (one that cannot be read is
     refused where its role is read)."""
@@ -132,11 +145,7 @@ def placement(tree: Mapping[str, Any], out: Translation) -> Placement | None:
         out.warnings.append(f"actor_infer.device_mapping names {len(infer)} of actor_train's {len(train)} devices: "
                             f"novarl's colocated generation runs an engine on each of the {len(train)}")
     if not colocated:
-        if nodes == 1:
-            out.set("policy.generation.colocated.resources.gpus_per_node", len(infer))
-        elif len(infer) % gpus_per_node == 0:
-            out.set("policy.generation.colocated.resources.num_nodes", len(infer) // gpus_per_node)
-        else:
+        if not own_devices(out, "policy.generation.colocated.resources", len(infer), nodes, gpus_per_node):
             out.refused.append(f"'actor_infer.device_mapping': {len(infer)} devices on a {nodes}-node cluster; "
                                "dedicated generation on several nodes takes whole nodes "
                                f"({gpus_per_node} devices each).")

@@ -165,14 +165,12 @@ def _judge_devices(where: str, block: Mapping[str, Any], out: Translation, taken
 
 def _count_judge_devices(where: str, devices: tuple[int, ...], out: Translation) -> None:
     """Devices of the judge's own: reward.judge.resources, and the cluster grown to hold them."""
+    from novarl.config.roll_devices import own_devices
+
     cluster = out.tree.get("cluster", {})
     per_node = int(cluster.get("gpus_per_node", 8))
     nodes = max(int(cluster.get("num_nodes", 1)), -(-(max(devices) + 1) // per_node))
-    if nodes == 1:
-        out.set("reward.judge.resources.gpus_per_node", len(devices))
-    elif len(devices) % per_node == 0:
-        out.set("reward.judge.resources.num_nodes", len(devices) // per_node)
-    else:
+    if not own_devices(out, "reward.judge.resources", len(devices), nodes, per_node):
         out.refused.append(f"'{where}.device_mapping': {len(devices)} devices on a {nodes}-node cluster; a judge "
                            f"on several nodes takes whole nodes ({per_node} devices each).")
         return
