@@ -170,7 +170,7 @@ def test_per_sample_turns_where_the_engines_cannot_play_them_are_said(layout, sa
     pytest.importorskip("vllm")
     from novarl.backends.contract.checks import check_config
     from novarl.rollout.episodes import ContentTokens, Episodes
-    from novarl.trainer.setup import lockstep_warning
+    from novarl.rollout.playing import lockstep_warning
     from tests.helpers.environments import AskAgain
 
     cfg = load_config(BUNDLED_RECIPE, overrides=[*ENV, "policy.generation.vllm_cfg.async_engine=true", *layout])

@@ -106,30 +106,3 @@ class RoutedEnvironments:
             if callable(take):
                 out.update({f"domain/{name}/{k}": v for k, v in dict(take()).items()})
         return out
-
-
-def run_environment(cfg, scorer) -> Any:
-    """What plays the run's episodes: its one environment (or agent), as env.<name> builds it, or, where
-    examples are routed (rewards/domains.py run_routing), a RoutedEnvironments over every environment
-    of the run and the run's scorer."""
-    from novarl.rewards.domains import episode_names, run_routing
-    from novarl.rollout.environment import episode_environment, load_environment
-
-    routing = run_routing(cfg)
-    if routing is None:
-        played = episode_environment(cfg)
-        assert played is not None, "a run without an environment plays no episodes"
-        return load_environment(*played)
-    return RoutedEnvironments({name: load_environment(name, cfg.env[name]) for name in episode_names(cfg)},
-                              routing, scorer)
-
-
-def describe_episodes(cfg, scorer) -> str:
-    """The start-up line's: where the episodes play."""
-    from novarl.rewards.domains import episode_names, run_routing
-
-    played = ", ".join(f"env.{name} ({cfg.env[name].actor_class_fqn or 'agent ' + str(cfg.env[name].agent)})"
-                       for name in episode_names(cfg))
-    routed = f"; examples of other domains answer once, scored by {scorer.name}" \
-        if run_routing(cfg) is not None and scorer is not None else ""
-    return f"episodes of up to {cfg.grpo.max_rollout_turns} turn(s) in {played}{routed}"

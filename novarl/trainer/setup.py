@@ -30,19 +30,13 @@ from novarl.backends.generation.layout import generation_layout
 from novarl.backends.contract.checks import ConfigReport, check_config, one_error
 from novarl.backends.contract.resolve import BackendChoice, BatchPlan, world_size
 from novarl.backends.registry import generation_spec, training_spec
-from novarl.rewards.domains import DomainSampler, DomainScorer, episode_names, run_sampler, run_scorer
+from novarl.rewards.domains import DomainSampler, DomainScorer, run_sampler, run_scorer
 from novarl.rewards.scorer import RewardScorer
 from novarl.rollout.environment import MakesExamples, environment_examples, episode_environment
-from novarl.rollout.routing import describe_episodes, run_environment
-from novarl.rollout.agents import AgentEpisodes, AgentFunction
-from novarl.rollout.episodes import ContentTokens, Episodes, PlaysEpisodes, TemplateTokens
+from novarl.rollout.episodes import PlaysEpisodes
+from novarl.rollout.playing import (MADE_EXAMPLES, describe_episodes, lockstep_warning, made_examples, run_environment,
+                                    run_episodes, with_tools)
 from novarl.types import Completion, Prompt
-
-
-ENV_WORKERS = 8
-"""An environment class's steps at once when env.<name>.num_workers is not set (NeMo RL's count)."""
-MADE_EXAMPLES = 4096
-"""At most this many training examples an environment makes (a run cycles through them)."""
 
 
 @dataclass
@@ -169,54 +163,6 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
                      val_source="held-out" if gap is None else "training-set", summary=summary,
                      notes=tuple(notes), warnings=tuple(warnings), max_steps=max_steps, critic_model_path=critic_path,
                      episodes=episodes)
-
-
-def run_episodes(cfg: NovaRLConfig, played, environment, tokenizer) -> PlaysEpisodes | None:
-    """How the run plays its episodes (its environment's), None without one: observations rendered
-    by the chat template the prompts are (its content's tokens when there is none)."""
-    from novarl.data.datasets import chat_template_for
-
-    if environment is None or not played:
-        return None
-    template = chat_template_for(tokenizer, cfg.policy.tokenizer.chat_template)
-    kwargs = with_tools(cfg.policy.tokenizer.chat_template_kwargs, getattr(environment, "tool_schemas", None))
-    observations = ContentTokens(tokenizer) if template is None else TemplateTokens(tokenizer, template, kwargs or {})
-    if isinstance(environment, AgentFunction):
-        from novarl.rollout.endpoint import RenderPrompt
-
-        return AgentEpisodes(environment, tokenizer, observations, RenderPrompt(tokenizer, template, kwargs or {}),
-                             model=cfg.policy.model_name, max_turns=cfg.grpo.max_rollout_turns,
-                             max_tokens=cfg.policy.max_seq_length, max_failed_fraction=played[1].max_failed_fraction,
-                             workers=played[1].num_workers,
-                             per_sample=cfg.policy.generation.vllm_cfg.async_engine)
-    blocks = [cfg.env[name] for name in episode_names(cfg)]  # several where examples are routed
-    return Episodes(environment, observations, cfg.grpo.max_rollout_turns, cfg.policy.max_seq_length,
-                    max_failed_fraction=min(b.max_failed_fraction for b in blocks),
-                    workers=max(b.num_workers or ENV_WORKERS for b in blocks),
-                    per_sample=cfg.policy.generation.vllm_cfg.async_engine)
-
-
-def lockstep_warning(cfg: NovaRLConfig, episodes: PlaysEpisodes | None, choice: BackendChoice) -> list[str]:
-    """vllm_cfg.async_engine asks for episodes each on its own, which this run's engines cannot play: said once."""
-    if not isinstance(episodes, (Episodes, AgentEpisodes)) or not episodes.per_sample or \
-            generation_spec(choice.generation).continuous_batching:
-        return []
-    return [f"'policy.generation.vllm_cfg.async_engine' = True: this run plays each step's turns in lockstep; "
-            f"episodes play their turns each on its own with vLLM engines, not {choice.generation}'s"]
-
-
-def made_examples(cfg: NovaRLConfig, played, environment, attempt, notes: list[str]
-                  ) -> tuple[list[Example] | None, list[Example] | None]:
-    """(train, held-out) examples of an environment that makes its own (a game's puzzles), else (None, None)."""
-    if not isinstance(environment, MakesExamples):
-        return None, None
-    name = played[0]
-    train = attempt(environment_examples, name, environment, "train",
-                    min(cfg.grpo.num_prompts_per_step * cfg.grpo.max_num_steps, MADE_EXAMPLES), cfg.grpo.seed)
-    val = attempt(environment_examples, name, environment, "validation", cfg.grpo.max_val_samples, cfg.grpo.seed)
-    notes.append(f"env.{name} makes the prompts (its own train and held-out examples): the data section's datasets "
-                 "are not read")
-    return train, val
 
 
 def critic_model_path(cfg: NovaRLConfig, policy_path: str, tokenizer) -> str:
@@ -363,11 +309,6 @@ def split_prompts(cfg: NovaRLConfig, tokenizer, split: str, examples: list[Examp
         else:
             notes.append(dropped)
     return prompts
-
-
-def with_tools(kwargs: dict | None, tools: list[dict] | None) -> dict | None:
-    """policy.tokenizer.chat_template_kwargs, with an environment's tool schemas as `tools`."""
-    return {**(kwargs or {}), "tools": tools} if tools else kwargs
 
 
 def generation_precision(cfg: NovaRLConfig, device: torch.device) -> str:
