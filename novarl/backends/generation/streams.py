@@ -3,9 +3,10 @@
 An episode played on its own (rollout/episodes.py play_each, the agents' endpoint) hands each
 turn to a ContinuousEngine as soon as its environment answered. In the driver's process that
 engine is vLLM's own (`add` / `step`). Engines elsewhere -- dedicated actors, or colocated in the
-policy ranks -- are driven through `RemoteContinuous`: each engine has at most one call in flight,
-`RankActor.continue_requests`, which adds the turns queued for it since its last call and steps the
-engine until one of this caller's turns finishes (or STEPS_PER_CALL steps); the driver waits on
+policy ranks -- are driven through `RemoteContinuous`: each call, `RankActor.continue_requests`, adds
+the turns queued for its engine since the last call and steps the engine until one of this caller's
+turns finishes (or STEPS_PER_CALL steps); the next call waits behind it on the actor
+(CALLS_IN_FLIGHT), so the engine does not idle while the driver answers; the driver waits on
 whichever engine answers first. An example's turns all go to one engine (its GRPO group and its
 later turns reuse the engine's prefix cache), examples to the engine with the fewest turns open.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections import deque
 from typing import Any
 
 from novarl.backends.protocols import ContinuousEngine
@@ -30,6 +32,8 @@ from novarl.types import Completion, Prompt, SamplingConfig
 STEPS_PER_CALL = 8
 """The most engine steps one continue_requests call takes before it answers without a finished
 turn (the turns queued meanwhile wait at most that long to join the running batch)."""
+CALLS_IN_FLIGHT = 2
+"""Calls an engine has at once: one running, the next queued behind it with the turns sent meanwhile."""
 WAIT_S = 0.02
 """How long RemoteContinuous.step waits for an engine's answer before it returns none."""
 
@@ -49,8 +53,8 @@ class RemoteContinuous(ContinuousEngine):
         self.queued: list[list[tuple[int, Prompt, SamplingConfig]]] = [[] for _ in range(engines)]
         self.open = [0] * engines
         """Turns added to each engine and not yet returned."""
-        self.calls: dict[int, list] = {}
-        """Each engine's call in flight: one ref per rank it spans."""
+        self.calls: dict[int, deque[list]] = {e: deque() for e in range(engines)}
+        """Each engine's calls in flight, oldest first (CALLS_IN_FLIGHT at most): one ref per rank it spans."""
         self.home: dict[int, int] = {}
         """Each example's engine (Prompt.index), where its first turn went."""
 
@@ -62,28 +66,29 @@ class RemoteContinuous(ContinuousEngine):
         self.open[engine] += 1
 
     def step(self) -> list[tuple[int, Completion]]:
-        """Start a call on every engine with turns open and none in flight, then wait (WAIT_S at
+        """Keep CALLS_IN_FLIGHT calls on every engine with turns open (the next one queued behind the
+        running one, so the engine does not wait for the driver between them), then wait (WAIT_S at
         most) for one to answer: the turns finished by the calls that answered."""
         import ray
 
         for engine, count in enumerate(self.open):
-            if count and engine not in self.calls:
+            if count and len(self.calls[engine]) < CALLS_IN_FLIGHT:
                 requests, self.queued[engine] = self.queued[engine], []
                 first = engine * self.ranks_per_engine
-                self.calls[engine] = [actor.continue_requests.remote(self.role, self.stream, requests, self.max_steps)
-                                      for actor in self.group.actors[first:first + self.ranks_per_engine]]
-        if not self.calls:
+                self.calls[engine].append([
+                    actor.continue_requests.remote(self.role, self.stream, requests, self.max_steps)
+                    for actor in self.group.actors[first:first + self.ranks_per_engine]])
+        heads = [refs for calls in self.calls.values() if calls for refs in calls[0]]
+        if not heads:
             return []
-        ray.wait([ref for refs in self.calls.values() for ref in refs], num_returns=1, timeout=self.wait_s)
+        ray.wait(heads, num_returns=1, timeout=self.wait_s)
         finished: list[tuple[int, Completion]] = []
-        for engine, refs in list(self.calls.items()):
-            if len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
-                continue
-            del self.calls[engine]
-            answers = self.group.collect(refs, first_rank=engine * self.ranks_per_engine)
-            check_same_turns(answers, engine)
-            self.open[engine] -= len(answers[0])
-            finished += answers[0]
+        for engine, calls in self.calls.items():  # an engine answers its calls in order
+            while calls and len(ray.wait(calls[0], num_returns=len(calls[0]), timeout=0)[0]) == len(calls[0]):
+                answers = self.group.collect(calls.popleft(), first_rank=engine * self.ranks_per_engine)
+                check_same_turns(answers, engine)
+                self.open[engine] -= len(answers[0])
+                finished += answers[0]
         return finished
 
     def unfinished(self) -> int:
