@@ -139,6 +139,30 @@ def test_episodes_each_on_its_own_play_what_lockstep_turns_play(engine):
     assert engine.unfinished() == 0
 
 
+def test_two_callers_streams_on_one_engine_get_each_their_own_turns(engine):
+    """What a Ray actor's engine does for several callers at once (asynchronous GRPO's rounds in flight,
+    an evaluation): each stream's requests under its own keys (the same key in both), each call returns
+    only its stream's finished turns, the others' kept for their next call; every turn is what the
+    engine samples for it alone (its own seed)."""
+    from novarl.distributed.engine_streams import EngineStreams, takes_requests
+
+    tokenizer = engine.tokenizer
+    prompts = [Prompt(t, tokenizer(t)["input_ids"], index=i) for i, t in enumerate(["12+34=", "5+7=", "40+2="])]
+    sampling = SamplingConfig(max_new_tokens=5, temperature=1.0, seed=11)
+    seeded = [replace(sampling, seeds=(100 + i,)) for i in range(3)]
+    alone = [engine.generate([p], s)[0] for p, s in zip(prompts, seeded)]
+    streams, got = EngineStreams(engine), {"a": {}, "b": {}}
+    assert takes_requests(engine)
+    pending = {"a": [(0, prompts[0], seeded[0]), (1, prompts[1], seeded[1])], "b": [(0, prompts[2], seeded[2])]}
+    while pending or streams.open["a"] or streams.open["b"]:
+        for stream in ("a", "b"):
+            for key, completion in streams.run(stream, pending.pop(stream, []), max_steps=1):
+                assert key not in got[stream]
+                got[stream][key] = completion
+    assert [c.token_ids for c in (got["a"][0], got["a"][1], got["b"][0])] == [c.token_ids for c in alone]
+    assert engine.unfinished() == 0 and not streams.held
+
+
 def test_agents_requests_join_vllms_running_batch_and_sample_what_batches_sample(engine):
     """Agents over the endpoint with vllm_cfg.async_engine: each request goes into vLLM's running batch
     as it comes; the episodes are those of requests gathered into batches (each turn seeded by its
