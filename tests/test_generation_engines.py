@@ -144,6 +144,13 @@ def test_engines_spanning_ranks_get_their_share_on_each_rank_and_must_sample_ali
     check_engine_nodes(["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"], 2)
     with pytest.raises(UserError, match="policy ranks 0-1 .* across nodes 10.0.0.1, 10.0.0.2"):
         check_engine_nodes(["10.0.0.1", "10.0.0.2", "10.0.0.2", "10.0.0.2"], 2)
+    # turn by turn (backends/generation/streams.py): each rank's finished turns, under their keys
+    from novarl.backends.generation.streams import check_same_turns
+
+    turns = [(key, c) for key, c in enumerate(answer([1, 2], [3])["completions"])]
+    check_same_turns([turns, list(turns)], 0)
+    with pytest.raises(RunFailed, match="generation engine 1 .* finished different turns on its ranks"):
+        check_same_turns([turns, turns[:1]], 1)
 
 
 def test_stale_cpu_shm_segments_of_spanning_engines_are_removed_and_live_ones_kept(tmp_path):
