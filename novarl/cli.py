@@ -185,6 +185,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Backends and batch arithmetic of the config (unless only --model is given),
     then the layout advice for its model, cluster and workload, and the model-based rewards'
     sizes. Exit 2 when the config needs what is not built yet, or a reward model does not fit."""
+    import dataclasses
     import json
 
     from novarl.config import load_config
@@ -219,7 +220,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rewards = [] if model_only or cfg.cluster.gpus_per_node < 1 else reward_model_fits(cfg, args.gpu_memory_gb)
     if args.json:
         print(json.dumps({**(advice.to_dict() if advice else {"skipped": skipped}),
-                          **({"rewards": [fit.__dict__ for fit in rewards]} if rewards else {})}, indent=2))
+                          **({"rewards": [dataclasses.asdict(fit) for fit in rewards]} if rewards else {})}, indent=2))
     else:
         print(f"\n{format_advice(advice)}" if advice else f"layout advice skipped: {skipped}")
         for fit in rewards:

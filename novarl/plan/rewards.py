@@ -52,8 +52,8 @@ def reward_model_fits(cfg: NovaRLConfig, gpu_memory_gb: float) -> list[RewardMod
                                                      ("reward.judge", "llm_judge", reward.judge)) if name in used]
     fits = []
     for key, block in blocks:
-        devices = block.resources.gpus_per_node or 0 if not block.resources.num_nodes else \
-            (block.resources.num_nodes * cfg.cluster.gpus_per_node)
+        held = block.resources
+        devices = held.num_nodes * cfg.cluster.gpus_per_node if held.num_nodes else (held.gpus_per_node or 0)
         if not block.model_name:  # refused where the reward is built
             continue
         model = str(block.model_name)

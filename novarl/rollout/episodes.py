@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from novarl.backends.protocols import ContinuousEngine, GenerationBackend, StreamsRequests
 from novarl.errors import RunFailed
 from novarl.rollout.environment import Environment, EnvStep, Message
+from novarl.rollout.routing import RoutedEnvironments
 from novarl.types import Completion, Prompt, SamplingConfig
 
 TURN_SEED_STRIDE = 7_919
@@ -231,8 +232,6 @@ class Episodes:
 
     def play(self, generator: GenerationBackend, prompts: Sequence[Prompt], sampling: SamplingConfig
              ) -> tuple[list[Completion], list[float]]:
-        from novarl.rollout.routing import RoutedEnvironments
-
         engine = self.continuous(generator)
         if engine is not None:
             completions, rewards = play_each(engine, prompts, sampling, self.environment, self.observation_tokens,

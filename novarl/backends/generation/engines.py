@@ -26,6 +26,7 @@ so that seeded sampling gives the same samples whatever the number of engines.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -207,8 +208,6 @@ class ColocatedEngines(GenerationBackend, Offloadable, StreamsRequests):
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
         self.loaded: list[int] = []
         """Bytes each rank's engine took at the last sync, from its own rank's gather."""
-        self.streaming: dict[str, bool] = {}
-        """Whether the engines take requests while they generate (asked once)."""
         if layout.ranks_per_engine > 1:
             check_engine_nodes(policy_group.call_all_actors("node"), layout.ranks_per_engine)
         policy_group.add_role(self.ROLE, factory, kwargs)
@@ -220,10 +219,15 @@ class ColocatedEngines(GenerationBackend, Offloadable, StreamsRequests):
         return RayRollout(self.group, self.group.submit_each("generate_share", work), self.layout.ranks_per_engine)
 
     def continuous(self) -> ContinuousEngine | None:
-        from novarl.backends.generation.streams import remote_continuous
+        from novarl.backends.generation.streams import RemoteContinuous
 
-        return remote_continuous(self.group, self.ROLE, self.layout.engines, self.layout.ranks_per_engine,
-                                 self.streaming)
+        return RemoteContinuous(self.group, self.ROLE, self.layout.engines, self.layout.ranks_per_engine) \
+            if self._takes_requests else None
+
+    @functools.cached_property
+    def _takes_requests(self) -> bool:
+        """Whether the engines take requests while they generate (asked once)."""
+        return all(self.group.call_all_actors("streams_requests", self.ROLE))
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Every rank loads its own gather into its engine (or its shard of one); weight_sync_mb is
@@ -262,17 +266,20 @@ class DedicatedEngines(GenerationBackend, QueuedWeights, StreamsRequests):
                                      for i, a in enumerate(engine_group.actors)])])
         self.receiving: list = []
         """The engines' queued weight update (queue_weights), until weights_taken."""
-        self.streaming: dict[str, bool] = {}
-        """Whether the engines take requests while they generate (asked once)."""
 
     def submit(self, prompts: Sequence[Prompt], sampling: SamplingConfig) -> RayRollout:
         work = shares(prompts, sampling, self.layout.engines)
         return RayRollout(self.group, self.group.submit_each("generate_share", [(None, *w) for w in work]))
 
     def continuous(self) -> ContinuousEngine | None:
-        from novarl.backends.generation.streams import remote_continuous
+        from novarl.backends.generation.streams import RemoteContinuous
 
-        return remote_continuous(self.group, None, self.layout.engines, 1, self.streaming)
+        return RemoteContinuous(self.group, None, self.layout.engines) if self._takes_requests else None
+
+    @functools.cached_property
+    def _takes_requests(self) -> bool:
+        """Whether the engines take requests while they generate (asked once)."""
+        return all(self.group.call_all_actors("streams_requests", None))
 
     def sync_weights(self, version: int) -> dict[str, float]:
         from novarl.distributed.ray_group import wait_groups

@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import os
 from collections import deque
-from typing import Any
 
 from novarl.backends.protocols import ContinuousEngine
 from novarl.errors import RunFailed
@@ -104,12 +103,3 @@ def check_same_turns(answers: list[list[tuple[int, Completion]]], engine: int) -
         raise RunFailed(f"generation engine {engine} (one tensor-parallel shard on each of {len(answers)} ranks) "
                         "finished different turns on its ranks: its schedulers left lockstep. Use "
                         "policy.generation.vllm_cfg.tensor_parallel_size=1, or vllm_cfg.async_engine=false.")
-
-
-def remote_continuous(group, role: str | None, engines: int, ranks_per_engine: int, verdict: dict[str, Any]
-                      ) -> RemoteContinuous | None:
-    """A RemoteContinuous over the group's engines when they take requests while they generate
-    (asked once: `verdict` caches the ranks' answer), else None."""
-    if "continuous" not in verdict:
-        verdict["continuous"] = all(group.call_all_actors("streams_requests", role))
-    return RemoteContinuous(group, role, engines, ranks_per_engine) if verdict["continuous"] else None
