@@ -1,8 +1,9 @@
 """The fast paths of a training step on a GPU, and their CPU fallbacks: packed attention through
 torch's varlen flash kernel (models/attention.py) equals each sequence's own causal attention; the
 optimizer is the fused kernel on CUDA (backends/training/optim.py); the chunked logprob head
-(models/logprob_head.py) in bf16 on CUDA equals the full softmax. The CUDA tests skip without
-CUDA; the fallbacks and the choice between them are tested here on the CPU."""
+(models/logprob_head.py) in bf16 on CUDA equals the full softmax, and its chunk steps compiled
+(fused, where the decoder layers are compiled) equal the eager ones. The CUDA tests skip without
+CUDA; the fallbacks, the compiled paths and the choices between them are tested here on the CPU."""
 
 from __future__ import annotations
 
@@ -90,8 +91,33 @@ def test_chunked_logprobs_on_cuda_in_bf16_equal_the_full_softmax():
         assert (g.float() - w.float()).norm() / w.float().norm() < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_chunks_give_the_eager_chunks_numbers(dtype):
+    from novarl.models.logprob_head import chunked_logprobs
+
+    """fused=True (the decoder layers compiled): each chunk's steps compiled by inductor, the last chunk
+    short; logprobs within 1e-5 and gradients within float rounding of the eager steps (float32: 1e-5;
+    bf16: the gradients are bf16, within one rounding of each other)."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(23, 32, generator=generator).to(dtype).requires_grad_()
+    weight = (torch.randn(300, 32, generator=generator) / 4).to(dtype).requires_grad_()
+    targets = torch.randint(0, 300, (23,), generator=generator)
+    upstream = torch.randn(23, generator=generator)
+    results = []
+    for fused in (False, True):
+        picked = chunked_logprobs(hidden, weight, targets, 0.7, 10, fused=fused)
+        results.append((picked, torch.autograd.grad((picked * upstream).sum(), (hidden, weight))))
+    (want, want_grads), (got, got_grads) = results
+    assert torch.allclose(got, want, atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert g.dtype == dtype
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        assert (g.float() - w.float()).norm() / w.float().norm() < tolerance
+
+
 def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients():
-    """policy.dtensor_cfg.torch_compile: each decoder layer compiled in place (inductor on the CPU)."""
+    """policy.dtensor_cfg.torch_compile: each decoder layer compiled in place (inductor on the CPU), and
+    the picking head's chunk steps (fused), against the eager model with the plain head."""
     import copy
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -99,13 +125,16 @@ def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients():
     from novarl.backends.training.batching import MicroBatching
     from novarl.backends.training.parallelize import apply_compile
     from novarl.backends.training.rows import model_logprobs
+    from novarl.models.logprob_head import picking_head, use_picking_head
     from novarl.types import TrainBatch
 
     torch.manual_seed(0)
     eager = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
     compiled = copy.deepcopy(eager)
+    assert use_picking_head(compiled, rows=7)
     apply_compile(compiled)
+    assert picking_head(compiled).fused
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
     ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.arange(12) < torch.tensor([[12], [9]])

@@ -21,6 +21,7 @@ rank (not under tensor parallelism, whose head is split over the vocabulary).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -43,15 +44,15 @@ class ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                rows: int) -> torch.Tensor:
+                rows: int, fused: bool) -> torch.Tensor:
+        steps = _fused() if fused else (_chunk_forward, _chunk_grad_logits)
         picked = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(picked)
         for start in range(0, len(hidden), rows):
-            logits = _scaled_logits(hidden[start:start + rows], weight, temperature)
-            lse[start:start + rows] = torch.logsumexp(logits, dim=-1)
-            picked[start:start + rows] = logits.gather(-1, targets[start:start + rows, None]).squeeze(-1)
+            end = start + rows
+            lse[start:end], picked[start:end] = steps[0](hidden[start:end], weight, targets[start:end], temperature)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.rows = temperature, rows
+        ctx.temperature, ctx.rows, ctx.steps = temperature, rows, steps
         return picked - lse
 
     @staticmethod
@@ -62,32 +63,52 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         for start in range(0, len(hidden), ctx.rows):
             end = start + ctx.rows
-            chunk, g = hidden[start:end], grad[start:end].float()
-            logits = _scaled_logits(chunk, weight, ctx.temperature)
-            # d logprob[target] / d logits = onehot(target) - softmax
-            d_logits = (logits - lse[start:end, None]).exp_().mul_(-g[:, None])
-            d_logits.scatter_add_(-1, targets[start:end, None], g[:, None])
-            if ctx.temperature != 1.0:
-                d_logits.div_(ctx.temperature)
-            d_logits = d_logits.to(hidden.dtype)
+            chunk = hidden[start:end]
+            d_logits = ctx.steps[1](chunk, weight, targets[start:end], lse[start:end], grad[start:end], ctx.temperature)
             if want_hidden:
                 grad_hidden[start:end] = d_logits @ weight
             if want_weight:
-                grad_weight += (d_logits.t() @ chunk).float()
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
+                grad_weight.add_(d_logits.t() @ chunk)  # summed in float32, with no float32 copy of each term
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None
 
 
-def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """float32 logits of a chunk, computed in the weight's dtype as the plain head computes them."""
-    return scaled_logits(torch.nn.functional.linear(hidden, weight), temperature)
+def _chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's float32 (logsumexp, target's logit), its logits computed in the weight's dtype as
+    the plain head computes them."""
+    logits = scaled_logits(torch.nn.functional.linear(hidden, weight), temperature)
+    return torch.logsumexp(logits, dim=-1), logits.gather(-1, targets[:, None]).squeeze(-1)
+
+
+def _chunk_grad_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                       grad: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A chunk's gradient of the loss in its logits, in the hidden states' dtype: the logits
+    recomputed, then d logprob[target] / d logits = onehot(target) - softmax, times the upstream's."""
+    logits = scaled_logits(torch.nn.functional.linear(hidden, weight), temperature)
+    g = grad.float()
+    d_logits = (logits - lse[:, None]).exp_().mul_(-g[:, None])
+    d_logits.scatter_add_(-1, targets[:, None], g[:, None])
+    if temperature != 1.0:
+        d_logits.div_(temperature)
+    return d_logits.to(hidden.dtype)
+
+
+@functools.cache
+def _fused():
+    """The two chunk steps compiled (torch.compile, inductor): a chunk's float32 upcast, logsumexp
+    and softmax gradient become one kernel over the matmul's output, with no float32 copy of the
+    chunk's logits in memory (the eager steps write and read one several times). Compiled on first
+    use; a chunk of another length (the last one) compiles once more, with dynamic shapes."""
+    return torch.compile(_chunk_forward, dynamic=None), torch.compile(_chunk_grad_logits, dynamic=None)
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                     rows: int | None = None) -> torch.Tensor:
+                     rows: int | None = None, fused: bool = False) -> torch.Tensor:
     """[n] float32 logprobs of targets [n] under the logits hidden [n, H] @ weight [V, H].T / temperature,
     computed `rows` rows at a time (default: chunk_rows of the vocabulary); differentiable in
-    hidden and weight, the backward recomputing each chunk's logits."""
-    return ChunkedLogprobs.apply(hidden, weight, targets, temperature, rows or chunk_rows(weight.shape[0]))
+    hidden and weight, the backward recomputing each chunk's logits. fused: each chunk's steps
+    compiled (_fused): the same numbers within float rounding, fewer passes over memory."""
+    return ChunkedLogprobs.apply(hidden, weight, targets, temperature, rows or chunk_rows(weight.shape[0]), fused)
 
 
 class PickingHead(torch.nn.Linear):
@@ -96,13 +117,15 @@ class PickingHead(torch.nn.Linear):
     _request: tuple[torch.Tensor, torch.Tensor, float] | None = None
     rows: int | None = None
     """Rows of logits computed at once (policy.logprob_chunk_size); None: chunk_rows of the vocabulary."""
+    fused: bool = False
+    """Each chunk's steps compiled (chunked_logprobs' fused): set where the decoder layers are compiled."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._request is None:
             return super().forward(hidden)
         previous, targets, temperature = self._request
         rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, previous.clamp(min=0))
-        return chunked_logprobs(rows, self.weight, targets, temperature, self.rows)
+        return chunked_logprobs(rows, self.weight, targets, temperature, self.rows, self.fused)
 
     @contextmanager
     def picking(self, previous: torch.Tensor, targets: torch.Tensor, temperature: float) -> Iterator[None]:

@@ -269,9 +269,15 @@ def compiles(cfg: DTensorConfig, model: PreTrainedModel, device: torch.device) -
 def apply_compile(model: torch.nn.Module) -> None:
     """Compile each decoder layer in place (its module and parameter names unchanged), as torchtitan
     does: after tensor parallelism and activation checkpointing, before FSDP. Each layer is its own
-    graph (the same code for every layer: compiled once, reused), graph breaks allowed."""
+    graph (the same code for every layer: compiled once, reused), graph breaks allowed. A picking
+    head's chunk steps are compiled too (models/logprob_head.py: fused)."""
+    from novarl.models.logprob_head import picking_head
+
     for layer in decoder_layers(model):
         layer.compile(dynamic=None)
+    head = picking_head(model)
+    if head is not None:
+        head.fused = True
 
 
 def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype,
