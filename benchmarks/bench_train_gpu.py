@@ -6,9 +6,11 @@
 Model: random-initialised, of Qwen2.5-1.5B's shape (28 layers, hidden 1536, MLP 8960, 12 heads,
 2 KV heads, vocabulary 151,936, tied embeddings: 1.54 B parameters), saved once as safetensors.
 One training step = one logprob pass over the batch (no grad) + forward/backward in
-micro-batches + the optimizer step, bf16 compute. Each case runs in a process of its own (a
-fresh CUDA context, its own peak memory): a warm-up step (two with torch.compile), then
---steps timed steps, the median reported.
+micro-batches + the optimizer step, bf16 compute. Cases: the plain loop; novarl's DTensor policy
+(fixed rows or packed, with or without torch.compile); novarl's Megatron-core policy (its layer
+spec without Transformer Engine); `<case>+<variant>` switches one fast path back off (VARIANTS).
+Each case runs in a process of its own (a fresh CUDA context, its own peak memory): a warm-up
+step (two with torch.compile), then --steps timed steps, the median reported.
 
 MFU = 4 x forward FLOPs / (seconds x 989 TFLOP/s, the H100 SXM's dense bf16 peak), with the
 forward FLOPs of a sequence of L tokens = L x 2 x parameters + 2 x layers x hidden x L^2
@@ -16,9 +18,12 @@ forward FLOPs of a sequence of L tokens = L x 2 x parameters + 2 x layers x hidd
 x 2,048 tokens (a 256-token prompt), micro-batches of 4 sequences (8,192 tokens when packed).
 Variable lengths: 64 sequences of a 256-token prompt and a completion of 124-3,840 tokens
 (log-normal, seeded), packed in micro-batches of at most 8,192 tokens. The attention kernels
-that ran are read from the profiler (one profiled step per case), not assumed.
+that ran are read from the profiler (one profiled step per case), not assumed, and so is where
+that step's GPU time goes: kernels by category (matmul, attention, compiled, eager elementwise,
+optimizer, copies) and the time no kernel ran.
 
-Needs torch, transformers and pydantic (and novarl from this checkout); no network.
+Needs torch, transformers and pydantic (and megatron-core for its cases; novarl from this
+checkout); no network.
 Writes benchmarks/results/train_gpu_<device>.md (or --out).
 """
 
@@ -55,9 +60,26 @@ CASES = {
     "var-packed-compile": ("variable", "packed", True, "novarl"),
     "var-fixed": ("variable", "fixed", False, "novarl"),
     "var-plain": ("variable", "fixed", False, "plain"),
+    "megatron": ("equal", "fixed", False, "megatron"),
+    "megatron-packed": ("equal", "packed", False, "megatron"),
+    "var-megatron-packed": ("variable", "packed", False, "megatron"),
 }
-DEFAULT_CASES = "plain,fixed,packed,var-packed,fixed-compile,packed-compile,var-packed-compile"
+VARIANTS = {  # "<case>+<variant>": the case with one fast path switched back off, to measure what it gives
+    "eager-head": "the logprob head's chunk steps eager (not fused by torch.compile)",
+    "padded-attention": "packed rows' attention as SDPA over each sequence's padded row (no varlen kernel)",
+}
+DEFAULT_CASES = ("plain,fixed-compile,fixed-compile+eager-head,packed-compile,packed-compile+padded-attention,"
+                 "var-packed-compile,megatron,megatron-packed,var-megatron-packed")
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "cudnn", "efficient", "sdpa", "bmm")
+CATEGORIES = (  # (category, words in the kernel's name), the first that matches
+    ("attention", ATTENTION_KERNELS),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "splitk", "triton_tem")),
+    ("compiled", ("triton",)),  # inductor's fused kernels (the compiled layers and the fused head)
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("communication", ("nccl",)),
+    ("copies", ("memcpy", "memset", "copy")),
+    ("eager elementwise", ()),
+)
 
 
 def batch_lengths(kind: str, tiny: bool) -> tuple[list[int], int]:
@@ -133,15 +155,40 @@ def novarl_policy(folder: str, layout: str, compile_layers: bool, micro: int, lo
     overrides = [f"policy.model_name={folder}", f"policy.max_seq_length={longest}",
                  f"policy.train_micro_batch_size={micro}", f"policy.logprob_batch_size={micro}",
                  "policy.scheduler=[]", f"policy.dtensor_cfg.torch_compile={str(compile_layers).lower()}",
-                 "policy.optimizer.kwargs.lr=1e-6", "policy.max_grad_norm=1.0"]
-    if layout == "packed":
-        tokens = micro * 2048 if longest <= 2048 else 8192
-        tokens = max(tokens, longest)
-        overrides += ["policy.sequence_packing.enabled=true", f"policy.sequence_packing.train_mb_tokens={tokens}",
-                      f"policy.sequence_packing.logprob_mb_tokens={tokens}"]
+                 "policy.optimizer.kwargs.lr=1e-6", "policy.max_grad_norm=1.0",
+                 *packing_overrides(layout, micro, longest)]
     cfg = load_config(None, overrides=overrides)
     policy = DTensorPolicy(cfg.policy, folder, total_steps=1_000)
     return policy
+
+
+def megatron_policy(folder: str, layout: str, micro: int, longest: int):
+    """novarl's Megatron-core policy on the same weights (converted once into the case's cache), bf16,
+    its layer spec without Transformer Engine (SDPAttention: torch's SDPA and varlen kernels)."""
+    import torch
+
+    from novarl.backends.training.megatron import MegatronPolicy
+    from novarl.config import load_config
+    from novarl.distributed.local import ensure_single_process_group
+
+    ensure_single_process_group()
+    os.environ.setdefault("NOVARL_MEGATRON_CHECKPOINT_DIR", str(Path(folder).parent / "megatron"))
+    cuda = torch.cuda.is_available()
+    overrides = [f"policy.model_name={folder}", f"policy.max_seq_length={longest}",
+                 f"policy.train_micro_batch_size={micro}", f"policy.logprob_batch_size={micro}",
+                 "policy.megatron_cfg.enabled=true", f"policy.precision={'bfloat16' if cuda else 'float32'}",
+                 "policy.megatron_cfg.optimizer.lr=1e-6", "policy.megatron_cfg.optimizer.clip_grad=1.0",
+                 *packing_overrides(layout, micro, longest)]
+    cfg = load_config(None, overrides=overrides)
+    return MegatronPolicy(cfg.policy, folder, total_steps=1_000, emulate_cuda=not cuda)
+
+
+def packing_overrides(layout: str, micro: int, longest: int) -> list[str]:
+    if layout != "packed":
+        return []
+    tokens = max(micro * 2048 if longest <= 2048 else 8192, longest)
+    return ["policy.sequence_packing.enabled=true", f"policy.sequence_packing.train_mb_tokens={tokens}",
+            f"policy.sequence_packing.logprob_mb_tokens={tokens}"]
 
 
 def novarl_step(policy, loss, batch) -> None:
@@ -189,7 +236,10 @@ def run_case(name: str, folder: str, steps: int, tiny: bool, trace: bool) -> dic
     from novarl.algorithms.losses import make_loss
     from novarl.config.schema import LossConfig
 
-    kind, layout, compile_layers, implementation = CASES[name]
+    base, *variants = name.split("+")
+    kind, layout, compile_layers, implementation = CASES[base]
+    for variant in variants:
+        switch_off(variant)
     cuda = torch.cuda.is_available()
     config = json.loads((Path(folder) / "config.json").read_text())
     lengths, prompt = batch_lengths(kind, tiny)
@@ -209,7 +259,8 @@ def run_case(name: str, folder: str, steps: int, tiny: bool, trace: bool) -> dic
         work = sum(len(lengths[i:i + micro]) * max(lengths[i:i + micro]) ** 2
                    for i in range(0, len(lengths), micro)) / sum(L * L for L in lengths) if kind == "variable" else 1.0
     else:
-        policy = novarl_policy(folder, layout, compile_layers, micro, max(lengths))
+        policy = (megatron_policy(folder, layout, micro, max(lengths)) if implementation == "megatron" else
+                  novarl_policy(folder, layout, compile_layers, micro, max(lengths)))
         loss = make_loss(LossConfig())
         step = lambda: novarl_step(policy, loss, batch)  # noqa: E731
     times = []
@@ -236,23 +287,58 @@ def run_case(name: str, folder: str, steps: int, tiny: bool, trace: bool) -> dic
             if cuda else float("nan"), "attention_work": work, "kernels": kernels}
 
 
+def switch_off(variant: str) -> None:
+    """In this case's process: the fast path VARIANTS names, off."""
+    from novarl.models import attention, logprob_head
+
+    if variant == "eager-head":
+        logprob_head._fused = lambda: (logprob_head._chunk_forward, logprob_head._chunk_grad_logits)
+    elif variant == "padded-attention":
+        attention.varlen_kernel = lambda query, dropout: None
+        attention.packed_kernel = "padded_sdpa"
+    else:
+        raise SystemExit(f"unknown variant {variant!r}: {', '.join(VARIANTS)}")
+
+
 def profile_kernels(step) -> dict:
-    """GPU time (ms) of the attention kernels of one step, by kernel name (the 6 largest)."""
+    """One profiled step's GPU time (ms): {"attention": {kernel name: ms} of the 6 largest attention
+    kernels, "categories": {category: ms} of every kernel (CATEGORIES, by name), "busy_ms": the time
+    some kernel ran, "span_ms": first kernel's start to last kernel's end}. {} without CUDA; a failure
+    here is reported and keeps the case's timings."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
         return {}
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for event in prof.key_averages():
-        name = event.key
-        if any(k in name.lower() for k in ATTENTION_KERNELS):
-            totals[name[:90]] = totals.get(name[:90], 0.0) + getattr(event, "device_time_total",
-                                                                     getattr(event, "cuda_time_total", 0)) / 1e3
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:6])
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == DeviceType.CUDA]
+    except Exception as error:  # noqa: BLE001 (the timings stand without the profile)
+        return {"error": f"{type(error).__name__}: {error}"[:200]}
+    attention: dict[str, float] = {}
+    categories: dict[str, float] = {}
+    for name, start, end in spans:
+        category = kernel_category(name)
+        categories[category] = categories.get(category, 0.0) + (end - start) / 1e3
+        if category == "attention":
+            attention[name[:90]] = attention.get(name[:90], 0.0) + (end - start) / 1e3
+    busy, reach = 0.0, float("-inf")
+    for _, start, end in sorted(spans, key=lambda span: span[1]):  # the union of the kernels' intervals
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span = (max(e for _, _, e in spans) - min(s for _, s, _ in spans)) / 1e3 if spans else 0.0
+    return {"attention": dict(sorted(attention.items(), key=lambda kv: -kv[1])[:6]),
+            "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])), "busy_ms": busy / 1e3,
+            "span_ms": span}
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    return next(category for category, words in CATEGORIES if not words or any(w in lowered for w in words))
 
 
 def report(results: list[dict], device: str, commit: str, shape: str, params: int, steps: int) -> str:
@@ -264,19 +350,41 @@ def report(results: list[dict], device: str, commit: str, shape: str, params: in
              "- step = logprob pass (no grad) + forward/backward in micro-batches + optimizer step; "
              f"median of {steps} timed steps after warm-up; each case in a fresh process",
              f"- MFU = 4 x forward FLOPs of the real tokens / (s x {PEAK_TFLOPS:.0f} TFLOP/s); attention work = "
-             "score work computed / the real tokens' (sum of L^2)", "",
+             "score work computed / the real tokens' (sum of L^2)",
+             *(f"- `+{v}`: {text}" for v, text in VARIANTS.items() if any(f"+{v}" in r["case"] for r in results)),
+             "",
              "| case | batch | layout | compile | s/step | tokens/s | MFU | peak GB | attention work | "
              "attention kernels (ms in one step) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['case']} | | | | failed: {r['error'][:200]} | | | | | |")
             continue
-        kernels = "; ".join(f"{k} {v:.0f}" for k, v in r["kernels"].items()) or "-"
-        label = "plain PyTorch loop" if r["implementation"] == "plain" else "novarl DTensor"
+        kernels = "; ".join(f"{k} {v:.0f}" for k, v in r["kernels"].get("attention", {}).items()) or "-"
+        label = {"plain": "plain PyTorch loop", "megatron": "novarl Megatron-core"}.get(r["implementation"],
+                                                                                       "novarl DTensor")
         lines.append(f"| {r['case']} ({label}) | {r['kind']} | {r['layout']} | {'yes' if r['compile'] else 'no'} "
                      f"| {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gb']:.1f} "
                      f"| {r['attention_work']:.2f} | {kernels} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + time_breakdown(results)) + "\n"
+
+
+def time_breakdown(results: list[dict]) -> list[str]:
+    """Where one profiled step's GPU time goes: kernels by category (ms), and the time the GPU had
+    no kernel running (idle: the host's launches and waits)."""
+    profiled = [r for r in results if r.get("kernels", {}).get("categories")]
+    if not profiled:
+        errors = [f"{r['case']}: {r['kernels']['error']}" for r in results if r.get("kernels", {}).get("error")]
+        return ["", "Profile failed: " + "; ".join(errors)] if errors else []
+    names = [category for category, _ in CATEGORIES]
+    lines = ["", "One profiled step's GPU time by kernel category (ms; the profiler slows the step a little):", "",
+             "| case | step (profiled span) | kernels busy | idle | " + " | ".join(names) + " |",
+             "|---|---|---|---|" + "---|" * len(names)]
+    for r in profiled:
+        k = r["kernels"]
+        idle = 1 - k["busy_ms"] / k["span_ms"] if k["span_ms"] else float("nan")
+        lines.append(f"| {r['case']} | {k['span_ms']:.0f} | {k['busy_ms']:.0f} | {idle:.0%} | "
+                     + " | ".join(f"{k['categories'].get(n, 0.0):.0f}" for n in names) + " |")
+    return lines
 
 
 def _version(name: str) -> str:

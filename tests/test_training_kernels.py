@@ -91,18 +91,19 @@ def test_chunked_logprobs_on_cuda_in_bf16_equal_the_full_softmax():
         assert (g.float() - w.float()).norm() / w.float().norm() < 1e-2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_chunks_give_the_eager_chunks_numbers(dtype):
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32), ("cpu", torch.bfloat16),
+                                           pytest.param("cuda", torch.bfloat16, marks=cuda)])
+def test_fused_chunks_give_the_eager_chunks_numbers(device, dtype):
     from novarl.models.logprob_head import chunked_logprobs
 
     """fused=True (the decoder layers compiled): each chunk's steps compiled by inductor, the last chunk
     short; logprobs within 1e-5 and gradients within float rounding of the eager steps (float32: 1e-5;
     bf16: the gradients are bf16, within one rounding of each other)."""
     generator = torch.Generator().manual_seed(3)
-    hidden = torch.randn(23, 32, generator=generator).to(dtype).requires_grad_()
-    weight = (torch.randn(300, 32, generator=generator) / 4).to(dtype).requires_grad_()
-    targets = torch.randint(0, 300, (23,), generator=generator)
-    upstream = torch.randn(23, generator=generator)
+    hidden = torch.randn(23, 32, generator=generator).to(device, dtype).requires_grad_()
+    weight = (torch.randn(300, 32, generator=generator) / 4).to(device, dtype).requires_grad_()
+    targets = torch.randint(0, 300, (23,), generator=generator).to(device)
+    upstream = torch.randn(23, generator=generator).to(device)
     results = []
     for fused in (False, True):
         picked = chunked_logprobs(hidden, weight, targets, 0.7, 10, fused=fused)
