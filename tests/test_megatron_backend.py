@@ -283,18 +283,26 @@ def test_packed_and_dynamic_micro_batches_match_padded():
     from novarl.backends.training.megatron import MegatronPolicy
     from novarl.distributed.ray_group import RayWorkerGroup
     from novarl.models.loading import resolve_model_path
-    from tests.helpers.packing import FROZEN
+    from tests.helpers.packing import FROZEN, LAYOUTS, assert_same, layout_results, mixed_batch
 
     cfg = load_config(None, overrides=[*FROZEN, "cluster.gpus_per_node=2", *PACKING_MEGATRON])
     group = RayWorkerGroup(MegatronPolicy, dict(policy=cfg.policy, model_path=resolve_model_path("tiny-arith"),
                                                 total_steps=1), world_size=2)
     try:
-        assert_micro_batch_layouts_match(group)
+        picked = assert_micro_batch_layouts_match(group)
+        # without tensor parallelism the output layer picks the following tokens' logprobs chunk by chunk
+        # (backends/megatron/picking.py): the same numbers as the whole logits and megatron-core's
+        # vocab-parallel cross entropy, and the same gradients (the loss and gradient norm)
+        assert group.call("__getattribute__", "picks_logprobs")
+        group.call_all("__setattr__", "picking_layer", None)
+        whole = layout_results(group, mixed_batch(rows=14))
+        for layout in LAYOUTS:
+            assert_same(whole[layout], picked[layout])
     finally:
         group.shutdown()
 
 
-def assert_micro_batch_layouts_match(group) -> None:
+def assert_micro_batch_layouts_match(group) -> dict:
     from tests.helpers.packing import assert_same, layout_results, mixed_batch
 
     results = layout_results(group, mixed_batch(rows=14))
@@ -304,3 +312,4 @@ def assert_micro_batch_layouts_match(group) -> None:
     # batch fewer tokens than either padded layout (dp2: 320 vs 410 fixed, 360 dynamic; pp2: 320 vs 600, 1120)
     tokens = {layout: result["tokens_computed"] for layout, result in results.items()}
     assert tokens["packed"] < min(tokens["fixed"], tokens["dynamic"]), tokens
+    return results

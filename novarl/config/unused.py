@@ -81,10 +81,10 @@ def check_settings(config: NovaRLConfig) -> list[str]:
             warnings.append(f"'{setting.path}' = {value!r}: {setting.why}")
     ddp = config.policy.megatron_cfg.distributed_data_parallel_config
     chunk = config.policy.logprob_chunk_size
-    if chunk and (config.policy.megatron_cfg.enabled or config.policy.dtensor_cfg.tensor_parallel_size > 1):
-        warnings.append(f"'policy.logprob_chunk_size' = {chunk}: logprobs come from chunks of that many tokens on the "
-                        "DTensor (without tensor parallelism) and DeepSpeed backends; this run computes each "
-                        "micro-batch's logits whole")
+    if chunk and _splits_the_vocabulary(config.policy):
+        warnings.append(f"'policy.logprob_chunk_size' = {chunk}: logprobs come from chunks of that many tokens where "
+                        "the output layer holds the whole vocabulary (no tensor or context parallelism on Megatron, no "
+                        "tensor parallelism on DTensor); this run computes each micro-batch's logits whole")
     if config.policy.megatron_cfg.enabled:
         if ddp.overlap_param_gather:
             warnings.append("'policy.megatron_cfg.distributed_data_parallel_config.overlap_param_gather' = True: the "
@@ -111,6 +111,15 @@ def _get(config: Any, path: str) -> Any:
     for part in path.split("."):
         config = getattr(config, "v2" if part == "_v2" else part)
     return config
+
+
+def _splits_the_vocabulary(policy) -> bool:
+    """Whether the output layer's vocabulary is split over ranks (or, on Megatron, the tokens over
+    context-parallel ranks), where the logprobs cannot come from its chunks."""
+    mc = policy.megatron_cfg
+    if mc.enabled:
+        return mc.tensor_model_parallel_size > 1 or mc.context_parallel_size > 1
+    return policy.dtensor_cfg.tensor_parallel_size > 1 and not policy.deepspeed_cfg.enabled
 
 
 def _reward_warnings(config: NovaRLConfig) -> list[str]:

@@ -96,7 +96,8 @@ class MegatronPolicy(MegatronModel, TrainingBackend, WeightSender):
             info(f"Megatron: tp={self.tp_size} pp={self.pp_size}{interleaved}{context} dp={self.dp_size}{experts}, "
                  f"{self.precision}, "
                  f"{'distributed' if self.distributed_optimizer else 'replicated'} {mc.optimizer.optimizer} "
-                 f"optimizer, {self.config.recompute_granularity or 'no'} recomputation")
+                 f"optimizer, {self.config.recompute_granularity or 'no'} recomputation"
+                 + (", logprobs from the output layer chunk by chunk" if self.picks_logprobs else ""))
 
     def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:
         """Accumulate gradients of `loss` (of the head's scores) over this rank's rows in

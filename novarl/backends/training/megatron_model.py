@@ -39,7 +39,7 @@ from novarl.backends.training.batching import (
 from novarl.backends.training.rows import per_token
 from novarl.config.schema import PolicyConfig
 from novarl.models.context_parallel import ContextShard
-from novarl.models.scores import Head, Values, check_head, scaled_logits, training_precision
+from novarl.models.scores import Head, Logprobs, Values, check_head, scaled_logits, training_precision
 from novarl.types import TrainBatch
 
 class MegatronModel:
@@ -109,6 +109,7 @@ class MegatronModel:
         self._load_converted(model_path)
         if value_head:
             self._with_value_head()
+        self.picking_layer = self._picking_output(policy.logprob_chunk_size)
         for module in self.modules:
             if self.on_gpu:
                 module.cuda()
@@ -189,6 +190,24 @@ class MegatronModel:
                 module.output_layer = ScalarHead(self.config.hidden_size, dtype=dtype,
                                                  sequence_parallel=self.config.sequence_parallel)
 
+    def _picking_output(self, rows: int | None):
+        """The output layer, made to pick the following tokens' logprobs (backends/megatron/picking.py;
+        `rows` rows of logits at once, the chunk steps compiled on CUDA), where this stage has it and
+        it holds the whole vocabulary: no tensor or context parallelism, not the critic. None elsewhere:
+        there the logits are computed whole."""
+        last = [module for chunk, module in zip(self.chunks, self.modules) if chunk.last]
+        if self.value_head or self.tp_size > 1 or self.cp_size > 1 or not last:
+            return None
+        from novarl.backends.megatron.picking import use_picking_output
+
+        use_picking_output(last[0].output_layer, self.shape.vocab_size, rows, fused=self.on_gpu)
+        return last[0].output_layer
+
+    @property
+    def picks_logprobs(self) -> bool:
+        """Whether the logprobs come from the output layer chunk by chunk, without whole logits."""
+        return self.picking_layer is not None
+
     def _experts_here(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`state` (every expert whole, global numbers) cut to this expert-parallel rank's experts
         and to its expert-tensor-parallel part of each."""
@@ -242,10 +261,22 @@ class MegatronModel:
             torch.arange(rows + 1, device=inputs.input_ids.device) * width
         return shard_rows(cu, self.cp_group)
 
-    def _forward(self, model, inputs: ModelInputs, shard: ContextShard | None = None) -> torch.Tensor:
+    def _forward(self, model, inputs: ModelInputs, shard: ContextShard | None = None,
+                 head: Head | None = None) -> torch.Tensor:
         """The stage's output for a micro-batch (this cp rank's share of its tokens under context
-        parallelism): vocab-parallel logits [R, W, V/tp] on the last stage, hidden states for the
-        next stage otherwise."""
+        parallelism): on the last stage vocab-parallel logits [R, W, V/tp], or where its output layer
+        picks and the head is Logprobs each position's logprob of the token after it [R, W]; hidden
+        states for the next stage otherwise."""
+        if self.picking_layer is None or not isinstance(head, Logprobs):
+            return self._run_model(model, inputs, shard)
+        from novarl.backends.megatron.picking import picking
+
+        ids = inputs.input_ids
+        following = torch.nn.functional.pad(ids.reshape(-1)[1:], (0, 1)).view(ids.shape)
+        with picking(self.picking_layer, following, head.temperature):
+            return self._run_model(model, inputs, shard)
+
+    def _run_model(self, model, inputs: ModelInputs, shard: ContextShard | None) -> torch.Tensor:
         ids, positions = inputs.input_ids, inputs.position_ids
         if shard is not None:
             ids = ids.reshape(-1).index_select(0, shard.local).view(ids.shape[0], -1)
@@ -273,6 +304,8 @@ class MegatronModel:
 
         if isinstance(head, Values):
             return output[..., 0].float()
+        if output.dim() == 2:  # the picking output layer's logprobs already
+            return output
         logits = scaled_logits(output, head.temperature)
         part = logits.shape[-1]
         columns = torch.arange(self.tp_rank * part, (self.tp_rank + 1) * part, device=logits.device)
@@ -315,7 +348,7 @@ class MegatronModel:
 
         def step(data_iterator, model):
             mb, laid, shard = next(data_iterator)
-            output = self._forward(model, laid, shard)
+            output = self._forward(model, laid, shard, head)
 
             def loss_func(output_tensor):
                 computed = laid.tokens_computed if shard is None else len(shard.local)
