@@ -113,6 +113,21 @@ def test_device_mappings_become_placement():
     assert "dedicated generation on several nodes takes whole nodes" in error_of(half_node)
 
 
+def test_fsdp2_settings_are_used_or_said_not_to_be():
+    def fsdp2(**strategy_config):
+        return load_config({"pretrain": "tiny-arith", "adv_estimator": "grpo", "actor_train": {
+            "strategy_args": {"strategy_name": "fsdp2_train", "strategy_config": strategy_config},
+            "device_mapping": [0]}})
+
+    cfg = fsdp2(param_dtype="bf16", offload_policy=True, reshard_after_forward=True)  # what novarl does
+    assert (cfg.policy.precision, cfg.policy.dtensor_cfg.cpu_offload, cfg.load_warnings) == ("bfloat16", True, ())
+    warned = fsdp2(reshard_after_forward=False, use_batched_model_update=False, wrap_policy={"x": 1}).load_warnings
+    where = "actor_train.strategy_args.strategy_config."
+    assert [w.split(":")[0] for w in warned] == [f"{where}reshard_after_forward=False",
+                                                 f"{where}use_batched_model_update=False", f"{where}wrap_policy={{'x'"]
+    assert all("accepted and not used" in w for w in warned)
+
+
 def test_a_judges_device_mapping_apart_from_the_policys_is_counted_as_its_own():
     """ROLL's judge on devices no policy role uses -> reward.judge.resources (NeMo RL's accounting: the
     policy gets the rest); on devices the policy's roles use too (ROLL time-shares them, as all its

@@ -112,6 +112,12 @@ MEGATRON_KEYS_OPERATIONAL = ("bf16", "overlap_grad_reduce", "moe_shared_expert_o
                              "recompute_modules", "distrib_optim_fully_reshardable")
 FSDP_KEYS = ("fsdp_size", "param_dtype", "reduce_dtype", "reshard_after_forward", "offload_policy",
              "use_batched_model_update", "wrap_policy")
+FSDP_NOT_READ = {  # key: (the value novarl's DTensor backend behaves as, what it does)
+    "reshard_after_forward": (True, "novarl's FSDP2 frees each layer's gathered weights after its forward"),
+    "use_batched_model_update": (None, "novarl sends the weights to the engines in buckets of "
+                                       "policy.generation.weight_sync_bucket_mb"),
+    "wrap_policy": (None, "novarl shards each decoder layer, then the rest of the model"),
+}
 VLLM_KEYS = {"gpu_memory_utilization": "gpu_memory_utilization", "tensor_parallel_size": "tensor_parallel_size",
              "pipeline_parallel_size": "pipeline_parallel_size", "max_model_len": "max_model_len",
              "enforce_eager": "enforce_eager"}
@@ -297,6 +303,8 @@ def _fsdp2(config: Mapping[str, Any], out: Translation, placement: Placement | N
         elif key == "fsdp_size" and placement is not None and value not in (len(placement.train), -1):
             out.refuse(where + "fsdp_size", value, f"novarl shards over every training rank ({len(placement.train)}); "
                                                    "hybrid sharding is not built")
+        elif key in FSDP_NOT_READ and value != FSDP_NOT_READ[key][0]:
+            out.warnings.append(f"{where}{key}={value!r}: accepted and not used ({FSDP_NOT_READ[key][1]})")
         elif key not in FSDP_KEYS:
             out.refused.append(f"unknown key '{where}{key}' (fsdp2_train): not a setting novarl's DTensor backend "
                                "has.")
