@@ -307,6 +307,20 @@ def test_unbuilt_settings_are_refused_and_operational_ones_warned():
     assert load_config({"policy": {"logprob_chunk_size": 1024, "megatron_cfg": {"enabled": True}}}).load_warnings == ()
 
 
+def test_sequence_parallelism_without_tensor_parallel_ranks_is_said_to_do_nothing():
+    def warned(policy):
+        return [w for w in load_config({"policy": policy}).load_warnings if "sequence_parallel" in w]
+
+    assert warned({"dtensor_cfg": {"sequence_parallel": True}}) == [
+        "'policy.dtensor_cfg.sequence_parallel' = True: no effect with policy.dtensor_cfg.tensor_parallel_size=1 "
+        "(nothing to split the activations over)"]
+    assert warned({"megatron_cfg": {"enabled": True, "sequence_parallel": True}})[0].startswith(
+        "'policy.megatron_cfg.sequence_parallel' = True: no effect with policy.megatron_cfg.tensor_model_parallel_size=1")
+    # the backend that trains is the one read: DTensor's setting under Megatron, or with tensor parallelism, says nothing
+    assert warned({"dtensor_cfg": {"sequence_parallel": True}, "megatron_cfg": {"enabled": True}}) == []
+    assert warned({"megatron_cfg": {"enabled": True, "sequence_parallel": True, "tensor_model_parallel_size": 2}}) == []
+
+
 def test_the_top_level_overlap_grad_reduce_is_not_overridden():
     from novarl.backends.training.megatron import ddp_config
 

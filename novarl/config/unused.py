@@ -79,6 +79,7 @@ def check_settings(config: NovaRLConfig) -> list[str]:
         value = _get(config, setting.path)
         if not setting.refuse and not setting.neutral(value):
             warnings.append(f"'{setting.path}' = {value!r}: {setting.why}")
+    warnings.extend(_sequence_parallel_warnings(config.policy))
     ddp = config.policy.megatron_cfg.distributed_data_parallel_config
     chunk = config.policy.logprob_chunk_size
     if chunk and _splits_the_vocabulary(config.policy):
@@ -111,6 +112,19 @@ def _get(config: Any, path: str) -> Any:
     for part in path.split("."):
         config = getattr(config, "v2" if part == "_v2" else part)
     return config
+
+
+def _sequence_parallel_warnings(policy) -> list[str]:
+    """Sequence parallelism splits the tensor-parallel ranks' activations: with one such rank (on
+    the backend that trains) there is nothing to split."""
+    mc, dt = policy.megatron_cfg, policy.dtensor_cfg
+    if mc.enabled and mc.sequence_parallel and mc.tensor_model_parallel_size == 1:
+        return ["'policy.megatron_cfg.sequence_parallel' = True: no effect with "
+                "policy.megatron_cfg.tensor_model_parallel_size=1 (nothing to split the activations over)"]
+    if not mc.enabled and not policy.deepspeed_cfg.enabled and dt.sequence_parallel and dt.tensor_parallel_size == 1:
+        return ["'policy.dtensor_cfg.sequence_parallel' = True: no effect with "
+                "policy.dtensor_cfg.tensor_parallel_size=1 (nothing to split the activations over)"]
+    return []
 
 
 def _splits_the_vocabulary(policy) -> bool:
