@@ -83,7 +83,8 @@ class SharedKeys:
     longest_keys: int
 
     def to(self, device: torch.device) -> "SharedKeys":
-        return SharedKeys(self.index.to(device), self.cu_queries.to(device), self.cu_keys.to(device),
+        """On `device`, copies queued without waiting (as ModelInputs.to)."""
+        return SharedKeys(*(t.to(device, non_blocking=True) for t in (self.index, self.cu_queries, self.cu_keys)),
                           self.longest_queries, self.longest_keys)
 
 

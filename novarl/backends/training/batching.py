@@ -357,9 +357,8 @@ def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple:
         index = torch.repeat_interleave(starts[:-1], lengths) + mb.position_ids.cpu()
         ids = torch.zeros(total, dtype=torch.long)
         ids[index] = mb.input_ids.cpu()
-        return ModelInputs(ids[None].to(device), positions[None].to(device), None, index.to(device),
-                           torch.where(first, -1, index - 1).to(device), cu.to(torch.int32).to(device),
-                           int(cu.diff().max()))
+        return ModelInputs(ids[None], positions[None], None, index, torch.where(first, -1, index - 1),
+                           cu.to(torch.int32), int(cu.diff().max())).to(device)
     count = rows if rows is not None else len(mb)
     longest = int(lengths.max()) if len(mb) else 1
     W = width if width is not None else round_up(longest, multiple)
@@ -370,8 +369,8 @@ def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple:
     mask[index] = True
     positions = torch.arange(W).expand(count, W)
     cu = torch.arange(count + 1, dtype=torch.int32) * W
-    return ModelInputs(ids.view(count, W).to(device), positions.to(device), mask.view(count, W).to(device),
-                       index.to(device), torch.where(first, -1, index - 1).to(device), cu.to(device), W)
+    return ModelInputs(ids.view(count, W), positions, mask.view(count, W), index, torch.where(first, -1, index - 1),
+                       cu, W).to(device)
 
 
 def _shared_prompt_row(mb: TrainBatch, multiple: int, width: int | None) -> ModelInputs:
