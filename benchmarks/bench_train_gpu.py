@@ -64,12 +64,15 @@ CASES = {
     "megatron-packed": ("equal", "packed", False, "megatron"),
     "var-megatron-packed": ("variable", "packed", False, "megatron"),
 }
-VARIANTS = {  # "<case>+<variant>": the case with one fast path switched back off, to measure what it gives
+VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure what it gives
     "eager-head": "the logprob head's chunk steps eager (not fused by torch.compile)",
     "padded-attention": "packed rows' attention as SDPA over each sequence's padded row (no varlen kernel)",
+    "cudnn-varlen": "packed rows' attention through cuDNN's varlen kernel (NOVARL_PACKED_ATTENTION=cudnn_varlen; "
+                    "a kernel switched on, not off)",
 }
 DEFAULT_CASES = ("plain,fixed-compile,fixed-compile+eager-head,packed-compile,packed-compile+padded-attention,"
-                 "var-packed-compile,megatron,megatron-packed,var-megatron-packed")
+                 "packed-compile+cudnn-varlen,var-packed-compile,var-packed-compile+cudnn-varlen,megatron,"
+                 "megatron-packed,var-megatron-packed")
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "cudnn", "efficient", "sdpa", "bmm")
 CATEGORIES = (  # (category, words in the kernel's name), the first that matches
     ("attention", ATTENTION_KERNELS),
@@ -139,7 +142,7 @@ def attention_work(batch, batching) -> float:
     done = 0
     for sequences in plan_for(batch, 1, batching).ranks[0]:
         chosen = [lengths[i] for i in sequences]
-        if batching.layout == "packed" and attention.packed_kernel == "flash_varlen":
+        if batching.layout == "packed" and attention.packed_kernel in ("flash_varlen", "cudnn_varlen"):
             done += sum(L * L for L in chosen)
         else:
             done += len(chosen) * max(chosen) ** 2
@@ -293,9 +296,8 @@ def switch_off(variant: str) -> None:
 
     if variant == "eager-head":
         logprob_head._fused = lambda: (logprob_head._chunk_forward, logprob_head._chunk_grad_logits)
-    elif variant == "padded-attention":
-        attention.varlen_kernel = lambda query, dropout: None
-        attention.packed_kernel = "padded_sdpa"
+    elif variant in ("padded-attention", "cudnn-varlen"):
+        os.environ[attention.KERNEL_ENV] = "padded_sdpa" if variant == "padded-attention" else "cudnn_varlen"
     else:
         raise SystemExit(f"unknown variant {variant!r}: {', '.join(VARIANTS)}")
 

@@ -44,22 +44,70 @@ def attention_and_grads(fn, query, key, value):
     return out.float(), [g.float() for g in grads]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
-def test_packed_attention_equals_per_sequence_attention(device, monkeypatch):
-    """The CPU's float32 takes the padded-rows SDPA path; CUDA's bf16 torch's varlen flash kernel."""
+@pytest.mark.parametrize("device, asked", [("cpu", None), pytest.param("cuda", None, marks=cuda),
+                                           pytest.param("cuda", "cudnn_varlen", marks=cuda),
+                                           pytest.param("cuda", "padded_sdpa", marks=cuda)])
+def test_packed_attention_equals_per_sequence_attention(device, asked, monkeypatch):
+    """The CPU's float32 takes the padded-rows SDPA path; CUDA's bf16 torch's varlen flash kernel, or
+    the kernel NOVARL_PACKED_ATTENTION names."""
     monkeypatch.setattr(attention, "packed_kernel", None)
+    if asked:
+        monkeypatch.setenv(attention.KERNEL_ENV, asked)
     query, key, value, cu = packed_qkv(device, torch.float32 if device == "cpu" else torch.bfloat16)
     module = torch.nn.Module()
     got, got_grads = attention_and_grads(
         lambda q, k, v: attention.varlen_attention(module, q, k, v, None, cu_seq_lens_q=cu, max_length_q=300)[0],
         query, key, value)
-    assert attention.packed_kernel == ("padded_sdpa" if device == "cpu" else "flash_varlen")
+    assert attention.packed_kernel == ("padded_sdpa" if device == "cpu" else asked or "flash_varlen")
     want, want_grads = attention_and_grads(lambda q, k, v: per_sequence_attention(q, k, v, LENGTHS),
                                            *(t.detach().float().requires_grad_() for t in (query, key, value)))
     tolerance = 1e-6 if device == "cpu" else 2e-2
     assert (got - want).norm() / want.norm() < tolerance
     for g, w in zip(got_grads, want_grads, strict=True):
         assert (g - w).norm() / w.norm() < tolerance
+
+
+def test_the_packed_kernel_is_chosen_by_device_dtype_and_novarl_packed_attention(monkeypatch, capsys):
+    """The choice alone, for a query as CUDA shows it (this torch has the varlen API: flash_varlen)."""
+    from types import SimpleNamespace
+
+    cuda_bf16, cuda_fp32 = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16), SimpleNamespace(is_cuda=True,
+                                                                                                dtype=torch.float32)
+    choose = attention._packed_choice
+    monkeypatch.delenv(attention.KERNEL_ENV, raising=False)
+    assert choose(torch.zeros(1, dtype=torch.bfloat16), 0.0, False) == "padded_sdpa"  # the CPU
+    assert (choose(cuda_bf16, 0.0, False), choose(cuda_fp32, 0.0, False), choose(cuda_bf16, 0.1, False)) == (
+        "flash_varlen" if attention._flash_varlen() else "padded_sdpa", "padded_sdpa", "padded_sdpa")
+    monkeypatch.setenv(attention.KERNEL_ENV, "cudnn_varlen")
+    assert choose(cuda_bf16, 0.0, False) == "cudnn_varlen"
+    assert choose(cuda_bf16, 0.0, True) != "cudnn_varlen"  # shared prompts: bottom-right causal, flash's
+    monkeypatch.setenv(attention.KERNEL_ENV, "padded_sdpa")
+    assert choose(cuda_bf16, 0.0, False) == "padded_sdpa"
+    monkeypatch.setattr(attention, "_said", set())
+    monkeypatch.setenv(attention.KERNEL_ENV, "fa3")
+    assert choose(cuda_bf16, 0.0, False) == choose(cuda_bf16, 0.0, False) != "fa3"
+    err = capsys.readouterr().err
+    assert err.count("NOVARL_PACKED_ATTENTION='fa3' is not a packed attention kernel (flash_varlen, cudnn_varlen, "
+                     "padded_sdpa): not used") == 1  # said once
+
+
+def test_shared_keys_say_whether_any_prompt_is_shared():
+    """A packed row laid out with shared prompts whose groups are single samples shares nothing: its
+    attention rows' queries are all their keys, so any varlen kernel's causal alignment fits it."""
+    from novarl.backends.training.batching import lay_out
+    from novarl.types import TrainBatch
+
+    lengths = torch.tensor([13, 9, 11])
+    ids = torch.randint(1, 64, (3, 13), generator=torch.Generator().manual_seed(0))
+    ids[1, :5] = ids[0, :5]
+    mask = torch.arange(13) < lengths[:, None]
+    mb = TrainBatch.from_rows(ids, mask, mask, torch.zeros(3))
+    mb.prompt_lengths = torch.tensor([5, 5, 4])
+    for groups, unshared in (([0, 0, 1], False), ([0, 1, 2], True)):
+        mb.group_ids = torch.tensor(groups)
+        keys = lay_out(mb, "packed", 8, share_prompts=True).shared_keys
+        assert keys.unshared is unshared
+        assert (keys.cu_queries[-1] < keys.cu_keys[-1]) is not unshared  # the prompt's 5 keys read twice
 
 
 def test_the_optimizer_is_fused_on_cuda_unless_the_config_chooses():
@@ -197,7 +245,7 @@ def test_the_varlen_kernels_inputs_give_the_padded_paths_logprobs(shared, device
 
     results = []
     for kernel in (None, counted):
-        monkeypatch.setattr(attention, "varlen_kernel", lambda query, dropout: kernel)
+        monkeypatch.setattr(attention, "varlen_kernel", lambda query, dropout, shared_keys=False: kernel)
         model.zero_grad()
         logprobs, _ = model_logprobs(model, attention.VARLEN, mb, batching, 1.0)
         logprobs.sum().backward()

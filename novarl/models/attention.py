@@ -25,6 +25,7 @@ pack through the T x T mask, and flash-attention reads the same keywords.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -81,11 +82,14 @@ class SharedKeys:
     """[A + 1] int32 boundaries of each attention row's keys in `index`."""
     longest_queries: int
     longest_keys: int
+    unshared: bool = False
+    """No prompt is shared: every attention row's queries are all its keys (then a kernel's causal
+    alignment, top left or bottom right, makes no difference)."""
 
     def to(self, device: torch.device) -> "SharedKeys":
         """On `device`, copies queued without waiting (as ModelInputs.to)."""
         return SharedKeys(*(t.to(device, non_blocking=True) for t in (self.index, self.cu_queries, self.cu_keys)),
-                          self.longest_queries, self.longest_keys)
+                          self.longest_queries, self.longest_keys, self.unshared)
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -109,7 +113,8 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
                                                                scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
-    kernel = varlen_kernel(query, dropout)
+    shared = novarl_attention_rows is not None and not (novarl_shared_keys is not None and novarl_shared_keys.unshared)
+    kernel = varlen_kernel(query, dropout, shared_keys=shared)
     if kernel is not None and novarl_attention_rows is None:
         cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
         longest = int(max_length_q) if max_length_q is not None else int(cu.diff().max())
@@ -137,30 +142,54 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return flat.index_select(0, take).view(1, len(take), out.shape[1], out.shape[3]), None
 
 
-def varlen_kernel(query: torch.Tensor, dropout: float):
-    """torch's variable-length flash-attention kernel (`torch.nn.attention.varlen`, torch 2.10+) where it
-    runs: CUDA, bf16 or fp16, no dropout. A packed row's attention then costs its sequences' own
-    work, with no padding and no gather. None elsewhere (the CPU, float32, an older torch): the
-    padded-rows path below, which computes the same attention. On CUDA each path is said in the log
-    the first time it runs."""
+PACKED_KERNELS = ("flash_varlen", "cudnn_varlen", "padded_sdpa")
+KERNEL_ENV = "NOVARL_PACKED_ATTENTION"
+"""Chooses packed rows' attention kernel on CUDA among PACKED_KERNELS (unset: flash_varlen where torch
+has it, else padded_sdpa). cudnn_varlen (cuDNN's variable-length kernel, called through torch's
+private ops) is opt-in until a GPU has measured it; rows with shared prompts keep flash_varlen."""
+
+
+def varlen_kernel(query: torch.Tensor, dropout: float, *, shared_keys: bool = False):
+    """The variable-length kernel packed rows' attention runs on: on CUDA in bf16/fp16 without
+    dropout, torch's flash kernel (`torch.nn.attention.varlen`, torch 2.10+), or cuDNN's where
+    NOVARL_PACKED_ATTENTION asks for it; a packed row's attention then costs its sequences' own work,
+    with no padding and no gather. None elsewhere (the CPU, float32, an older torch, or
+    NOVARL_PACKED_ATTENTION=padded_sdpa): the padded-rows path below, which computes the same
+    attention. On CUDA each path is said in the log the first time it runs."""
     global packed_kernel
-    kernel = None
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout and _flash_varlen() is not None:
-        kernel = flash_varlen
-    packed_kernel = "flash_varlen" if kernel else "padded_sdpa"
-    if query.is_cuda and packed_kernel not in _said:  # the CPU's is the only one it has
+    name = _packed_choice(query, dropout, shared_keys)
+    packed_kernel = name
+    if query.is_cuda and name not in _said:  # the CPU's is the only one it has
         from novarl.logging.console import info
 
-        _said.add(packed_kernel)
-        info("packed attention: " + ("torch's flash varlen kernel (torch.nn.attention.varlen)" if kernel else
-                                     "causal SDPA over each sequence's padded row (no varlen kernel for "
-                                     f"{str(query.dtype).removeprefix('torch.')}{' with dropout' if dropout else ''} "
-                                     f"in torch {torch.__version__})"))
-    return kernel
+        _said.add(name)
+        info("packed attention: " + {
+            "flash_varlen": "torch's flash varlen kernel (torch.nn.attention.varlen)",
+            "cudnn_varlen": "cuDNN's varlen kernel (NOVARL_PACKED_ATTENTION=cudnn_varlen)",
+        }.get(name, "causal SDPA over each sequence's padded row (" + (
+            f"{KERNEL_ENV}=padded_sdpa" if os.environ.get(KERNEL_ENV) == "padded_sdpa" else
+            f"no varlen kernel for {str(query.dtype).removeprefix('torch.')}{' with dropout' if dropout else ''} "
+            f"in torch {torch.__version__}") + ")"))
+    return {"flash_varlen": flash_varlen, "cudnn_varlen": cudnn_varlen}.get(name)
+
+
+def _packed_choice(query: torch.Tensor, dropout: float, shared_keys: bool) -> str:
+    asked = os.environ.get(KERNEL_ENV) or None
+    if asked is not None and asked not in PACKED_KERNELS and asked not in _said:
+        from novarl.logging.console import info
+
+        _said.add(asked)
+        info(f"warning: {KERNEL_ENV}={asked!r} is not a packed attention kernel ({', '.join(PACKED_KERNELS)}): "
+             "not used")
+    if not (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout) or asked == "padded_sdpa":
+        return "padded_sdpa"
+    if asked == "cudnn_varlen" and not shared_keys and hasattr(torch.ops.aten, "_cudnn_attention_forward"):
+        return "cudnn_varlen"
+    return "flash_varlen" if _flash_varlen() is not None else "padded_sdpa"
 
 
 packed_kernel: str | None = None
-"""What this process's latest packed attention ran: "flash_varlen" or "padded_sdpa"."""
+"""What this process's latest packed attention ran: one of PACKED_KERNELS."""
 _said: set[str] = set()
 
 
@@ -202,6 +231,39 @@ def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu
     out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_queries, cu_keys, longest_queries,
                       longest_keys, **options)
     return out[None]
+
+
+def cudnn_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_queries: torch.Tensor,
+                 cu_keys: torch.Tensor, longest_queries: int, longest_keys: int, scaling: float | None) -> torch.Tensor:
+    """flash_varlen's attention (each sequence's queries to its own keys, causal; queries and keys of one
+    length) through cuDNN's variable-length kernel (torch.ops.aten._cudnn_attention_forward/_backward:
+    what torch's nested tensors use; torch's own varlen API does not route to it yet). Grouped
+    key/value heads are repeated for it."""
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    out = _CudnnVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_queries, cu_keys, longest_queries,
+                             longest_keys, scaling)
+    return out[None]
+
+
+class _CudnnVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, longest_q: int, longest_k: int, scale: float | None):
+        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, cu_q, cu_k, longest_q, longest_k, True, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_q, cu_k)
+        ctx.sizes = (longest_q, longest_k, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, seed, offset, cu_q, cu_k = ctx.saved_tensors
+        longest_q, longest_k, scale = ctx.sizes
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, seed, offset, torch.empty(0, device=q.device, dtype=q.dtype),
+            cu_q, cu_k, longest_q, longest_k, 0.0, True, scale=scale)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def sequence_rows(cu_seqlens: torch.Tensor, longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
