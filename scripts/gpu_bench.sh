@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 35's measurement on the lent GPU machine (no network; wheels in .whl/ from scripts/gpu_wheels.sh):
 # the tests only a GPU runs for the training kernels and Megatron-core, then benchmarks/bench_train_gpu.py
-# over BENCH_CASES (default: all its default cases), the table written to OUT_DIR/train_gpu.md.
+# over BENCH_CASES (default: all its default cases), the table written to OUT_DIR/train_gpu*.md.
 #   scripts/gpu_bench.sh [OUT_DIR]
 # One H100 takes ~40-60 s a case (each compiles, the variable-length ones longest), more than one 600 s
 # call holds with the tests, so split it (the machine stays warm between calls made at once):
@@ -19,5 +19,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
         tests/test_training_kernels.py tests/test_megatron_gpu.py 2>&1 | tail -n 40 | tee "$out/gpu_tests.log"
 fi
 cases=${BENCH_CASES:-}
-timeout "${BENCH_SECONDS:-420}" python3 benchmarks/bench_train_gpu.py --out "$out/train_gpu.md" \
+report="$out/train_gpu.md"
+[ -e "$report" ] && report="$out/train_gpu_$(date +%H%M%S).md"  # a second call keeps the first's table
+timeout "${BENCH_SECONDS:-420}" python3 benchmarks/bench_train_gpu.py --out "$report" \
     ${cases:+--cases "$cases"} 2>&1 | tail -n 80 | tee "$out/bench.log"
