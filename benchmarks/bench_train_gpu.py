@@ -69,10 +69,12 @@ VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure 
     "padded-attention": "packed rows' attention as SDPA over each sequence's padded row (no varlen kernel)",
     "cudnn-varlen": "packed rows' attention through cuDNN's varlen kernel (NOVARL_PACKED_ATTENTION=cudnn_varlen; "
                     "a kernel switched on, not off)",
+    "compile-layers": "Megatron-core's transformer layers compiled with torch.compile (an experiment: novarl has "
+                      "no switch for it yet)",
 }
 DEFAULT_CASES = ("plain,fixed-compile,fixed-compile+eager-head,packed-compile,packed-compile+padded-attention,"
                  "packed-compile+cudnn-varlen,var-packed-compile,var-packed-compile+cudnn-varlen,megatron,"
-                 "megatron-packed,var-megatron-packed")
+                 "megatron-packed,megatron-packed+compile-layers,var-megatron-packed")
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "cudnn", "efficient", "sdpa", "bmm")
 CATEGORIES = (  # (category, words in the kernel's name), the first that matches
     ("attention", ATTENTION_KERNELS),
@@ -264,6 +266,10 @@ def run_case(name: str, folder: str, steps: int, tiny: bool, trace: bool) -> dic
     else:
         policy = (megatron_policy(folder, layout, micro, max(lengths)) if implementation == "megatron" else
                   novarl_policy(folder, layout, compile_layers, micro, max(lengths)))
+        if "compile-layers" in variants:
+            compile_layers = True  # two warm-up steps
+            for layer in (layer for module in policy.modules for layer in module.decoder.layers):
+                layer.compile(dynamic=None)
         loss = make_loss(LossConfig())
         step = lambda: novarl_step(policy, loss, batch)  # noqa: E731
     times = []
@@ -296,6 +302,8 @@ def switch_off(variant: str) -> None:
 
     if variant == "eager-head":
         logprob_head._fused = lambda: (logprob_head._chunk_forward, logprob_head._chunk_grad_logits)
+    elif variant == "compile-layers":
+        pass  # after the policy is built (run_case)
     elif variant in ("padded-attention", "cudnn-varlen"):
         os.environ[attention.KERNEL_ENV] = "padded_sdpa" if variant == "padded-attention" else "cudnn_varlen"
     else:

@@ -7,7 +7,8 @@
 # call holds with the tests, so split it (the machine stays warm between calls made at once):
 #   BENCH_CASES=plain,fixed-compile,fixed-compile+eager-head,packed-compile,packed-compile+cudnn-varlen,\
 #   var-packed-compile,var-packed-compile+cudnn-varlen scripts/gpu_bench.sh "$OUT"
-#   SKIP_TESTS=1 BENCH_CASES=megatron,megatron-packed,var-megatron-packed,packed-compile+padded-attention \
+#   SKIP_TESTS=1 BENCH_CASES=megatron,megatron-packed,megatron-packed+compile-layers,var-megatron-packed,\
+#   packed-compile+padded-attention \
 #   scripts/gpu_bench.sh "$OUT"
 set -uo pipefail
 out=${1:-${OUT:-gpu-bench}}
