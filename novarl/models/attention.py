@@ -16,7 +16,8 @@ is built: transformers makes masks only for implementations it knows).
 On CUDA (bf16/fp16, torch 2.10+) packed rows go to torch's variable-length flash kernel instead
 (`flash_varlen`): no padding, no gather; with shared prompts each completion's queries attend to
 its prompt's keys gathered before its own (`SharedKeys`). Everywhere else the padded-rows path
-computes the same attention (tested against each other).
+computes the same attention (tested against each other). NOVARL_PACKED_ATTENTION chooses among
+the kernels on CUDA (`padded_sdpa`, or cuDNN's varlen kernel, `cudnn_varlen`, opt-in).
 
 It is used for architectures whose attention is plain causal softmax attention
 (no sliding window, no logit soft-capping); others keep their own attention and
