@@ -4,7 +4,8 @@ On a GPU host the advisor ranks the layouts for the model, `cluster` and the
 memory of GPU 0; novarl takes its recommendation, or, when that backend is not
 built yet, the best-ranked layout that fits and is built, and says so. On a
 host without GPUs the advisor has no GPU memory to plan: the run takes the
-CPU layout (DTensor over the `cluster` ranks, colocated generation).
+CPU layout (DTensor over the `cluster` ranks, colocated generation on the engine
+measured faster there for the model's size, as without auto).
 
 What was chosen is written into the config as the seeds' own keys (the
 `*_cfg.enabled` flags, parallel sizes, generation backend and placement), so
@@ -13,8 +14,9 @@ the rest of novarl, and the run's saved config.yaml, see an explicit config.
 
 from __future__ import annotations
 
-from novarl.backends.registry import (DEFAULT_TRAINING, FALLBACK_GENERATION, PREFERRED_GENERATION, generation_spec,
-                                      training_spec, training_specs)
+from novarl.backends.contract.resolve import default_generation_backend
+from novarl.backends.registry import (DEFAULT_TRAINING, FALLBACK_GENERATION, generation_spec, training_spec,
+                                      training_specs)
 from novarl.backends.spec import PlannedLayout
 from novarl.config.schema import NovaRLConfig
 from novarl.errors import UserError
@@ -34,12 +36,12 @@ def apply_auto(cfg: NovaRLConfig, *, gpu_memory_gb: float | None = None,
     if on_gpu and cfg.cluster.gpus_per_node >= 1:
         overrides, why = _from_advice(cfg, gpu_memory_gb)
     else:
-        generation = FALLBACK_GENERATION if generation_spec(PREFERRED_GENERATION).missing(cfg) else PREFERRED_GENERATION
+        generation, reason = default_generation_backend(cfg)  # the engine measured faster for this model here
         overrides = _layout_overrides(DEFAULT_TRAINING, PlannedLayout(), generation=generation, generation_tp=1,
                                       colocated=True)
         why = [f"policy.backend=auto, no GPU here: DTensor (FSDP2 over {max(cfg.cluster.gpus_per_node, 1)} x "
-               f"{cfg.cluster.num_nodes} CPU rank(s)) with {generation} generation, colocated; the advisor's "
-               "memory model is for GPUs (`novarl plan` shows it)."]
+               f"{cfg.cluster.num_nodes} CPU rank(s)) with {generation} generation ({reason}), colocated; the "
+               "advisor's memory model is for GPUs (`novarl plan` shows it)."]
     overrides.append("policy.backend=null")  # resolved: the saved config is explicit
     if cfg.value is not None:  # the critic runs on the policy's backend and ranks, laid out like it
         overrides += [f"value.{o.removeprefix('policy.')}" for o in overrides
