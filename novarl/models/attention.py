@@ -237,34 +237,17 @@ def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu
 def cudnn_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_queries: torch.Tensor,
                  cu_keys: torch.Tensor, longest_queries: int, longest_keys: int, scaling: float | None) -> torch.Tensor:
     """flash_varlen's attention (each sequence's queries to its own keys, causal; queries and keys of one
-    length) through cuDNN's variable-length kernel (torch.ops.aten._cudnn_attention_forward/_backward:
-    what torch's nested tensors use; torch's own varlen API does not route to it yet). Grouped
-    key/value heads are repeated for it."""
+    length) through cuDNN's variable-length kernel: torch.ops.aten._cudnn_attention_forward on [T, H, D]
+    with the boundaries, as torch's nested-tensor SDPA calls it (its backward is the op's own autograd
+    formula; torch's varlen API does not route to cuDNN yet). Grouped key/value heads are repeated."""
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    out = _CudnnVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_queries, cu_keys, longest_queries,
-                             longest_keys, scaling)
+    lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))  # the backward reads it
+    out = torch.ops.aten._cudnn_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), None, cu_queries,
+                                                  cu_keys, longest_queries, longest_keys, lse, 0.0, True, False,
+                                                  scale=scaling)[0]
     return out[None]
-
-
-class _CudnnVarlen(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, longest_q: int, longest_k: int, scale: float | None):
-        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu_q, cu_k, longest_q, longest_k, True, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_q, cu_k)
-        ctx.sizes = (longest_q, longest_k, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, seed, offset, cu_q, cu_k = ctx.saved_tensors
-        longest_q, longest_k, scale = ctx.sizes
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, seed, offset, torch.empty(0, device=q.device, dtype=q.dtype),
-            cu_q, cu_k, longest_q, longest_k, 0.0, True, scale=scale)
-        return dq, dk, dv, None, None, None, None, None
 
 
 def sequence_rows(cu_seqlens: torch.Tensor, longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
