@@ -397,6 +397,37 @@ def time_breakdown(results: list[dict]) -> list[str]:
     return lines
 
 
+def plot_breakdown(results: list[dict], device: str, out: Path) -> Path | None:
+    """A stacked bar per profiled case: its step's GPU time by kernel category, and idle time (a PNG
+    beside the table); None where no case was profiled or matplotlib is missing (the GPU host may
+    lack it: `--plot-from` its train_gpu.json then draws it here)."""
+    profiled = [r for r in results if r.get("kernels", {}).get("categories")]
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    if not profiled:
+        return None
+    figure = Figure(figsize=(max(6.0, 0.9 * len(profiled) + 2), 4.5))
+    axes = figure.add_subplot()
+    names = [category for category, _ in CATEGORIES] + ["idle"]
+    bottoms = [0.0] * len(profiled)
+    for name in names:
+        heights = [r["kernels"]["span_ms"] - r["kernels"]["busy_ms"] if name == "idle" else
+                   r["kernels"]["categories"].get(name, 0.0) for r in profiled]
+        axes.bar(range(len(profiled)), heights, bottom=bottoms, label=name,
+                 color="lightgrey" if name == "idle" else None)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    axes.set_xticks(range(len(profiled)), [r["case"] for r in profiled], rotation=30, ha="right", fontsize=8)
+    axes.set_ylabel("ms of one profiled step")
+    axes.set_title(f"Where a training step's GPU time goes ({device})", fontsize=10)
+    axes.legend(fontsize=7, ncols=2)
+    figure.tight_layout()
+    FigureCanvasAgg(figure).print_png(str(out))
+    return out
+
+
 def _version(name: str) -> str:
     import importlib.metadata as metadata
 
@@ -416,7 +447,13 @@ def main() -> None:
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=240, help="seconds per case")
+    parser.add_argument("--plot-from", type=Path, help="draw the breakdown of a run's train_gpu.json (to --out)")
     args = parser.parse_args()
+    if args.plot_from:
+        results = json.loads(args.plot_from.read_text())
+        device = next((r["device"] for r in results if "device" in r), "GPU")
+        print(plot_breakdown(results, device, args.out or args.plot_from.with_suffix(".png")) or "nothing to draw")
+        return
     if args.case:  # a child: one case
         result = run_case(args.case, args.folder, args.steps, args.tiny, trace=True)
         Path(args.result).write_text(json.dumps(result))
@@ -463,7 +500,12 @@ def main() -> None:
     if not args.tiny or args.out:
         out.write_text(text)
         print(f"wrote {out}")
+    for result in results:
+        result["device"] = device
     Path(os.environ.get("OUT", tempfile.gettempdir()), "train_gpu.json").write_text(json.dumps(results, indent=1))
+    drawn = plot_breakdown(results, device, out.with_suffix(".png")) if not args.tiny or args.out else None
+    if drawn:
+        print(f"wrote {drawn}")
 
 
 if __name__ == "__main__":

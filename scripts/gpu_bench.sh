@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 35's measurement on the lent GPU machine (no network; wheels in .whl/ from scripts/gpu_wheels.sh):
 # the tests only a GPU runs for the training kernels and Megatron-core, then benchmarks/bench_train_gpu.py
-# over BENCH_CASES (default: all its default cases), the table written to OUT_DIR/train_gpu*.md.
+# over BENCH_CASES (default: all its default cases), the table written to OUT_DIR/train_gpu*.md (and the
+# runs' JSON to $OUT/train_gpu.json: `python benchmarks/bench_train_gpu.py --plot-from <it>` draws the
+# time breakdown where matplotlib is, if the GPU host has none).
 #   scripts/gpu_bench.sh [OUT_DIR]
 # One H100 takes ~40-60 s a case (each compiles, the variable-length ones longest), more than one 600 s
 # call holds with the tests, so split it (the machine stays warm between calls made at once):
