@@ -51,8 +51,7 @@ def test_packed_attention_equals_per_sequence_attention(device, asked, monkeypat
     """The CPU's float32 takes the padded-rows SDPA path; CUDA's bf16 torch's varlen flash kernel, or
     the kernel NOVARL_PACKED_ATTENTION names."""
     monkeypatch.setattr(attention, "packed_kernel", None)
-    if asked:
-        monkeypatch.setenv(attention.KERNEL_ENV, asked)
+    monkeypatch.setattr(attention, "ASKED", asked)  # NOVARL_PACKED_ATTENTION, as a process starts with it
     query, key, value, cu = packed_qkv(device, torch.float32 if device == "cpu" else torch.bfloat16)
     module = torch.nn.Module()
     got, got_grads = attention_and_grads(
@@ -74,17 +73,17 @@ def test_the_packed_kernel_is_chosen_by_device_dtype_and_novarl_packed_attention
     cuda_bf16, cuda_fp32 = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16), SimpleNamespace(is_cuda=True,
                                                                                                 dtype=torch.float32)
     choose = attention._packed_choice
-    monkeypatch.delenv(attention.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(attention, "ASKED", None)
     assert choose(torch.zeros(1, dtype=torch.bfloat16), 0.0, False) == "padded_sdpa"  # the CPU
     assert (choose(cuda_bf16, 0.0, False), choose(cuda_fp32, 0.0, False), choose(cuda_bf16, 0.1, False)) == (
         "flash_varlen" if attention._flash_varlen() else "padded_sdpa", "padded_sdpa", "padded_sdpa")
-    monkeypatch.setenv(attention.KERNEL_ENV, "cudnn_varlen")
+    monkeypatch.setattr(attention, "ASKED", "cudnn_varlen")
     assert choose(cuda_bf16, 0.0, False) == "cudnn_varlen"
     assert choose(cuda_bf16, 0.0, True) != "cudnn_varlen"  # shared prompts: bottom-right causal, flash's
-    monkeypatch.setenv(attention.KERNEL_ENV, "padded_sdpa")
+    monkeypatch.setattr(attention, "ASKED", "padded_sdpa")
     assert choose(cuda_bf16, 0.0, False) == "padded_sdpa"
     monkeypatch.setattr(attention, "_said", set())
-    monkeypatch.setenv(attention.KERNEL_ENV, "fa3")
+    monkeypatch.setattr(attention, "ASKED", "fa3")
     assert choose(cuda_bf16, 0.0, False) == choose(cuda_bf16, 0.0, False) != "fa3"
     err = capsys.readouterr().err
     assert err.count("NOVARL_PACKED_ATTENTION='fa3' is not a packed attention kernel (flash_varlen, cudnn_varlen, "

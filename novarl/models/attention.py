@@ -148,6 +148,8 @@ KERNEL_ENV = "NOVARL_PACKED_ATTENTION"
 """Chooses packed rows' attention kernel on CUDA among PACKED_KERNELS (unset: flash_varlen where torch
 has it, else padded_sdpa). cudnn_varlen (cuDNN's variable-length kernel, called through torch's
 private ops) is opt-in until a GPU has measured it; rows with shared prompts keep flash_varlen."""
+ASKED: str | None = os.environ.get(KERNEL_ENV) or None
+"""KERNEL_ENV as this process started with it: read once, so that compiled layers see a constant."""
 
 
 def varlen_kernel(query: torch.Tensor, dropout: float, *, shared_keys: bool = False):
@@ -168,14 +170,14 @@ def varlen_kernel(query: torch.Tensor, dropout: float, *, shared_keys: bool = Fa
             "flash_varlen": "torch's flash varlen kernel (torch.nn.attention.varlen)",
             "cudnn_varlen": "cuDNN's varlen kernel (NOVARL_PACKED_ATTENTION=cudnn_varlen)",
         }.get(name, "causal SDPA over each sequence's padded row (" + (
-            f"{KERNEL_ENV}=padded_sdpa" if os.environ.get(KERNEL_ENV) == "padded_sdpa" else
+            f"{KERNEL_ENV}=padded_sdpa" if ASKED == "padded_sdpa" else
             f"no varlen kernel for {str(query.dtype).removeprefix('torch.')}{' with dropout' if dropout else ''} "
             f"in torch {torch.__version__}") + ")"))
     return {"flash_varlen": flash_varlen, "cudnn_varlen": cudnn_varlen}.get(name)
 
 
 def _packed_choice(query: torch.Tensor, dropout: float, shared_keys: bool) -> str:
-    asked = os.environ.get(KERNEL_ENV) or None
+    asked = ASKED
     if asked is not None and asked not in PACKED_KERNELS and asked not in _said:
         from novarl.logging.console import info
 
