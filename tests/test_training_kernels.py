@@ -163,6 +163,26 @@ def test_fused_chunks_give_the_eager_chunks_numbers(device, dtype):
         assert (g.float() - w.float()).norm() / w.float().norm() < tolerance
 
 
+def test_a_chunk_step_that_cannot_compile_runs_eagerly_said_once(monkeypatch, capsys):
+    """Where torch.compile fails (no Triton, an old GPU), the fused head's steps run as the eager ones."""
+    from novarl.models import logprob_head
+
+    def no_compiler(fn, **_):
+        def compiled(*args):
+            raise RuntimeError("Cannot find a working triton installation\nmore lines")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    step = logprob_head.CompiledOrEager(logprob_head._chunk_forward)
+    hidden, weight, targets = torch.randn(5, 8), torch.randn(11, 8), torch.tensor([0, 3, 10, 2, 7])
+    for _ in range(2):
+        got = step(hidden, weight, targets, 1.0)
+        want = logprob_head._chunk_forward(hidden, weight, targets, 1.0)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert capsys.readouterr().err.count("warning: _chunk_forward could not be compiled (RuntimeError: Cannot find a "
+                                         "working triton installation); it runs eagerly") == 1
+
+
 def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients():
     """policy.dtensor_cfg.torch_compile: each decoder layer compiled in place (inductor on the CPU), and
     the picking head's chunk steps (fused), against the eager model with the plain head."""

@@ -99,7 +99,28 @@ def _fused():
     and softmax gradient become one kernel over the matmul's output, with no float32 copy of the
     chunk's logits in memory (the eager steps write and read one several times). Compiled on first
     use; a chunk of another length (the last one) compiles once more, with dynamic shapes."""
-    return torch.compile(_chunk_forward, dynamic=None), torch.compile(_chunk_grad_logits, dynamic=None)
+    return CompiledOrEager(_chunk_forward), CompiledOrEager(_chunk_grad_logits)
+
+
+class CompiledOrEager:
+    """`fn` compiled, or, where it cannot compile (no Triton, a GPU too old for it), `fn` itself from
+    the first failure on, said once: the same numbers, only slower."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.compiled = torch.compile(fn, dynamic=None)
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as error:  # noqa: BLE001 (any compiler failure: the eager function computes the same)
+                from novarl.logging.console import info
+
+                self.compiled = None
+                info(f"warning: {self.fn.__name__} could not be compiled ({type(error).__name__}: "
+                     f"{str(error).splitlines()[0][:200] if str(error) else ''}); it runs eagerly")
+        return self.fn(*args)
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -139,15 +160,16 @@ class PickingHead(torch.nn.Linear):
             self._request = None
 
 
-def use_picking_head(model: torch.nn.Module, rows: int | None = None) -> bool:
+def use_picking_head(model: torch.nn.Module, rows: int | None = None, fused: bool = False) -> bool:
     """Make a loaded Hugging Face causal LM's output head a PickingHead (computing `rows` rows of
-    logits at once) where its logits are the head's output as is (an unbiased linear layer of a
-    PLAIN_CAUSAL architecture). Before any sharding. True if the head now picks."""
+    logits at once, its chunk steps compiled if `fused`) where its logits are the head's output as
+    is (an unbiased linear layer of a PLAIN_CAUSAL architecture). Before any sharding. True if the
+    head now picks."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or head.bias is not None or model.config.model_type not in PLAIN_CAUSAL:
         return False
     head.__class__ = PickingHead
-    head.rows = rows
+    head.rows, head.fused = rows, fused
     return True
 
 

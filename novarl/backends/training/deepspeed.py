@@ -158,8 +158,8 @@ class DeepSpeedModel(DataParallelRows):
                 info(trainable_summary(model, adapted, self.lora))
         else:
             model.requires_grad_(trainable)
-        if not value_head:
-            use_picking_head(model, policy.logprob_chunk_size)
+        if not value_head:  # its chunk steps compiled on CUDA, as Megatron's (DeepSpeed compiles no layers)
+            use_picking_head(model, policy.logprob_chunk_size, fused=self.device.type == "cuda")
         if trainable and policy.deepspeed_cfg.activation_checkpointing:
             apply_activation_checkpointing(model)
         model.train(trainable)
