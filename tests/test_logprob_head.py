@@ -35,6 +35,30 @@ def test_chunked_logprobs_and_gradients_equal_the_full_softmax(rows):
         assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
 
 
+def test_logits_kept_for_the_backward_or_recomputed_give_the_same_gradients(monkeypatch):
+    """Small calls keep their logits for the backward (SAVE_LOGITS_BYTES): one head matmul per chunk
+    fewer there, the same gradients as recomputing them."""
+    from novarl.models import logprob_head
+
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(10, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 16, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 50, (10,), generator=generator)
+    linear, calls = torch.nn.functional.linear, []
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: calls.append(1) or linear(*a))
+    results = []
+    for budget in (logprob_head.SAVE_LOGITS_BYTES, 0):
+        monkeypatch.setattr(logprob_head, "SAVE_LOGITS_BYTES", budget)
+        calls.clear()
+        picked = chunked_logprobs(hidden, weight, targets, 0.7, 4)
+        results.append((picked, torch.autograd.grad(picked.sum(), (hidden, weight)), len(calls)))
+    (kept, kept_grads, kept_calls), (again, again_grads, again_calls) = results
+    assert (kept_calls, again_calls) == (3, 6)  # 3 chunks of 4 rows: recomputed in the backward, or not
+    assert torch.equal(kept, again)
+    for k, a in zip(kept_grads, again_grads, strict=True):
+        assert torch.allclose(k, a, atol=1e-6)
+
+
 def test_bfloat16_matches_the_plain_heads_numbers():
     """In bf16 the logits are the head's bf16 matmul, as the plain path computes them; gradients
     within bf16's rounding (the weight's is summed over chunks in float32)."""

@@ -8,8 +8,9 @@ for the softmax, and as much again for their gradient. `PickingHead` is the mode
 `picking` request is set, takes the rows of the final hidden states whose next token is
 scored and returns their logprobs [n] instead of logits: `chunked_logprobs` computes the
 logits chunk by chunk of rows (at most CHUNK_BYTES of float32 logits at a time) and keeps
-only each row's logsumexp; the backward recomputes each chunk's logits. It costs one more
-head matmul in the backward and saves the logits' memory and their round trips through it.
+only each row's logsumexp, and the logits in the weight's dtype where they are small enough
+(SAVE_LOGITS_BYTES) for the backward, which otherwise recomputes each chunk's. No float32
+copy of the logits is kept, nor their gradient.
 
 It runs inside the model's forward, where FSDP2 has the head's weight gathered and DeepSpeed
 ZeRO-3 has it in place, so their hooks see an ordinary forward and backward. Without a
@@ -39,6 +40,12 @@ def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab_size))
 
 
+SAVE_LOGITS_BYTES = 4 << 30
+"""A call's logits (in the weight's dtype) are kept for the backward when they take at most this
+(4 GiB: a micro-batch of 8,192 tokens of a 151,936-entry vocabulary in bf16 takes 2.5 GB); the
+backward then reads them instead of recomputing each chunk's matmul. Larger calls recompute."""
+
+
 class ChunkedLogprobs(torch.autograd.Function):
     """hidden [n, H], weight [V, H], targets [n] -> [n] float32 log softmax(hidden @ weight.T / T)[target]."""
 
@@ -46,25 +53,31 @@ class ChunkedLogprobs(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                 rows: int, fused: bool) -> torch.Tensor:
         steps = _fused() if fused else (_chunk_forward, _chunk_grad_logits)
+        keep = any(ctx.needs_input_grad[:2]) and len(hidden) * len(weight) * weight.element_size() <= SAVE_LOGITS_BYTES
         picked = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(picked)
+        kept = []
         for start in range(0, len(hidden), rows):
             end = start + rows
-            lse[start:end], picked[start:end] = steps[0](hidden[start:end], weight, targets[start:end], temperature)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+            lse[start:end], picked[start:end], logits = steps[0](hidden[start:end], weight, targets[start:end],
+                                                                 temperature)
+            if keep:
+                kept.append(logits)
+        ctx.save_for_backward(hidden, weight, targets, lse, *kept)
         ctx.temperature, ctx.rows, ctx.steps = temperature, rows, steps
         return picked - lse
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, *kept = ctx.saved_tensors
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
-        for start in range(0, len(hidden), ctx.rows):
+        for index, start in enumerate(range(0, len(hidden), ctx.rows)):
             end = start + ctx.rows
             chunk = hidden[start:end]
-            d_logits = ctx.steps[1](chunk, weight, targets[start:end], lse[start:end], grad[start:end], ctx.temperature)
+            logits = kept[index] if kept else torch.nn.functional.linear(chunk, weight)  # recomputed
+            d_logits = ctx.steps[1](logits, targets[start:end], lse[start:end], grad[start:end], ctx.temperature)
             if want_hidden:
                 grad_hidden[start:end] = d_logits @ weight
             if want_weight:
@@ -73,24 +86,25 @@ class ChunkedLogprobs(torch.autograd.Function):
 
 
 def _chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chunk's float32 (logsumexp, target's logit), its logits computed in the weight's dtype as
-    the plain head computes them."""
-    logits = scaled_logits(torch.nn.functional.linear(hidden, weight), temperature)
-    return torch.logsumexp(logits, dim=-1), logits.gather(-1, targets[:, None]).squeeze(-1)
+                   temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's float32 (logsumexp, target's logit) and its logits as the head computes them (in
+    the weight's dtype, unscaled)."""
+    logits = torch.nn.functional.linear(hidden, weight)
+    scaled = scaled_logits(logits, temperature)
+    return torch.logsumexp(scaled, dim=-1), scaled.gather(-1, targets[:, None]).squeeze(-1), logits
 
 
-def _chunk_grad_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                       grad: torch.Tensor, temperature: float) -> torch.Tensor:
-    """A chunk's gradient of the loss in its logits, in the hidden states' dtype: the logits
-    recomputed, then d logprob[target] / d logits = onehot(target) - softmax, times the upstream's."""
-    logits = scaled_logits(torch.nn.functional.linear(hidden, weight), temperature)
+def _chunk_grad_logits(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
+                       temperature: float) -> torch.Tensor:
+    """A chunk's gradient of the loss in its logits (from the head's logits, unscaled; computed in
+    float32, returned in the logits' dtype): d logprob[target] / d logits = onehot(target) - softmax,
+    times the upstream's."""
     g = grad.float()
-    d_logits = (logits - lse[:, None]).exp_().mul_(-g[:, None])
+    d_logits = (scaled_logits(logits, temperature) - lse[:, None]).exp_().mul_(-g[:, None])
     d_logits.scatter_add_(-1, targets[:, None], g[:, None])
     if temperature != 1.0:
         d_logits.div_(temperature)
-    return d_logits.to(hidden.dtype)
+    return d_logits.to(logits.dtype)
 
 
 @functools.cache
