@@ -39,14 +39,19 @@ def test_two_ranks_on_an_existing_ray_cluster(tmp_path):
         run = subprocess.run(
             [sys.executable, "-m", "novarl.cli", "train", "-c", str(RECIPE), "grpo.max_num_steps=2",
              "grpo.val_at_start=false", "grpo.val_at_end=false", "logger.progress_bar=false",
-             f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"],
-            env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, capture_output=True, text=True, timeout=300)
+             f"logger.log_dir={tmp_path / 'logs'}", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+             "policy.sequence_packing.enabled=true"],  # packed rows: each rank's attention reads the setting below
+            # a setting of the driver's alone (the cluster started without it): the ranks read it
+            env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "NOVARL_PACKED_ATTENTION": "unheard_of"},
+            capture_output=True, text=True, timeout=300)
     finally:
         stop_cluster(temp_dir)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "starting 2 policy ranks on Ray" in run.stderr
     assert "Started a local Ray instance" not in run.stderr  # it joined the running cluster
     assert (tmp_path / "ckpt" / "step_2").is_dir()
+    # each rank's packed attention read it (and said it is no kernel): the driver's environment reached them
+    assert run.stderr.count("NOVARL_PACKED_ATTENTION='unheard_of' is not a packed attention kernel") == 2
 
 
 def stop_cluster(temp_dir: str) -> None:

@@ -355,6 +355,22 @@ def ensure_ray(num_cpus: int | None = None) -> None:
         start_local_ray(num_cpus)
 
 
+FORWARDED_PREFIXES = ("NOVARL_", "NRL_", "VLLM_")
+FORWARDED_NAMES = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+"""The driver's settings its ranks read (novarl's, the seeds' NRL_*, vLLM's, where models are and
+whether to go online). No credentials: the nodes of a cluster hold their own."""
+
+
+def forwarded_env() -> dict[str, str]:
+    """On a Ray cluster that novarl joined (RAY_ADDRESS), whose processes were started elsewhere and
+    do not inherit this one's environment: the FORWARDED settings set here, for the ranks' runtime
+    environment. {} for novarl's own instance, started from this process (its ranks inherit them)."""
+    if not os.environ.get("RAY_ADDRESS"):
+        return {}
+    return {name: value for name, value in os.environ.items()
+            if name.startswith(FORWARDED_PREFIXES) or name in FORWARDED_NAMES}
+
+
 def start_local_ray(num_cpus: int | None = None) -> None:
     """A Ray instance for this run alone: every server it starts listens on 127.0.0.1, and
     every request must carry a token.
@@ -442,9 +458,11 @@ class RayWorkerGroup:
                 raise UserError(f"The {self.name} worker group's {world_size} x {bundle} could not be placed "
                                 f"within 5 minutes; the Ray cluster has {ray.available_resources()} free.") from None
             remote = ray.remote(RankActor)
+            env = forwarded_env()
             self.actors = [
                 remote.options(num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
-                               scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i)
+                               scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i),
+                               **({"runtime_env": {"env_vars": env}} if env else {})
                                ).remote(*((i, world_size) if process_group else (0, 1)), cpus_per_rank)
                 for i in range(world_size)]
         if process_group:
