@@ -48,7 +48,7 @@ class RemoteReward:
             import ray
 
             from novarl.distributed.kept_ranks import drop_kept_ranks
-            from novarl.distributed.ray_group import ensure_ray, require_capacity
+            from novarl.distributed.ray_group import ensure_ray, forwarded_env, require_capacity
             from novarl.errors import UserError
             from novarl.logging.console import info
 
@@ -62,7 +62,9 @@ class RemoteReward:
                 raise UserError(f"{self.name} asks {self.devices} {resource}(s) of its own, and the Ray cluster has "
                                 f"{free:g} free now: lower its resources or give the cluster more.")
             kind = "num_gpus" if on_gpus else "num_cpus"
-            self._actor = ray.remote(RewardHost).options(**{kind: self.devices}).remote(self.name, self.settings)
+            env = forwarded_env()  # on a cluster novarl joined: the driver's settings (where models are, ...)
+            self._actor = ray.remote(RewardHost).options(**{kind: self.devices}, **(
+                {"runtime_env": {"env_vars": env}} if env else {})).remote(self.name, self.settings)
             info(f"{self.name}: a Ray actor on {self.devices} {'GPU' if on_gpus else 'CPU slot'}(s) of its own")
         return self._actor
 
