@@ -214,7 +214,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(describe_layout(cfg, choice.training))
             for item in availability.missing:
                 print(f"{'needs a GPU host' if item in availability.gpu_only else 'not available yet'}: {item}")
-            for item in (*cfg.load_warnings, *availability.warnings):
+            length_warnings, refused = _sequence_length_check(cfg, choice)
+            if refused:
+                print(f"not runnable: {refused}")
+                exit_code = 2
+            for item in (*cfg.load_warnings, *availability.warnings, *length_warnings):
                 print(f"warning: {item}")
     advice, skipped = _layout_advice(args, cfg)
     rewards = [] if model_only or cfg.cluster.gpus_per_node < 1 else reward_model_fits(cfg, args.gpu_memory_gb)
@@ -226,6 +230,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for fit in rewards:
             print(fit.describe(args.gpu_memory_gb))
     return exit_code if all(fit.fits is not False for fit in rewards) else max(exit_code, 2)
+
+
+def _sequence_length_check(cfg, choice) -> tuple[list[str], str | None]:
+    """validate's check of the sequence length against the model's positions, where its config.json
+    is here without downloading: (warnings, the refusal or None)."""
+    from novarl.models.loading import resolve_model_path
+    from novarl.trainer.setup import check_sequence_length
+
+    try:
+        path = resolve_model_path(cfg.policy.model_name, download=False)
+    except UserError:
+        return [], None  # not here: the advice below says so
+    warnings: list[str] = []
+    try:
+        check_sequence_length(cfg, path, choice, warnings)
+    except UserError as err:
+        return warnings, str(err)
+    return warnings, None
 
 
 def _layout_advice(args: argparse.Namespace, cfg):

@@ -167,6 +167,17 @@ def test_cli_plan_config_still_plans_backends_and_advises(capsys):
     assert "recommended: dtensor fsdp2" in out
 
 
+def test_cli_plan_checks_the_sequence_length_against_the_models_positions(capsys):
+    """As validate does: longer than tiny-arith's 64 positions is a warning for Hugging Face
+    generation, and not runnable for vLLM, which refuses such an engine (exit 2)."""
+    code, out, err = run_cli(capsys, "plan", "policy.max_seq_length=128", "policy.generation.backend=hf")
+    assert code == 0, err
+    assert "warning: policy.max_seq_length=128 is longer than the model's max_position_embeddings=64" in out
+    code, out, _ = run_cli(capsys, "plan", "policy.max_seq_length=128", "policy.generation.backend=vllm")
+    assert code == 2 and "not runnable: policy.max_seq_length=128 is longer than the model's " \
+                           "max_position_embeddings=64" in out
+
+
 def test_cli_plan_skips_advice_for_an_uncached_hub_model(capsys):
     code, out, err = run_cli(capsys, "plan", "policy.model_name=novarl-test/not-a-cached-model")
     assert code == 0, err
