@@ -294,6 +294,10 @@ def test_megatron_without_a_gpu_is_refused_by_train_and_valid_for_a_gpu_host(cap
     gpu_lines = [line for line in out.splitlines() if "valid for a GPU host" in line]
     assert len(gpu_lines) == 1 and "a CUDA GPU: Megatron-core trains" in gpu_lines[0], out
     assert not log_dir.exists()
+    # what the model's config.json alone decides is checked on this host too: a GPU host would refuse it
+    code, _, err = run_cli(capsys, "validate", f"logger.log_dir={log_dir}", "policy.megatron_cfg.enabled=true",
+                           "policy.megatron_cfg.converter_type=Qwen2ForCausalLM")
+    assert code == 2 and "converter_type='Qwen2ForCausalLM' does not match the model, a LlamaForCausalLM" in err
 
 
 @pytest.mark.skipif(CUDA, reason="this host has CUDA: Megatron runs")

@@ -159,8 +159,10 @@ class TrainingSpec:
         """What the config asks of this backend that GPU hosts have and this one lacks."""
         return []
 
-    def check_model(self, cfg: NovaRLConfig, model_path: str) -> None:
-        """What its config asks of the model, checked before any rank starts (UserError)."""
+    def check_model(self, cfg: NovaRLConfig, model_path: str, *, shape_only: bool = False) -> None:
+        """What its config asks of the model, checked before any rank starts (UserError). shape_only:
+        what config.json alone decides (this host cannot run the backend: what it builds on this host
+        would fail for that reason, already said)."""
 
     def classes(self) -> tuple[type, type]:
         return load(self.policy_class), load(self.reference_class)

@@ -114,8 +114,9 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
     folder_ok = len(report.problems) == before
     if report.choice is not None:
         attempt(check_sequence_length, cfg, model_path, report.choice, warnings)
-        if not report.gpu_only and folder_ok:
-            attempt(training_spec(report.choice.training).check_model, cfg, model_path)
+        if folder_ok:  # where this host cannot run the backend, what config.json alone decides
+            attempt(training_spec(report.choice.training).check_model, cfg, model_path,
+                    shape_only=bool(report.gpu_only))
     tokenizer = None  # from a folder the check refused, it would fail again for the same reason
     if folder_ok or cfg.policy.tokenizer.name:
         tokenizer = attempt(load_tokenizer, cfg.policy.tokenizer.name or model_path,

@@ -128,8 +128,10 @@ class MegatronSpec(TrainingSpec):
     def host_options(self, cfg) -> list[str]:
         return transformer_engine_options(cfg)
 
-    def check_model(self, cfg, model_path: str) -> None:
-        """What megatron_cfg asks of this model, checked here rather than on every rank."""
+    def check_model(self, cfg, model_path: str, *, shape_only: bool = False) -> None:
+        """What megatron_cfg asks of this model, checked here rather than on every rank; shape_only:
+        its layers, heads and experts against the parallel sizes (not the TransformerConfig this
+        host would build)."""
         import torch
         from transformers import AutoConfig
 
@@ -139,6 +141,8 @@ class MegatronSpec(TrainingSpec):
 
         hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.policy.trust_remote_code)
         shape = check_model(hf_config, cfg.policy)
+        if shape_only:
+            return
         precision = training_precision(cfg.policy.precision, on_gpu=torch.cuda.is_available())
         transformer_config(hf_config, shape, cfg.policy, precision=precision, world_size=world_size(cfg))
 
