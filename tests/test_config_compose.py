@@ -315,8 +315,10 @@ def test_sequence_parallelism_without_tensor_parallel_ranks_is_said_to_do_nothin
         "'policy.dtensor_cfg.sequence_parallel' = True: no effect with policy.dtensor_cfg.tensor_parallel_size=1 "
         "(nothing to split the activations over)"]
     assert warned({"megatron_cfg": {"enabled": True, "sequence_parallel": True}})[0].startswith(
-        "'policy.megatron_cfg.sequence_parallel' = True: no effect with policy.megatron_cfg.tensor_model_parallel_size=1")
-    # the backend that trains is the one read: DTensor's setting under Megatron, or with tensor parallelism, says nothing
+        "'policy.megatron_cfg.sequence_parallel' = True: no effect with "
+        "policy.megatron_cfg.tensor_model_parallel_size=1")
+    # the backend that trains is the one read: DTensor's setting under Megatron, or with tensor
+    # parallelism, says nothing
     assert warned({"dtensor_cfg": {"sequence_parallel": True}, "megatron_cfg": {"enabled": True}}) == []
     assert warned({"megatron_cfg": {"enabled": True, "sequence_parallel": True, "tensor_model_parallel_size": 2}}) == []
 
