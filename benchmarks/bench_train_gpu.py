@@ -196,12 +196,20 @@ def packing_overrides(layout: str, micro: int, longest: int) -> list[str]:
             f"policy.sequence_packing.logprob_mb_tokens={tokens}"]
 
 
-def novarl_step(policy, loss, batch) -> None:
+def novarl_step(policy, batch):
+    """One training step of a novarl policy on the batch: logprobs, forward/backward, optimizer step."""
+    from novarl.algorithms.losses import make_loss
+    from novarl.config.schema import LossConfig
     from novarl.models.scores import Logprobs
 
-    batch.old_logprobs = policy.forward(batch, Logprobs())
-    policy.forward_backward(batch, loss, Logprobs())
-    policy.optim_step()
+    loss = make_loss(LossConfig())
+
+    def step() -> None:
+        batch.old_logprobs = policy.forward(batch, Logprobs())
+        policy.forward_backward(batch, loss, Logprobs())
+        policy.optim_step()
+
+    return step
 
 
 def plain_model(folder: str):
@@ -238,66 +246,78 @@ def run_case(name: str, folder: str, steps: int, tiny: bool, trace: bool) -> dic
     """One case in this process: timings, peak memory, kernels."""
     import torch
 
-    from novarl.algorithms.losses import make_loss
-    from novarl.config.schema import LossConfig
-
     base, *variants = name.split("+")
     kind, layout, compile_layers, implementation = CASES[base]
     for variant in variants:
-        switch_off(variant)
-    cuda = torch.cuda.is_available()
+        apply_variant(variant)
     config = json.loads((Path(folder) / "config.json").read_text())
     lengths, prompt = batch_lengths(kind, tiny)
     batch = make_batch(lengths, prompt, config["vocab_size"])
     micro = 4 if kind == "equal" else 2
     if implementation == "plain":
-        model, optimizer = plain_model(folder)
-        device = next(model.parameters()).device
-        rows = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-        masks = torch.zeros_like(rows)
-        for i, (start, end) in enumerate(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())):
-            rows[i, :end - start], masks[i, :end - start] = batch.input_ids[start:end], 1
-        rows, masks = rows.to(device), masks.to(device)
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # rows of similar lengths together
-        rows, masks = rows[order], masks[order]
-        step = lambda: plain_step(model, optimizer, rows, masks, micro)  # noqa: E731
-        work = sum(len(lengths[i:i + micro]) * max(lengths[i:i + micro]) ** 2
-                   for i in range(0, len(lengths), micro)) / sum(L * L for L in lengths) if kind == "variable" else 1.0
+        step, work = plain_case(folder, batch, lengths, micro, variable=kind == "variable")
     else:
         policy = (megatron_policy(folder, layout, micro, max(lengths)) if implementation == "megatron" else
                   novarl_policy(folder, layout, compile_layers, micro, max(lengths)))
         if "compile-layers" in variants:
+            compile_megatron_layers(policy)
             compile_layers = True  # two warm-up steps
-            for layer in (layer for module in policy.modules for layer in module.decoder.layers):
-                layer.compile(dynamic=None)
-        loss = make_loss(LossConfig())
-        step = lambda: novarl_step(policy, loss, batch)  # noqa: E731
-    times = []
-    for i in range((2 if compile_layers else 1) + steps):
+        step = novarl_step(policy, batch)
+    times = timed_steps(step, 2 if compile_layers else 1, steps)
+    if implementation != "plain":
+        work = attention_work(batch, policy.train_batching)
+    kernels = profile_kernels(step) if trace else {}
+    seconds = statistics.median(times[-steps:])
+    params = json.loads((Path(folder).parent / "params.json").read_text())
+    flops = 4 * forward_flops(lengths, params, config["num_hidden_layers"], config["hidden_size"])
+    return {"case": name, "kind": kind, "layout": layout, "compile": compile_layers, "implementation": implementation,
+            "s_per_step": seconds, "all_s": times, "tokens": sum(lengths), "tokens_per_s": sum(lengths) / seconds,
+            "mfu": flops / seconds / (PEAK_TFLOPS * 1e12), "peak_gb": torch.cuda.max_memory_allocated() / 1e9
+            if torch.cuda.is_available() else float("nan"), "attention_work": work, "kernels": kernels}
+
+
+def plain_case(folder: str, batch, lengths: list[int], micro: int, *, variable: bool):
+    """(one step of the plain loop on the batch as padded rows, of similar lengths together; its attention work)."""
+    import torch
+
+    model, optimizer = plain_model(folder)
+    device = next(model.parameters()).device
+    rows = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    masks = torch.zeros_like(rows)
+    for i, (start, end) in enumerate(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())):
+        rows[i, :end - start], masks[i, :end - start] = batch.input_ids[start:end], 1
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rows, masks = rows[order].to(device), masks[order].to(device)
+    work = sum(len(lengths[i:i + micro]) * max(lengths[i:i + micro]) ** 2
+               for i in range(0, len(lengths), micro)) / sum(L * L for L in lengths) if variable else 1.0
+    return (lambda: plain_step(model, optimizer, rows, masks, micro)), work
+
+
+def compile_megatron_layers(policy) -> None:
+    for layer in (layer for module in policy.modules for layer in module.decoder.layers):
+        layer.compile(dynamic=None)
+
+
+def timed_steps(step, warmups: int, steps: int) -> list[float]:
+    """Seconds of each of warmups + steps calls of step (peak memory counted from the first timed one)."""
+    import torch
+
+    cuda, times = torch.cuda.is_available(), []
+    for i in range(warmups + steps):
         if cuda:
             torch.cuda.synchronize()
-            if i == (2 if compile_layers else 1):
+            if i == warmups:
                 torch.cuda.reset_peak_memory_stats()
         tic = time.perf_counter()
         step()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - tic)
-    timed = times[-steps:]
-    if implementation != "plain":
-        work = attention_work(batch, policy.train_batching)
-    kernels = profile_kernels(step) if trace else {}
-    seconds = statistics.median(timed)
-    params = json.loads((Path(folder).parent / "params.json").read_text())
-    flops = 4 * forward_flops(lengths, params, config["num_hidden_layers"], config["hidden_size"])
-    return {"case": name, "kind": kind, "layout": layout, "compile": compile_layers, "implementation": implementation,
-            "s_per_step": seconds, "all_s": times, "tokens": sum(lengths), "tokens_per_s": sum(lengths) / seconds,
-            "mfu": flops / seconds / (PEAK_TFLOPS * 1e12), "peak_gb": torch.cuda.max_memory_allocated() / 1e9
-            if cuda else float("nan"), "attention_work": work, "kernels": kernels}
+    return times
 
 
-def switch_off(variant: str) -> None:
-    """In this case's process: the fast path VARIANTS names, off."""
+def apply_variant(variant: str) -> None:
+    """In this case's process, before the policy is built: the path VARIANTS names, switched."""
     from novarl.models import attention, logprob_head
 
     if variant == "eager-head":
@@ -453,11 +473,15 @@ def main() -> None:
         results = json.loads(args.plot_from.read_text())
         device = next((r["device"] for r in results if "device" in r), "GPU")
         print(plot_breakdown(results, device, args.out or args.plot_from.with_suffix(".png")) or "nothing to draw")
-        return
-    if args.case:  # a child: one case
+    elif args.case:  # a child: one case
         result = run_case(args.case, args.folder, args.steps, args.tiny, trace=True)
         Path(args.result).write_text(json.dumps(result))
-        return
+    else:
+        run_cases(args)
+
+
+def run_cases(args: argparse.Namespace) -> None:
+    """Every case of args.cases, each in a process of its own, then the report."""
     import torch
 
     shape = "tiny" if args.tiny else "qwen2.5-1.5b"

@@ -361,14 +361,17 @@ FORWARDED_NAMES = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OF
 whether to go online). No credentials: the nodes of a cluster hold their own."""
 
 
-def forwarded_env() -> dict[str, str]:
-    """On a Ray cluster that novarl joined (RAY_ADDRESS), whose processes were started elsewhere and
-    do not inherit this one's environment: the FORWARDED settings set here, for the ranks' runtime
-    environment. {} for novarl's own instance, started from this process (its ranks inherit them)."""
+def forwarded_env() -> dict[str, Any]:
+    """Options for an actor this driver starts (`.options(**forwarded_env())`): on a Ray cluster that
+    novarl joined (RAY_ADDRESS), whose processes were started elsewhere and do not inherit this one's
+    environment, the FORWARDED settings set here as the actor's runtime environment. {} for novarl's
+    own instance, started from this process (its actors inherit them; a runtime environment would
+    cost each actor ~0.5 s more to start)."""
     if not os.environ.get("RAY_ADDRESS"):
         return {}
-    return {name: value for name, value in os.environ.items()
-            if name.startswith(FORWARDED_PREFIXES) or name in FORWARDED_NAMES}
+    env = {name: value for name, value in os.environ.items()
+           if name.startswith(FORWARDED_PREFIXES) or name in FORWARDED_NAMES}
+    return {"runtime_env": {"env_vars": env}} if env else {}
 
 
 def start_local_ray(num_cpus: int | None = None) -> None:
@@ -458,12 +461,10 @@ class RayWorkerGroup:
                 raise UserError(f"The {self.name} worker group's {world_size} x {bundle} could not be placed "
                                 f"within 5 minutes; the Ray cluster has {ray.available_resources()} free.") from None
             remote = ray.remote(RankActor)
-            env = forwarded_env()
             self.actors = [
                 remote.options(num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
                                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i),
-                               **({"runtime_env": {"env_vars": env}} if env else {})
-                               ).remote(*((i, world_size) if process_group else (0, 1)), cpus_per_rank)
+                               **forwarded_env()).remote(*((i, world_size) if process_group else (0, 1)), cpus_per_rank)
                 for i in range(world_size)]
         if process_group:
             host, port = self._get([self.actors[0].address.remote()])[0]

@@ -141,8 +141,9 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
                      rows: int | None = None, fused: bool = False) -> torch.Tensor:
     """[n] float32 logprobs of targets [n] under the logits hidden [n, H] @ weight [V, H].T / temperature,
     computed `rows` rows at a time (default: chunk_rows of the vocabulary); differentiable in
-    hidden and weight, the backward recomputing each chunk's logits. fused: each chunk's steps
-    compiled (_fused): the same numbers within float rounding, fewer passes over memory."""
+    hidden and weight (the backward reads the logits kept where they take at most SAVE_LOGITS_BYTES,
+    else recomputes each chunk's). fused: each chunk's steps compiled (_fused): the same numbers
+    within float rounding, fewer passes over memory."""
     return ChunkedLogprobs.apply(hidden, weight, targets, temperature, rows or chunk_rows(weight.shape[0]), fused)
 
 
@@ -153,7 +154,8 @@ class PickingHead(torch.nn.Linear):
     rows: int | None = None
     """Rows of logits computed at once (policy.logprob_chunk_size); None: chunk_rows of the vocabulary."""
     fused: bool = False
-    """Each chunk's steps compiled (chunked_logprobs' fused): set where the decoder layers are compiled."""
+    """Each chunk's steps compiled (chunked_logprobs' fused): on DTensor where the decoder layers are
+    compiled, on DeepSpeed on CUDA."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._request is None:

@@ -62,9 +62,8 @@ class RemoteReward:
                 raise UserError(f"{self.name} asks {self.devices} {resource}(s) of its own, and the Ray cluster has "
                                 f"{free:g} free now: lower its resources or give the cluster more.")
             kind = "num_gpus" if on_gpus else "num_cpus"
-            env = forwarded_env()  # on a cluster novarl joined: the driver's settings (where models are, ...)
-            self._actor = ray.remote(RewardHost).options(**{kind: self.devices}, **(
-                {"runtime_env": {"env_vars": env}} if env else {})).remote(self.name, self.settings)
+            self._actor = ray.remote(RewardHost).options(**{kind: self.devices}, **forwarded_env()).remote(
+                self.name, self.settings)
             info(f"{self.name}: a Ray actor on {self.devices} {'GPU' if on_gpus else 'CPU slot'}(s) of its own")
         return self._actor
 

@@ -200,8 +200,8 @@ class MegatronModel:
             return None
         from novarl.backends.megatron.picking import use_picking_output
 
-        use_picking_output(last[0].output_layer, self.shape.vocab_size, rows, fused=self.on_gpu)
-        return last[0].output_layer
+        layer = last[0].output_layer
+        return layer if use_picking_output(layer, self.shape.vocab_size, rows, fused=self.on_gpu) else None
 
     @property
     def picks_logprobs(self) -> bool:
@@ -271,9 +271,7 @@ class MegatronModel:
             return self._run_model(model, inputs, shard)
         from novarl.backends.megatron.picking import picking
 
-        ids = inputs.input_ids
-        following = torch.nn.functional.pad(ids.reshape(-1)[1:], (0, 1)).view(ids.shape)
-        with picking(self.picking_layer, following, head.temperature):
+        with picking(self.picking_layer, _following(inputs.input_ids), head.temperature):
             return self._run_model(model, inputs, shard)
 
     def _run_model(self, model, inputs: ModelInputs, shard: ContextShard | None) -> torch.Tensor:
@@ -319,8 +317,7 @@ class MegatronModel:
         predecessor's position; 0 at each sequence's first token. Under context parallelism the
         cp ranks' positions are gathered first: every cp rank computes the same loss, and each
         takes back its own positions' gradients (summed over the cp ranks by DDP)."""
-        ids = inputs.input_ids.reshape(-1)
-        following = torch.nn.functional.pad(ids[1:], (0, 1))  # each position's next token (read where it is one)
+        following = _following(inputs.input_ids).reshape(-1)
         if shard is not None:
             following = following.index_select(0, shard.local)
         scores = self._position_scores(output, following.view(output.shape[:2]), head).reshape(-1)
@@ -469,3 +466,8 @@ def interleavable(plan: Plan, pipeline: int) -> Plan:
     count = len(plan.ranks[0])
     missing = -count % pipeline if count >= pipeline else pipeline - count
     return dataclasses.replace(plan, ranks=[rank + [None] * missing for rank in plan.ranks])
+
+
+def _following(ids: torch.Tensor) -> torch.Tensor:
+    """[R, W] each position's next token in the flattened rows (read where it is one; 0 after the last)."""
+    return torch.nn.functional.pad(ids.reshape(-1)[1:], (0, 1)).view(ids.shape)
