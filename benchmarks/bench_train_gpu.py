@@ -72,9 +72,12 @@ VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure 
     "compile-layers": "Megatron-core's transformer layers compiled with torch.compile (an experiment: novarl has "
                       "no switch for it yet)",
 }
-DEFAULT_CASES = ("plain,fixed-compile,fixed-compile+eager-head,packed-compile,packed-compile+padded-attention,"
-                 "packed-compile+cudnn-varlen,var-packed-compile,var-packed-compile+cudnn-varlen,megatron,"
-                 "megatron-packed,megatron-packed+compile-layers,var-megatron-packed")
+DEFAULT_CASES = (  # most wanted first: issue 35's targets, then the kernel choices, then the experiments
+    "plain,fixed-compile,packed-compile,var-packed-compile,megatron-packed,packed-compile+cudnn-varlen,"
+    "var-packed-compile+cudnn-varlen,megatron,fixed-compile+eager-head,var-megatron-packed,"
+    "megatron-packed+compile-layers,packed-compile+padded-attention")
+BEFORE_GB = {"fixed": 69.0, "packed": 69.7}
+"""Peak memory at micro-batch 4, equal lengths, before issue 35 (its table): the bound it sets."""
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "cudnn", "efficient", "sdpa", "bmm")
 CATEGORIES = (  # (category, words in the kernel's name), the first that matches
     ("attention", ATTENTION_KERNELS),
@@ -196,8 +199,9 @@ def packing_overrides(layout: str, micro: int, longest: int) -> list[str]:
             f"policy.sequence_packing.logprob_mb_tokens={tokens}"]
 
 
-def novarl_step(policy, batch):
-    """One training step of a novarl policy on the batch: logprobs, forward/backward, optimizer step."""
+def novarl_step(policy, batch, first: list):
+    """One training step of a novarl policy on the batch: logprobs, forward/backward, optimizer step
+    (the first step's logprobs, of the tokens the loss reads, appended to `first`)."""
     from novarl.algorithms.losses import make_loss
     from novarl.config.schema import LossConfig
     from novarl.models.scores import Logprobs
@@ -206,6 +210,8 @@ def novarl_step(policy, batch):
 
     def step() -> None:
         batch.old_logprobs = policy.forward(batch, Logprobs())
+        if not first:
+            first.append(batch.old_logprobs.float().cpu()[batch.loss_mask.cpu()])
         policy.forward_backward(batch, loss, Logprobs())
         policy.optim_step()
 
@@ -222,8 +228,9 @@ def plain_model(folder: str):
     return model, optimizer
 
 
-def plain_step(model, optimizer, rows, masks, micro: int) -> None:
-    """A plain loop on padded rows: logprobs (no grad), then forward/backward, then AdamW."""
+def plain_step(model, optimizer, rows, masks, micro: int, first: list) -> None:
+    """A plain loop on padded rows: logprobs (no grad), then forward/backward, then AdamW (the first
+    step's logprobs [rows, L - 1] appended to `first`)."""
     import torch
 
     def logprobs(ids, mask):
@@ -232,6 +239,8 @@ def plain_step(model, optimizer, rows, masks, micro: int) -> None:
 
     with torch.no_grad():
         old = [logprobs(rows[i:i + micro], masks[i:i + micro]) for i in range(0, len(rows), micro)]
+    if not first:
+        first.append(torch.cat(old).float().cpu())
     for j, i in enumerate(range(0, len(rows), micro)):
         new = logprobs(rows[i:i + micro], masks[i:i + micro])
         weight = masks[i:i + micro, 1:].float()
@@ -254,15 +263,17 @@ def run_case(name: str, folder: str, steps: int, tiny: bool, trace: bool) -> dic
     lengths, prompt = batch_lengths(kind, tiny)
     batch = make_batch(lengths, prompt, config["vocab_size"])
     micro = 4 if kind == "equal" else 2
+    first: list = []
     if implementation == "plain":
-        step, work = plain_case(folder, batch, lengths, micro, variable=kind == "variable")
+        step, work, picked = plain_case(folder, batch, lengths, micro, first, variable=kind == "variable")
     else:
+        picked = lambda: first[0]  # noqa: E731
         policy = (megatron_policy(folder, layout, micro, max(lengths)) if implementation == "megatron" else
                   novarl_policy(folder, layout, compile_layers, micro, max(lengths)))
         if "compile-layers" in variants:
             compile_megatron_layers(policy)
             compile_layers = True  # two warm-up steps
-        step = novarl_step(policy, batch)
+        step = novarl_step(policy, batch, first)
     times = timed_steps(step, 2 if compile_layers else 1, steps)
     if implementation != "plain":
         work = attention_work(batch, policy.train_batching)
@@ -273,11 +284,13 @@ def run_case(name: str, folder: str, steps: int, tiny: bool, trace: bool) -> dic
     return {"case": name, "kind": kind, "layout": layout, "compile": compile_layers, "implementation": implementation,
             "s_per_step": seconds, "all_s": times, "tokens": sum(lengths), "tokens_per_s": sum(lengths) / seconds,
             "mfu": flops / seconds / (PEAK_TFLOPS * 1e12), "peak_gb": torch.cuda.max_memory_allocated() / 1e9
-            if torch.cuda.is_available() else float("nan"), "attention_work": work, "kernels": kernels}
+            if torch.cuda.is_available() else float("nan"), "attention_work": work, "kernels": kernels,
+            "logprobs": picked()}
 
 
-def plain_case(folder: str, batch, lengths: list[int], micro: int, *, variable: bool):
-    """(one step of the plain loop on the batch as padded rows, of similar lengths together; its attention work)."""
+def plain_case(folder: str, batch, lengths: list[int], micro: int, first: list, *, variable: bool):
+    """(one step of the plain loop on the batch as padded rows, of similar lengths together; its attention
+    work; a function giving its first step's logprobs of the tokens the loss reads, in the batch's order)."""
     import torch
 
     model, optimizer = plain_model(folder)
@@ -290,7 +303,15 @@ def plain_case(folder: str, batch, lengths: list[int], micro: int, *, variable: 
     rows, masks = rows[order].to(device), masks[order].to(device)
     work = sum(len(lengths[i:i + micro]) * max(lengths[i:i + micro]) ** 2
                for i in range(0, len(lengths), micro)) / sum(L * L for L in lengths) if variable else 1.0
-    return (lambda: plain_step(model, optimizer, rows, masks, micro)), work
+
+    def picked() -> torch.Tensor:
+        flat = torch.zeros(len(batch.input_ids))
+        starts = batch.cu_seqlens.tolist()
+        for row, i in enumerate(order):
+            flat[starts[i] + 1:starts[i + 1]] = first[0][row, :lengths[i] - 1]
+        return flat[batch.loss_mask]
+
+    return (lambda: plain_step(model, optimizer, rows, masks, micro, first)), work, picked
 
 
 def compile_megatron_layers(policy) -> None:
@@ -381,21 +402,76 @@ def report(results: list[dict], device: str, commit: str, shape: str, params: in
              f"median of {steps} timed steps after warm-up; each case in a fresh process",
              f"- MFU = 4 x forward FLOPs of the real tokens / (s x {PEAK_TFLOPS:.0f} TFLOP/s); attention work = "
              "score work computed / the real tokens' (sum of L^2)",
+             "- logprobs |diff|: the first step's logprobs of the tokens the loss reads (the same weights and batch) "
+             "against the plain loop's on the same batch (else the batch's first case), mean and max; spread = the "
+             "reference's standard deviation, the scale a wrong result would show at",
              *(f"- `+{v}`: {text}" for v, text in VARIANTS.items() if any(f"+{v}" in r["case"] for r in results)),
              "",
              "| case | batch | layout | compile | s/step | tokens/s | MFU | peak GB | attention work | "
-             "attention kernels (ms in one step) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "logprobs \\|diff\\| mean / max (spread) | attention kernels (ms in one step) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['case']} | | | | failed: {r['error'][:200]} | | | | | |")
+            lines.append(f"| {r['case']} | | | | {r['error'][:200]} | | | | | | |")
             continue
         kernels = "; ".join(f"{k} {v:.0f}" for k, v in r["kernels"].get("attention", {}).items()) or "-"
         label = {"plain": "plain PyTorch loop", "megatron": "novarl Megatron-core"}.get(r["implementation"],
                                                                                        "novarl DTensor")
         lines.append(f"| {r['case']} ({label}) | {r['kind']} | {r['layout']} | {'yes' if r['compile'] else 'no'} "
                      f"| {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gb']:.1f} "
-                     f"| {r['attention_work']:.2f} | {kernels} |")
-    return "\n".join(lines + time_breakdown(results)) + "\n"
+                     f"| {r['attention_work']:.2f} | {agreement(r)} | {kernels} |")
+    return "\n".join(lines + targets(results) + time_breakdown(results)) + "\n"
+
+
+def agreement(result: dict) -> str:
+    found = result.get("logprobs")
+    if not found:
+        return "-"
+    if found["against"] == result["case"]:
+        return f"reference (spread {found['spread']:.3f})"
+    return f"{found['mean_abs']:.4f} / {found['max_abs']:.3f} vs {found['against']}"
+
+
+def targets(results: list[dict]) -> list[str]:
+    """Issue 35's targets against the cases as novarl ships them (no `+variant`): one row each, "not
+    measured" where a case it needs did not run."""
+    ran = {r["case"]: r for r in results if "error" not in r}
+    shipped = [r for r in ran.values() if "+" not in r["case"]]
+
+    def best(implementation: str, kind: str, layout: str | None = None) -> dict | None:
+        found = [r for r in shipped if r["implementation"] == implementation and r["kind"] == kind
+                 and layout in (None, r["layout"])]
+        return max(found, key=lambda r: r["tokens_per_s"]) if found else None
+
+    dtensor, plain = best("novarl", "equal"), ran.get("plain")
+    packed, fixed = best("novarl", "equal", "packed"), best("novarl", "equal", "fixed")
+    variable, megatron = best("novarl", "variable", "packed"), best("megatron", "equal")
+    rows = [
+        ("equal lengths: DTensor >= 40 % MFU", dtensor, lambda: (f"{dtensor['mfu']:.1%} ({dtensor['case']})",
+                                                                dtensor["mfu"] >= 0.40)),
+        ("equal lengths: DTensor tokens/s >= the plain loop's", dtensor and plain,
+         lambda: (f"{dtensor['tokens_per_s'] / plain['tokens_per_s']:.2f}x", dtensor["tokens_per_s"] >=
+                  plain["tokens_per_s"])),
+        ("equal lengths: packed never slower than fixed rows", packed and fixed,
+         lambda: (f"{packed['s_per_step']:.3f} vs {fixed['s_per_step']:.3f} s/step",
+                  packed["s_per_step"] <= fixed["s_per_step"])),
+        ("variable lengths: packed attention work <= 1.05x real", variable,
+         lambda: (f"{variable['attention_work']:.2f}x", variable["attention_work"] <= 1.05)),
+        ("variable lengths: packed >= 35 % MFU on real tokens", variable,
+         lambda: (f"{variable['mfu']:.1%}", variable["mfu"] >= 0.35)),
+        ("Megatron-core without Transformer Engine within 10 % of DTensor", megatron and dtensor,
+         lambda: (f"{megatron['tokens_per_s'] / dtensor['tokens_per_s']:.2f}x ({megatron['case']})",
+                  megatron["tokens_per_s"] >= 0.9 * dtensor["tokens_per_s"])),
+        *((f"peak memory at micro-batch 4, {layout} rows: no higher than before ({gb} GB)", case,
+           lambda case=case, gb=gb: (f"{case['peak_gb']:.1f} GB", case["peak_gb"] <= gb))
+          for layout, gb, case in ((layout, gb, best("novarl", "equal", layout)) for layout, gb in BEFORE_GB.items())),
+    ]
+    lines = ["", "Issue 35's targets (the cases as novarl ships them):", "", "| target | measured | met |",
+             "|---|---|---|"]
+    for target, needed, measure in rows:
+        shown, met = measure() if needed else ("not measured", None)
+        lines.append(f"| {target} | {shown} | {'-' if met is None else 'yes' if met else 'no'} |")
+    return lines
 
 
 def time_breakdown(results: list[dict]) -> list[str]:
@@ -467,6 +543,7 @@ def main() -> None:
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=240, help="seconds per case")
+    parser.add_argument("--budget", type=float, help="seconds for all the cases (the model's saving included)")
     parser.add_argument("--plot-from", type=Path, help="draw the breakdown of a run's train_gpu.json (to --out)")
     args = parser.parse_args()
     if args.plot_from:
@@ -474,14 +551,19 @@ def main() -> None:
         device = next((r["device"] for r in results if "device" in r), "GPU")
         print(plot_breakdown(results, device, args.out or args.plot_from.with_suffix(".png")) or "nothing to draw")
     elif args.case:  # a child: one case
+        import torch
+
         result = run_case(args.case, args.folder, args.steps, args.tiny, trace=True)
+        torch.save(result.pop("logprobs"), Path(args.result).with_suffix(".logprobs.pt"))
         Path(args.result).write_text(json.dumps(result))
     else:
         run_cases(args)
 
 
 def run_cases(args: argparse.Namespace) -> None:
-    """Every case of args.cases, each in a process of its own, then the report."""
+    """The cases of args.cases in that order, each in a process of its own, then the report. With
+    --budget, a case starts only where the time left holds the longest case so far (the rest are
+    listed as not run), and none runs past the time left."""
     import torch
 
     shape = "tiny" if args.tiny else "qwen2.5-1.5b"
@@ -491,33 +573,74 @@ def run_cases(args: argparse.Namespace) -> None:
     if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
                       cwd=ROOT).stdout.strip():
         commit += " + uncommitted changes"
-    results = []
+    results: list[dict] = []
+    started, longest = time.perf_counter(), 0.0
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         params = save_model(folder, shape)
         (Path(tmp) / "params.json").write_text(json.dumps(params))
         for name in args.cases.split(","):
-            out = Path(tmp) / f"{name}.json"
-            command = [sys.executable, __file__, "--case", name, "--folder", str(folder), "--result", str(out),
-                       "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
+            left = args.budget - (time.perf_counter() - started) if args.budget else args.timeout
+            if results and min(left, args.timeout) < longest:
+                results.append({"case": name, "error": f"not run: {left:.0f} s of the budget left, the longest "
+                                f"case took {longest:.0f} s"})
+                continue
             tic = time.perf_counter()
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
-                                      env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
-                error = None if out.exists() else (done.stderr.strip().splitlines() or ["no output"])[-1]
-                if error:
-                    sys.stderr.write(done.stderr[-3000:])
-            except subprocess.TimeoutExpired:
-                error = f"over {args.timeout:.0f} s"
-            result = {"case": name, "error": error} if error else json.loads(out.read_text())
-            results.append(result)
+            results.append(run_child(name, folder, args, min(left, args.timeout)))
+            longest = max(longest, time.perf_counter() - tic)
+            compare_logprobs(results, Path(tmp))
             if args.out:  # as it goes: a run stopped from outside keeps the cases done
                 args.out.write_text(report(results, device, commit, shape, params, args.steps))
-            print(f"{name}: {time.perf_counter() - tic:.0f} s " + (f"failed: {error}" if error else
-                  f"{result['s_per_step']:.3f} s/step, {result['tokens_per_s']:,.0f} tokens/s, MFU "
-                  f"{result['mfu']:.1%}, peak {result['peak_gb']:.1f} GB, attention work "
-                  f"{result['attention_work']:.2f}, kernels {result['kernels']}"), flush=True)
-    text = report(results, device, commit, shape, params, args.steps)
+            print(f"{name}: {time.perf_counter() - tic:.0f} s {summary(results[-1])}", flush=True)
+    write_outputs(args, results, report(results, device, commit, shape, params, args.steps), device)
+
+
+def run_child(name: str, folder: Path, args: argparse.Namespace, timeout: float) -> dict:
+    """One case in a process of its own: its result, or {"case", "error"}."""
+    out = folder.parent / f"{name}.json"
+    command = [sys.executable, __file__, "--case", name, "--folder", str(folder), "--result", str(out),
+               "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
+    except subprocess.TimeoutExpired:
+        return {"case": name, "error": f"over {timeout:.0f} s"}
+    if not out.exists():
+        sys.stderr.write(done.stderr[-3000:])
+        return {"case": name, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(out.read_text())
+
+
+def compare_logprobs(results: list[dict], folder: Path) -> None:
+    """Each case's first-step logprobs (of the tokens the loss reads; the same weights and batch in
+    every case) against its batch's reference: the plain loop's where it ran, else the batch's first
+    case's. Sets result["logprobs"] = {"against", "mean_abs", "max_abs", "spread": the reference's std}."""
+    import torch
+
+    done = [r for r in results if "error" not in r]
+    for kind in {r["kind"] for r in done}:
+        same = [r for r in done if r["kind"] == kind]
+        reference = next((r for r in same if r["implementation"] == "plain"), same[0])
+        theirs = torch.load(folder / f"{reference['case']}.logprobs.pt")
+        for r in same:
+            mine = torch.load(folder / f"{r['case']}.logprobs.pt")
+            r["logprobs"] = {"against": reference["case"], "mean_abs": (mine - theirs).abs().mean().item(),
+                             "max_abs": (mine - theirs).abs().max().item(), "spread": theirs.std().item()}
+
+
+def summary(result: dict) -> str:
+    if "error" in result:
+        return f"failed: {result['error']}"
+    agreement = result.get("logprobs", {})
+    return (f"{result['s_per_step']:.3f} s/step, {result['tokens_per_s']:,.0f} tokens/s, MFU {result['mfu']:.1%}, "
+            f"peak {result['peak_gb']:.1f} GB, attention work {result['attention_work']:.2f}, logprobs vs "
+            f"{agreement.get('against')}: mean |diff| {agreement.get('mean_abs', float('nan')):.4f}, kernels "
+            f"{result['kernels']}")
+
+
+def write_outputs(args: argparse.Namespace, results: list[dict], text: str, device: str) -> None:
+    """The report (printed, and written unless a --tiny run without --out), the runs' JSON ($OUT or the
+    temporary folder) and the breakdown's plot."""
     print(text)
     slug = "".join(c if c.isalnum() else "_" for c in device.lower()).strip("_")
     out = args.out or ROOT / "benchmarks" / "results" / f"train_gpu_{slug}.md"
@@ -530,7 +653,6 @@ def run_cases(args: argparse.Namespace) -> None:
     drawn = plot_breakdown(results, device, out.with_suffix(".png")) if not args.tiny or args.out else None
     if drawn:
         print(f"wrote {drawn}")
-
 
 if __name__ == "__main__":
     main()
