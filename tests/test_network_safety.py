@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from novarl.config import load_config
-from novarl.config.loading import BUNDLED_RECIPE
 from novarl.trainer.api import GRPOTrainer
 from tests.helpers import HF
 from tests.helpers.rewards import digit_fraction

@@ -111,6 +111,14 @@ def test_without_kl_penalty_the_kl_panel_is_left_out_and_said_so():
     assert "no KL penalty" in figure.axes[0].get_title(loc="right")
 
 
+def test_the_policys_entropy_gets_a_panel_where_the_run_logged_it():
+    records = [r if r["kind"] != "train" else {**r, "approx_entropy": 1.5 - r["step"] / 300}
+               for r in run_records(kl=False)]
+    figure = draw_reward_curve(curve_series(records))
+    assert [ax.get_ylabel() for ax in figure.axes[1:]] == ["loss", "entropy\n(nats/token)", "response length\n(tokens)"]
+    assert figure.axes[2].get_lines()[0].get_ydata()[-1] == pytest.approx(0.5)
+
+
 def test_rewards_outside_unit_interval_widen_the_axis_and_say_so():
     records = run_records(60) + [train(61, 3.5), train(62, -2.0)]
     curves = curve_series(records)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import pytest
 
 from novarl.config import load_config
 from novarl.rollout.games.sliding_puzzle import SlidingPuzzle, apply, new_puzzle, render, solved_board

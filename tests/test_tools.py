@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 
 from novarl.rollout.tools import BadCall, ToolCall, ToolEnvironment, parse_hermes, tool_schema
 from tests.helpers import tools

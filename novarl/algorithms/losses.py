@@ -114,6 +114,7 @@ def clipped_pg_loss(
             "ratio_mean": mean(ratio),
             "kl_to_old": mean(-log_ratio),
             "kl_to_reference": mean(kl),
+            "approx_entropy": mean(approx_entropy(logprobs, batch)),
         }
         if batch.old_logprobs is None:  # the generator-vs-trainer check, from this forward
             metrics.update(mismatch_metrics(old_logprobs, batch))
@@ -202,6 +203,15 @@ def clamped_kl(logprobs: torch.Tensor, reference_logprobs: torch.Tensor, setting
     if settings.kl_output_clamp_value is not None:
         kl = kl.clamp(-settings.kl_output_clamp_value, settings.kl_output_clamp_value)
     return kl
+
+
+def approx_entropy(logprobs: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """[n] each token's share of the policy's entropy estimated from the sampled tokens (NeMo RL's
+    approx_entropy): -(pi / pi_generator) log pi, whose mean over tokens the generator sampled is
+    E_pi[-log pi], the entropy per token, without the logits over the vocabulary. 0 where the weight
+    is not finite."""
+    weight = torch.nan_to_num(torch.exp(logprobs.detach() - batch.generator_logprobs), nan=0.0, posinf=0.0)
+    return -weight * logprobs.detach()
 
 
 def mismatch_metrics(trainer_logprobs: torch.Tensor, batch: TrainBatch) -> dict[str, torch.Tensor]:

@@ -60,6 +60,8 @@ def step_line(step: int, m: dict[str, Any]) -> str:
     times = " ".join(f"{name}={m[f'time_{name}']:.3f}s" for name in TIMERS if f"time_{name}" in m)
     policy = (f"loss={m['loss']:+.4f} grad_norm={m['grad_norm']:.3f} clip={m['clip_fraction']:.3f} " if "loss" in m
               else "policy not trained (critic warm-up) ")
+    if "loss" in m and "approx_entropy" in m:  # a loss of the user's own may not measure it
+        policy += f"entropy={m['approx_entropy']:.3f} "
     critic = f"value_loss={m['critic/value_loss']:.4f} " if "critic/value_loss" in m else ""
     return (f"step {step}: reward={m['reward_mean']:.3f} {policy}{critic}"
             f"len={m['completion_length_mean']:.1f} | {times} total={m['time_step']:.3f}s")

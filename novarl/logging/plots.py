@@ -45,6 +45,9 @@ class CurveSeries:
     """Empty when the run logged no KL to a reference, or only zeros (no KL penalty)."""
     completion_length: Series
     """completion_length_mean of each train step, in tokens."""
+    entropy: Series
+    """approx_entropy of each train step (the policy's entropy per token, in nats, estimated from the
+    sampled tokens); empty when the run's loss did not log it."""
     resumed_at: list[float]
     """Steps of the `{"kind": "resume", "step": N}` records, sorted, each once."""
 
@@ -71,6 +74,7 @@ def curve_series(records: list[dict[str, Any]]) -> CurveSeries:
         loss=_series(train, "loss"),
         kl_to_reference=kl if any(v != 0 for v in kl.values) else Series(),
         completion_length=_series(train, "completion_length_mean"),
+        entropy=_series(train, "approx_entropy"),
         resumed_at=sorted(latest["resume"]),
     )
 
@@ -107,14 +111,21 @@ def plot_reward_curve(records: list[dict[str, Any]], path: Path, *, title: str =
 
 def draw_reward_curve(curves: CurveSeries, *, title: str = "GRPO") -> Figure:
     """Panels over a shared step axis: reward and accuracy on one 0-1 axis, then the loss,
-    the KL to the reference (only when the run had a KL penalty) and the response length.
+    the KL to the reference (only when the run had a KL penalty), the policy's entropy (where
+    logged: its collapse is what a GRPO run is watched for) and the response length.
     Drawn on its own Agg canvas, without pyplot, so the caller's backend (a notebook's) is left alone."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     has_kl = bool(curves.kl_to_reference.steps)
-    heights = [3.0, 1.1] + ([1.1] if has_kl else []) + [1.1]
+    panels = [(curves.loss, "loss", "tab:purple")]
+    if has_kl:
+        panels.append((curves.kl_to_reference, "KL to reference", "tab:brown"))
+    if curves.entropy.steps:
+        panels.append((curves.entropy, "entropy\n(nats/token)", "tab:orange"))
+    panels.append((curves.completion_length, "response length\n(tokens)", "tab:green"))
+    heights = [3.0] + [1.1] * len(panels)
     figure = Figure(figsize=(10, 1.7 * sum(heights)), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(len(heights), 1, sharex=True, height_ratios=heights)
@@ -122,11 +133,8 @@ def draw_reward_curve(curves: CurveSeries, *, title: str = "GRPO") -> Figure:
     _draw_main_panel(axes[0], curves)
     if curves.reward.steps and not has_kl:
         axes[0].set_title("no KL penalty (KL panel left out)", loc="right", fontsize=9, color="dimgray")
-    _draw_train_panel(axes[1], curves.loss, curves.average_window, "loss", "tab:purple")
-    if has_kl:
-        _draw_train_panel(axes[2], curves.kl_to_reference, curves.average_window, "KL to reference", "tab:brown")
-    _draw_train_panel(axes[-1], curves.completion_length, curves.average_window, "response length\n(tokens)",
-                      "tab:green")
+    for ax, (series, label, color) in zip(axes[1:], panels):
+        _draw_train_panel(ax, series, curves.average_window, label, color)
     for ax in axes:
         ax.grid(alpha=0.3)
         for i, step in enumerate(curves.resumed_at):
