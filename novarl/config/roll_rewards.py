@@ -10,6 +10,7 @@ from typing import Any
 
 from novarl.config.files import show_value
 from novarl.config.roll_devices import Translation
+from novarl.config.roll_training import DTYPES
 
 
 REWARD_WORKERS = {"MathRuleRewardWorker": "math_verify", "CodeSandboxRewardWorker": "code_tests",
@@ -126,8 +127,6 @@ def _judge(name: str, block: Mapping[str, Any], out: Translation, taken: frozens
     judge = {"model_name": model.get("model_name_or_path"), "backend": backend,
              "prompt": JUDGE_PROMPTS.get(prompt, "yes_no"), "parser": "yes_no",
              **{ours: generating[theirs] for theirs, ours in JUDGE_GENERATING.items() if theirs in generating}}
-    from novarl.config.roll import DTYPES  # (roll.py imports this module)
-
     if model.get("dtype") in DTYPES:
         judge["precision"] = DTYPES[model["dtype"]]
     length = ((block.get("strategy_args") or {}).get("strategy_config") or {}).get("max_model_len")
