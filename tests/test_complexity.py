@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 KNOWN: dict[str, int] = {
     "novarl/backends/contract/resolve.py:check_available": 16,
     "novarl/backends/megatron/model.py:check_model": 16,
-    "novarl/config/nemo_rl.py:_flatten_data": 15,
+    "novarl/config/nemo_rl_data.py:flatten_data": 15,
     "novarl/trainer/grpo.py:run_grpo": 14,
-    "novarl/config/nemo_rl.py:_dataset_lists": 14,
+    "novarl/config/nemo_rl_data.py:_dataset_lists": 14,
     "novarl/config/roll.py:_critic": 13,
     "novarl/backends/training/dtensor.py:ShardedModel.__init__": 13,
     "novarl/config/roll_devices.py:placement": 11,
