@@ -6,8 +6,7 @@ September-2025 files before them. Every key those files hold is either
 
 - in novarl's schema (config/schema.py and config/sections/) and used there, or renamed to a key that is
   (`translate`: NeMo RL's `data.train` / `data.validation` / `data.default` blocks and `env` section
-  (config/nemo_rl_data.py), the
-  advantage estimator's copies of grpo's flags, `val_period: -1`);
+  (config/nemo_rl_data.py), the advantage estimator's copies of grpo's flags, `val_period: -1`);
 - a **feature switch** (`off`): accepted while it leaves the feature off, which is what novarl
   does; set to anything else it is refused with one line naming the key and what is missing,
   because it would change the maths and novarl does not build it;
