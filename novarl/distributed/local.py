@@ -26,7 +26,7 @@ def ensure_single_process_group() -> None:
     """Join a world-size-1 process group unless one exists already."""
     if dist.is_initialized():
         return
-    from novarl.distributed.ray_group import pin_collectives_to_loopback
+    from novarl.distributed.rank_actor import pin_collectives_to_loopback
 
     pin_collectives_to_loopback()  # gloo listens even in a group of one: on this machine only
     backend = "nccl" if torch.cuda.is_available() else "gloo"
