@@ -68,8 +68,8 @@ VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure 
     "eager-head": "the logprob head's chunk steps eager (not fused by torch.compile)",
     "padded-attention": "packed rows' attention as SDPA over each sequence's padded row (no varlen kernel)",
     "cudnn-varlen": "packed rows' attention through cuDNN's varlen kernel (NOVARL_PACKED_ATTENTION=cudnn_varlen; "
-                    "a kernel switched on, not off; torch has no fake kernel for the op, so compiled layers may "
-                    "break their graph around it)",
+                    "a kernel switched on, not off; torch has no fake kernel for the op: compiled layers run it "
+                    "eagerly between two graphs)",
     "compile-layers": "Megatron-core's transformer layers compiled with torch.compile (an experiment: novarl has "
                       "no switch for it yet)",
 }

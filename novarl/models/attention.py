@@ -236,13 +236,16 @@ def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu
     return out[None]
 
 
+@torch.compiler.disable  # aten._cudnn_attention_forward has no fake kernel: eagerly, between two graphs
 def cudnn_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_queries: torch.Tensor,
                  cu_keys: torch.Tensor, longest_queries: int, longest_keys: int, scaling: float | None) -> torch.Tensor:
     """flash_varlen's attention (each sequence's queries to its own keys, causal; queries and keys of one
     length) through cuDNN's variable-length kernel: torch.ops.aten._cudnn_attention_forward on [T, H, D]
     with the boundaries, as torch's nested-tensor SDPA calls it (its backward is the op's own autograd
     formula; torch's varlen API does not route to cuDNN yet). Grouped key/value heads are repeated. torch
-    registers no fake (meta) kernel for the op (2.13): a compiled layer may break its graph around it."""
+    registers no fake (meta) kernel for the op (2.13), so a compiled layer runs it eagerly between two
+    graphs (torch.compiler.disable: a graph break said in advance, not found while tracing; the op's backward
+    cannot be called from Python without an attention bias, so a custom op around it is not an option)."""
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
