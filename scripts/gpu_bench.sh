@@ -7,19 +7,20 @@
 # OUT_DIR/train_gpu*.md as each case ends, the runs' JSON to $OUT/train_gpu.json
 # (`python benchmarks/bench_train_gpu.py --plot-from <it>` draws the time breakdown where matplotlib is).
 #   scripts/gpu_bench.sh [OUT_DIR]
-# On the device tool: command `scripts/gpu_bench.sh "$OUT"`, carry [".whl"], timeout_s 540.
+# On the device tool: command `scripts/gpu_bench.sh "$OUT"`, carry [".whl"], timeout_s 540. A dry run of the
+# script here: NOVARL_GPU_ENV=1 BENCH_ARGS=--tiny TOTAL_SECONDS=240 scripts/gpu_bench.sh /tmp/gpu-dry-run
 # One H100 took ~40-60 s a case (each compiles; the variable-length ones longest).
 set -uo pipefail
 out=${1:-${OUT:-gpu-bench}}
 mkdir -p "$out"
 if [ -z "${NOVARL_GPU_ENV:-}" ]; then NOVARL_GPU_ENV=1 exec scripts/gpu_env.sh bash "$0" "$out"; fi
-total=${TOTAL_SECONDS:-510}
+total=${TOTAL_SECONDS:-500}  # of the call's 540 s: the wheels' install before this line takes ~10-30 s
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/machine.txt"
 cases=${BENCH_CASES:-}
 report="$out/train_gpu.md"
 [ -e "$report" ] && report="$out/train_gpu_$(date +%H%M%S).md"  # a second call keeps the first's table
 python3 benchmarks/bench_train_gpu.py --out "$report" --budget "${BENCH_SECONDS:-$((total - 120))}" \
-    ${cases:+--cases "$cases"} 2>&1 | tail -n 80 | tee "$out/bench.log"
+    ${cases:+--cases "$cases"} ${BENCH_ARGS:-} 2>&1 | tail -n 80 | tee "$out/bench.log"
 left=$((total - SECONDS - 5))
 if [ -z "${SKIP_TESTS:-}" ] && [ "$left" -gt 30 ]; then
     timeout "$left" python3 -m pytest -q -rs -p no:cacheprovider \
