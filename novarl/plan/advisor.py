@@ -96,6 +96,7 @@ from novarl.backends.contract.model_shape import ModelShape
 from novarl.backends import registry
 from novarl.backends.contract.resolve import BUILT_TRAINING_BACKENDS
 from novarl.backends.registry import PREFERRED_GENERATION, generation_spec, training_spec
+from novarl.plan.tree import SMALL_MODEL, explain, placement_for, tree_branch, tree_pick
 
 HEADROOM = 0.9
 """Share of the GPU memory a layout may plan to use (the rest: CUDA context,
@@ -104,11 +105,6 @@ COLOCATED_VLLM_UTILIZATION = 0.6
 DEDICATED_VLLM_UTILIZATION = 0.9
 MEGATRON_GENERATION_BUFFER_GB = 20.0
 ASSUMED_MICROBATCHES = 8
-SMALL_MODEL = 10e9
-LARGE_MODEL = 71e9
-"""The seeds' branches are size classes: a "70B" model is in the 10B-70B branch although Llama 3 70B
-has 70.6B parameters (the assumed shape for `--model 70B` has 69.7B: both give the same layout);
-the seeds' own >70B example is Qwen2.5-72B (72.7B)."""
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 
 Placement = Literal["colocated", "dedicated"]
@@ -220,28 +216,6 @@ class Advice:
 
 
 # ------------------------------------------------------------------ the tree
-def tree_branch(shape: ModelShape, *, num_nodes: int) -> str:
-    """The branch of the seeds' decision tree that `shape` falls in."""
-    if shape.parameters < SMALL_MODEL:
-        return "<10B"
-    if shape.parameters <= LARGE_MODEL:
-        return "10B-70B single node" if num_nodes == 1 else "10B-70B multi-node"
-    return ">70B"
-
-
-_TREE_TEXT = {
-    "<10B": "DTensor + vLLM",
-    "10B-70B single node": "DTensor + vLLM (TP=8)",
-    "10B-70B multi-node": "Megatron + vLLM",
-    ">70B": "Megatron + Megatron generation",
-}
-
-
-def placement_for(shape: ModelShape, *, num_nodes: int, generation_backend: str) -> Placement:
-    """Colocated for < 10B, one node, or Megatron generation; dedicated otherwise."""
-    if generation_spec(generation_backend).on_training_weights or shape.parameters < SMALL_MODEL or num_nodes == 1:
-        return "colocated"
-    return "dedicated"
 
 
 # ------------------------------------------------------------------ advise
@@ -273,11 +247,11 @@ def advise(shape: ModelShape, *, gpus_per_node: int, num_nodes: int, gpu_memory_
                        with_critic=with_critic)
     candidates = _candidates(context)
     ranked = sorted(candidates, key=lambda c: (not c.fits, -c.score, c.peak_gb))
-    pick = _tree_pick(context, candidates)
+    pick = tree_pick(context, candidates)
     fitting = [c for c in ranked if c.fits]
     recommended = pick if pick.fits else (fitting[0] if fitting else None)
     return Advice(candidates=ranked, recommended=recommended, tree_pick=pick, tree_branch=branch,
-                  explanation=_explain(context, pick, recommended, fitting), gpu_memory_gb=gpu_memory_gb)
+                  explanation=explain(context, pick, recommended, fitting), gpu_memory_gb=gpu_memory_gb)
 
 
 def valid_tensor_parallel_sizes(shape: ModelShape, *, gpus_per_node: int) -> list[int]:
@@ -396,7 +370,8 @@ def _size(context: _Context, layout: _Layout) -> Candidate:
     # parallelism (DTensor's: models/context_parallel.py) splitting each sequence over cp ranks
     # On a Megatron pipeline, interleaved stages where they fit (a smaller bubble for a little more
     # of the first stage's activations), without recomputation before with it.
-    tries = [(recompute, 1, vpp) for recompute in ("none", "full") for vpp in _virtual_stages(context, layout, generation)]
+    tries = [(recompute, 1, vpp) for recompute in ("none", "full")
+             for vpp in _virtual_stages(context, layout, generation)]
     if spec.context_parallel and tp == 1 and context.shape.plain_causal_attention:  # what novarl's cp runs
         tries += [("full", cp, 1) for cp in CONTEXT_PARALLEL_SIZES if not dp % cp]
     for recompute, cp, vpp in tries:
@@ -539,66 +514,5 @@ def _score(context: _Context, layout: _Layout, *, dp: int, recompute: str, cp: i
 
 
 # ------------------------------------------------------------------ tree pick
-def _tree_pick(context: _Context, candidates: list[Candidate]) -> Candidate:
-    """The tree's choice as a concrete layout: plain FSDP2 for DTensor; for a dense model on
-    Megatron the largest TP and the shallowest pipeline that fits (or the deepest tried); for
-    a Mixture-of-Experts model on Megatron, the layout of tensor, pipeline and expert
-    parallelism that fits with the best score (the recipes NeMo RL and ROLL ship spread the
-    experts with expert parallelism and keep TP small), or the one of least memory."""
-    if context.branch in ("<10B", "10B-70B single node"):
-        return next(c for c in candidates if c.strategy == "dtensor fsdp2")
-    if context.shape.num_experts > 1:
-        megatron = [c for c in candidates if training_spec(c.training_backend).pipeline]
-        fitting = [c for c in megatron if c.fits]
-        if fitting:
-            return max(fitting, key=lambda c: (c.score, -c.peak_gb))
-        return min(megatron, key=lambda c: c.peak_gb)
-    megatron = [c for c in candidates if training_spec(c.training_backend).pipeline
-                and c.tensor_parallel_size == context.tps[-1]]
-    return next((c for c in megatron if c.fits), megatron[-1])
 
 
-def _explain(context: _Context, pick: Candidate, recommended: Candidate | None,
-             fitting: list[Candidate]) -> list[str]:
-    shape, budget = context.shape, context.budget_gb
-    count = f"{shape.parameters / 1e9:.1f}B" if shape.parameters >= 1e8 else f"{shape.parameters / 1e6:.2f}M"
-    lines = [f"{count} parameters on {context.num_nodes} node(s) x {context.gpus_per_node} "
-             f"GPU(s): the seeds' decision tree ({context.branch}) picks {_TREE_TEXT[context.branch]}, "
-             f"here {pick.describe()}."]
-    budget_text = f"the {budget:.1f} GB budget ({HEADROOM:.0%} of {context.gpu_memory_gb:g} GB)"
-    if pick.fits:
-        lines.append(f"The memory model confirms it: {pick.peak_gb:.1f} GB peak per GPU, within {budget_text}.")
-    else:
-        lines.append(f"The memory model overrides it: it needs {pick.peak_gb:.1f} GB per GPU"
-                     + (" even with full activation checkpointing" if pick.activation_checkpointing else "")
-                     + f" "
-                     f"(model states {pick.memory_gb['model_states']:.1f}, activations "
-                     f"{pick.memory_gb['activations']:.1f}), more than {budget_text}"
-                     + ("" if not any("does not hold" in note for note in pick.notes)
-                        else ", or its generator does not fit")
-                     + ".")
-        if recommended is not None:
-            same = (recommended.training_backend == pick.training_backend
-                    and recommended.generation_backend == pick.generation_backend)
-            lines.append(f"Recommended instead: {recommended.describe()}, the fastest layout that fits "
-                         f"({recommended.peak_gb:.1f} GB peak, score {recommended.score:.2f}); "
-                         + ("it keeps the tree's backends." if same else "it leaves the tree's backends."))
-    if recommended is None:
-        lines.append(f"Nothing fits: no listed layout stays within {budget_text} with a generator that holds "
-                     "the weights. Use more or larger GPUs, a shorter sequence, or a smaller model.")
-        return lines
-    if recommended.activation_checkpointing:
-        lines.append("It fits only with full activation checkpointing (about 25% slower).")
-    if not recommended.built:
-        built = next((c for c in fitting if c.built), None)
-        missing = (f"the {recommended.training_backend} training backend"
-                   if recommended.training_backend not in BUILT_TRAINING_BACKENDS
-                   else f"the {recommended.generation_backend} generation backend")
-        lines.append(f"novarl does not have {missing} yet"
-                     + (f"; the fastest built layout that fits is {built.describe()} ({built.peak_gb:.1f} GB)."
-                        if built else "; no built layout fits."))
-    lines.append(f"Placement {recommended.placement}: "
-                 + (f"{recommended.generation_backend.capitalize()} generation runs on the training weights."
-                    if generation_spec(recommended.generation_backend).on_training_weights
-                    else "the rule is colocated below 10B parameters or on one node, dedicated otherwise."))
-    return lines
