@@ -606,10 +606,10 @@ def run_child(name: str, folder: Path, args: argparse.Namespace, timeout: float)
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
     except subprocess.TimeoutExpired:
-        return {"case": name, "error": f"over {timeout:.0f} s"}
+        return {"case": name, "error": f"failed: over {timeout:.0f} s"}
     if not out.exists():
         sys.stderr.write(done.stderr[-3000:])
-        return {"case": name, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+        return {"case": name, "error": "failed: " + (done.stderr.strip().splitlines() or ["no output"])[-1]}
     return json.loads(out.read_text())
 
 
@@ -632,7 +632,7 @@ def compare_logprobs(results: list[dict], folder: Path) -> None:
 
 def summary(result: dict) -> str:
     if "error" in result:
-        return f"failed: {result['error']}"
+        return result["error"]
     agreement = result.get("logprobs", {})
     return (f"{result['s_per_step']:.3f} s/step, {result['tokens_per_s']:,.0f} tokens/s, MFU {result['mfu']:.1%}, "
             f"peak {result['peak_gb']:.1f} GB, attention work {result['attention_work']:.2f}, logprobs vs "
