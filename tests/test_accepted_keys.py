@@ -2,6 +2,7 @@
 and bad input ends in one clear error. All at validate (or load) time: nothing is trained.
 
 - vLLM's settings given with Hugging Face generation: one warning, only for keys the config sets.
+- The settings of a training backend that does not train: one warning a section.
 - Unknown names under `env`: refused, with NeMo RL's closest environment name.
 - `env.math_default` (NeMo RL's math environment under its other registered name): read as `env.math`.
 - `policy.backend: auto` warns about nothing the config did not set.
@@ -40,6 +41,30 @@ def test_vllm_settings_with_hugging_face_generation_are_said_once():
                     "vLLM's settings, not used: generation runs on 'hf' (Hugging Face generation reads only "
                     "vllm_cfg.precision, its dtype)")
     assert not any("vllm" in w for w in warnings_of("policy.generation.backend=hf"))  # defaults: nothing said
+
+
+def test_settings_of_a_training_backend_that_does_not_train_are_said():
+    """megatron_cfg / deepspeed_cfg keys set while another backend trains, and dtensor_cfg keys under
+    Megatron: one warning per section, the keys set; a section written `enabled: false` (a template, as
+    NeMo RL's configs carry) is not said, nor DTensor's LoRA section (every backend's)."""
+    def said(*overrides: str) -> list[str]:
+        return [w for w in warnings_of(*overrides) if "not used: training runs on" in w]
+
+    assert said("policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.optimizer.lr=1e-5") == [
+        "policy.megatron_cfg.{optimizer.lr, tensor_model_parallel_size}: not used: training runs on 'dtensor' "
+        "(policy.megatron_cfg.enabled: true would train on it)"]
+    assert said("policy.deepspeed_cfg.zero_stage=3") == [
+        "policy.deepspeed_cfg.{zero_stage}: not used: training runs on 'dtensor' (policy.deepspeed_cfg.enabled: "
+        "true would train on it)"]
+    assert said("policy.megatron_cfg.enabled=true", "policy.dtensor_cfg.activation_checkpointing=true",
+                "policy.dtensor_cfg.lora_cfg.dim=4") == [
+        "policy.dtensor_cfg.{activation_checkpointing}: not used: training runs on 'megatron'"]
+    assert said("policy.megatron_cfg.enabled=false", "policy.megatron_cfg.tensor_model_parallel_size=2") == []
+    assert said() == []
+    # Megatron's optimizer and schedule are megatron_cfg's (the seeds' rule): the recipe's own are a note
+    cfg = load_config(BUNDLED_RECIPE, overrides=["policy.megatron_cfg.enabled=true"])
+    assert ("policy.{optimizer, scheduler} not read: Megatron trains with policy.megatron_cfg.optimizer and "
+            "policy.megatron_cfg.scheduler") in resolve_backends(cfg).notes
 
 
 def test_unknown_environment_names_are_refused_with_the_closest():

@@ -55,6 +55,10 @@ def resolve_backends(cfg: NovaRLConfig) -> BackendChoice:
     if generation is None:
         generation, why = default_generation_backend(cfg)
         notes.append(f"policy.generation.backend not set: using '{generation}' ({why})")
+    given = [k for k in ("optimizer", "scheduler") if k in cfg.policy.model_fields_set and getattr(cfg.policy, k)]
+    if training == "megatron" and given:  # the seeds' rule, said
+        notes.append(f"policy.{{{', '.join(given)}}} not read: Megatron trains with policy.megatron_cfg.optimizer and "
+                     "policy.megatron_cfg.scheduler")
     return BackendChoice(training, tuple(enabled[1:]), generation, tuple(notes))
 
 
@@ -135,6 +139,7 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     warnings.extend(fp8_warnings)
     missing.extend(generation_spec(choice.generation).missing(cfg))
     warnings.extend(unused_vllm_settings(cfg, choice.generation))
+    warnings.extend(unused_backend_settings(cfg, choice.training))
     layout: GenerationLayout | None
     try:
         layout = generation_layout(cfg, choice.generation)
@@ -452,6 +457,35 @@ def unused_vllm_settings(cfg: NovaRLConfig, generation: str) -> list[str]:
     why = f" ({spec.vllm_cfg_note})" if spec.vllm_cfg_note else ""
     return [f"policy.generation.{{{', '.join(names)}}}: vLLM's settings, not used: generation runs on "
             f"'{generation}'{why}"]
+
+
+def unused_backend_settings(cfg: NovaRLConfig, training: str) -> list[str]:
+    """The settings the config gives (set in it, not defaults) in the sections of the training backends
+    that do not train, one line each: megatron_cfg or deepspeed_cfg keys beside an `enabled` never set
+    (a section written `enabled: false` is a template, as NeMo RL's configs carry: not said), dtensor_cfg
+    keys under Megatron or DeepSpeed (its LoRA section is every backend's). policy.optimizer and
+    policy.scheduler under Megatron are a note (resolve_backends): NeMo RL's Megatron recipes inherit them."""
+    policy, lines = cfg.policy, []
+    for spec in training_specs():
+        section = getattr(policy, spec.section)
+        if spec.name == training or "enabled" in section.model_fields_set and not section.enabled:
+            continue
+        names = [name for name in _given(section) if name.partition(".")[0] not in ("enabled", "lora_cfg", "v2")
+                 and not (training == "deepspeed" and name == "tensor_parallel_size")]  # refused there if not 1
+        if names:
+            lines.append(f"policy.{spec.section}.{{{', '.join(names)}}}: not used: training runs on '{training}'"
+                         + ("" if section.enabled else f" (policy.{spec.section}.enabled: true would train on it)"))
+    return lines
+
+
+def _given(section) -> list[str]:
+    """The keys set in a section, those of its subsections as `sub.key`."""
+    names = []
+    for name in section.model_fields_set:
+        value = getattr(section, name)
+        inner = sorted(value.model_fields_set) if hasattr(value, "model_fields_set") else None
+        names += [f"{name}.{key}" for key in inner] if inner else [name]
+    return sorted(names)
 
 
 def separate_reference(cfg: NovaRLConfig) -> bool:
