@@ -71,7 +71,8 @@ tree pick on Megatron is its best-scored fitting layout (expert tensor paralleli
 the recipes NeMo RL and ROLL ship; the memory model counts it where a config sets it). Context
 parallelism (DTensor, tp 1, plain causal attention) is tried with recomputation when
 recomputation alone does not fit. A layout is `built` when novarl has both its training and its generation
-backend (Megatron generation, the >70B branch, is not built yet).
+backend (every listed one has both today). The seeds' decision tree, its pick among these layouts and the
+explanation are in plan/tree.py.
 """
 
 from __future__ import annotations
