@@ -155,7 +155,8 @@ PERFORMANCE = {
     "2026-08/recipes/llm/performance/grpo-qwen3-32b-4n8g.yaml": (),
     # as written its engines of tp 16 span two nodes, which novarl's engines do not (refused on its own);
     # its grouped-GEMM experts run as SequentialMLP, with a warning
-    "2026-08/recipes/llm/performance/grpo-qwen3-235b-16n8g.yaml": ("policy.generation.vllm_cfg.tensor_parallel_size=8",),
+    "2026-08/recipes/llm/performance/grpo-qwen3-235b-16n8g.yaml":
+        ("policy.generation.vllm_cfg.tensor_parallel_size=8",),
     "2026-08/grpo_math_8B_megatron_fp8.yaml": (),
 }
 
@@ -263,7 +264,8 @@ def test_transformer_engine_options_are_valid_for_a_gpu_host_and_stop_train_here
     code, out, err = run(capsys, "validate", *args)
     assert code == 0, err
     (line,) = [line for line in out.splitlines() if "valid for a GPU host" in line]
-    assert ("Transformer Engine (installed with megatron-core on GPU hosts) for policy.megatron_cfg.apply_rope_fusion, "
+    assert ("Transformer Engine (pip install --no-build-isolation 'novarl[te]' on the GPU hosts; NGC's PyTorch images "
+            "have it) for policy.megatron_cfg.apply_rope_fusion, "
             "policy.megatron_cfg.moe_permute_fusion") in line
     code, _, err = run(capsys, "train", *args)
     assert code == 2 and "this host lacks Transformer Engine" in err and "Traceback" not in err

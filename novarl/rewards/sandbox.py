@@ -86,7 +86,8 @@ class LocalSandbox:
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     workers: int = 2
     isolate: bool = True
-    """Namespaces where the host allows them (False: limits, process group and folder only)."""
+    """Namespaces where the host allows them (False: limits, process group and folder only; the process
+    count is then the sandbox user's, shared by the programs running at once)."""
     site_packages: bool = False
     """Programs may import the interpreter's installed packages (False: the standard library only)."""
     python: str = sys.executable

@@ -198,7 +198,7 @@ def transformer_config(hf_config, shape: LayerShape, policy: PolicyConfig, *, pr
     te = transformer_engine_available()
     if mc.sequence_parallel and not te and mc.tensor_model_parallel_size > 1:
         raise ConfigError("policy.megatron_cfg.sequence_parallel needs Transformer Engine's norms "
-                          "(pip install transformer-engine on the GPU hosts); set it false without it.")
+                          "(pip install --no-build-isolation 'novarl[te]' on the GPU hosts); set it false without it.")
     if mc.context_parallel_size > 1 and not (te and torch.cuda.is_available()):
         raise ConfigError(f"policy.megatron_cfg.context_parallel_size={mc.context_parallel_size}: megatron-core "
                           "splits sequences only in Transformer Engine's attention, on CUDA GPUs (pip install "

@@ -32,7 +32,8 @@ def transformer_engine_options(cfg) -> list[str]:
     asked = [f"policy.megatron_cfg.{name}" for name, used in TE_OPTIONS if used(mc)]
     if not asked:
         return []
-    return [f"Transformer Engine (installed with megatron-core on GPU hosts) for {', '.join(asked)}"]
+    return [f"Transformer Engine (pip install --no-build-isolation 'novarl[te]' on the GPU hosts; NGC's PyTorch "
+            f"images have it) for {', '.join(asked)}"]
 
 
 def _layout(cfg) -> dict[str, int | bool]:
