@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import sys
 import threading
@@ -17,7 +18,7 @@ import pytest
 from novarl.config.sections.data import RewardConfig
 from novarl.errors import UserError
 from novarl.rewards.code import extract_code, same_output
-from novarl.rewards.sandbox import LocalSandbox, Program, SandboxLimits
+from novarl.rewards.sandbox import LocalSandbox, Program, SandboxError, SandboxLimits
 from novarl.rewards.scorer import RewardScorer
 from novarl.types import Completion, Prompt
 
@@ -88,14 +89,35 @@ def test_hostile_programs_are_contained_and_leave_nothing_behind(tmp_path, liste
     assert runners() == []
 
     # without namespaces (isolate: false; a container that refuses them) the limits still hold, a fork bomb
-    # included: as root the runner becomes the sandbox's user first, whom the process count binds. That count
-    # is the user's, shared by the programs running at once (each has its own in namespaces): the bomb runs
-    # alone here, as a program starting beside it may find no process left to start in
-    plain = LocalSandbox(SandboxLimits(timeout_s=1.0, max_output_bytes=1000, max_processes=16), isolate=False)
-    loop, output = plain.run_all([Program(hostile["loop"]), Program(hostile["output"])])
+    # included: as root the runner becomes a user of the sandbox's first, whom the process count binds
+    plain = LocalSandbox(SandboxLimits(timeout_s=1.0, max_output_bytes=1000, max_processes=16), isolate=False,
+                         workers=3)
+    loop, output, bomb = plain.run_all([Program(hostile["loop"]), Program(hostile["output"]),
+                                        Program(hostile["fork bomb"])])
     assert (loop.isolation, loop.runs[0].status, output.runs[0].status) == ("limits", "timeout", "output")
-    (bomb,) = plain.run_all([Program(hostile["fork bomb"])])
     assert bomb.runs[0].status == "timeout" and runners() == []
+
+
+def test_without_namespaces_a_fork_bomb_leaves_the_program_beside_it_its_processes():
+    """The process count is a user's: each program running at once is a user of its own (as root), so
+    a program that forks while a fork bomb beside it holds all its processes still forks. With one user
+    for both (as before), it could not."""
+    if os.getuid() != 0:
+        pytest.skip("the sandbox changes user only where novarl runs as root")
+    late_fork = ("import os, time\ntime.sleep(1.0)\npid = os.fork()\nif pid == 0:\n    os._exit(0)\n"
+                 "os.waitpid(pid, 0)\nprint('forked')\n")
+    programs = [Program("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"),
+                Program(late_fork)]
+    sandbox = LocalSandbox(SandboxLimits(timeout_s=2.5, max_processes=16), isolate=False, workers=2)
+    bomb, beside = sandbox.run_all(programs)
+    assert bomb.runs[0].status == "timeout"
+    assert (beside.runs[0].status, beside.runs[0].stdout) == ("ok", "forked\n")
+    shared = LocalSandbox(SandboxLimits(timeout_s=2.5, max_processes=16), isolate=False, workers=2)
+    shared._free_uids = queue.SimpleQueue()
+    shared._free_uids.put(shared.uid), shared._free_uids.put(shared.uid)  # both slots one user: the old way
+    _, starved = shared.run_all(programs)  # its runner or its program finds no process left to start
+    assert isinstance(starved, SandboxError) or starved.runs[0].status == "error", starved
+    assert runners() == []
 
 
 def completion(text: str, **columns) -> Completion:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import secrets
 import shutil
 import signal
@@ -86,14 +87,29 @@ class LocalSandbox:
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     workers: int = 2
     isolate: bool = True
-    """Namespaces where the host allows them (False: limits, process group and folder only; the process
-    count is then the sandbox user's, shared by the programs running at once)."""
+    """Namespaces where the host allows them (False: limits, process group and folder only)."""
     site_packages: bool = False
     """Programs may import the interpreter's installed packages (False: the standard library only)."""
     python: str = sys.executable
     uid: int = 65534
     """Where novarl runs as root: the host's user id of the sandbox's processes (nobody's by default;
-    a process-count limit binds no process of root's)."""
+    a process-count limit binds no process of root's), the first of `workers` ids (uid, uid - 1, ...):
+    each program running at once has one of its own, so that another's processes never count against
+    its limit (without namespaces the process count is the user's: a fork bomb would otherwise keep the
+    programs beside it from starting)."""
+    _free_uids: queue.SimpleQueue = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._free_uids = queue.SimpleQueue()
+        for slot in range(max(1, self.workers)):
+            self._free_uids.put(self.uid - slot if self.uid > slot else self.uid)
+
+    def __getstate__(self) -> dict:  # (a queue does not pickle: a copy makes its own)
+        return {k: v for k, v in self.__dict__.items() if k != "_free_uids"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
 
     def run_all(self, programs: Sequence[Program]) -> list[Outcome | SandboxError]:
         """Each program's outcome, or the SandboxError that stopped it, `workers` at a time."""
@@ -109,10 +125,18 @@ class LocalSandbox:
             return list(pool.map(one, programs))
 
     def run(self, program: Program) -> Outcome:
+        """The program's outcome; at most `workers` run at once (each as a user of its own, see uid)."""
+        uid = self._free_uids.get()
+        try:
+            return self._run(program, uid)
+        finally:
+            self._free_uids.put(uid)
+
+    def _run(self, program: Program, uid: int) -> Outcome:
         limits = self.limits
         runs = 1 if program.tests is not None else len(program.stdins)
         workdir = tempfile.mkdtemp(prefix="novarl-sandbox-")
-        job = {"nonce": secrets.token_hex(16), "workdir": workdir, "isolate": self.isolate, "uid": self.uid,
+        job = {"nonce": secrets.token_hex(16), "workdir": workdir, "isolate": self.isolate, "uid": uid,
                "site": self.site_packages, "source": program.source, "entry_point": program.entry_point,
                "tests": None if program.tests is None else list(program.tests), "stdins": list(program.stdins),
                "limits": {"timeout_s": limits.timeout_s, "cpu_s": limits.cpu_s or limits.timeout_s,
