@@ -104,13 +104,6 @@ class LocalSandbox:
         for slot in range(max(1, self.workers)):
             self._free_uids.put(self.uid - slot if self.uid > slot else self.uid)
 
-    def __getstate__(self) -> dict:  # (a queue does not pickle: a copy makes its own)
-        return {k: v for k, v in self.__dict__.items() if k != "_free_uids"}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.__post_init__()
-
     def run_all(self, programs: Sequence[Program]) -> list[Outcome | SandboxError]:
         """Each program's outcome, or the SandboxError that stopped it, `workers` at a time."""
         def one(program: Program) -> Outcome | SandboxError:
