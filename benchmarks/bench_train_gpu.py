@@ -67,15 +67,14 @@ CASES = {
 VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure what it gives
     "eager-head": "the logprob head's chunk steps eager (not fused by torch.compile)",
     "padded-attention": "packed rows' attention as SDPA over each sequence's padded row (no varlen kernel)",
-    "cudnn-varlen": "packed rows' attention through cuDNN's varlen kernel (NOVARL_PACKED_ATTENTION=cudnn_varlen; "
-                    "a kernel switched on, not off; torch has no fake kernel for the op: compiled layers run it "
-                    "eagerly between two graphs)",
+    "reshard": "each layer's gathered weights freed after its forward and backward, as before novarl kept "
+               "them through a step's micro-batches on one data-parallel shard (parallelize.py keeps_gathered)",
     "compile-layers": "Megatron-core's transformer layers compiled with torch.compile (an experiment: novarl has "
                       "no switch for it yet)",
 }
-DEFAULT_CASES = (  # most wanted first: issue 35's targets, then the kernel choices, then the experiments
-    "plain,fixed-compile,packed-compile,var-packed-compile,megatron-packed,packed-compile+cudnn-varlen,"
-    "var-packed-compile+cudnn-varlen,megatron,fixed-compile+eager-head,var-megatron-packed,"
+DEFAULT_CASES = (  # most wanted first: issue 35's targets and the latest change, then the experiments
+    "plain,fixed-compile,fixed-compile+reshard,packed-compile,var-packed-compile,megatron-packed,"
+    "packed-compile+reshard,megatron,fixed-compile+eager-head,var-megatron-packed,"
     "megatron-packed+compile-layers,packed-compile+padded-attention")
 BEFORE_GB = {"fixed": 69.0, "packed": 69.7}
 """Peak memory at micro-batch 4, equal lengths, before issue 35 (its table): the bound it sets."""
@@ -148,7 +147,7 @@ def attention_work(batch, batching) -> float:
     done = 0
     for sequences in plan_for(batch, 1, batching).ranks[0]:
         chosen = [lengths[i] for i in sequences]
-        if batching.layout == "packed" and attention.packed_kernel in ("flash_varlen", "cudnn_varlen"):
+        if batching.layout == "packed" and attention.packed_kernel == "flash_varlen":
             done += sum(L * L for L in chosen)
         else:
             done += len(chosen) * max(chosen) ** 2
@@ -252,7 +251,7 @@ def plain_step(model, optimizer, rows, masks, micro: int, first: list) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def run_case(name: str, folder: str, steps: int, tiny: bool, trace: bool) -> dict:
+def run_case(name: str, folder: str, steps: int, tiny: bool, trace: Path | None = None) -> dict:
     """One case in this process: timings, peak memory, kernels."""
     import torch
 
@@ -278,7 +277,7 @@ def run_case(name: str, folder: str, steps: int, tiny: bool, trace: bool) -> dic
     times = timed_steps(step, 2 if compile_layers else 1, steps)
     if implementation != "plain":
         work = attention_work(batch, policy.train_batching)
-    kernels = profile_kernels(step) if trace else {}
+    kernels = profile_kernels(step, trace)
     seconds = statistics.median(times[-steps:])
     params = json.loads((Path(folder).parent / "params.json").read_text())
     flops = 4 * forward_flops(lengths, params, config["num_hidden_layers"], config["hidden_size"])
@@ -346,17 +345,23 @@ def apply_variant(variant: str) -> None:
         logprob_head._fused = lambda: (logprob_head._chunk_forward, logprob_head._chunk_grad_logits)
     elif variant == "compile-layers":
         pass  # after the policy is built (run_case)
-    elif variant in ("padded-attention", "cudnn-varlen"):
-        attention.ASKED = "padded_sdpa" if variant == "padded-attention" else "cudnn_varlen"  # as the env var would
+    elif variant == "padded-attention":
+        attention.ASKED = "padded_sdpa"  # as NOVARL_PACKED_ATTENTION=padded_sdpa would
+    elif variant == "reshard":
+        from novarl.backends.training import dtensor
+
+        dtensor.keeps_gathered = lambda *args: False
     else:
         raise SystemExit(f"unknown variant {variant!r}: {', '.join(VARIANTS)}")
 
 
-def profile_kernels(step) -> dict:
+def profile_kernels(step, trace: Path | None = None) -> dict:
     """One profiled step's GPU time (ms): {"attention": {kernel name: ms} of the 6 largest attention
     kernels, "categories": {category: ms} of every kernel (CATEGORIES, by name), "busy_ms": the time
-    some kernel ran, "span_ms": first kernel's start to last kernel's end}. {} without CUDA; a failure
-    here is reported and keeps the case's timings."""
+    some kernel ran, "span_ms": first kernel's start to last kernel's end, "gaps": the idle stretches
+    between kernels, by length}. With `trace`, the host's operators too: "waits" (host_waits), and the
+    step's Chrome trace written there, gzipped. {} without CUDA; a failure here is reported and keeps the
+    case's timings."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -364,11 +369,14 @@ def profile_kernels(step) -> dict:
     if not torch.cuda.is_available():
         return {}
     try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if trace else [])]) as prof:
             step()
             torch.cuda.synchronize()
-        spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                 if e.device_type == DeviceType.CUDA]
+        events = prof.events()
+        spans = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+        extra = {"waits": host_waits(events, DeviceType.CPU)} if trace else {}
+        if trace:
+            save_trace(prof, trace)
     except Exception as error:  # noqa: BLE001 (the timings stand without the profile)
         return {"error": f"{type(error).__name__}: {error}"[:200]}
     attention: dict[str, float] = {}
@@ -385,7 +393,65 @@ def profile_kernels(step) -> dict:
     span = (max(e for _, _, e in spans) - min(s for _, s, _ in spans)) / 1e3 if spans else 0.0
     return {"attention": dict(sorted(attention.items(), key=lambda kv: -kv[1])[:6]),
             "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])), "busy_ms": busy / 1e3,
-            "span_ms": span}
+            "span_ms": span, "gaps": idle_gaps(spans), **extra}
+
+
+GAP_BINS_MS = (0.05, 1.0, 10.0)
+"""Idle stretches between kernels, binned by length: many short ones are launch-bound (the host
+launches slower than the kernels run), a few long ones are waits."""
+
+
+def idle_gaps(spans: list[tuple[str, float, float]]) -> dict[str, list[float]]:
+    """{"> 0.05 ms": [count, total ms], "> 1 ms": ..., "> 10 ms": ...} of the stretches (us in, as
+    the profiler's times) where no kernel ran; each stretch counted in the largest bin it passes."""
+    bins = {f"> {edge:g} ms": [0, 0.0] for edge in GAP_BINS_MS}
+    reach = None
+    for _, start, end in sorted(spans, key=lambda span: span[1]):
+        if reach is not None and start > reach:
+            gap = (start - reach) / 1e3
+            edges = [edge for edge in GAP_BINS_MS if gap > edge]
+            if edges:
+                slot = bins[f"> {edges[-1]:g} ms"]
+                slot[0] += 1
+                slot[1] += gap
+        reach = end if reach is None else max(reach, end)
+    return bins
+
+
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaMemcpyAsync")
+"""CUDA runtime calls in which the host can wait for the GPU (a copy to pageable host memory waits for
+its stream; one from it may)."""
+
+
+def host_waits(events, cpu) -> dict:
+    """The host's time in HOST_WAITS calls: {"n": calls, "ms": their time, "under": {the outermost
+    operator they ran in (module paths dropped): ms} of the 6 longest}."""
+    under: dict[str, float] = {}
+    count, total = 0, 0.0
+    for event in events:
+        if event.device_type != cpu or event.name not in HOST_WAITS:
+            continue
+        ms = (event.time_range.end - event.time_range.start) / 1e3
+        outer = event
+        while outer.cpu_parent is not None:
+            outer = outer.cpu_parent
+        name = outer.name.split(" (")[0]  # FSDP's labels end with the module's path
+        under[name] = under.get(name, 0.0) + ms
+        count, total = count + 1, total + ms
+    return {"n": count, "ms": total, "under": dict(sorted(under.items(), key=lambda kv: -kv[1])[:6])}
+
+
+def save_trace(prof, path: Path) -> None:
+    """The profile as a gzipped Chrome trace (chrome://tracing, Perfetto) at `path`."""
+    import gzip
+    import shutil
+
+    raw = path.with_suffix("")
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as source, gzip.open(path, "wb") as target:
+        shutil.copyfileobj(source, target)
+    raw.unlink()
 
 
 def kernel_category(name: str) -> str:
@@ -492,6 +558,24 @@ def time_breakdown(results: list[dict]) -> list[str]:
         idle = 1 - k["busy_ms"] / k["span_ms"] if k["span_ms"] else float("nan")
         lines.append(f"| {r['case']} | {k['span_ms']:.0f} | {k['busy_ms']:.0f} | {idle:.0%} | "
                      + " | ".join(f"{k['categories'].get(n, 0.0):.0f}" for n in names) + " |")
+    return lines + idle_lines(profiled)
+
+
+def idle_lines(profiled: list[dict]) -> list[str]:
+    """The idle time's shape (gaps between kernels by length) and, for traced cases, the host's waits."""
+    lines = ["", "Idle stretches between kernels (count / ms) and, in traced cases, the host's waits on the GPU "
+             "(calls, ms, and the outermost operators they ran in):", "",
+             "| case | " + " | ".join(f"gaps > {edge:g} ms" for edge in GAP_BINS_MS) + " | host waits |",
+             "|---|" + "---|" * (len(GAP_BINS_MS) + 1)]
+    for r in profiled:
+        k = r["kernels"]
+        waits = k.get("waits")
+        said = (f"{waits['n']} calls, {waits['ms']:.0f} ms: " + "; ".join(f"{name} {ms:.0f}" for name, ms in
+                                                                        waits["under"].items())) if waits else "-"
+        gaps = k.get("gaps", {})
+        lines.append(f"| {r['case']} | " + " | ".join(
+            "{} / {:.0f}".format(*gaps[f"> {edge:g} ms"]) if f"> {edge:g} ms" in gaps else "-" for edge in GAP_BINS_MS)
+            + f" | {said} |")
     return lines
 
 
@@ -544,6 +628,10 @@ def main() -> None:
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--trace-to", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--traces", default="fixed-compile,packed-compile",
+                        help="cases whose profiled step is also written as a gzipped Chrome trace (to $OUT, else "
+                             "beside --out), with the host's waits in the report")
     parser.add_argument("--timeout", type=float, default=240, help="seconds per case")
     parser.add_argument("--budget", type=float, help="seconds for all the cases (the model's saving included)")
     parser.add_argument("--plot-from", type=Path, help="draw the breakdown of a run's train_gpu.json (to --out)")
@@ -555,7 +643,7 @@ def main() -> None:
     elif args.case:  # a child: one case
         import torch
 
-        result = run_case(args.case, args.folder, args.steps, args.tiny, trace=True)
+        result = run_case(args.case, args.folder, args.steps, args.tiny, args.trace_to)
         torch.save(result.pop("logprobs"), Path(args.result).with_suffix(".logprobs.pt"))
         Path(args.result).write_text(json.dumps(result))
     else:
@@ -602,6 +690,9 @@ def run_child(name: str, folder: Path, args: argparse.Namespace, timeout: float)
     out = folder.parent / f"{name}.json"
     command = [sys.executable, __file__, "--case", name, "--folder", str(folder), "--result", str(out),
                "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
+    if name in args.traces.split(","):
+        where = Path(os.environ["OUT"]) if os.environ.get("OUT") else (args.out.parent if args.out else folder.parent)
+        command += ["--trace-to", str(where / f"trace_{name.replace('+', '_')}.json.gz")]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
@@ -637,7 +728,7 @@ def summary(result: dict) -> str:
     return (f"{result['s_per_step']:.3f} s/step, {result['tokens_per_s']:,.0f} tokens/s, MFU {result['mfu']:.1%}, "
             f"peak {result['peak_gb']:.1f} GB, attention work {result['attention_work']:.2f}, logprobs vs "
             f"{agreement.get('against')}: mean |diff| {agreement.get('mean_abs', float('nan')):.4f}, kernels "
-            f"{result['kernels']}")
+            f"{ {k: v for k, v in result['kernels'].items() if k != 'attention'} }")
 
 
 def write_outputs(args: argparse.Namespace, results: list[dict], text: str, device: str) -> None:

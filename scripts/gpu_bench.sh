@@ -4,7 +4,8 @@
 # benchmarks/bench_train_gpu.py over BENCH_CASES (default: its default cases, most wanted first) within
 # BENCH_SECONDS (cases that would not fit are listed as not run), then the tests only a GPU runs for the
 # training kernels and Megatron-core in the time left of TOTAL_SECONDS. The table goes to
-# OUT_DIR/train_gpu*.md as each case ends, the runs' JSON to $OUT/train_gpu.json
+# OUT_DIR/train_gpu*.md as each case ends, the runs' JSON to $OUT/train_gpu.json, the profiled steps of
+# fixed-compile and packed-compile as gzipped Chrome traces ($OUT/trace_*.json.gz: 8 files in all)
 # (`python benchmarks/bench_train_gpu.py --plot-from <it>` draws the time breakdown where matplotlib is).
 #   scripts/gpu_bench.sh [OUT_DIR]
 # On the device tool: command `scripts/gpu_bench.sh "$OUT"`, carry [".whl"], timeout_s 540. A dry run of the
@@ -23,7 +24,7 @@ python3 benchmarks/bench_train_gpu.py --out "$report" --budget "${BENCH_SECONDS:
     ${cases:+--cases "$cases"} ${BENCH_ARGS:-} 2>&1 | tail -n 80 | tee "$out/bench.log"
 left=$((total - SECONDS - 5))
 if [ -z "${SKIP_TESTS:-}" ] && [ "$left" -gt 30 ]; then
-    timeout "$left" python3 -m pytest -q -rs -p no:cacheprovider \
+    timeout "$left" python3 -m pytest -q -rfEs -p no:cacheprovider -p no:warnings \
         -k "not learns_the_bundled_task and not generation_on_the_gpu and not context_parallelism" \
         tests/test_training_kernels.py tests/test_megatron_gpu.py 2>&1 | tail -n 40 | tee "$out/gpu_tests.log"
 else

@@ -45,7 +45,6 @@ def attention_and_grads(fn, query, key, value):
 
 
 @pytest.mark.parametrize("device, asked", [("cpu", None), pytest.param("cuda", None, marks=cuda),
-                                           pytest.param("cuda", "cudnn_varlen", marks=cuda),
                                            pytest.param("cuda", "padded_sdpa", marks=cuda)])
 def test_packed_attention_equals_per_sequence_attention(device, asked, monkeypatch):
     """The CPU's float32 takes the padded-rows SDPA path; CUDA's bf16 torch's varlen flash kernel, or
@@ -74,25 +73,22 @@ def test_the_packed_kernel_is_chosen_by_device_dtype_and_novarl_packed_attention
                                                                                                 dtype=torch.float32)
     choose = attention._packed_choice
     monkeypatch.setattr(attention, "ASKED", None)
-    assert choose(torch.zeros(1, dtype=torch.bfloat16), 0.0, False) == "padded_sdpa"  # the CPU
-    assert (choose(cuda_bf16, 0.0, False), choose(cuda_fp32, 0.0, False), choose(cuda_bf16, 0.1, False)) == (
+    assert choose(torch.zeros(1, dtype=torch.bfloat16), 0.0) == "padded_sdpa"  # the CPU
+    assert (choose(cuda_bf16, 0.0), choose(cuda_fp32, 0.0), choose(cuda_bf16, 0.1)) == (
         "flash_varlen" if attention._flash_varlen() else "padded_sdpa", "padded_sdpa", "padded_sdpa")
-    monkeypatch.setattr(attention, "ASKED", "cudnn_varlen")
-    assert choose(cuda_bf16, 0.0, False) == "cudnn_varlen"
-    assert choose(cuda_bf16, 0.0, True) != "cudnn_varlen"  # shared prompts: bottom-right causal, flash's
     monkeypatch.setattr(attention, "ASKED", "padded_sdpa")
-    assert choose(cuda_bf16, 0.0, False) == "padded_sdpa"
+    assert choose(cuda_bf16, 0.0) == "padded_sdpa"
     monkeypatch.setattr(attention, "_said", set())
     monkeypatch.setattr(attention, "ASKED", "fa3")
-    assert choose(cuda_bf16, 0.0, False) == choose(cuda_bf16, 0.0, False) != "fa3"
+    assert choose(cuda_bf16, 0.0) == choose(cuda_bf16, 0.0) != "fa3"
     err = capsys.readouterr().err
-    assert err.count("NOVARL_PACKED_ATTENTION='fa3' is not a packed attention kernel (flash_varlen, cudnn_varlen, "
-                     "padded_sdpa): not used") == 1  # said once
+    assert err.count("NOVARL_PACKED_ATTENTION='fa3' is not a packed attention kernel (flash_varlen, padded_sdpa): "
+                     "not used") == 1  # said once
 
 
-def test_shared_keys_say_whether_any_prompt_is_shared():
-    """A packed row laid out with shared prompts whose groups are single samples shares nothing: its
-    attention rows' queries are all their keys, so any varlen kernel's causal alignment fits it."""
+def test_shared_keys_read_a_shared_prompt_in_each_row_of_its_group():
+    """A group's second row reads its prompt's keys again (fewer queries than keys: the varlen kernel's
+    causal attention aligned at the bottom right); groups of single samples share nothing."""
     from novarl.backends.training.batching import lay_out
     from novarl.types import TrainBatch
 
@@ -105,8 +101,9 @@ def test_shared_keys_say_whether_any_prompt_is_shared():
     for groups, unshared in (([0, 0, 1], False), ([0, 1, 2], True)):
         mb.group_ids = torch.tensor(groups)
         keys = lay_out(mb, "packed", 8, share_prompts=True).shared_keys
-        assert keys.unshared is unshared
-        assert (keys.cu_queries[-1] < keys.cu_keys[-1]) is not unshared  # the prompt's 5 keys read twice
+        queries, reads = keys.cu_queries.diff(), keys.cu_keys.diff()
+        assert torch.equal(queries, reads) is unshared
+        assert int(keys.cu_keys[-1] - keys.cu_queries[-1]) == (0 if unshared else 5)  # the prompt's 5 keys twice
 
 
 def test_the_optimizer_is_fused_on_cuda_unless_the_config_chooses():
@@ -297,3 +294,55 @@ def test_decoder_layers_compile_by_default_only_where_it_was_measured_to_win():
     assert not compiles(default, gpt2, gpu)
     assert compiles(DTensorConfig(torch_compile=True), qwen, cpu)
     assert not compiles(DTensorConfig(torch_compile=False), qwen, gpu)
+
+
+def test_one_data_parallel_shard_gathers_each_layer_once_a_step_and_trains_as_resharding_does(monkeypatch):
+    """On one data-parallel shard a trainable model's gathered weights serve every micro-batch of a step
+    (parallelize.py keeps_gathered): each FSDP unit is gathered once in a step of three logprob and three
+    training micro-batches, where resharding gathers each layer in every forward and backward. The numbers
+    are resharding's over two steps with a learning rate, and a logprob pass between the backward and the
+    optimizer step does not leave copies the step makes stale (the next pass reads the new weights)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from novarl.algorithms.losses import make_loss
+    from novarl.backends.training import dtensor
+    from novarl.config import load_config
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.loading import resolve_model_path
+    from tests.helpers.packing import HEAD, LOSS, measure, mixed_batch
+
+    ensure_single_process_group()
+    cfg = load_config(None, overrides=["policy.train_micro_batch_size=3", "policy.logprob_batch_size=4",
+                                       "policy.scheduler=[]", "policy.optimizer.kwargs={lr: 0.01}"])
+    batch, gathers = mixed_batch(rows=9), []
+    original = FSDPParamGroup._to_unsharded
+
+    def counted(group):
+        gathers.append(group)
+        return original(group)
+
+    monkeypatch.setattr(FSDPParamGroup, "_to_unsharded", counted)
+    runs = {}
+    for keep in (True, False):
+        if not keep:
+            monkeypatch.setattr(dtensor, "keeps_gathered", lambda *args: False)
+        policy = dtensor.DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"),
+                                       total_steps=2)
+        assert policy.keep_gathered is keep  # keep: the choice itself for one rank, trainable, no offload
+        call = lambda method, *args: getattr(policy, method)(*args)  # noqa: E731
+        gathers.clear()
+        first = measure(call, batch)
+        runs[keep] = {"gathers": len(gathers), "first": first}
+        batch.old_logprobs = None
+        second = policy.forward_backward(batch, make_loss(LOSS), HEAD)
+        runs[keep]["between"] = policy.forward(batch, HEAD)  # after the backward, before the step
+        runs[keep].update(second=second, norm=policy.optim_step()["grad_norm"], after=policy.forward(batch, HEAD))
+    units = policy.model.config.num_hidden_layers + 1  # each decoder layer, and the root
+    assert runs[True]["gathers"] == units and runs[False]["gathers"] > 3 * units
+    for name in ("loss", "grad_norm"):
+        assert runs[True]["first"][name] == pytest.approx(runs[False]["first"][name], rel=1e-6)
+    assert runs[True]["second"]["loss"] == pytest.approx(runs[False]["second"]["loss"], rel=1e-6)
+    assert runs[True]["norm"] == pytest.approx(runs[False]["norm"], rel=1e-6)
+    for name in ("between", "after"):
+        torch.testing.assert_close(runs[True][name], runs[False][name], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(runs[True]["between"], runs[True]["after"])  # the step changed the weights

@@ -16,8 +16,9 @@ is built: transformers makes masks only for implementations it knows).
 On CUDA (bf16/fp16, torch 2.10+) packed rows go to torch's variable-length flash kernel instead
 (`flash_varlen`): no padding, no gather; with shared prompts each completion's queries attend to
 its prompt's keys gathered before its own (`SharedKeys`). Everywhere else the padded-rows path
-computes the same attention (tested against each other). NOVARL_PACKED_ATTENTION chooses among
-the kernels on CUDA (`padded_sdpa`, or cuDNN's varlen kernel, `cudnn_varlen`, opt-in).
+computes the same attention (tested against each other). NOVARL_PACKED_ATTENTION=padded_sdpa chooses
+the padded-rows path on CUDA too. (cuDNN's varlen kernel, called through torch's private op, was tried and
+removed: on an H100 its gradients did not match per-sequence attention, relative error 1.1.)
 
 It is used for architectures whose attention is plain causal softmax attention
 (no sliding window, no logit soft-capping); others keep their own attention and
@@ -83,14 +84,11 @@ class SharedKeys:
     """[A + 1] int32 boundaries of each attention row's keys in `index`."""
     longest_queries: int
     longest_keys: int
-    unshared: bool = False
-    """No prompt is shared: every attention row's queries are all its keys (then a kernel's causal
-    alignment, top left or bottom right, makes no difference)."""
 
     def to(self, device: torch.device) -> "SharedKeys":
         """On `device`, copies queued without waiting (as ModelInputs.to)."""
         return SharedKeys(*(t.to(device, non_blocking=True) for t in (self.index, self.cu_queries, self.cu_keys)),
-                          self.longest_queries, self.longest_keys, self.unshared)
+                          self.longest_queries, self.longest_keys)
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -114,8 +112,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
                                                                scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
-    shared = novarl_attention_rows is not None and not (novarl_shared_keys is not None and novarl_shared_keys.unshared)
-    kernel = varlen_kernel(query, dropout, shared_keys=shared)
+    kernel = varlen_kernel(query, dropout)
     if kernel is not None and novarl_attention_rows is None:
         cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
         longest = int(max_length_q) if max_length_q is not None else int(cu.diff().max())
@@ -143,24 +140,22 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return flat.index_select(0, take).view(1, len(take), out.shape[1], out.shape[3]), None
 
 
-PACKED_KERNELS = ("flash_varlen", "cudnn_varlen", "padded_sdpa")
+PACKED_KERNELS = ("flash_varlen", "padded_sdpa")
 KERNEL_ENV = "NOVARL_PACKED_ATTENTION"
 """Chooses packed rows' attention kernel on CUDA among PACKED_KERNELS (unset: flash_varlen where torch
-has it, else padded_sdpa). cudnn_varlen (cuDNN's variable-length kernel, called through torch's
-private ops) is opt-in until a GPU has measured it; rows with shared prompts keep flash_varlen."""
+has it, else padded_sdpa)."""
 ASKED: str | None = os.environ.get(KERNEL_ENV) or None
 """KERNEL_ENV as this process started with it: read once, so that compiled layers see a constant."""
 
 
-def varlen_kernel(query: torch.Tensor, dropout: float, *, shared_keys: bool = False):
+def varlen_kernel(query: torch.Tensor, dropout: float):
     """The variable-length kernel packed rows' attention runs on: on CUDA in bf16/fp16 without
-    dropout, torch's flash kernel (`torch.nn.attention.varlen`, torch 2.10+), or cuDNN's where
-    NOVARL_PACKED_ATTENTION asks for it; a packed row's attention then costs its sequences' own work,
+    dropout, torch's flash kernel (`torch.nn.attention.varlen`, torch 2.10+); a packed row's attention then costs its sequences' own work,
     with no padding and no gather. None elsewhere (the CPU, float32, an older torch, or
     NOVARL_PACKED_ATTENTION=padded_sdpa): the padded-rows path below, which computes the same
     attention. On CUDA each path is said in the log the first time it runs."""
     global packed_kernel
-    name = _packed_choice(query, dropout, shared_keys)
+    name = _packed_choice(query, dropout)
     packed_kernel = name
     if query.is_cuda and name not in _said:  # the CPU's is the only one it has
         from novarl.logging.console import info
@@ -168,15 +163,14 @@ def varlen_kernel(query: torch.Tensor, dropout: float, *, shared_keys: bool = Fa
         _said.add(name)
         info("packed attention: " + {
             "flash_varlen": "torch's flash varlen kernel (torch.nn.attention.varlen)",
-            "cudnn_varlen": "cuDNN's varlen kernel (NOVARL_PACKED_ATTENTION=cudnn_varlen)",
         }.get(name, "causal SDPA over each sequence's padded row (" + (
             f"{KERNEL_ENV}=padded_sdpa" if ASKED == "padded_sdpa" else
             f"no varlen kernel for {str(query.dtype).removeprefix('torch.')}{' with dropout' if dropout else ''} "
             f"in torch {torch.__version__}") + ")"))
-    return {"flash_varlen": flash_varlen, "cudnn_varlen": cudnn_varlen}.get(name)
+    return flash_varlen if name == "flash_varlen" else None
 
 
-def _packed_choice(query: torch.Tensor, dropout: float, shared_keys: bool) -> str:
+def _packed_choice(query: torch.Tensor, dropout: float) -> str:
     asked = ASKED
     if asked is not None and asked not in PACKED_KERNELS and asked not in _said:
         from novarl.logging.console import info
@@ -186,8 +180,6 @@ def _packed_choice(query: torch.Tensor, dropout: float, shared_keys: bool) -> st
              "not used")
     if not (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout) or asked == "padded_sdpa":
         return "padded_sdpa"
-    if asked == "cudnn_varlen" and not shared_keys and hasattr(torch.ops.aten, "_cudnn_attention_forward"):
-        return "cudnn_varlen"
     return "flash_varlen" if _flash_varlen() is not None else "padded_sdpa"
 
 
@@ -233,26 +225,6 @@ def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu
         options["is_causal"] = True
     out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_queries, cu_keys, longest_queries,
                       longest_keys, **options)
-    return out[None]
-
-
-@torch.compiler.disable  # aten._cudnn_attention_forward has no fake kernel: eagerly, between two graphs
-def cudnn_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_queries: torch.Tensor,
-                 cu_keys: torch.Tensor, longest_queries: int, longest_keys: int, scaling: float | None) -> torch.Tensor:
-    """flash_varlen's attention (each sequence's queries to its own keys, causal; queries and keys of one
-    length) through cuDNN's variable-length kernel: torch.ops.aten._cudnn_attention_forward on [T, H, D]
-    with the boundaries, as torch's nested-tensor SDPA calls it (its backward is the op's own autograd
-    formula; torch's varlen API does not route to cuDNN yet). Grouped key/value heads are repeated. torch
-    registers no fake (meta) kernel for the op (2.13), so a compiled layer runs it eagerly between two
-    graphs (torch.compiler.disable: a graph break said in advance, not found while tracing; the op's backward
-    cannot be called from Python without an attention bias, so a custom op around it is not an option)."""
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
-    if k.shape[1] != q.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))  # the backward reads it
-    out = torch.ops.aten._cudnn_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), None, cu_queries,
-                                                  cu_keys, longest_queries, longest_keys, lse, 0.0, True, False,
-                                                  scale=scaling)[0]
     return out[None]
 
 

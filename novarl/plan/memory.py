@@ -383,7 +383,8 @@ def _fsdp2(shape: ModelShape, strategy: str, work: Workload, parallel: Paralleli
     states = (resident * per_parameter.weights, resident * per_parameter.grads, resident * per_parameter.optimizer)
     activations = _full_model_activations(shape, work, parallel, tensor_parallel_size=tp) \
         + _context_parallel_kv(shape, work, parallel, tensor_parallel_size=tp)
-    gathered = _gathered_units(shape, work.precision, tensor_parallel_size=tp)
+    gathered = _gathered_units(shape, work.precision, tensor_parallel_size=tp,
+                               whole=shards == 1 and strategy != "fsdp2_offload")
     if strategy != "fsdp2_offload":
         return MemoryBreakdown(params=states[0], grads=states[1], optimizer=states[2],
                                gathered_params=gathered, activations=activations)
@@ -408,15 +409,17 @@ def _context_parallel_kv(shape: ModelShape, work: Workload, parallel: Parallelis
     return per_layer * compute_bytes * layers
 
 
-def _gathered_units(shape: ModelShape, precision: Precision, *, tensor_parallel_size: int) -> float:
+def _gathered_units(shape: ModelShape, precision: Precision, *, tensor_parallel_size: int,
+                    whole: bool = False) -> float:
     """Unsharded copies during compute: the root unit (embeddings, final norm, lm_head;
     FSDP2 keeps the root gathered from forward to backward), the current and the
-    prefetched layer in the compute dtype, and one layer's unsharded fp32 gradient
-    before its reduce-scatter."""
+    prefetched layer in the compute dtype (every layer where `whole`: one data-parallel shard keeps
+    its gathered copies through the micro-batches, backends/training/parallelize.py keeps_gathered),
+    and one layer's unsharded fp32 gradient before its reduce-scatter."""
     compute_bytes = 4 if precision == "float32" else 2
     layer = shape.layer_parameters / tensor_parallel_size
     root = shape.parameters - shape.num_layers * shape.layer_parameters
-    return compute_bytes * (root + 2 * layer) + 4 * layer
+    return compute_bytes * (root + (shape.num_layers if whole else 2) * layer) + 4 * layer
 
 
 def _full_model_activations(shape: ModelShape, work: Workload, parallel: Parallelism, *,

@@ -422,8 +422,7 @@ def _shared_keys(rows: torch.Tensor, take: torch.Tensor, lengths: torch.Tensor) 
     cu_queries = torch.nn.functional.pad(torch.cumsum(queries, 0), (1, 0)).to(torch.int32)
     cu_keys = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
     index = rows[torch.arange(width) < lengths[:, None]]
-    return SharedKeys(index, cu_queries, cu_keys, int(queries.max()), int(lengths.max()),
-                      unshared=bool(torch.equal(queries, lengths)))
+    return SharedKeys(index, cu_queries, cu_keys, int(queries.max()), int(lengths.max()))
 
 
 def tail_pieces(used: int, total: int, longest: int) -> torch.Tensor:

@@ -44,6 +44,8 @@ from novarl.backends.training.parallelize import (
     cp_group,
     dp_group,
     fsdp_mesh,
+    keeps_gathered,
+    reshard,
 )
 from novarl.config.schema import PolicyConfig
 from novarl.errors import UserError
@@ -128,7 +130,9 @@ class ShardedModel(DataParallelRows):
 
                 info("decoder layers compiled (policy.dtensor_cfg.torch_compile: on by default on CUDA; "
                      "the first steps compile)")
-        apply_fsdp(model, fsdp_mesh(self.mesh), param_dtype=DTYPES[precision], cpu_offload=dt.cpu_offload)
+        self.keep_gathered = keeps_gathered(trainable, fsdp_mesh(self.mesh), dt.cpu_offload)
+        apply_fsdp(model, fsdp_mesh(self.mesh), param_dtype=DTYPES[precision], cpu_offload=dt.cpu_offload,
+                   keep_gathered=self.keep_gathered)
         model.train(trainable)
         if self.lora is None:
             model.requires_grad_(trainable)
@@ -151,6 +155,8 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
 
     def accumulation_boundary(self, last: bool) -> None:
         self.model.set_requires_gradient_sync(last)
+        if self.keep_gathered:  # the gathered weights serve the next micro-batch; the last backward frees them
+            self.model.set_reshard_after_backward(last)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -163,6 +169,8 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
 
     def optim_step(self) -> dict[str, float]:
         """Clip, step the optimizer and scheduler, zero the gradients."""
+        if self.keep_gathered:  # a forward since the last backward left gathered copies: the module would list
+            reshard(self.model)  # them (without grads) as its parameters, and the step would make them stale
         grad_norm = clip_grad_norm(list(self.model.parameters()), self.policy.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -200,6 +208,7 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         state = {"model": self._checkpointed(model_state), "optim": optim_state}
         dcp.load(state, checkpoint_id=str(path), planner=WeightsOnlyLoadPlanner())
+        reshard(self.model)  # no gathered copy of the weights the checkpoint replaces
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=options)
         self.scheduler.load_state_dict(torch.load(Path(path) / "scheduler.pt", weights_only=True))
@@ -210,6 +219,7 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         options = self._state_options()
         state = {"model": self._checkpointed(get_model_state_dict(self.model, options=options))}
         dcp.load(state, checkpoint_id=str(path), planner=WeightsOnlyLoadPlanner())
+        reshard(self.model)
         set_model_state_dict(self.model, state["model"], options=options)
 
 

@@ -281,9 +281,11 @@ def apply_compile(model: torch.nn.Module) -> None:
 
 
 def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torch.dtype,
-               cpu_offload: bool) -> None:
-    """Shard each decoder layer, then the root (embeddings, final norm, head)."""
-    kwargs: dict = {"mesh": dp_mesh}
+               cpu_offload: bool, keep_gathered: bool = False) -> None:
+    """Shard each decoder layer, then the root (embeddings, final norm, head). keep_gathered: each
+    layer's gathered (compute-dtype) weights are kept after its forward, for the backward and the next
+    micro-batch, until `reshard` or a backward that reshards (FSDPModule.set_reshard_after_backward)."""
+    kwargs: dict = {"mesh": dp_mesh, "reshard_after_forward": not keep_gathered}
     if param_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if cpu_offload:
@@ -291,6 +293,26 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torc
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+
+
+def keeps_gathered(trainable: bool, dp_mesh: DeviceMesh, cpu_offload: bool) -> bool:
+    """Whether a model's gathered weights stay from one micro-batch to the next (apply_fsdp): for a
+    trainable model on one data-parallel shard, where gathering is no saving (the shard is the whole
+    weight: only a cast copy is freed) and costs a cast and a copy of every layer in each forward and
+    backward (12 a step at 4 + 4 micro-batches). Then a step gathers once: in its first forward. Not
+    with CPU offload (the copies would keep the model on the GPU) nor for frozen models (no backward
+    reshards them; they keep the memory)."""
+    return trainable and dp_mesh.size() == 1 and not cpu_offload
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every gathered weight copy (FSDP2), so that the next forward gathers the sharded weights
+    anew: before anything changes those (an optimizer step, a checkpoint's load)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float | None) -> float:
