@@ -271,6 +271,48 @@ def test_megatron_core_loads_and_computes_like_hugging_face():
         assert len(checks) == 2 * (1 + 3 * 2) + 2
 
 
+def test_a_bf16_policy_without_transformer_engine_holds_every_weight_in_bf16(tmp_path):
+    """megatron-core's local spec makes its torch norms with fp32 weights whatever params_dtype; novarl casts
+    them (backends/megatron/model.py norms_in_params_dtype), so that in bf16 every weight is bf16 and a norm
+    is not torch's unfused mixed-dtype path. The policy's logprobs are Hugging Face's fp32 ones to bf16's
+    resolution, on one spawned rank (megatron-core's parallel state is the process's)."""
+    pytest.importorskip("megatron.core")
+    from tests.helpers.spawn import spawned
+
+    ((dtypes, norms, difference),) = spawned(bf16_rank, 1, str(tmp_path))
+    assert norms and dtypes == {torch.bfloat16}, dtypes
+    assert difference.mean() < 0.05 and difference.max() < 0.5, (difference.mean(), difference.max())
+
+
+def bf16_rank(rank: int, world: int, rendezvous: str, results, folder: str) -> None:
+    import os
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    from novarl.backends.training.megatron import MegatronReference
+    from novarl.config import load_config
+    from novarl.models.loading import resolve_model_path, token_logprobs
+    from novarl.models.scores import Logprobs
+    from novarl.types import TrainBatch
+    from tests.helpers.spawn import send
+
+    os.environ.update(NOVARL_MEGATRON_ON_CPU="1", NOVARL_MEGATRON_CHECKPOINT_DIR=folder)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    cfg = load_config(None, overrides=["policy.megatron_cfg.enabled=true", "policy.precision=bfloat16"])
+    policy = MegatronReference(cfg.policy, resolve_model_path("tiny-arith"))
+    params = dict(policy.modules[0].named_parameters())
+    ids = torch.randint(3, 18, (4, 30), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    ours = TrainBatch.from_rows(ids, mask, mask, torch.zeros(4))
+    ours = ours.to_rows(policy.forward(ours, Logprobs()))[:, 1:].float()
+    with torch.no_grad():
+        theirs = token_logprobs(bundled_tiny_arith()(input_ids=ids).logits, ids)[:, 1:]
+    send(results, rank, ({p.dtype for p in params.values()}, [n for n in params if "norm" in n],
+                         (ours - theirs).abs()))
+
+
 # ---------------------------------------------------------------- the cache
 def test_cache_folder_follows_the_seeds_order_and_names(monkeypatch, tmp_path):
     # Seed 002: NRL_MEGATRON_CHECKPOINT_DIR, else $HF_HOME/nemo_rl, else ~/.cache/huggingface/nemo_rl;

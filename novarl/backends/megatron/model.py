@@ -371,14 +371,27 @@ def build_gpt_model(config, hf_config, shape: LayerShape, chunk: Chunk, *, max_s
 
     rope = _rope(hf_config)
     scaling = rope.get("rope_type") == "llama3"
-    return GPTModel(
+    return norms_in_params_dtype(GPTModel(
         config=config, transformer_layer_spec=layer_spec(config),
         vocab_size=shape.padded_vocab_size(config.tensor_model_parallel_size),
         max_sequence_length=max(max_sequence_length, getattr(hf_config, "max_position_embeddings", 0)),
         pre_process=chunk.first, post_process=chunk.last, vp_stage=chunk.vp_stage,
         share_embeddings_and_output_weights=shape.tied, position_embedding_type="rope",
         rotary_base=int(rope["rope_theta"]), rope_scaling=scaling,
-        rope_scaling_factor=float(rope.get("factor", 8.0)) if scaling else 8.0)
+        rope_scaling_factor=float(rope.get("factor", 8.0)) if scaling else 8.0), config.params_dtype)
+
+
+def norms_in_params_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The module with its torch norms' weights in `dtype`. megatron-core's local spec (no Transformer
+    Engine) builds its norms as torch.nn.RMSNorm / LayerNorm, which make fp32 weights whatever the config's
+    params_dtype; in bf16 such a norm gets bf16 inputs and an fp32 weight, which torch cannot dispatch to
+    its fused kernel (it warns, and runs several elementwise kernels a norm, forward and backward).
+    Megatron-LM casts its whole model (Float16Module); here only the norms are off, and the optimizer
+    keeps fp32 main copies of every 16-bit weight."""
+    for norm in module.modules():
+        if isinstance(norm, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            norm.to(dtype)
+    return module
 
 
 def largest_stage(config) -> int:
