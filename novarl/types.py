@@ -88,6 +88,17 @@ class SamplingConfig:
     runs (rollout/episodes.py turn_seed)."""
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without the host waiting for the device: on CUDA through pinned memory
+    and a non-blocking copy (a blocking copy, or one from pageable memory, can wait for every kernel
+    queued before it, and the GPU then idles while the host queues the next ones); elsewhere `.to`."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @dataclass
 class TrainBatch:
     """One step's samples, token-level: S sequences of N tokens in all, end to end."""
@@ -143,7 +154,10 @@ class TrainBatch:
     @property
     def sequence_index(self) -> torch.Tensor:
         """[N] int64 the sequence each token belongs to."""
-        return torch.repeat_interleave(torch.arange(len(self), device=self.cu_seqlens.device), self.lengths)
+        # output_size: the token count is known (input_ids' shape), so a device batch's copy never waits
+        # for the device to add up the lengths (a host synchronisation in each micro-batch's loss)
+        return torch.repeat_interleave(torch.arange(len(self), device=self.cu_seqlens.device), self.lengths,
+                                       output_size=self.num_tokens)
 
     def sequence_sum(self, values: torch.Tensor) -> torch.Tensor:
         """[S] the sum of per-token `values` [N] over each sequence's tokens."""
@@ -166,19 +180,19 @@ class TrainBatch:
         sequences = torch.as_tensor(sequences, dtype=torch.long)
         if self.host is not None:  # the layout from the host copy: no wait for the device
             host = self.host.select(sequences)
-            index = self.host.token_index(sequences).to(self.input_ids.device, non_blocking=True)
+            index = to_device(self.host.token_index(sequences), self.input_ids.device)
             lengths = host.lengths
         else:
             host = None
-            index = self.token_index(sequences).to(self.input_ids.device)
+            index = to_device(self.token_index(sequences), self.input_ids.device)
             lengths = self.lengths.cpu()[sequences]
-        cu = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(self.cu_seqlens.device)
+        cu = to_device(torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)), self.cu_seqlens.device)
 
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[index]
 
         def per_sequence(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[sequences.to(t.device)]
+            return None if t is None else t[to_device(sequences, t.device)]
 
         return TrainBatch(
             input_ids=self.input_ids[index], cu_seqlens=cu, position_ids=self.position_ids[index],

@@ -346,3 +346,22 @@ def test_one_data_parallel_shard_gathers_each_layer_once_a_step_and_trains_as_re
     for name in ("between", "after"):
         torch.testing.assert_close(runs[True][name], runs[False][name], rtol=1e-6, atol=1e-6)
     assert not torch.allclose(runs[True]["between"], runs[True]["after"])  # the step changed the weights
+
+
+@cuda
+def test_a_micro_batch_on_the_gpu_is_cut_with_copies_that_do_not_wait_for_the_gpu():
+    """A batch moved to the GPU is cut into micro-batches from its host copy, the indices travelling
+    through pinned memory (types.py to_device): the same micro-batches as the CPU batch's."""
+    from novarl.types import to_device
+    from tests.helpers.packing import mixed_batch
+
+    batch = mixed_batch(rows=6)
+    on_gpu = batch.to(torch.device("cuda"))
+    for sequences in ([0, 2, 5], [4]):
+        got, want = on_gpu.select(sequences), batch.select(sequences)
+        for name in ("input_ids", "cu_seqlens", "position_ids", "loss_mask", "advantages", "prompt_lengths",
+                     "group_ids", "sequence_index"):
+            assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+    host = torch.arange(5)
+    assert to_device(host, torch.device("cpu")) is host and torch.equal(to_device(host, torch.device("cuda")).cpu(),
+                                                                         host)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from novarl.models.architectures import PLAIN_CAUSAL
+from novarl.types import to_device
 
 VARLEN = "novarl_varlen"
 READS_BOUNDARIES = (VARLEN, "flash_attention_2", "flash_attention_3")
@@ -87,7 +88,7 @@ class SharedKeys:
 
     def to(self, device: torch.device) -> "SharedKeys":
         """On `device`, copies queued without waiting (as ModelInputs.to)."""
-        return SharedKeys(*(t.to(device, non_blocking=True) for t in (self.index, self.cu_queries, self.cu_keys)),
+        return SharedKeys(*(to_device(t, device) for t in (self.index, self.cu_queries, self.cu_keys)),
                           self.longest_queries, self.longest_keys)
 
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from novarl.models.attention import SharedKeys
 from novarl.models.scores import token_scores
-from novarl.types import TrainBatch
+from novarl.types import TrainBatch, to_device
 
 Layout = Literal["packed", "dynamic", "fixed"]
 
@@ -277,7 +277,7 @@ def micro_batch(batch: TrainBatch, sequences: list[int] | None) -> TrainBatch:
         return None if t is None else torch.zeros_like(t[index])
 
     empty = TrainBatch(
-        input_ids=one.input_ids[index], cu_seqlens=torch.tensor([0, 1], device=one.cu_seqlens.device),
+        input_ids=one.input_ids[index], cu_seqlens=to_device(torch.tensor([0, 1]), one.cu_seqlens.device),
         position_ids=torch.zeros_like(one.position_ids[index]), loss_mask=torch.zeros_like(one.loss_mask[index]),
         advantages=torch.zeros_like(one.advantages[index]),
         generator_logprobs=torch.zeros_like(one.generator_logprobs[index]),
@@ -325,7 +325,7 @@ class ModelInputs:
         """On `device` (copies queued without waiting; a CPU layout is freshly made, nothing changes it)."""
         def move(value):
             if isinstance(value, torch.Tensor):
-                return value.to(device, non_blocking=True)
+                return to_device(value, device)
             return value.to(device) if isinstance(value, SharedKeys) else value
 
         return ModelInputs(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
