@@ -151,8 +151,8 @@ ASKED: str | None = os.environ.get(KERNEL_ENV) or None
 
 def varlen_kernel(query: torch.Tensor, dropout: float):
     """The variable-length kernel packed rows' attention runs on: on CUDA in bf16/fp16 without
-    dropout, torch's flash kernel (`torch.nn.attention.varlen`, torch 2.10+); a packed row's attention then costs its sequences' own work,
-    with no padding and no gather. None elsewhere (the CPU, float32, an older torch, or
+    dropout, torch's flash kernel (`torch.nn.attention.varlen`, torch 2.10+); a packed row's
+    attention then costs its sequences' own work, with no padding and no gather. None elsewhere (the CPU, float32, an older torch, or
     NOVARL_PACKED_ATTENTION=padded_sdpa): the padded-rows path below, which computes the same
     attention. On CUDA each path is said in the log the first time it runs."""
     global packed_kernel
