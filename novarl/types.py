@@ -211,7 +211,7 @@ class TrainBatch:
     def to(self, device: torch.device) -> "TrainBatch":
         if self.input_ids.device == device:
             return self
-        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
+        moved = {k: to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
         moved["host"] = self if self.input_ids.device.type == "cpu" else None
         return TrainBatch(**moved)
 
