@@ -298,8 +298,9 @@ def test_decoder_layers_compile_by_default_only_where_it_was_measured_to_win():
 
 def test_one_data_parallel_shard_gathers_each_layer_once_a_step_and_trains_as_resharding_does(monkeypatch):
     """On one data-parallel shard a trainable model's gathered weights serve every micro-batch of a step
-    (parallelize.py keeps_gathered): each FSDP unit is gathered once in a step of three logprob and three
-    training micro-batches, where resharding gathers each layer in every forward and backward. The numbers
+    (parallelize.py keeps_gathered): each FSDP unit is gathered twice in a step of three logprob and three
+    training micro-batches (in each pass's first forward), where resharding gathers each layer in every forward
+    and backward; nothing is left gathered after the logprob pass. The numbers
     are resharding's over two steps with a learning rate, and a logprob pass between the backward and the
     optimizer step does not leave copies the step makes stale (the next pass reads the new weights)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
@@ -333,12 +334,15 @@ def test_one_data_parallel_shard_gathers_each_layer_once_a_step_and_trains_as_re
         gathers.clear()
         first = measure(call, batch)
         runs[keep] = {"gathers": len(gathers), "first": first}
+        policy.forward(batch, HEAD)
+        assert not any(isinstance(p, torch.nn.Parameter) and not hasattr(p, "device_mesh")
+                       for p in policy.model.parameters())  # every weight is its shard (a DTensor) again
         batch.old_logprobs = None
         second = policy.forward_backward(batch, make_loss(LOSS), HEAD)
         runs[keep]["between"] = policy.forward(batch, HEAD)  # after the backward, before the step
         runs[keep].update(second=second, norm=policy.optim_step()["grad_norm"], after=policy.forward(batch, HEAD))
     units = policy.model.config.num_hidden_layers + 1  # each decoder layer, and the root
-    assert runs[True]["gathers"] == units and runs[False]["gathers"] > 3 * units
+    assert runs[True]["gathers"] == 2 * units and runs[False]["gathers"] > 4 * units
     for name in ("loss", "grad_norm"):
         assert runs[True]["first"][name] == pytest.approx(runs[False]["first"][name], rel=1e-6)
     assert runs[True]["second"]["loss"] == pytest.approx(runs[False]["second"]["loss"], rel=1e-6)

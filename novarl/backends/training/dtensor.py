@@ -54,7 +54,8 @@ from novarl.models.attention import use_varlen_attention
 from novarl.models.context_parallel import use_context_parallel_attention
 from novarl.models.loading import DTYPES, ExportFormat, load_causal_lm
 from novarl.models.logprob_head import use_picking_head
-from novarl.models.scores import training_precision
+from novarl.models.scores import Head, training_precision
+from novarl.types import TrainBatch
 from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf, sends_adapter
 
 
@@ -139,6 +140,17 @@ class ShardedModel(DataParallelRows):
         self.model = model
 
 
+    @torch.no_grad()
+    def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
+        """DataParallelRows.forward, the gathered weights freed at its end: FSDP2 keeps the root's (and
+        with keep_gathered every layer's) after a forward, for a backward that a no-grad pass never runs;
+        nothing stays gathered between calls, while another role or a colocated engine runs."""
+        try:
+            return super().forward(batch, head)
+        finally:
+            reshard(self.model)
+
+
 class TrainableShardedModel(ShardedModel, AccumulatingRows):
     """A sharded model that trains: its optimizer and schedule, accumulation, clipping, and its
     resumable state (DCP). The policy and the critic are each one."""
@@ -169,8 +181,9 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
 
     def optim_step(self) -> dict[str, float]:
         """Clip, step the optimizer and scheduler, zero the gradients."""
-        if self.keep_gathered:  # a forward since the last backward left gathered copies: the module would list
-            reshard(self.model)  # them (without grads) as its parameters, and the step would make them stale
+        # a forward since the last backward (FSDP2 keeps the root gathered after one) leaves copies the module
+        # lists as its parameters, without grads, and that the step would make stale
+        reshard(self.model)
         grad_norm = clip_grad_norm(list(self.model.parameters()), self.policy.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()

@@ -285,7 +285,9 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torc
     """Shard each decoder layer, then the root (embeddings, final norm, head). keep_gathered: each
     layer's gathered (compute-dtype) weights are kept after its forward, for the backward and the next
     micro-batch, until `reshard` or a backward that reshards (FSDPModule.set_reshard_after_backward)."""
-    kwargs: dict = {"mesh": dp_mesh, "reshard_after_forward": not keep_gathered}
+    kwargs: dict = {"mesh": dp_mesh}
+    if keep_gathered:  # else FSDP2's default: layers resharded after forward, the root kept for the backward
+        kwargs["reshard_after_forward"] = False
     if param_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if cpu_offload:
@@ -299,9 +301,10 @@ def keeps_gathered(trainable: bool, dp_mesh: DeviceMesh, cpu_offload: bool) -> b
     """Whether a model's gathered weights stay from one micro-batch to the next (apply_fsdp): for a
     trainable model on one data-parallel shard, where gathering is no saving (the shard is the whole
     weight: only a cast copy is freed) and costs a cast and a copy of every layer in each forward and
-    backward (12 a step at 4 + 4 micro-batches). Then a step gathers once: in its first forward. Not
-    with CPU offload (the copies would keep the model on the GPU) nor for frozen models (no backward
-    reshards them; they keep the memory)."""
+    backward (12 a step at 4 + 4 micro-batches). Then a step gathers twice: in its logprob pass, freed at
+    its end (dtensor.py ShardedModel.forward: nothing stays gathered between calls, while another role or
+    a colocated engine runs), and in the training pass's first forward, freed by its last backward. Not
+    with CPU offload (the copies would keep the model on the GPU) nor for frozen models."""
     return trainable and dp_mesh.size() == 1 and not cpu_offload
 
 
