@@ -296,7 +296,7 @@ def test_decoder_layers_compile_by_default_only_where_it_was_measured_to_win():
     assert not compiles(DTensorConfig(torch_compile=False), qwen, gpu)
 
 
-def test_one_data_parallel_shard_gathers_each_layer_once_a_step_and_trains_as_resharding_does(monkeypatch):
+def test_one_data_parallel_shard_gathers_each_layer_once_a_pass_and_trains_as_resharding_does(monkeypatch):
     """On one data-parallel shard a trainable model's gathered weights serve every micro-batch of a step
     (parallelize.py keeps_gathered): each FSDP unit is gathered twice in a step of three logprob and three
     training micro-batches (in each pass's first forward), where resharding gathers each layer in every forward
