@@ -143,8 +143,11 @@ class ShardedModel(DataParallelRows):
     @torch.no_grad()
     def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
         """DataParallelRows.forward, the gathered weights freed at its end: FSDP2 keeps the root's (and
-        with keep_gathered every layer's) after a forward, for a backward that a no-grad pass never runs;
-        nothing stays gathered between calls, while another role or a colocated engine runs."""
+        with keep_gathered every layer's) after a forward, for a backward that a no-grad pass never runs.
+        With the training pass's last backward (which reshards) this is the one place that frees them:
+        nothing stays gathered between calls (while another role or a colocated engine runs, or an
+        optimizer step or a load changes the weights; a gathered module lists its copies, without
+        grads, as its parameters)."""
         try:
             return super().forward(batch, head)
         finally:
@@ -181,9 +184,6 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
 
     def optim_step(self) -> dict[str, float]:
         """Clip, step the optimizer and scheduler, zero the gradients."""
-        # a forward since the last backward (FSDP2 keeps the root gathered after one) leaves copies the module
-        # lists as its parameters, without grads, and that the step would make stale
-        reshard(self.model)
         grad_norm = clip_grad_norm(list(self.model.parameters()), self.policy.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -221,7 +221,6 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         state = {"model": self._checkpointed(model_state), "optim": optim_state}
         dcp.load(state, checkpoint_id=str(path), planner=WeightsOnlyLoadPlanner())
-        reshard(self.model)  # no gathered copy of the weights the checkpoint replaces
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=options)
         self.scheduler.load_state_dict(torch.load(Path(path) / "scheduler.pt", weights_only=True))
@@ -232,7 +231,6 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         options = self._state_options()
         state = {"model": self._checkpointed(get_model_state_dict(self.model, options=options))}
         dcp.load(state, checkpoint_id=str(path), planner=WeightsOnlyLoadPlanner())
-        reshard(self.model)
         set_model_state_dict(self.model, state["model"], options=options)
 
 

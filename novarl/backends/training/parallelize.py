@@ -309,8 +309,7 @@ def keeps_gathered(trainable: bool, dp_mesh: DeviceMesh, cpu_offload: bool) -> b
 
 
 def reshard(model: torch.nn.Module) -> None:
-    """Free every gathered weight copy (FSDP2), so that the next forward gathers the sharded weights
-    anew: before anything changes those (an optimizer step, a checkpoint's load)."""
+    """Free every gathered weight copy (FSDP2), so that the next forward gathers the sharded weights anew."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
