@@ -62,6 +62,7 @@ CASES = {
     "var-plain": ("variable", "fixed", False, "plain"),
     "megatron": ("equal", "fixed", False, "megatron"),
     "megatron-packed": ("equal", "packed", False, "megatron"),
+    "megatron-packed-compile": ("equal", "packed", True, "megatron"),
     "var-megatron-packed": ("variable", "packed", False, "megatron"),
 }
 VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure what it gives
@@ -69,13 +70,11 @@ VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure 
     "padded-attention": "packed rows' attention as SDPA over each sequence's padded row (no varlen kernel)",
     "reshard": "each layer's gathered weights freed after its forward and backward, as before novarl kept "
                "them through a step's micro-batches on one data-parallel shard (parallelize.py keeps_gathered)",
-    "compile-layers": "Megatron-core's transformer layers compiled with torch.compile (an experiment: novarl has "
-                      "no switch for it yet)",
 }
 DEFAULT_CASES = (  # most wanted first: issue 35's targets and the latest change, then the experiments
     "plain,fixed-compile,fixed-compile+reshard,packed-compile,var-packed-compile,megatron-packed,"
-    "packed-compile+reshard,megatron,fixed-compile+eager-head,var-megatron-packed,"
-    "megatron-packed+compile-layers,packed-compile+padded-attention")
+    "megatron-packed-compile,packed-compile+reshard,megatron,fixed-compile+eager-head,var-megatron-packed,"
+    "packed-compile+padded-attention")
 BEFORE_GB = {"fixed": 69.0, "packed": 69.7}
 """Peak memory at micro-batch 4, equal lengths, before issue 35 (its table): the bound it sets."""
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "cudnn", "efficient", "sdpa", "bmm")
@@ -170,9 +169,10 @@ def novarl_policy(folder: str, layout: str, compile_layers: bool, micro: int, lo
     return policy
 
 
-def megatron_policy(folder: str, layout: str, micro: int, longest: int):
+def megatron_policy(folder: str, layout: str, compile_layers: bool, micro: int, longest: int):
     """novarl's Megatron-core policy on the same weights (converted once into the case's cache), bf16,
-    its layer spec without Transformer Engine (SDPAttention: torch's SDPA and varlen kernels)."""
+    its layer spec without Transformer Engine (SDPAttention: torch's SDPA and varlen kernels), its layers
+    compiled or not (megatron_cfg.torch_compile)."""
     import torch
 
     from novarl.backends.training.megatron import MegatronPolicy
@@ -186,6 +186,7 @@ def megatron_policy(folder: str, layout: str, micro: int, longest: int):
                  f"policy.train_micro_batch_size={micro}", f"policy.logprob_batch_size={micro}",
                  "policy.megatron_cfg.enabled=true", f"policy.precision={'bfloat16' if cuda else 'float32'}",
                  "policy.megatron_cfg.optimizer.lr=1e-6", "policy.megatron_cfg.optimizer.clip_grad=1.0",
+                 f"policy.megatron_cfg.torch_compile={str(compile_layers).lower()}",
                  *packing_overrides(layout, micro, longest)]
     cfg = load_config(None, overrides=overrides)
     return MegatronPolicy(cfg.policy, folder, total_steps=1_000, emulate_cuda=not cuda)
@@ -268,11 +269,8 @@ def run_case(name: str, folder: str, steps: int, tiny: bool, trace: Path | None 
         step, work, picked = plain_case(folder, batch, lengths, micro, first, variable=kind == "variable")
     else:
         picked = lambda: first[0]  # noqa: E731
-        policy = (megatron_policy(folder, layout, micro, max(lengths)) if implementation == "megatron" else
-                  novarl_policy(folder, layout, compile_layers, micro, max(lengths)))
-        if "compile-layers" in variants:
-            compile_megatron_layers(policy)
-            compile_layers = True  # two warm-up steps
+        build = megatron_policy if implementation == "megatron" else novarl_policy
+        policy = build(folder, layout, compile_layers, micro, max(lengths))
         step = novarl_step(policy, batch, first)
     times = timed_steps(step, 2 if compile_layers else 1, steps)
     if implementation != "plain":
@@ -314,11 +312,6 @@ def plain_case(folder: str, batch, lengths: list[int], micro: int, first: list, 
     return (lambda: plain_step(model, optimizer, rows, masks, micro, first)), work, picked
 
 
-def compile_megatron_layers(policy) -> None:
-    for layer in (layer for module in policy.modules for layer in module.decoder.layers):
-        layer.compile(dynamic=None)
-
-
 def timed_steps(step, warmups: int, steps: int) -> list[float]:
     """Seconds of each of warmups + steps calls of step (peak memory counted from the first timed one)."""
     import torch
@@ -343,8 +336,6 @@ def apply_variant(variant: str) -> None:
 
     if variant == "eager-head":
         logprob_head._fused = lambda: (logprob_head._chunk_forward, logprob_head._chunk_grad_logits)
-    elif variant == "compile-layers":
-        pass  # after the policy is built (run_case)
     elif variant == "padded-attention":
         attention.ASKED = "padded_sdpa"  # as NOVARL_PACKED_ATTENTION=padded_sdpa would
     elif variant == "reshard":

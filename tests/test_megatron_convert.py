@@ -313,6 +313,64 @@ def bf16_rank(rank: int, world: int, rendezvous: str, results, folder: str) -> N
                          (ours - theirs).abs()))
 
 
+def test_compiled_layers_train_as_the_eager_ones(tmp_path, monkeypatch):
+    """policy.megatron_cfg.torch_compile: each local-spec transformer layer compiled in place (inductor on the
+    CPU); one training step (logprobs through the layers, the loss, its gradients, Adam's update) as the eager
+    layers give it, on one spawned rank. Over Transformer Engine's layers it is not applied."""
+    pytest.importorskip("megatron.core")
+    from novarl.backends.megatron import model
+    from novarl.config import load_config
+    from tests.helpers.spawn import spawned
+
+    eager, compiled = spawned(compiled_rank, 1, str(tmp_path))[0]
+    assert eager["compiled"] == [False, False] and compiled["compiled"] == [True, True]
+    assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-5)
+    assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-4)
+    assert compiled["weights"].keys() == eager["weights"].keys()
+    for name, tensor in eager["weights"].items():
+        # Adam's first step is lr x the gradient's sign where it is tiny: its rounding shows at 2 % of lr (1e-3)
+        torch.testing.assert_close(compiled["weights"][name], tensor, rtol=1e-5, atol=5e-5, msg=name)
+    mc = load_config(None, overrides=["policy.megatron_cfg.torch_compile=true"]).policy.megatron_cfg
+    assert model.compiles_layers(mc)
+    monkeypatch.setattr(model, "transformer_engine_available", lambda: True)
+    assert not model.compiles_layers(mc)
+
+
+def compiled_rank(rank: int, world: int, rendezvous: str, results, folder: str) -> None:
+    import os
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from novarl.algorithms.losses import make_loss
+    from novarl.backends.training.megatron import MegatronPolicy
+    from novarl.config import load_config
+    from novarl.models.loading import resolve_model_path
+    from tests.helpers.packing import HEAD, LOSS, mixed_batch
+    from tests.helpers.spawn import send
+
+    os.environ.update(NOVARL_MEGATRON_ON_CPU="1", NOVARL_MEGATRON_CHECKPOINT_DIR=folder)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    batch = mixed_batch(rows=6, longest=24).with_own_counts()
+    out = []
+    for compile_layers in (False, True):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        cfg = load_config(None, overrides=[
+            "policy.megatron_cfg.enabled=true", f"policy.megatron_cfg.torch_compile={str(compile_layers).lower()}",
+            "policy.train_micro_batch_size=6", "policy.megatron_cfg.optimizer.lr=1.0e-3",
+            "policy.megatron_cfg.scheduler.lr_warmup_iters=0", "policy.megatron_cfg.scheduler.lr_decay_style=constant"])
+        policy = MegatronPolicy(cfg.policy, resolve_model_path("tiny-arith"), total_steps=2, emulate_cuda=True)
+        batch.old_logprobs = batch.generator_logprobs
+        metrics = policy.forward_backward(batch, make_loss(LOSS), HEAD)
+        metrics.update(policy.optim_step())
+        out.append({"compiled": [layer._compiled_call_impl is not None for layer in policy.modules[0].decoder.layers],
+                    "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "weights": policy.full_state_dict()})
+    send(results, rank, out)
+
+
 # ---------------------------------------------------------------- the cache
 def test_cache_folder_follows_the_seeds_order_and_names(monkeypatch, tmp_path):
     # Seed 002: NRL_MEGATRON_CHECKPOINT_DIR, else $HF_HOME/nemo_rl, else ~/.cache/huggingface/nemo_rl;

@@ -68,6 +68,43 @@ def test_packed_rows_through_the_varlen_kernel_match_padded_sdpa_in_bf16():
         assert error < 0.02, (name, error)
 
 
+def test_compiled_layers_give_the_eager_ones_logprobs_and_step_on_packed_rows_in_bf16(tmp_path, monkeypatch):
+    """policy.megatron_cfg.torch_compile on CUDA, packed rows (torch's varlen kernel inside the compiled layers),
+    bf16: the logprobs, loss and gradient norm of the eager layers, to bf16's resolution."""
+    from megatron.core import parallel_state
+
+    from novarl.algorithms.losses import make_loss
+    from novarl.backends.training.megatron import MegatronPolicy
+    from novarl.cli import BUNDLED_RECIPE
+    from novarl.config import load_config
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.scores import Logprobs
+    from tests.helpers.packing import LOSS, batchings, mixed_batch
+
+    monkeypatch.setenv("NOVARL_MEGATRON_CHECKPOINT_DIR", str(tmp_path / "cache"))
+    model = random_llama(tmp_path / "llama")
+    ensure_single_process_group()
+    batch = mixed_batch(rows=8, longest=96)
+    out = []
+    for compile_layers in (False, True):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        cfg = load_config(BUNDLED_RECIPE, overrides=[
+            "policy.megatron_cfg.enabled=true", "policy.precision=bfloat16", "policy.megatron_cfg.optimizer.lr=0.0",
+            f"policy.megatron_cfg.torch_compile={str(compile_layers).lower()}",
+            "policy.max_total_sequence_length=128", f"policy.model_name={model}"])
+        policy = MegatronPolicy(cfg.policy, str(model), total_steps=1)
+        policy.train_batching, policy.logprob_batching = batchings("packed", policy.packed_sequence_multiple)
+        logprobs = policy.forward(batch, Logprobs())
+        metrics = policy.forward_backward(batch, make_loss(LOSS), Logprobs())
+        metrics.update(policy.optim_step())
+        out.append((logprobs.cpu(), metrics["loss"], metrics["grad_norm"]))
+    (want, loss, norm), (got, compiled_loss, compiled_norm) = out
+    difference = (got - want).abs()
+    assert difference.mean() < 0.01 and difference.max() < 0.1, (difference.mean(), difference.max())
+    assert compiled_loss == pytest.approx(loss, rel=0.02, abs=1e-3) and compiled_norm == pytest.approx(norm, rel=0.02)
+
+
 def test_grpo_on_megatron_learns_the_bundled_task(tmp_path, monkeypatch):
     from novarl.cli import main
 

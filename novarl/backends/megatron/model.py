@@ -18,6 +18,7 @@ What maps where (the seeds' keys on the left):
     activation_checkpointing,                    -> recompute_granularity "full" (uniform, every layer)
     recompute_granularity                           or "selective" (attention core only)
     apply_rope_fusion, bias_activation_fusion    -> TransformerConfig (fused kernels)
+    torch_compile (novarl's)                     -> each local-spec layer compiled (torch.compile)
     expert_model_parallel_size, moe_*,           -> Mixture-of-Experts models (Mixtral, Qwen2-MoE with
                                                     its gated shared expert, Qwen3-MoE): experts spread
     freeze_moe_router                               over expert-parallel ranks, whole (expert tensor
@@ -379,6 +380,20 @@ def build_gpt_model(config, hf_config, shape: LayerShape, chunk: Chunk, *, max_s
         share_embeddings_and_output_weights=shape.tied, position_embedding_type="rope",
         rotary_base=int(rope["rope_theta"]), rope_scaling=scaling,
         rope_scaling_factor=float(rope.get("factor", 8.0)) if scaling else 8.0), config.params_dtype)
+
+
+def compiles_layers(mc) -> bool:
+    """Whether the transformer layers are compiled (megatron_cfg.torch_compile; None: off, not yet
+    measured on a GPU): megatron-core's local layers only, Transformer Engine's being fused already."""
+    return bool(mc.torch_compile) and not transformer_engine_available()
+
+
+def compile_layers(module: Any) -> None:
+    """Compile each transformer layer of a model chunk in place (names unchanged): one graph a layer, the
+    same code for every layer (compiled once, reused), graph breaks allowed (tensor-parallel collectives).
+    module: a GPTModel chunk."""
+    for layer in module.decoder.layers:
+        layer.compile(dynamic=None)
 
 
 def norms_in_params_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

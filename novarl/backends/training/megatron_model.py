@@ -38,6 +38,7 @@ from novarl.backends.training.batching import (
 )
 from novarl.backends.training.rows import per_token
 from novarl.config.schema import PolicyConfig
+from novarl.logging.console import info
 from novarl.models.context_parallel import ContextShard
 from novarl.models.scores import Head, Logprobs, Values, check_head, scaled_logits, training_precision
 from novarl.types import TrainBatch
@@ -48,6 +49,9 @@ class MegatronModel:
     process_reusable = True
     """megatron-core's process-wide state is cleared by leave_process: the rank's process may serve
     another run (kept_ranks.REUSE_RANKS_VARIABLE), of the same flavour (process_flavour)."""
+    _said_not_compiled = False
+    """Whether this process said that megatron_cfg.torch_compile is not applied (the policy's and the
+    reference's models both read it)."""
 
     @staticmethod
     def process_flavour(kwargs: dict) -> str:
@@ -119,6 +123,7 @@ class MegatronModel:
                 for name, param in module.named_parameters():
                     if ".mlp.router." in name:
                         param.requires_grad_(False)
+        self._compile(policy.megatron_cfg)
         self.model_chunks = list(self.modules)  # what the schedule runs (DDP-wrapped for training)
         # sequence parallelism splits every row's tokens evenly over the tensor-parallel ranks; context
         # parallelism every sequence into 2 x cp chunks (of a multiple of the tensor-parallel size then)
@@ -128,6 +133,17 @@ class MegatronModel:
         self.train_batching = MicroBatching.from_policy(policy, training=True, sequence_multiple=multiple)
         self.logprob_batching = MicroBatching.from_policy(policy, training=False, sequence_multiple=multiple)
         self.empty_unused_memory_level = policy.megatron_cfg.empty_unused_memory_level
+
+    def _compile(self, mc) -> None:
+        """megatron_cfg.torch_compile: the local spec's layers compiled; over Transformer Engine's, said once."""
+        from novarl.backends.megatron import model
+
+        if model.compiles_layers(mc):
+            for module in self.modules:
+                model.compile_layers(module)
+        elif mc.torch_compile and dist.get_rank() == 0 and not MegatronModel._said_not_compiled:
+            MegatronModel._said_not_compiled = True
+            info("policy.megatron_cfg.torch_compile is not applied: Transformer Engine's layers are fused already")
 
     def _read_layout(self, sizes) -> None:
         """This rank's place in megatron-core's layout: ranks, sizes and groups."""

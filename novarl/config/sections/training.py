@@ -137,6 +137,12 @@ class MegatronConfig(Section):
     use_distributed_optimizer: bool = True
     apply_rope_fusion: bool = False
     bias_activation_fusion: bool = False
+    torch_compile: bool | None = None
+    """novarl's: each transformer layer of megatron-core's local spec (no Transformer Engine) compiled
+    with torch.compile (inductor), fusing its norms, rotary and SwiGLU's elementwise work as
+    dtensor_cfg.torch_compile does; the first steps compile. None: off until measured to win on a GPU
+    (benchmarks/bench_train_gpu.py `megatron-packed-compile`). Not applied over Transformer Engine's
+    layers (fused already: said once)."""
     defer_fp32_logits: bool | None = None
     optimizer: MegatronOptimizerConfig = Field(default_factory=MegatronOptimizerConfig)
     scheduler: MegatronSchedulerConfig = Field(default_factory=MegatronSchedulerConfig)
