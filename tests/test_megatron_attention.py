@@ -92,3 +92,41 @@ def test_what_it_does_not_do_is_refused():
         sdp_attention()(q, kv, kv, None, attention_bias=torch.zeros(1, 4, 3, 3))
     with pytest.raises(ValueError, match="causal attention of 2 queries to 3 keys needs an explicit mask"):
         sdp_attention()(q[:2], kv, kv, None)
+
+
+@pytest.mark.parametrize("whole_row", [False, True], ids=["per-sequence", "whole-row-frequencies"])
+def test_packed_rows_rotate_as_megatron_core_does_without_reading_the_boundaries(whole_row):
+    """backends/megatron/attention.py packed_rotary against megatron-core's unfused rotation of a packed row
+    (an empty sequence and the row's tail included, a partial rotary dimension): equal outputs, and no scalar
+    read back from the boundaries (megatron-core's reads them: on a GPU, a wait in every layer)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from novarl.backends.megatron.attention import packed_rotary
+    from novarl.distributed.local import ensure_single_process_group
+
+    class ScalarReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    ensure_single_process_group()
+    config = sdp_attention().config
+    packed, _ = packed_row([5, 0, 3, 8], SLOT, WIDTH)
+    cu = packed.cu_seqlens_q_padded
+    angles = torch.outer(torch.arange(WIDTH if whole_row else packed.max_seqlen_q).float(),
+                         1.0 / 10_000 ** (torch.arange(0, 8, 2).float() / 8))  # 8 of 16 dimensions rotated
+    freqs = torch.cat([angles, angles], -1)[:, None, None, :]  # as megatron-core's RotaryEmbedding lays them out
+    t = torch.randn(WIDTH, 4, 16, generator=torch.Generator().manual_seed(0))
+    group = torch.distributed.group.WORLD
+    with ScalarReads() as theirs_reads:
+        theirs = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=group)
+    with ScalarReads() as ours_reads:
+        ours = packed_rotary(t, freqs, config, cu_seqlens=cu, cp_group=group)
+    assert torch.equal(ours, theirs)
+    assert ours_reads.count == 0 and theirs_reads.count > 0
+    padded = t[:8, None]  # padded rows ([s, b, heads, dim]) go to megatron-core's own
+    assert torch.equal(packed_rotary(padded, freqs[:8], config, cp_group=group),
+                       rope_utils.apply_rotary_pos_emb(padded, freqs[:8], config, cp_group=group))

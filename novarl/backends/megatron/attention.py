@@ -12,9 +12,10 @@ is absent (model.py `layer_spec`); with Transformer Engine, its fused attention 
 - packed rows ("thd": [t, heads, dim] with the row's sequence boundaries): each sequence's
   causal attention to itself, through novarl's varlen attention (models/attention.py): torch's
   varlen flash kernel on CUDA in bf16/fp16, else causal SDPA over each sequence laid out as a
-  padded row inside the attention only (the CPU, float32, dropout). megatron-core rotates each
-  sequence's queries and keys from its own position 0 before (apply_rotary_pos_emb with the
-  boundaries), with or without Transformer Engine.
+  padded row inside the attention only (the CPU, float32, dropout). Each sequence's queries and
+  keys are rotated from its own position 0 before, by `packed_rotary` in place of megatron-core's
+  unfused rotation (where Transformer Engine's fused one is off): the same values, without its
+  host synchronisation (it reads the boundaries back from the GPU in every layer, twice).
 
 What it does not do is refused when the layers are built: a mask type other than causal,
 sliding windows, softmax offsets (off-by-one or learnable), cross attention, context
@@ -130,3 +131,35 @@ class SDPAttention(MegatronModule):
         from megatron.core import tensor_parallel
 
         return tensor_parallel.get_cuda_rng_tracker().fork()
+
+
+def packed_rotary(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: torch.Tensor | None = None,
+                  mscale: float = 1.0, cp_group=None) -> torch.Tensor:
+    """megatron-core's `apply_rotary_pos_emb` (rope_utils), its packed rows ("thd": t [T, heads, dim], the row's
+    boundaries cu_seqlens) without reading the boundaries on the host: megatron-core's unfused path splits
+    the row by `cu_seqlens.tolist()`, a wait for the GPU in each layer's queries and keys, which leaves the
+    GPU idle while the host catches up. Here each token's position is found on the device (its sequence by
+    searchsorted), then rotated by the same function as megatron-core's, on the same frequencies: equal
+    results. Fused (apply_rope_fusion), context-parallel and padded rows go to megatron-core's own."""
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings import rope_utils
+
+    group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
+    if cu_seqlens is None or config.apply_rope_fusion or group.size() > 1:
+        return rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=group)
+    tokens = torch.arange(t.shape[0], device=t.device)
+    if freqs.size(0) == t.shape[0]:  # megatron-core's reading of frequencies of the whole row: a token's own
+        positions = tokens
+    else:  # each sequence from position 0
+        cu = cu_seqlens.to(device=t.device, dtype=torch.long)
+        positions = tokens - cu[torch.searchsorted(cu, tokens, right=True) - 1]
+    return rope_utils._apply_rotary_pos_emb_bshd(
+        t.unsqueeze(1), freqs[positions], rotary_interleaved=config.rotary_interleaved,
+        multi_latent_attention=config.multi_latent_attention, mscale=mscale).squeeze(1)
+
+
+def rotate_packed_rows_on_the_device() -> None:
+    """megatron-core's self-attention rotates with `packed_rotary` (idempotent; this process's attention)."""
+    from megatron.core.transformer import attention
+
+    attention.apply_rotary_pos_emb = packed_rotary

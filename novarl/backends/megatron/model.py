@@ -305,11 +305,13 @@ def layer_spec(config):
     """Transformer Engine's layer spec where it is installed (fused norms and attention, FP8,
     sequence and context parallelism), else megatron-core's local one with novarl's SDPA core
     attention (backends/megatron/attention.py: torch's fused kernels, packed rows included) in
-    place of its unfused one; with experts when the model has them."""
+    place of its unfused one; with experts when the model has them. Either way packed rows are
+    rotated without waiting for the GPU (attention.py packed_rotary)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from novarl.backends.megatron.attention import SDPAttention
+    from novarl.backends.megatron.attention import SDPAttention, rotate_packed_rows_on_the_device
 
+    rotate_packed_rows_on_the_device()
     experts = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
                    qk_layernorm=config.qk_layernorm)
     if transformer_engine_available():
