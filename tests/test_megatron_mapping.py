@@ -204,3 +204,34 @@ def test_the_critic_section_is_checked_like_the_policy_and_must_share_its_virtua
     with pytest.raises(Exception, match="value.megatron_cfg.virtual_pipeline_model_parallel_size=None differs"):
         load_config(BUNDLED_RECIPE, overrides=["policy.megatron_cfg.enabled=true", *layout,
                                                "value.megatron_cfg.virtual_pipeline_model_parallel_size=null"])
+
+
+def test_gradient_norms_without_apex_are_computed_on_the_device():
+    """megatron-core's fallback L2 norm (no Transformer Engine, no Apex) reads every tensor's norm on the
+    host; novarl's (backends/training/megatron_optim.py foreach_l2_norm, in its place once an optimizer is
+    built) is the norm of all the tensors together, with no value read back."""
+    from megatron.core.optimizer import clip_grads
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from novarl.backends.training.megatron_optim import foreach_l2_norm
+
+    class ScalarReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=gen) for shape in ((64, 32), (32,), (7, 3, 5), (1,))]
+    with ScalarReads() as reads:
+        ours, _ = foreach_l2_norm(2048 * 32, None, [grads], False)
+    assert reads.count == 0 and ours.shape == (1,) and ours.dtype == torch.float32
+    want = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]))
+    torch.testing.assert_close(ours[0], want, rtol=1e-6, atol=0)
+    assert float(foreach_l2_norm(0, None, [[]], False)[0]) == 0.0
+    if clip_grads.l2_norm_impl.__module__ == "megatron.core.utils":  # (Apex's or Transformer Engine's stay)
+        from novarl.backends.training.megatron_optim import _norms_without_host_reads
+
+        _norms_without_host_reads()
+        assert clip_grads.l2_norm_impl is foreach_l2_norm
