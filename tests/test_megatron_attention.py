@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from novarl.errors import NotAvailableYet
+from tests.helpers import scalar_reads
 
 pytest.importorskip("megatron.core")
 
@@ -100,17 +101,9 @@ def test_packed_rows_rotate_as_megatron_core_does_without_reading_the_boundaries
     (an empty sequence and the row's tail included, a partial rotary dimension): equal outputs, and no scalar
     read back from the boundaries (megatron-core's reads them: on a GPU, a wait in every layer)."""
     from megatron.core.models.common.embeddings import rope_utils
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from novarl.backends.megatron.attention import packed_rotary
     from novarl.distributed.local import ensure_single_process_group
-
-    class ScalarReads(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
 
     ensure_single_process_group()
     config = sdp_attention().config
@@ -121,9 +114,9 @@ def test_packed_rows_rotate_as_megatron_core_does_without_reading_the_boundaries
     freqs = torch.cat([angles, angles], -1)[:, None, None, :]  # as megatron-core's RotaryEmbedding lays them out
     t = torch.randn(WIDTH, 4, 16, generator=torch.Generator().manual_seed(0))
     group = torch.distributed.group.WORLD
-    with ScalarReads() as theirs_reads:
+    with scalar_reads() as theirs_reads:
         theirs = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=group)
-    with ScalarReads() as ours_reads:
+    with scalar_reads() as ours_reads:
         ours = packed_rotary(t, freqs, config, cu_seqlens=cu, cp_group=group)
     assert torch.equal(ours, theirs)
     assert ours_reads.count == 0 and theirs_reads.count > 0

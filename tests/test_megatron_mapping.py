@@ -8,6 +8,7 @@ from novarl.backends.megatron.model import check_model, from_stage, to_stage
 from novarl.config import load_config
 from novarl.cli import BUNDLED_RECIPE
 from novarl.errors import ConfigError
+from tests.helpers import scalar_reads
 
 pytest.importorskip("megatron.core")
 
@@ -211,20 +212,12 @@ def test_gradient_norms_without_apex_are_computed_on_the_device():
     host; novarl's (backends/training/megatron_optim.py foreach_l2_norm, in its place once an optimizer is
     built) is the norm of all the tensors together, with no value read back."""
     from megatron.core.optimizer import clip_grads
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from novarl.backends.training.megatron_optim import foreach_l2_norm
 
-    class ScalarReads(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
-
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(shape, generator=gen) for shape in ((64, 32), (32,), (7, 3, 5), (1,))]
-    with ScalarReads() as reads:
+    with scalar_reads() as reads:
         ours, _ = foreach_l2_norm(2048 * 32, None, [grads], False)
     assert reads.count == 0 and ours.shape == (1,) and ours.dtype == torch.float32
     want = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]))

@@ -57,3 +57,19 @@ def rank_pids(driver_pid: int) -> list[int]:
         except psutil.Error:  # ended meanwhile
             pass
     return sorted(pids)
+
+
+def scalar_reads():
+    """A dispatch mode counting the values read back to the host (`.item()`, `.tolist()`, `float(t)`: on a
+    GPU, each a wait for the device) in its `count`, for code that must not wait."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ScalarReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    return ScalarReads()
