@@ -350,9 +350,10 @@ def profile_kernels(step, trace: Path | None = None) -> dict:
     """One profiled step's GPU time (ms): {"attention": {kernel name: ms} of the 6 largest attention
     kernels, "categories": {category: ms} of every kernel (CATEGORIES, by name), "busy_ms": the time
     some kernel ran, "span_ms": first kernel's start to last kernel's end, "gaps": the idle stretches
-    between kernels, by length}. With `trace`, the host's operators too: "waits" (host_waits), and the
-    step's Chrome trace written there, gzipped (from a second profiled step). {} without CUDA; a failure here is reported and keeps the
-    case's timings."""
+    between kernels, by length}. With `trace`, the host's operators too (from a second profiled step): "waits"
+    (host_waits), "idle_host" (idle_host: what the host ran while the GPU idled; with BENCH_TRACE_STACKS=1
+    located by Python frames, at the price of a host slowed by the tracing) and the step's Chrome trace
+    written there, gzipped. {} without CUDA; a failure here is reported and keeps the case's timings."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -367,10 +368,15 @@ def profile_kernels(step, trace: Path | None = None) -> dict:
                  if e.device_type == DeviceType.CUDA]
         extra = {}
         if trace:  # a step of its own: the host's operators recorded slow it, the figures above stay comparable
-            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            stacks = os.environ.get("BENCH_TRACE_STACKS", "") not in ("", "0")  # Python frames: slower, and the host
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], with_stack=stacks) as prof:
                 step()
                 torch.cuda.synchronize()
-            extra["waits"] = host_waits(prof.events(), DeviceType.CPU)
+            events = prof.events()
+            extra["waits"] = host_waits(events, DeviceType.CPU)
+            gpu = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+            extra["idle_host"] = idle_host(gpu, [e for e in events if e.device_type == DeviceType.CPU
+                                                 and not e.cpu_children])
             save_trace(prof, trace)
     except Exception as error:  # noqa: BLE001 (the timings stand without the profile)
         return {"error": f"{type(error).__name__}: {error}"[:200]}
@@ -436,15 +442,72 @@ def host_waits(events, cpu) -> dict:
     return {"n": count, "ms": total, "under": dict(sorted(under.items(), key=lambda kv: -kv[1])[:6])}
 
 
+def idle_host(spans: list[tuple[str, float, float]], leaves: list, top: int = 12) -> dict[str, list[float]]:
+    """Where the host was while the GPU idled: each stretch of over 0.05 ms with no kernel running is charged to
+    the host operator running at its middle (the innermost one: leaves, operators without children, on any
+    thread, the Python interpreter's calls included), else to the next one the host started (the Python before it
+    kept the GPU waiting), named by _where. {"<operator> @ <frame>": [stretches, ms]}, the `top` longest."""
+    import bisect
+
+    leaves = sorted(leaves, key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in leaves]
+    charged: dict[str, list[float]] = {}
+    reach = None
+    for _, start, end in sorted(spans, key=lambda span: span[1]):
+        if reach is not None and start - reach > 50:  # us
+            middle = (reach + start) / 2
+            i = bisect.bisect_right(starts, middle)
+            inside = [e for e in leaves[max(0, i - 64):i] if e.time_range.end >= middle]
+            event = min(inside, key=lambda e: e.time_range.end - e.time_range.start) if inside else (
+                leaves[i] if i < len(leaves) else None)
+            slot = charged.setdefault(_where(event), [0, 0.0])
+            slot[0] += 1
+            slot[1] += (start - reach) / 1e3
+        reach = end if reach is None else max(reach, end)
+    return dict(sorted(charged.items(), key=lambda kv: -kv[1][1])[:top])
+
+
+OWN_FRAMES = ("novarl/", "benchmarks/", "transformers/", "megatron/", "torch/distributed/", "torch/_dynamo/",
+              "torch/_inductor/", "torch/optim/", "torch/autograd/")
+"""Where a stack's telling frame is looked for, in this order (the first kind found, innermost frame)."""
+
+
+def _where(event) -> str:
+    """The innermost operator at or around `event` and what it ran in: the innermost Python frame of the first of
+    OWN_FRAMES's kinds among its callers where the profile has Python function events (`path(line): function`,
+    with_stack=True), else the innermost of the labelled ranges around it (FSDP's, compiled regions', autograd's
+    functions, the optimizer's step)."""
+    if event is None:
+        return "(no operator after it)"
+    chain = [event]
+    while chain[-1].cpu_parent is not None:
+        chain.append(chain[-1].cpu_parent)
+    python = [e.name for e in chain if "): " in e.name or e.name.startswith("<built-in")]
+    operators = [e.name.split(" (")[0] for e in chain if e.name not in python]
+    operator = operators[0] if operators else "python"
+    frame = next((f for own in OWN_FRAMES for f in python if own in f), "")
+    for own in OWN_FRAMES:
+        if own in frame:
+            frame = own + frame.split(own, 1)[1]
+            break
+    label = next((name for name in operators[1:] if not name.startswith("aten::")), "")
+    within = frame or label
+    return f"{operator[:48]} @ {within[:90]}" if within else operator[:48]
+
+
 def save_trace(prof, path: Path) -> None:
-    """The profile as a gzipped Chrome trace (chrome://tracing, Perfetto) at `path`."""
+    """The profile as a gzipped Chrome trace (chrome://tracing, Perfetto) at `path`, without Python functions'
+    events and stacks where it has them (they multiply its size)."""
     import gzip
-    import shutil
 
     raw = path.with_suffix("")
     prof.export_chrome_trace(str(raw))
-    with open(raw, "rb") as source, gzip.open(path, "wb") as target:
-        shutil.copyfileobj(source, target)
+    trace = json.loads(raw.read_text())
+    trace["traceEvents"] = [e for e in trace.get("traceEvents", []) if e.get("cat") != "python_function"]
+    for event in trace["traceEvents"]:
+        event.get("args", {}).pop("Call stack", None)
+    with gzip.open(path, "wt") as target:
+        json.dump(trace, target)
     raw.unlink()
 
 
@@ -570,6 +633,11 @@ def idle_lines(profiled: list[dict]) -> list[str]:
         lines.append(f"| {r['case']} | " + " | ".join(
             "{} / {:.0f}".format(*gaps[f"> {edge:g} ms"]) if f"> {edge:g} ms" in gaps else "-" for edge in GAP_BINS_MS)
             + f" | {said} |")
+    for r in (r for r in profiled if r["kernels"].get("idle_host")):
+        lines += ["", f"{r['case']}: where the host was while the GPU idled (traced step: its stretches of over "
+                  "0.05 ms, charged to the host operator at each one's middle, else the next one):", "",
+                  "| ms | stretches | host operator @ frame |", "|---|---|---|"]
+        lines += [f"| {ms:.1f} | {n:.0f} | `{where}` |" for where, (n, ms) in r["kernels"]["idle_host"].items()]
     return lines
 
 

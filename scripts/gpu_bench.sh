@@ -6,7 +6,9 @@
 # training kernels and Megatron-core in the time left of TOTAL_SECONDS. The table goes to
 # OUT_DIR/train_gpu*.md as each case ends, the runs' JSON to $OUT/train_gpu.json, the profiled steps of
 # fixed-compile and packed-compile as gzipped Chrome traces ($OUT/trace_*.json.gz: 8 files in all)
-# (`python benchmarks/bench_train_gpu.py --plot-from <it>` draws the time breakdown where matplotlib is).
+# (`python benchmarks/bench_train_gpu.py --plot-from <it>` draws the time breakdown where matplotlib is);
+# the report charges the traced cases' idle stretches to what the host ran then (BENCH_TRACE_STACKS=1: located
+# by Python frames, slower).
 #   scripts/gpu_bench.sh [OUT_DIR]
 # On the device tool: command `scripts/gpu_bench.sh "$OUT"`, carry [".whl"], timeout_s 540. A dry run of the
 # script here: NOVARL_GPU_ENV=1 BENCH_ARGS=--tiny TOTAL_SECONDS=240 scripts/gpu_bench.sh /tmp/gpu-dry-run
