@@ -61,6 +61,7 @@ CASES = {
     "var-fixed": ("variable", "fixed", False, "novarl"),
     "var-plain": ("variable", "fixed", False, "plain"),
     "megatron": ("equal", "fixed", False, "megatron"),
+    "megatron-compile": ("equal", "fixed", True, "megatron"),
     "megatron-packed": ("equal", "packed", False, "megatron"),
     "megatron-packed-compile": ("equal", "packed", True, "megatron"),
     "var-megatron-packed": ("variable", "packed", False, "megatron"),
@@ -68,13 +69,15 @@ CASES = {
 VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure what it gives
     "eager-head": "the logprob head's chunk steps eager (not fused by torch.compile)",
     "padded-attention": "packed rows' attention as SDPA over each sequence's padded row (no varlen kernel)",
+    "varlen": "packed rows' attention through the varlen kernel even where the row's pieces are all alike (as "
+              "NOVARL_PACKED_ATTENTION=flash_varlen: not as padded rows side by side)",
     "reshard": "each layer's gathered weights freed after its forward and backward, as before novarl kept "
                "them through a step's micro-batches on one data-parallel shard (parallelize.py keeps_gathered)",
 }
 DEFAULT_CASES = (  # most wanted first: issue 35's targets and the latest change, then the experiments
     "plain,fixed-compile,fixed-compile+reshard,packed-compile,var-packed-compile,megatron-packed,"
-    "megatron-packed-compile,packed-compile+reshard,megatron,fixed-compile+eager-head,var-megatron-packed,"
-    "packed-compile+padded-attention")
+    "megatron-packed-compile,megatron-compile,packed-compile+varlen,packed-compile+reshard,megatron,"
+    "fixed-compile+eager-head,var-megatron-packed,packed-compile+padded-attention")
 BEFORE_GB = {"fixed": 69.0, "packed": 69.7}
 """Peak memory at micro-batch 4, equal lengths, before issue 35 (its table): the bound it sets."""
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "cudnn", "efficient", "sdpa", "bmm")
@@ -338,6 +341,8 @@ def apply_variant(variant: str) -> None:
         logprob_head._fused = lambda: (logprob_head._chunk_forward, logprob_head._chunk_grad_logits)
     elif variant == "padded-attention":
         attention.ASKED = "padded_sdpa"  # as NOVARL_PACKED_ATTENTION=padded_sdpa would
+    elif variant == "varlen":
+        attention.ASKED = "flash_varlen"
     elif variant == "reshard":
         from novarl.backends.training import dtensor
 

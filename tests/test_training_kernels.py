@@ -276,6 +276,56 @@ def test_the_varlen_kernels_inputs_give_the_padded_paths_logprobs(shared, device
         assert (g - w).norm() <= tolerance * max(w.norm(), 1.0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_a_packed_row_of_alike_pieces_runs_as_padded_rows_side_by_side(device, monkeypatch):
+    """A packed row whose pieces (each sequence with its padding, the row's tail) all hold as many tokens is
+    laid out with that length, and its attention runs as padded rows side by side through SDPA (cuDNN's kernel
+    on an H100, faster than the varlen one): the logprobs and gradients of the varlen path on the same row
+    (torch's varlen kernel on CUDA in bf16, the padded gather path on the CPU). Unlike pieces keep the varlen path."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from novarl.backends.training.batching import MicroBatching, lay_out
+    from novarl.backends.training.rows import model_logprobs
+    from novarl.types import TrainBatch
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    assert attention.use_varlen_attention(model) == attention.VARLEN
+    batching = MicroBatching("packed", 4, 64, 8)
+
+    def batch(lengths: list[int]) -> TrainBatch:
+        ids = torch.randint(1, 64, (len(lengths), 16), generator=torch.Generator().manual_seed(3))
+        mask = torch.arange(16) < torch.tensor(lengths)[:, None]
+        return TrainBatch.from_rows(ids, mask, mask & (torch.arange(16) >= 4), torch.zeros(len(lengths)))
+
+    assert lay_out(batch([15, 16, 13, 16]), "packed", 8, sequence_multiple=16).piece_length == 16
+    assert lay_out(batch([15, 16, 13, 16]), "packed", 8).piece_length is None  # 15 + 16 + 13 + 16 + a tail of 4
+    mb = batch([16, 16, 16, 16])
+    if device == "cuda":
+        model, mb = model.cuda().bfloat16(), mb.to(torch.device("cuda"))
+    original, widths = attention._side_by_side, []
+
+    def counted(query, key, value, length, dropout, scaling):
+        widths.append(length)
+        return original(query, key, value, length, dropout, scaling)
+
+    monkeypatch.setattr(attention, "_side_by_side", counted)
+    results = []
+    for asked in (None, "flash_varlen" if device == "cuda" else "padded_sdpa"):  # (a kernel asked: no rows)
+        monkeypatch.setattr(attention, "ASKED", asked)
+        model.zero_grad()
+        logprobs, _ = model_logprobs(model, attention.VARLEN, mb, batching, 1.0)
+        logprobs.sum().backward()
+        results.append((logprobs.detach().float(), [p.grad.float().clone() for p in model.parameters()]))
+    assert widths == [16, 16]  # each layer's attention, in the first pass only
+    (got, got_grads), (want, want_grads) = results
+    tolerance = 1e-5 if device == "cpu" else 3e-2
+    assert torch.allclose(got, want, atol=tolerance)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert (g - w).norm() <= tolerance * max(w.norm(), 1.0)
+
+
 def test_decoder_layers_compile_by_default_only_where_it_was_measured_to_win():
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 

@@ -316,6 +316,10 @@ class ModelInputs:
     position's output is (a prompt's from its group's first attention row)."""
     shared_keys: SharedKeys | None = None
     """Shared prompts: the same attention rows as a varlen kernel takes them (models/attention.py)."""
+    piece_length: int | None = None
+    """packed: where every piece of the row (each sequence with its padding, the row's tail) holds the same
+    number of tokens, that number: the row is then W / piece_length padded rows side by side, and the
+    attention runs them as such (models/attention.py: SDPA's kernel, not the varlen one). Else None."""
 
     @property
     def tokens_computed(self) -> int:
@@ -357,8 +361,10 @@ def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple:
         index = torch.repeat_interleave(starts[:-1], lengths) + mb.position_ids.cpu()
         ids = torch.zeros(total, dtype=torch.long)
         ids[index] = mb.input_ids.cpu()
+        pieces = cu.diff()
+        alike = int(pieces[0]) if len(pieces) and bool((pieces == pieces[0]).all()) else None
         return ModelInputs(ids[None], positions[None], None, index, torch.where(first, -1, index - 1),
-                           cu.to(torch.int32), int(cu.diff().max())).to(device)
+                           cu.to(torch.int32), int(pieces.max()), piece_length=alike).to(device)
     count = rows if rows is not None else len(mb)
     longest = int(lengths.max()) if len(mb) else 1
     W = width if width is not None else round_up(longest, multiple)

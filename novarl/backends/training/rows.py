@@ -168,6 +168,8 @@ def run_model(model, attention: str | None, inputs) -> torch.Tensor:
     elif inputs.attention_mask is None and attention:  # each sequence's attention alone
         boundaries = dict(cu_seq_lens_q=inputs.cu_seqlens, cu_seq_lens_k=inputs.cu_seqlens,
                           max_length_q=inputs.max_seqlen, max_length_k=inputs.max_seqlen)
+        if inputs.piece_length is not None:  # pieces all alike: padded rows side by side
+            boundaries["novarl_piece_length"] = inputs.piece_length
     # no KV cache: with one, transformers would not read packed rows' position ids as
     # sequence boundaries (and a training forward has no use for it)
     return model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
