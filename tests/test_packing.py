@@ -114,6 +114,10 @@ def test_shared_prompt_row_by_hand():
     assert inputs.previous.tolist() == [-1, 0, 1, 2, 3, -1, 0, 1, 2]
     assert inputs.attention_rows.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 5, 0], [6, 7, 0, 0, 0]]
     assert inputs.attention_take.tolist() == [0, 1, 2, 3, 4, 8, 10, 11]
+    batch.group_ids = torch.tensor([4, 5])  # nothing to share: the plain packed row, no gathered keys
+    alone, plain = lay_out(batch, "packed", 8, share_prompts=True), lay_out(batch, "packed", 8)
+    assert alone.attention_rows is None and alone.shared_keys is None
+    assert torch.equal(alone.input_ids, plain.input_ids) and torch.equal(alone.cu_seqlens, plain.cu_seqlens)
     items, sizes = prompt_items([5, 4, 6], [3, 3, 2], [4, 4, 9], capacity=64)
     assert (items, sizes) == ([[0, 1], [2]], [6, 6])
     assert prompt_items([5, 4], [3, 3], [4, 4], capacity=5) == ([[0], [1]], [5, 4])  # too big together: cut

@@ -88,7 +88,8 @@ def test_the_packed_kernel_is_chosen_by_device_dtype_and_novarl_packed_attention
 
 def test_shared_keys_read_a_shared_prompt_in_each_row_of_its_group():
     """A group's second row reads its prompt's keys again (fewer queries than keys: the varlen kernel's
-    causal attention aligned at the bottom right); groups of single samples share nothing."""
+    causal attention aligned at the bottom right); groups of single samples share nothing: they are laid out
+    as the plain packed row, with no keys gathered."""
     from novarl.backends.training.batching import lay_out
     from novarl.types import TrainBatch
 
@@ -98,12 +99,14 @@ def test_shared_keys_read_a_shared_prompt_in_each_row_of_its_group():
     mask = torch.arange(13) < lengths[:, None]
     mb = TrainBatch.from_rows(ids, mask, mask, torch.zeros(3))
     mb.prompt_lengths = torch.tensor([5, 5, 4])
-    for groups, unshared in (([0, 0, 1], False), ([0, 1, 2], True)):
-        mb.group_ids = torch.tensor(groups)
-        keys = lay_out(mb, "packed", 8, share_prompts=True).shared_keys
-        queries, reads = keys.cu_queries.diff(), keys.cu_keys.diff()
-        assert torch.equal(queries, reads) is unshared
-        assert int(keys.cu_keys[-1] - keys.cu_queries[-1]) == (0 if unshared else 5)  # the prompt's 5 keys twice
+    mb.group_ids = torch.tensor([0, 0, 1])
+    keys = lay_out(mb, "packed", 8, share_prompts=True).shared_keys
+    assert not torch.equal(keys.cu_queries.diff(), keys.cu_keys.diff())
+    assert int(keys.cu_keys[-1] - keys.cu_queries[-1]) == 5  # the prompt's 5 keys twice
+    mb.group_ids = torch.tensor([0, 1, 2])
+    alone = lay_out(mb, "packed", 8, share_prompts=True)
+    assert alone.shared_keys is None and alone.attention_rows is None
+    assert torch.equal(alone.cu_seqlens, lay_out(mb, "packed", 8).cu_seqlens)
 
 
 def test_the_optimizer_is_fused_on_cuda_unless_the_config_chooses():

@@ -343,9 +343,9 @@ def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple:
     Padded (fixed, dynamic): one row per sequence, padded to the longest, rounded up to
     `multiple`. `width` and `rows` fix R and W instead (pipeline buffers have one shape)."""
     device = mb.input_ids.device
-    if share_prompts and layout == "packed" and mb.group_ids is not None and mb.prompt_lengths is not None:
-        return _shared_prompt_row(mb.host or mb, multiple, width).to(device)
     mb = mb.host or mb  # the layout computed on the CPU, from the host copy where there is one
+    if share_prompts and layout == "packed" and _shares_a_prompt(mb):
+        return _shared_prompt_row(mb, multiple, width).to(device)
     lengths = mb.lengths.cpu()
     first = mb.position_ids.cpu() == 0
     if layout == "packed":
@@ -377,6 +377,15 @@ def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple:
     cu = torch.arange(count + 1, dtype=torch.int32) * W
     return ModelInputs(ids.view(count, W), positions, mask.view(count, W), index, torch.where(first, -1, index - 1),
                        cu, W).to(device)
+
+
+def _shares_a_prompt(mb: TrainBatch) -> bool:
+    """Whether some sequence follows another of its group with the same prompt (consecutive): only then does
+    laying prompts out once save anything (and its gathered keys cost something)."""
+    if mb.group_ids is None or mb.prompt_lengths is None:
+        return False
+    groups, prompts = mb.group_ids.cpu(), mb.prompt_lengths.cpu()
+    return bool(((groups[1:] == groups[:-1]) & (prompts[1:] == prompts[:-1])).any())
 
 
 def _shared_prompt_row(mb: TrainBatch, multiple: int, width: int | None) -> ModelInputs:
