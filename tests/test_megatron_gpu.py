@@ -68,9 +68,16 @@ def test_packed_rows_through_the_varlen_kernel_match_padded_sdpa_in_bf16():
         assert error < 0.02, (name, error)
 
 
+def model_is_fused_elsewhere() -> bool:
+    """Whether megatron-core steps Transformer Engine's or Apex's fused Adam (then not torch's)."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in ("transformer_engine", "apex"))
+
+
 def test_compiled_layers_give_the_eager_ones_logprobs_and_step_on_packed_rows_in_bf16(tmp_path, monkeypatch):
     """policy.megatron_cfg.torch_compile on CUDA, packed rows (torch's varlen kernel inside the compiled layers),
-    bf16: the logprobs, loss and gradient norm of the eager layers, to bf16's resolution."""
+    bf16: the logprobs, loss and gradient norm of the eager layers, to bf16's resolution; torch's Adam fused."""
     from megatron.core import parallel_state
 
     from novarl.algorithms.losses import make_loss
@@ -94,6 +101,9 @@ def test_compiled_layers_give_the_eager_ones_logprobs_and_step_on_packed_rows_in
             f"policy.megatron_cfg.torch_compile={str(compile_layers).lower()}",
             "policy.max_total_sequence_length=128", f"policy.model_name={model}"])
         policy = MegatronPolicy(cfg.policy, str(model), total_steps=1)
+        # without Apex or Transformer Engine megatron-core steps torch's Adam: novarl fuses it
+        assert all(group["fused"] for o in policy._optimizers() for group in o.optimizer.param_groups) or \
+            model_is_fused_elsewhere()
         policy.train_batching, policy.logprob_batching = batchings("packed", policy.packed_sequence_multiple)
         logprobs = policy.forward(batch, Logprobs())
         metrics = policy.forward_backward(batch, make_loss(LOSS), Logprobs())

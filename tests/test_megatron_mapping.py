@@ -228,3 +228,33 @@ def test_gradient_norms_without_apex_are_computed_on_the_device():
 
         _norms_without_host_reads()
         assert clip_grads.l2_norm_impl is foreach_l2_norm
+
+
+def test_adam_behind_megatron_core_takes_the_fused_kernel_mid_run_with_the_same_updates():
+    """megatron_optim.fuse_adam: torch's AdamW, which megatron-core steps where neither Transformer Engine nor
+    Apex is installed (foreach), switched to the fused kernel where its parameters are on the device type
+    asked (CUDA in a run: the CPU here, whose fused kernel torch has too), after a step taken: the updates of
+    the foreach one it was; parameters on another device type leave it as it is."""
+    from types import SimpleNamespace
+
+    from novarl.backends.training.megatron_optim import fuse_adam
+
+    torch.manual_seed(0)
+    first = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    twins = [first, [torch.nn.Parameter(p.detach().clone()) for p in first]]
+    fused, plain = (torch.optim.AdamW(params, lr=0.1, weight_decay=0.01) for params in twins)
+    wrapped = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=fused)])  # megatron-core's chain
+    fuse_adam(wrapped)  # CUDA asked, parameters on the CPU
+    assert not fused.param_groups[0]["fused"]
+    for step in range(3):
+        if step == 1:
+            fuse_adam(wrapped, device_type="cpu")
+        grads = [torch.randn_like(p) for p in first]
+        for params, optimizer in zip(twins, (fused, plain)):
+            for param, grad in zip(params, grads):
+                param.grad = grad.clone()
+            optimizer.step()
+    assert fused.param_groups[0]["fused"] and not fused.param_groups[0]["foreach"]
+    assert not plain.param_groups[0]["fused"]
+    for a, b in zip(*twins):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

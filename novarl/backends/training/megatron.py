@@ -52,7 +52,7 @@ from novarl.backends.protocols import ReferenceBackend, TrainingBackend, WeightS
 from novarl.backends.megatron.convert import experts_file, join_expert_tensor_parts
 from novarl.backends.training.megatron_model import MegatronModel
 from novarl.backends.training.megatron_optim import (  # noqa: F401 (ddp_config: read by tests)
-    _load_optimizer_state, _optimizer_state, build_optimizer, build_scheduler, ddp_config)
+    _load_optimizer_state, _optimizer_state, build_optimizer, build_scheduler, ddp_config, fuse_adam)
 from novarl.backends.training.megatron_checkpoint import CHECKPOINT_DIR, LAYOUT_FILE
 from novarl.backends.training.rows import accumulate, all_reduce_metrics
 from novarl.config.schema import PolicyConfig
@@ -208,6 +208,7 @@ class MegatronPolicy(MegatronModel, TrainingBackend, WeightSender):
         states = torch.load(folder / f"optim_rank{dist.get_rank()}.pt", weights_only=True)
         for optimizer, state in zip(self._optimizers(), states, strict=True):
             _load_optimizer_state(optimizer, state)
+        fuse_adam(self.optimizer)  # (a state written before Adam was fused brings its groups' foreach)
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
 
     def _optimizers(self) -> list:

@@ -44,7 +44,32 @@ def build_optimizer(mc, model_chunks: list, *, precision: str, distributed: bool
     except (AssertionError, ValueError) as err:
         raise ConfigError(f"policy.megatron_cfg.optimizer: megatron-core refused it: {err}") from None
     _norms_without_host_reads()
-    return get_megatron_optimizer(config, model_chunks)
+    optimizer = get_megatron_optimizer(config, model_chunks)
+    fuse_adam(optimizer)
+    return optimizer
+
+
+def fuse_adam(optimizer, device_type: str = "cuda") -> None:
+    """torch's Adam behind megatron-core's optimizer (its choice where neither Transformer Engine nor Apex is
+    installed, in torch's foreach implementation) switched to torch's fused kernel where every parameter it
+    steps is on a `device_type` device, as the DTensor backend's optimizer is on CUDA: one launch for all the
+    parameters. Step counts already kept move to the parameters' device, where the fused kernel reads them
+    (a state loaded from a checkpoint written before). Idempotent; after loading a state too (it brings
+    its groups' settings)."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+            continue
+        params = [param for group in inner.param_groups for param in group["params"]]
+        if not params or any(param.device.type != device_type for param in params):
+            continue
+        for group in inner.param_groups:
+            group.update(fused=True, foreach=False)
+        inner.defaults.update(fused=True, foreach=False)
+        for param in params:
+            state = inner.state.get(param)
+            if state and isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].to(param.device, torch.float32)
 
 
 def foreach_l2_norm(chunk_size: int, noop_flag, tensor_lists: list[list[torch.Tensor]], per_tensor: bool, *args):
