@@ -104,9 +104,9 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     With cu_seq_lens_q ([k + 1] boundaries of one packed row, B = 1): each sequence attends
     causally to itself; where its pieces all hold novarl_piece_length tokens (and KERNEL_ENV chooses no
     kernel), as T / that many padded rows side by side, through SDPA's causal kernel (measured faster than
-    the varlen one on an H100: cuDNN's, 75 against 126 ms a step). With novarl_attention_rows ([A, L] row positions) and _take ([T]): each
-    attention row (a shared prompt and one completion) is causal attention over those positions,
-    and position t's output is the flattened [A * L] output at take[t] (packed rows with shared
+    the varlen one on an H100: cuDNN's, 75 against 126 ms a step). With novarl_attention_rows ([A, L] row
+    positions) and _take ([T]): each attention row (a shared prompt and one completion) is causal attention
+    over those positions, and position t's output is the flattened [A * L] output at take[t] (packed rows with shared
     prompts, backends/training/batching.py). Without: causal attention over each right-padded row."""
     if attention_mask is not None:
         raise ValueError(f"{VARLEN} attention takes right-padded rows without a mask, or packed boundaries")

@@ -134,19 +134,21 @@ class SDPAttention(MegatronModule):
 
 
 def packed_rotary(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: torch.Tensor | None = None,
-                  mscale: float = 1.0, cp_group=None) -> torch.Tensor:
+                  mscale: float = 1.0, cp_group=None, **more) -> torch.Tensor:
     """megatron-core's `apply_rotary_pos_emb` (rope_utils), its packed rows ("thd": t [T, heads, dim], the row's
     boundaries cu_seqlens) without reading the boundaries on the host: megatron-core's unfused path splits
     the row by `cu_seqlens.tolist()`, a wait for the GPU in each layer's queries and keys, which leaves the
     GPU idle while the host catches up. Here each token's position is found on the device (its sequence by
     searchsorted), then rotated by the same function as megatron-core's, on the same frequencies: equal
-    results. Fused (apply_rope_fusion), context-parallel and padded rows go to megatron-core's own."""
+    results. Fused (apply_rope_fusion), context-parallel and padded rows go to megatron-core's own, and so does
+    a call with arguments this megatron-core version adds (`more`)."""
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings import rope_utils
 
     group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
-    if cu_seqlens is None or config.apply_rope_fusion or group.size() > 1:
-        return rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=group)
+    if cu_seqlens is None or config.apply_rope_fusion or group.size() > 1 or more:
+        return rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=group,
+                                               **more)
     tokens = torch.arange(t.shape[0], device=t.device)
     if freqs.size(0) == t.shape[0]:  # megatron-core's reading of frequencies of the whole row: a token's own
         positions = tokens
@@ -159,7 +161,10 @@ def packed_rotary(t: torch.Tensor, freqs: torch.Tensor, config, cu_seqlens: torc
 
 
 def rotate_packed_rows_on_the_device() -> None:
-    """megatron-core's self-attention rotates with `packed_rotary` (idempotent; this process's attention)."""
+    """megatron-core's self-attention rotates with `packed_rotary` (idempotent; this process's attention), where
+    this megatron-core version has the functions it calls (0.16's names; another keeps its own rotation)."""
+    from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer import attention
 
-    attention.apply_rotary_pos_emb = packed_rotary
+    if hasattr(rope_utils, "_apply_rotary_pos_emb_bshd") and hasattr(attention, "apply_rotary_pos_emb"):
+        attention.apply_rotary_pos_emb = packed_rotary

@@ -58,7 +58,7 @@ def fuse_adam(optimizer, device_type: str = "cuda") -> None:
     its groups' settings)."""
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(chained, "optimizer", None)
-        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):  # (Apex's and TE's are fused already)
             continue
         params = [param for group in inner.param_groups for param in group["params"]]
         if not params or any(param.device.type != device_type for param in params):
