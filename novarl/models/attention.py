@@ -106,8 +106,8 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     kernel), as T / that many padded rows side by side, through SDPA's causal kernel (measured faster than
     the varlen one on an H100: cuDNN's, 75 against 126 ms a step). With novarl_attention_rows ([A, L] row
     positions) and _take ([T]): each attention row (a shared prompt and one completion) is causal attention
-    over those positions, and position t's output is the flattened [A * L] output at take[t] (packed rows with shared
-    prompts, backends/training/batching.py). Without: causal attention over each right-padded row."""
+    over those positions, and position t's output is the flattened [A * L] output at take[t] (packed rows
+    with shared prompts, backends/training/batching.py). Without: causal attention over each right-padded row."""
     if attention_mask is not None:
         raise ValueError(f"{VARLEN} attention takes right-padded rows without a mask, or packed boundaries")
     gqa = query.shape[1] != key.shape[1]
