@@ -95,18 +95,33 @@ def test_what_it_does_not_do_is_refused():
         sdp_attention()(q[:2], kv, kv, None)
 
 
+ROTATIONS = {"plain": {}, "interleaved": {"rotary_interleaved": True}, "latent": {"multi_latent_attention": True},
+             "scaled": {"mscale": 1.25}}
+"""megatron-core's rotation settings packed_rotary passes on: the config's, and the call's mscale."""
+
+
+@pytest.mark.parametrize("rotation", sorted(ROTATIONS))
 @pytest.mark.parametrize("whole_row", [False, True], ids=["per-sequence", "whole-row-frequencies"])
-def test_packed_rows_rotate_as_megatron_core_does_without_reading_the_boundaries(whole_row):
+def test_packed_rows_rotate_as_megatron_core_does_without_reading_the_boundaries(whole_row, rotation):
     """backends/megatron/attention.py packed_rotary against megatron-core's unfused rotation of a packed row
-    (an empty sequence and the row's tail included, a partial rotary dimension): equal outputs, and no scalar
-    read back from the boundaries (megatron-core's reads them: on a GPU, a wait in every layer)."""
+    (an empty sequence and the row's tail included, a partial rotary dimension, each of its rotation
+    settings): equal outputs, and no value read back to the host (megatron-core's reads the boundaries: on a
+    GPU, a wait in every layer). The layer spec installs it in megatron-core's attention."""
+    import copy
+
     from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention as megatron_attention
 
     from novarl.backends.megatron.attention import packed_rotary
+    from novarl.backends.megatron.model import layer_spec
     from novarl.distributed.local import ensure_single_process_group
 
     ensure_single_process_group()
-    config = sdp_attention().config
+    config = copy.copy(sdp_attention().config)
+    settings = dict(ROTATIONS[rotation])
+    mscale = settings.pop("mscale", 1.0)
+    for name, value in settings.items():
+        setattr(config, name, value)
     packed, _ = packed_row([5, 0, 3, 8], SLOT, WIDTH)
     cu = packed.cu_seqlens_q_padded
     angles = torch.outer(torch.arange(WIDTH if whole_row else packed.max_seqlen_q).float(),
@@ -115,11 +130,13 @@ def test_packed_rows_rotate_as_megatron_core_does_without_reading_the_boundaries
     t = torch.randn(WIDTH, 4, 16, generator=torch.Generator().manual_seed(0))
     group = torch.distributed.group.WORLD
     with scalar_reads() as theirs_reads:
-        theirs = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=group)
+        theirs = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, mscale=mscale, cp_group=group)
     with scalar_reads() as ours_reads:
-        ours = packed_rotary(t, freqs, config, cu_seqlens=cu, cp_group=group)
+        ours = packed_rotary(t, freqs, config, cu_seqlens=cu, mscale=mscale, cp_group=group)
     assert torch.equal(ours, theirs)
     assert ours_reads.count == 0 and theirs_reads.count > 0
     padded = t[:8, None]  # padded rows ([s, b, heads, dim]) go to megatron-core's own
-    assert torch.equal(packed_rotary(padded, freqs[:8], config, cp_group=group),
-                       rope_utils.apply_rotary_pos_emb(padded, freqs[:8], config, cp_group=group))
+    assert torch.equal(packed_rotary(padded, freqs[:8], config, mscale=mscale, cp_group=group),
+                       rope_utils.apply_rotary_pos_emb(padded, freqs[:8], config, mscale=mscale, cp_group=group))
+    layer_spec(sdp_attention().config)
+    assert megatron_attention.apply_rotary_pos_emb is packed_rotary

@@ -230,25 +230,33 @@ def test_gradient_norms_without_apex_are_computed_on_the_device():
         assert clip_grads.l2_norm_impl is foreach_l2_norm
 
 
-def test_adam_behind_megatron_core_takes_the_fused_kernel_mid_run_with_the_same_updates():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_adam_behind_megatron_core_takes_the_fused_kernel_mid_run_with_the_same_updates(device):
     """megatron_optim.fuse_adam: torch's AdamW, which megatron-core steps where neither Transformer Engine nor
     Apex is installed (foreach), switched to the fused kernel where its parameters are on the device type
-    asked (CUDA in a run: the CPU here, whose fused kernel torch has too), after a step taken: the updates of
-    the foreach one it was; parameters on another device type leave it as it is."""
+    asked (CUDA in a run; the CPU's fused kernel here too), after a step and a round trip of its state
+    through a checkpoint's form (as MegatronPolicy.load does: foreach groups, step counts on the CPU, moved
+    to the parameters' device): the updates of the foreach twin; on another device type it is left as it is."""
     from types import SimpleNamespace
 
-    from novarl.backends.training.megatron_optim import fuse_adam
+    from novarl.backends.training.megatron_optim import _load_optimizer_state, _optimizer_state, fuse_adam
 
     torch.manual_seed(0)
-    first = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    first = [torch.nn.Parameter(torch.randn(5, 3, device=device)), torch.nn.Parameter(torch.randn(7, device=device))]
     twins = [first, [torch.nn.Parameter(p.detach().clone()) for p in first]]
     fused, plain = (torch.optim.AdamW(params, lr=0.1, weight_decay=0.01) for params in twins)
-    wrapped = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=fused)])  # megatron-core's chain
-    fuse_adam(wrapped)  # CUDA asked, parameters on the CPU
+    fuse_adam(SimpleNamespace(optimizer=fused), device_type="mps")  # parameters elsewhere: left as it is
     assert not fused.param_groups[0]["fused"]
     for step in range(3):
-        if step == 1:
-            fuse_adam(wrapped, device_type="cpu")
+        if step == 1:  # the state as a checkpoint holds it, loaded into a foreach AdamW, then fused
+            saved = _optimizer_state(SimpleNamespace(optimizer=fused))
+            fused = torch.optim.AdamW(first, lr=0.1, weight_decay=0.01)
+            wrapped = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=fused)])  # megatron-core's chain
+            with torch.no_grad():  # (as MegatronPolicy.load runs)
+                _load_optimizer_state(SimpleNamespace(optimizer=fused), saved)
+            fuse_adam(wrapped, device_type=device)
+            assert all(fused.state[p]["step"].device == p.device for p in first)
         grads = [torch.randn_like(p) for p in first]
         for params, optimizer in zip(twins, (fused, plain)):
             for param, grad in zip(params, grads):

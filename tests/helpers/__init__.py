@@ -60,16 +60,46 @@ def rank_pids(driver_pid: int) -> list[int]:
 
 
 def scalar_reads():
-    """A dispatch mode counting the values read back to the host (`.item()`, `.tolist()`, `float(t)`: on a
-    GPU, each a wait for the device) in its `count`, for code that must not wait."""
+    """A context counting the values read back to the host (on a GPU, each a wait for the device) in its
+    `count`: the Python-level reads (`.item()`, `.tolist()`, `.numpy()`, `bool(t)`, `int(t)`, `float(t)`,
+    which a torch-function mode sees) and those inside operators (`_local_scalar_dense`, which a dispatch
+    mode sees; a Python-level `.item()` counts in both)."""
     import torch
+    from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class ScalarReads(TorchDispatchMode):
-        count = 0
+    reads = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__}
+
+    class Calls(TorchFunctionMode):
+        def __init__(self, counter):
+            super().__init__()
+            self.counter = counter
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.counter.count += func in reads
+            return func(*args, **(kwargs or {}))
+
+    class Operators(TorchDispatchMode):
+        def __init__(self, counter):
+            super().__init__()
+            self.counter = counter
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func is torch.ops.aten._local_scalar_dense.default
+            self.counter.count += func is torch.ops.aten._local_scalar_dense.default
             return func(*args, **(kwargs or {}))
+
+    class ScalarReads:
+        count = 0
+
+        def __enter__(self):
+            self.modes = [Calls(self), Operators(self)]
+            for mode in self.modes:
+                mode.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            for mode in reversed(self.modes):
+                mode.__exit__(*exc)
 
     return ScalarReads()

@@ -391,9 +391,9 @@ def compiles_layers(mc) -> bool:
 
 
 def compile_layers(module: Any) -> None:
-    """Compile each transformer layer of a model chunk in place (names unchanged): one graph a layer, the
-    same code for every layer (compiled once, reused), graph breaks allowed (tensor-parallel collectives).
-    module: a GPTModel chunk."""
+    """Compile each transformer layer of a model chunk in place (names unchanged): the same code for every
+    layer (compiled once, reused), graph breaks allowed (megatron-core's activation-offloading context and
+    tensor-parallel collectives split a layer into several graphs). module: a GPTModel chunk."""
     for layer in module.decoder.layers:
         layer.compile(dynamic=None)
 
