@@ -113,9 +113,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     gqa = query.shape[1] != key.shape[1]
     dropout = dropout if module.training else 0.0
     if novarl_attention_rows is None and cu_seq_lens_q is None:
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
-                                                               scale=scaling, enable_gqa=gqa)
-        return out.transpose(1, 2).contiguous(), None
+        return _causal_rows(query, key, value, dropout, scaling).contiguous(), None
     if novarl_piece_length is not None and novarl_attention_rows is None and ASKED is None:
         return _side_by_side(query, key, value, novarl_piece_length, dropout, scaling), None
     kernel = varlen_kernel(query, dropout)
@@ -146,6 +144,14 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return flat.index_select(0, take).view(1, len(take), out.shape[1], out.shape[3]), None
 
 
+def _causal_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float,
+                 scaling: float | None) -> torch.Tensor:
+    """Causal SDPA over right-padded rows: query [B, H, L, D], key and value [B, Hkv, L, D] -> [B, L, H, D]."""
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True,
+                                                           scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2)
+
+
 def _side_by_side(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: int, dropout: float,
                   scaling: float | None) -> torch.Tensor:
     """A packed row [1, H, T, D] of pieces of `length` tokens each, as T / length causal rows: [1, T, H, D]."""
@@ -159,10 +165,8 @@ def _side_by_side(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
     def split(t: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [rows, H, length, D]
         return t[0].unflatten(1, (rows, length)).transpose(0, 1)
 
-    out = torch.nn.functional.scaled_dot_product_attention(split(query), split(key), split(value), dropout_p=dropout,
-                                                           is_causal=True, scale=scaling,
-                                                           enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).reshape(1, query.shape[2], query.shape[1], query.shape[3])
+    out = _causal_rows(split(query), split(key), split(value), dropout, scaling)  # [rows, length, H, D]
+    return out.reshape(1, query.shape[2], query.shape[1], query.shape[3])
 
 
 PACKED_KERNELS = ("flash_varlen", "padded_sdpa")

@@ -139,7 +139,6 @@ class ShardedModel(DataParallelRows):
             model.requires_grad_(trainable)
         self.model = model
 
-
     @torch.no_grad()
     def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
         """DataParallelRows.forward, the gathered weights freed at its end: FSDP2 keeps the root's (and
