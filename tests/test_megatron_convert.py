@@ -313,16 +313,24 @@ def bf16_rank(rank: int, world: int, rendezvous: str, results, folder: str) -> N
                          (ours - theirs).abs()))
 
 
-def test_compiled_layers_train_as_the_eager_ones(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def one_megatron_rank(tmp_path_factory) -> dict:
+    """What one spawned Megatron rank (CPU emulation) measured: the compiled layers' step against the eager
+    ones' ("compile"), and a packed row of alike pieces run side by side against the varlen path ("alike")."""
+    pytest.importorskip("megatron.core")
+    from tests.helpers.spawn import spawned
+
+    return spawned(stepping_rank, 1, str(tmp_path_factory.mktemp("megatron")))[0]
+
+
+def test_compiled_layers_train_as_the_eager_ones(one_megatron_rank, monkeypatch):
     """policy.megatron_cfg.torch_compile: each local-spec transformer layer compiled in place (inductor on the
     CPU); one training step (logprobs through the layers, the loss, its gradients, Adam's update) as the eager
     layers give it, on one spawned rank. Over Transformer Engine's layers it is not applied."""
-    pytest.importorskip("megatron.core")
     from novarl.backends.megatron import model
     from novarl.config import load_config
-    from tests.helpers.spawn import spawned
 
-    eager, compiled = spawned(compiled_rank, 1, str(tmp_path))[0]
+    eager, compiled = one_megatron_rank["compile"]
     assert eager["compiled"] == [False, False] and compiled["compiled"] == [True, True]
     assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-5)
     assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-4)
@@ -336,12 +344,82 @@ def test_compiled_layers_train_as_the_eager_ones(tmp_path, monkeypatch):
     assert not model.compiles_layers(mc)
 
 
-def compiled_rank(rank: int, world: int, rendezvous: str, results, folder: str) -> None:
-    import os
+def test_a_packed_row_of_alike_pieces_runs_as_padded_rows_side_by_side(one_megatron_rank):
+    """A packed row whose pieces all hold 16 tokens runs through megatron-core as padded rows [4, 16] (causal
+    SDPA over rows, megatron-core's own rotary positions), not as a packed thd row (novarl's varlen path and
+    packed_rotary, which a packed attention kernel asked by name keeps): the same logprobs, loss and
+    gradients; a row of unlike pieces stays packed."""
+    alike = one_megatron_rank["alike"]
+    (side_by_side, rows), (packed, want) = alike["side by side"], alike["asked"]
+    assert side_by_side == {"padded": 2 * 2, "packed": 0}  # each layer, in the logprob and the training pass
+    assert packed == {"padded": 0, "packed": 2 * 2}
+    assert alike["unlike"] == {"padded": 0, "packed": 2}
+    torch.testing.assert_close(rows["logprobs"], want["logprobs"], rtol=1e-5, atol=1e-5)
+    assert rows["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    for got, expected in zip(rows["grads"], want["grads"], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def stepping_rank(rank: int, world: int, rendezvous: str, results, folder: str) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
+
+    from tests.helpers.spawn import send
+
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    eager, eager_step = one_step(folder, compile_layers=False)
+    alike = alike_pieces(eager)
+    send(results, rank, {"compile": (eager_step, one_step(folder, compile_layers=True)[1]), "alike": alike})
+
+
+def alike_pieces(policy) -> dict:
+    """The policy's logprobs, loss and gradients over a batch of 4 sequences of 16 tokens in packed rows of 64,
+    as it runs them and with a packed attention kernel asked by name; the attention calls of each, by the
+    rows' kind (megatron-core's [s, b] rows, or packed thd ones), and of a batch of unlike lengths."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from novarl.algorithms.losses import make_loss
+    from novarl.backends.megatron.attention import SDPAttention
+    from novarl.models import attention
+    from novarl.types import TrainBatch
+    from tests.helpers.packing import HEAD, LOSS, batchings, mixed_batch
+
+    calls = {"padded": 0, "packed": 0}
+    original = SDPAttention.forward
+
+    def counted(self, query, key, value, mask, *args, packed_seq_params: PackedSeqParams | None = None, **kw):
+        calls["padded" if packed_seq_params is None else "packed"] += 1
+        return original(self, query, key, value, mask, *args, packed_seq_params=packed_seq_params, **kw)
+
+    SDPAttention.forward = counted
+    policy.train_batching, policy.logprob_batching = batchings("packed")
+    ids = torch.randint(3, 18, (4, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    batch = TrainBatch.from_rows(ids, mask, mask & (torch.arange(16) >= 4), torch.randn(4))
+    batch.old_logprobs = batch.generator_logprobs = -torch.rand(batch.num_tokens)
+    measured = {}
+    for case, asked in (("side by side", None), ("asked", "padded_sdpa")):
+        attention.ASKED = asked
+        calls.update(padded=0, packed=0)
+        logprobs = policy.forward(batch, HEAD)
+        loss = policy.forward_backward(batch, make_loss(LOSS), HEAD)["loss"]
+        grads = [p.main_grad.clone() for p in policy.modules[0].parameters() if p.requires_grad]
+        policy._zero_grad_buffers()
+        measured[case] = (dict(calls), {"logprobs": logprobs, "loss": loss, "grads": grads})
+    attention.ASKED = None
+    calls.update(padded=0, packed=0)
+    policy.forward(mixed_batch(rows=3, longest=12), HEAD)
+    measured["unlike"] = dict(calls)
+    return measured
+
+
+def one_step(folder: str, compile_layers: bool):
+    """A Megatron policy (megatron_cfg.torch_compile as asked) after one training step, and what it measured:
+    its layers compiled or not, the step's loss and gradient norm, the weights after it."""
+    import os
+
     from megatron.core import parallel_state
 
     from novarl.algorithms.losses import make_loss
@@ -349,26 +427,21 @@ def compiled_rank(rank: int, world: int, rendezvous: str, results, folder: str) 
     from novarl.config import load_config
     from novarl.models.loading import resolve_model_path
     from tests.helpers.packing import HEAD, LOSS, mixed_batch
-    from tests.helpers.spawn import send
 
     os.environ.update(NOVARL_MEGATRON_ON_CPU="1", NOVARL_MEGATRON_CHECKPOINT_DIR=folder)
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     batch = mixed_batch(rows=6, longest=24).with_own_counts()
-    out = []
-    for compile_layers in (False, True):
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        cfg = load_config(None, overrides=[
-            "policy.megatron_cfg.enabled=true", f"policy.megatron_cfg.torch_compile={str(compile_layers).lower()}",
-            "policy.train_micro_batch_size=6", "policy.megatron_cfg.optimizer.lr=1.0e-3",
-            "policy.megatron_cfg.scheduler.lr_warmup_iters=0", "policy.megatron_cfg.scheduler.lr_decay_style=constant"])
-        policy = MegatronPolicy(cfg.policy, resolve_model_path("tiny-arith"), total_steps=2, emulate_cuda=True)
-        batch.old_logprobs = batch.generator_logprobs
-        metrics = policy.forward_backward(batch, make_loss(LOSS), HEAD)
-        metrics.update(policy.optim_step())
-        out.append({"compiled": [layer._compiled_call_impl is not None for layer in policy.modules[0].decoder.layers],
-                    "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "weights": policy.full_state_dict()})
-    send(results, rank, out)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    cfg = load_config(None, overrides=[
+        "policy.megatron_cfg.enabled=true", f"policy.megatron_cfg.torch_compile={str(compile_layers).lower()}",
+        "policy.train_micro_batch_size=6", "policy.megatron_cfg.optimizer.lr=1.0e-3",
+        "policy.megatron_cfg.scheduler.lr_warmup_iters=0", "policy.megatron_cfg.scheduler.lr_decay_style=constant"])
+    policy = MegatronPolicy(cfg.policy, resolve_model_path("tiny-arith"), total_steps=2, emulate_cuda=True)
+    batch.old_logprobs = batch.generator_logprobs
+    metrics = policy.forward_backward(batch, make_loss(LOSS), HEAD)
+    metrics.update(policy.optim_step())
+    return policy, {"compiled": [layer._compiled_call_impl is not None for layer in policy.modules[0].decoder.layers],
+                    "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "weights": policy.full_state_dict()}
 
 
 # ---------------------------------------------------------------- the cache

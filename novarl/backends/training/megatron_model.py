@@ -287,11 +287,34 @@ class MegatronModel:
             return self._run_model(model, inputs, shard)
         from novarl.backends.megatron.picking import picking
 
-        with picking(self.picking_layer, _following(inputs.input_ids), head.temperature):
+        following = _following(inputs.input_ids)
+        piece = self._side_by_side(inputs, shard)
+        with picking(self.picking_layer, following if piece is None else following.view(-1, piece), head.temperature):
             return self._run_model(model, inputs, shard)
+
+    def _side_by_side(self, inputs: ModelInputs, shard: ContextShard | None) -> int | None:
+        """Where a packed row's pieces all hold as many tokens (ModelInputs.piece_length), that length: the row
+        runs as padded rows side by side, one a piece, through causal attention over [s, b] rows (SDPA's
+        kernel: cuDNN's on an H100, where torch's varlen kernel took 1.7x as long for the same work in the
+        DTensor backend's run C; or Transformer Engine's) and megatron-core's own rotary positions (each
+        piece counts from 0): as fixed rows would run. Not under context parallelism
+        (each sequence is split), pipelines (the stages' buffers have the schedule's one shape), sequence
+        parallelism with pieces that do not split over the tensor-parallel ranks, or a packed attention
+        kernel asked by name (models/attention.py KERNEL_ENV)."""
+        from novarl.models import attention
+
+        piece = inputs.piece_length
+        split = self.tp_size if self.config.sequence_parallel else 1
+        if piece is None or shard is not None or self.pp_size > 1 or piece % split or attention.ASKED is not None:
+            return None
+        return piece
 
     def _run_model(self, model, inputs: ModelInputs, shard: ContextShard | None) -> torch.Tensor:
         ids, positions = inputs.input_ids, inputs.position_ids
+        piece = self._side_by_side(inputs, shard)
+        if piece is not None:  # [1, W] as [W / piece, piece] and back: logits, picked logprobs or values
+            out = model(ids.view(-1, piece), positions.view(-1, piece), None)
+            return out.reshape(*ids.shape, *out.shape[2:])
         if shard is not None:
             ids = ids.reshape(-1).index_select(0, shard.local).view(ids.shape[0], -1)
             positions = positions.reshape(-1).index_select(0, shard.local).view(ids.shape[0], -1)
