@@ -51,6 +51,17 @@ def test_transformer_config_maps_the_seeds_keys():
     assert transformer_config().recompute_granularity is None
 
 
+def test_swiglu_is_fused_by_default_on_cuda_gpus_only(monkeypatch):
+    """megatron_cfg.bias_activation_fusion unset: megatron-core's fused SwiGLU on a CUDA GPU (as NeMo RL's recipes
+    set it), not on the CPU (where it would only compile); set, as set. (The fused layers on a GPU:
+    tests/test_megatron_gpu.py, which runs with the default.)"""
+    assert not transformer_config().bias_activation_fusion
+    assert not transformer_config("policy.megatron_cfg.bias_activation_fusion=false").bias_activation_fusion
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert transformer_config().bias_activation_fusion
+    assert not transformer_config("policy.megatron_cfg.bias_activation_fusion=false").bias_activation_fusion
+
+
 def test_features_that_need_transformer_engine_are_refused_without_it():
     from novarl.backends.megatron.model import transformer_engine_available
 

@@ -405,6 +405,42 @@ def test_one_data_parallel_shard_gathers_each_layer_once_a_pass_and_trains_as_re
     assert not torch.allclose(runs[True]["between"], runs[True]["after"])  # the step changed the weights
 
 
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_the_optimizer_step_is_queued_before_the_gradient_norm_is_read():
+    """DTensor's optim_step computes the gradient norm and clips on the gradients' device and reads the norm
+    back only after the optimizer's step (on a GPU: the host queues the whole step, then waits once): no value
+    read back before optimizer.step; the gradients it steps with are clipped to max_grad_norm; the norm
+    reported is the one before clipping."""
+    from novarl.algorithms.losses import make_loss
+    from novarl.backends.training import dtensor
+    from novarl.config import load_config
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.loading import resolve_model_path
+    from tests.helpers import scalar_reads
+    from tests.helpers.packing import HEAD, LOSS, mixed_batch
+
+    ensure_single_process_group()
+    cfg = load_config(None, overrides=["policy.train_micro_batch_size=3", "policy.max_grad_norm=0.01"])
+    policy = dtensor.DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=2)
+    batch = mixed_batch(rows=6)
+    batch.old_logprobs = batch.generator_logprobs
+    policy.forward_backward(batch, make_loss(LOSS), HEAD)
+    grads = lambda: [p.grad.full_tensor() for p in policy.model.parameters() if p.grad is not None]  # noqa: E731
+    before, seen = torch.nn.utils.get_total_norm(grads()), {}
+    step = policy.optimizer.step
+
+    def counted(*args, **kwargs):
+        seen.update(reads=reads.count, norm=torch.nn.utils.get_total_norm(grads()))
+        return step(*args, **kwargs)
+
+    policy.optimizer.step = counted
+    with scalar_reads() as reads:
+        metrics = policy.optim_step()
+    assert seen["reads"] == 0 and reads.count > 0  # the norm, read after the step
+    assert metrics["grad_norm"] == pytest.approx(float(before), rel=1e-5) and float(before) > 0.01
+    assert float(seen["norm"]) == pytest.approx(0.01, rel=1e-3)
+
+
 @cuda
 def test_a_micro_batch_on_the_gpu_is_cut_with_copies_that_do_not_wait_for_the_gpu():
     """A batch moved to the GPU is cut into micro-batches from its host copy, the indices travelling

@@ -221,7 +221,7 @@ def transformer_config(hf_config, shape: LayerShape, policy: PolicyConfig, *, pr
         num_layers_in_last_pipeline_stage=mc.num_layers_in_last_pipeline_stage,
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype, bf16=precision == "bfloat16", fp16=precision == "float16",
-        apply_rope_fusion=mc.apply_rope_fusion, bias_activation_fusion=mc.bias_activation_fusion,
+        apply_rope_fusion=mc.apply_rope_fusion, bias_activation_fusion=fuses_activation(mc),
         masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         # each micro-batch's loss is already its share of the step's mean, summed over ranks
@@ -382,6 +382,11 @@ def build_gpt_model(config, hf_config, shape: LayerShape, chunk: Chunk, *, max_s
         share_embeddings_and_output_weights=shape.tied, position_embedding_type="rope",
         rotary_base=int(rope["rope_theta"]), rope_scaling=scaling,
         rope_scaling_factor=float(rope.get("factor", 8.0)) if scaling else 8.0), config.params_dtype)
+
+
+def fuses_activation(mc) -> bool:
+    """megatron_cfg.bias_activation_fusion, None read as: on CUDA GPUs."""
+    return torch.cuda.is_available() if mc.bias_activation_fusion is None else mc.bias_activation_fusion
 
 
 def compiles_layers(mc) -> bool:

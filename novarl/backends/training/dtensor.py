@@ -182,13 +182,14 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         return gpu_stats()
 
     def optim_step(self) -> dict[str, float]:
-        """Clip, step the optimizer and scheduler, zero the gradients."""
+        """Clip, step the optimizer and scheduler, zero the gradients. The gradient norm is read last: on a
+        GPU the host queues the whole step before it waits for the norm."""
         grad_norm = clip_grad_norm(list(self.model.parameters()), self.policy.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": lr}
+        return {"grad_norm": float(grad_norm), "lr": lr}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the full CPU tensors, the others {}."""

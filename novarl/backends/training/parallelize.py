@@ -317,24 +317,28 @@ def reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float | None) -> float:
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """Global gradient norm (and clipping) over parameters that may live on different
     meshes -- (dp,) for replicated-across-tp ones, (dp, tp) for tensor-parallel ones --
-    which torch's clip_grad_norm_ cannot stack together."""
+    which torch's clip_grad_norm_ cannot stack together. The norm stays on the gradients' device
+    (a 0-dim float32 tensor): nothing here waits for the GPU, so the optimizer's step is queued
+    behind the clipping before the caller reads the norm."""
     groups: dict[object, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
     for p in parameters:
         if p.grad is not None:
             groups.setdefault(getattr(p.grad, "device_mesh", None), []).append((p, p.grad))
-    squares = torch.zeros((), dtype=torch.float32)
+    squares: torch.Tensor | None = None
     for pairs in groups.values():
         norm = torch.nn.utils.get_total_norm([grad for _, grad in pairs])
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        squares = squares + norm.float().cpu() ** 2
+        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2
+        squares = norm if squares is None else squares + norm.to(squares.device)
+    if squares is None:
+        return torch.zeros((), dtype=torch.float32)
     total = squares.sqrt()
     if max_norm:
         for pairs in groups.values():
             torch.nn.utils.clip_grads_with_norm_([p for p, _ in pairs], max_norm, total.to(pairs[0][1].device))
-    return float(total)
+    return total
 
 
 def dp_group(mesh: DeviceMesh) -> dist.ProcessGroup:

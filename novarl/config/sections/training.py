@@ -136,7 +136,10 @@ class MegatronConfig(Section):
     overlap_grad_reduce: bool = False
     use_distributed_optimizer: bool = True
     apply_rope_fusion: bool = False
-    bias_activation_fusion: bool = False
+    bias_activation_fusion: bool | None = None
+    """SwiGLU through megatron-core's fused function (compiled by torch.compile: one kernel forward, one
+    backward, only its input kept for the backward) instead of chunk, SiLU and product as eager kernels.
+    None: on CUDA GPUs (NeMo RL's recipes set it true), off on the CPU, where it would only compile."""
     torch_compile: bool | None = None
     """novarl's: each transformer layer of megatron-core's local spec (no Transformer Engine) compiled
     with torch.compile (inductor), fusing its norms, rotary and SwiGLU's elementwise work as
