@@ -73,11 +73,13 @@ VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure 
               "NOVARL_PACKED_ATTENTION=flash_varlen: not as padded rows side by side)",
     "reshard": "each layer's gathered weights freed after its forward and backward, as before novarl kept "
                "them through a step's micro-batches on one data-parallel shard (parallelize.py keeps_gathered)",
+    "unfused-swiglu": "Megatron's SwiGLU as eager kernels (megatron_cfg.bias_activation_fusion=false), as novarl "
+                      "ran it by default before it followed NeMo RL's recipes (on with CUDA)",
 }
 DEFAULT_CASES = (  # most wanted first: issue 35's targets and the latest change, then the experiments
-    "plain,fixed-compile,packed-compile,var-packed-compile,megatron-compile,megatron-packed-compile,"
-    "fixed-compile+reshard,megatron-packed,packed-compile+varlen,packed-compile+reshard,megatron,"
-    "fixed-compile+eager-head,var-megatron-packed,packed-compile+padded-attention")
+    "plain,fixed-compile,packed-compile,var-packed-compile,megatron-packed,megatron-packed-compile,"
+    "fixed-compile+reshard,megatron-packed+unfused-swiglu,packed-compile+varlen,megatron-compile,"
+    "packed-compile+reshard,megatron,fixed-compile+eager-head,var-megatron-packed,packed-compile+padded-attention")
 BEFORE_GB = {"fixed": 69.0, "packed": 69.7}
 """Peak memory at micro-batch 4, equal lengths, before issue 35 (its table): the bound it sets."""
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "cudnn", "efficient", "sdpa", "bmm")
@@ -347,6 +349,10 @@ def apply_variant(variant: str) -> None:
         from novarl.backends.training import dtensor
 
         dtensor.keeps_gathered = lambda *args: False
+    elif variant == "unfused-swiglu":
+        from novarl.backends.megatron import model
+
+        model.fuses_activation = lambda mc: False
     else:
         raise SystemExit(f"unknown variant {variant!r}: {', '.join(VARIANTS)}")
 
