@@ -13,6 +13,7 @@ import torch
 from novarl.backends.training.optim import build_optimizer
 from novarl.config.schema import OptimizerConfig
 from novarl.models import attention
+from tests.helpers import scalar_reads
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 LENGTHS = (300, 17, 128, 1, 64)
@@ -57,6 +58,9 @@ def test_packed_attention_equals_per_sequence_attention(device, asked, monkeypat
         lambda q, k, v: attention.varlen_attention(module, q, k, v, None, cu_seq_lens_q=cu, max_length_q=300)[0],
         query, key, value)
     assert attention.packed_kernel == ("padded_sdpa" if device == "cpu" else asked or "flash_varlen")
+    with scalar_reads() as reads:  # the longest sequence given: nothing read back from the boundaries' device
+        attention.varlen_attention(module, query, key, value, None, cu_seq_lens_q=cu.to(device), max_length_q=300)
+    assert reads.count == 0
     want, want_grads = attention_and_grads(lambda q, k, v: per_sequence_attention(q, k, v, LENGTHS),
                                            *(t.detach().float().requires_grad_() for t in (query, key, value)))
     tolerance = 1e-6 if device == "cpu" else 2e-2

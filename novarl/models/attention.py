@@ -127,7 +127,7 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         return kernel(query, *gathered, keys.cu_queries, keys.cu_keys, keys.longest_queries, keys.longest_keys,
                       scaling), None
     if novarl_attention_rows is None:
-        novarl_attention_rows, novarl_attention_take = sequence_rows(cu_seq_lens_q, max_length_q)
+        novarl_attention_rows, novarl_attention_take = sequence_rows(cu_seq_lens_q, max_length_q, query.shape[2])
     rows = novarl_attention_rows.to(query.device)
     take = novarl_attention_take.to(query.device)
 
@@ -257,15 +257,17 @@ def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu
     return out[None]
 
 
-def sequence_rows(cu_seqlens: torch.Tensor, longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_rows(cu_seqlens: torch.Tensor, longest: int | None = None, total: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """For a packed row's boundaries [k + 1]: the attention rows [k, L] (each sequence's
     positions, then whatever follows it: at the end of a causal row nothing real attends to it)
-    and take [T] (where each position's output is in the flattened [k * L] rows)."""
+    and take [T] (where each position's output is in the flattened [k * L] rows). With the longest
+    sequence and the row's length T given, nothing is read back from the boundaries' device."""
     cu = cu_seqlens.long()
     lengths = cu.diff()
     longest = int(longest) if longest is not None else int(lengths.max())
-    total = int(cu[-1])
+    total = int(total) if total is not None else int(cu[-1])
     rows = (cu[:-1, None] + torch.arange(longest, device=cu.device)).clamp(max=total - 1)
-    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths, output_size=total)
     take = sequence * longest + torch.arange(total, device=cu.device) - cu[sequence]
     return rows, take
