@@ -73,13 +73,17 @@ VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure 
               "NOVARL_PACKED_ATTENTION=flash_varlen: not as padded rows side by side)",
     "reshard": "each layer's gathered weights freed after its forward and backward, as before novarl kept "
                "them through a step's micro-batches on one data-parallel shard (parallelize.py keeps_gathered)",
+    "layer-units": "each decoder layer its own FSDP2 unit where the gathered weights are kept, as before novarl "
+                   "sharded kept layers in runs (parallelize.py fsdp_units: fewer hooks' host time a layer, "
+                   "benchmarks/results/host_overhead_cpu.md)",
     "unfused-swiglu": "Megatron's SwiGLU as eager kernels (megatron_cfg.bias_activation_fusion=false), as novarl "
                       "ran it by default before it followed NeMo RL's recipes (on with CUDA)",
 }
 DEFAULT_CASES = (  # most wanted first: issue 35's targets and the latest change, then the experiments
     "plain,fixed-compile,packed-compile,var-packed-compile,megatron-packed,megatron-packed-compile,"
-    "fixed-compile+reshard,megatron-packed+unfused-swiglu,packed-compile+varlen,megatron-compile,"
-    "packed-compile+reshard,megatron,fixed-compile+eager-head,var-megatron-packed,packed-compile+padded-attention")
+    "fixed-compile+layer-units,fixed-compile+reshard,megatron-packed+unfused-swiglu,packed-compile+varlen,"
+    "megatron-compile,packed-compile+reshard,megatron,fixed-compile+eager-head,var-megatron-packed,"
+    "packed-compile+padded-attention")
 BEFORE_GB = {"fixed": 69.0, "packed": 69.7}
 """Peak memory at micro-batch 4, equal lengths, before issue 35 (its table): the bound it sets."""
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "cudnn", "efficient", "sdpa", "bmm")
@@ -349,6 +353,10 @@ def apply_variant(variant: str) -> None:
         from novarl.backends.training import dtensor
 
         dtensor.keeps_gathered = lambda *args: False
+    elif variant == "layer-units":
+        from novarl.backends.training import parallelize
+
+        parallelize.fsdp_units = lambda layers, keep_gathered: [[layer] for layer in layers]
     elif variant == "unfused-swiglu":
         from novarl.backends.megatron import model
 

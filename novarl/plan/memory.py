@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from novarl.errors import UserError
-from novarl.backends.contract.model_shape import ModelShape
+from novarl.backends.contract.model_shape import ModelShape, layers_per_kept_unit
 
 GB = 10**9
 
@@ -415,11 +415,13 @@ def _gathered_units(shape: ModelShape, precision: Precision, *, tensor_parallel_
     FSDP2 keeps the root gathered from forward to backward), the current and the
     prefetched layer in the compute dtype (every layer where `whole`: one data-parallel shard keeps
     its gathered copies through the micro-batches, backends/training/parallelize.py keeps_gathered),
-    and one layer's unsharded fp32 gradient before its reduce-scatter."""
+    and one unit's unsharded fp32 gradient before its reduce-scatter (a layer's, or where `whole`
+    a run of layers_per_kept_unit layers': parallelize.py fsdp_units)."""
     compute_bytes = 4 if precision == "float32" else 2
     layer = shape.layer_parameters / tensor_parallel_size
     root = shape.parameters - shape.num_layers * shape.layer_parameters
-    return compute_bytes * (root + (shape.num_layers if whole else 2) * layer) + 4 * layer
+    unit = layers_per_kept_unit(int(layer), shape.num_layers) * layer if whole else layer
+    return compute_bytes * (root + (shape.num_layers if whole else 2) * layer) + 4 * unit
 
 
 def _full_model_activations(shape: ModelShape, work: Workload, parallel: Parallelism, *,

@@ -244,6 +244,20 @@ _ASSUMED_WIDTHS: tuple[tuple[float, int], ...] = (
     (40e9, 6144), (100e9, 8192), (220e9, 12288), (450e9, 16384), (800e9, 20480), (math.inf, 25600),
 )
 
+KEPT_UNIT_PARAMETERS = 1 << 28
+"""Parameters of decoder layers that make one FSDP2 unit where a data-parallel shard keeps its gathered weights
+through a step (the DTensor backend's keeps_gathered): 268 M (5 of Qwen2.5-1.5B's 47 M-parameter layers)."""
+
+
+def layers_per_kept_unit(layer_parameters: int, num_layers: int) -> int:
+    """How many consecutive decoder layers share one FSDP2 unit (one gather, one gradient reduction and one set
+    of hooks) where a shard keeps its gathered weights: per-layer units save no memory there (every layer stays
+    gathered), and each costs its hooks' host time in every forward and backward (7-13 % of a training step's
+    host time for 28 layers, benchmarks/results/host_overhead_cpu.md). A unit's size bounds the transient
+    buffers of its gather and of its gradients' reduction; at least one layer, at most all."""
+    return max(1, min(num_layers, KEPT_UNIT_PARAMETERS // max(layer_parameters, 1)))
+
+
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d*)?(?:[eE]\d+)?)\s*([kKmMbBtT]?)\s*$")
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 

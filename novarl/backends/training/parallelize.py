@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from novarl.backends.contract.model_shape import layers_per_kept_unit
 from novarl.config.schema import DTensorConfig
 from novarl.errors import UserError
 
@@ -284,7 +285,8 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torc
                cpu_offload: bool, keep_gathered: bool = False) -> None:
     """Shard each decoder layer, then the root (embeddings, final norm, head). keep_gathered: each
     layer's gathered (compute-dtype) weights are kept after its forward, for the backward and the next
-    micro-batch, until `reshard` or a backward that reshards (FSDPModule.set_reshard_after_backward)."""
+    micro-batch, until `reshard` or a backward that reshards (FSDPModule.set_reshard_after_backward);
+    the layers are then sharded in runs of consecutive ones (fsdp_units)."""
     kwargs: dict = {"mesh": dp_mesh}
     if keep_gathered:  # else FSDP2's default: layers resharded after forward, the root kept for the backward
         kwargs["reshard_after_forward"] = False
@@ -292,9 +294,20 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torc
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
+    for unit in fsdp_units(decoder_layers(model), keep_gathered):
+        fully_shard(unit if len(unit) > 1 else unit[0], **kwargs)
     fully_shard(model, **kwargs)
+
+
+def fsdp_units(layers: list[torch.nn.Module], keep_gathered: bool) -> list[list[torch.nn.Module]]:
+    """The decoder layers FSDP2 shards together (one gather, one gradient reduction and one set of hooks each):
+    one unit a layer, or where the gathered weights are kept, runs of layers_per_kept_unit layers (by the first
+    layer's parameters on this rank)."""
+    if not keep_gathered or not layers:
+        return [[layer] for layer in layers]
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in layers[0].parameters())
+    size = layers_per_kept_unit(local, len(layers))
+    return [layers[start:start + size] for start in range(0, len(layers), size)]
 
 
 def keeps_gathered(trainable: bool, dp_mesh: DeviceMesh, cpu_offload: bool) -> bool:
