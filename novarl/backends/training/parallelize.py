@@ -301,12 +301,13 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torc
 
 def fsdp_units(layers: list[torch.nn.Module], keep_gathered: bool) -> list[list[torch.nn.Module]]:
     """The decoder layers FSDP2 shards together (one gather, one gradient reduction and one set of hooks each):
-    one unit a layer, or where the gathered weights are kept, runs of layers_per_kept_unit layers (by the first
+    one unit a layer, or where the gathered weights are kept, runs of layers_per_kept_unit layers (by the largest
     layer's parameters on this rank)."""
     if not keep_gathered or not layers:
         return [[layer] for layer in layers]
-    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in layers[0].parameters())
-    size = layers_per_kept_unit(local, len(layers))
+    largest = max(sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in layer.parameters())
+                  for layer in layers)
+    size = layers_per_kept_unit(largest, len(layers))
     return [layers[start:start + size] for start in range(0, len(layers), size)]
 
 
