@@ -123,6 +123,9 @@ def report(result: dict, steps: int, rounds: int) -> str:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip() or "?"
+    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                      cwd=ROOT).stdout.strip():
+        commit += " + uncommitted changes"
     lines = [f"# Host time of a DTensor training step by FSDP2 unit layout ({cpu_name()}, one thread)", "",
              f"{date.today()}, commit {commit}: `python benchmarks/bench_host_overhead.py --steps {steps} --rounds "
              f"{rounds}`. Qwen2-shaped model of 28 layers of width {SHAPE['hidden_size']} (its arithmetic is a "
