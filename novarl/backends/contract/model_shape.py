@@ -252,8 +252,8 @@ through a step (the DTensor backend's keeps_gathered): 268 M (5 of Qwen2.5-1.5B'
 def layers_per_kept_unit(layer_parameters: int, num_layers: int) -> int:
     """How many consecutive decoder layers share one FSDP2 unit (one gather, one gradient reduction and one set
     of hooks) where a shard keeps its gathered weights: per-layer units save no memory there (every layer stays
-    gathered), and each costs its hooks' host time in every forward and backward (7-13 % of a training step's
-    host time for 28 layers, benchmarks/results/host_overhead_cpu.md). A unit's size bounds the transient
+    gathered), and each costs its hooks' host time in every forward and backward (28 layers in one run: a training
+    step's host time 0.84-0.93x, benchmarks/results/host_overhead_cpu.md). A unit's size bounds the transient
     buffers of its gather and of its gradients' reduction; at least one layer, at most all."""
     return max(1, min(num_layers, KEPT_UNIT_PARAMETERS // max(layer_parameters, 1)))
 
