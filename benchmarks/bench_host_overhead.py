@@ -14,7 +14,9 @@ Layouts, side by side in one process (rounds interleaved, each layout's median s
   hooks a layer), as novarl sharded before;
 - `kept runs`: consecutive layers in one unit up to KEPT_UNIT_PARAMETERS (parallelize.py fsdp_units; here all 28,
   the layers being tiny): novarl's layout where the gathered weights are kept;
-each eager and with compiled decoder layers. Writes benchmarks/results/host_overhead_cpu.md (or --out).
+each eager and with compiled decoder layers. (With a torch whose FSDP2 does not group modules fully, before 2.13,
+both layouts are a unit a layer: the table's unit counts say so.) Writes benchmarks/results/host_overhead_cpu.md
+(or --out).
 """
 
 from __future__ import annotations

@@ -75,13 +75,14 @@ VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure 
                "them through a step's micro-batches on one data-parallel shard (parallelize.py keeps_gathered)",
     "layer-units": "each decoder layer its own FSDP2 unit where the gathered weights are kept, as before novarl "
                    "sharded kept layers in runs (parallelize.py fsdp_units: fewer hooks' host time a layer, "
-                   "benchmarks/results/host_overhead_cpu.md)",
+                   "benchmarks/results/host_overhead_cpu.md; only with a torch whose FSDP2 groups modules fully, "
+                   "2.13: on an older one the case itself)",
     "unfused-swiglu": "Megatron's SwiGLU as eager kernels (megatron_cfg.bias_activation_fusion=false), as novarl "
                       "ran it by default before it followed NeMo RL's recipes (on with CUDA)",
 }
 DEFAULT_CASES = (  # most wanted first: issue 35's targets and the latest change, then the experiments
     "plain,fixed-compile,packed-compile,var-packed-compile,megatron-packed,megatron-packed-compile,"
-    "fixed-compile+layer-units,fixed-compile+reshard,megatron-packed+unfused-swiglu,packed-compile+varlen,"
+    "fixed-compile+reshard,megatron-packed+unfused-swiglu,packed-compile+varlen,"
     "megatron-compile,packed-compile+reshard,megatron,fixed-compile+eager-head,var-megatron-packed,"
     "packed-compile+padded-attention")
 BEFORE_GB = {"fixed": 69.0, "packed": 69.7}

@@ -271,37 +271,36 @@ def test_megatron_core_loads_and_computes_like_hugging_face():
         assert len(checks) == 2 * (1 + 3 * 2) + 2
 
 
-def test_a_bf16_policy_without_transformer_engine_holds_every_weight_in_bf16(tmp_path):
+def test_a_bf16_policy_without_transformer_engine_holds_every_weight_in_bf16(one_megatron_rank):
     """megatron-core's local spec makes its torch norms with fp32 weights whatever params_dtype; novarl casts
     them (backends/megatron/model.py norms_in_params_dtype), so that in bf16 every weight is bf16 and a norm
     is not torch's unfused mixed-dtype path. The policy's logprobs are Hugging Face's fp32 ones to bf16's
-    resolution, on one spawned rank (megatron-core's parallel state is the process's)."""
-    pytest.importorskip("megatron.core")
-    from tests.helpers.spawn import spawned
-
-    ((dtypes, norms, difference),) = spawned(bf16_rank, 1, str(tmp_path))
+    resolution, on one spawned rank (megatron-core's parallel state is the process's). Its checkpoints' layout
+    says so: one written with fp32 norms (before the cast) is refused as another layout on resume."""
+    dtypes, norms, difference, layout = one_megatron_rank["bf16"]
     assert norms and dtypes == {torch.bfloat16}, dtypes
     assert difference.mean() < 0.05 and difference.max() < 0.5, (difference.mean(), difference.max())
+    assert layout["norms"] == "bfloat16" and "norms" not in one_megatron_rank["fp32 layout"]
 
 
-def bf16_rank(rank: int, world: int, rendezvous: str, results, folder: str) -> None:
+def bf16_measures(folder: str) -> tuple:
+    """A bf16 Megatron policy's weights' dtypes, its norms' names, its logprobs' distance to Hugging Face's fp32
+    ones, and its checkpoints' layout."""
     import os
-    import warnings
 
-    warnings.filterwarnings("ignore")
-    import torch.distributed as dist
+    from megatron.core import parallel_state
 
-    from novarl.backends.training.megatron import MegatronReference
+    from novarl.backends.training.megatron import MegatronPolicy
     from novarl.config import load_config
     from novarl.models.loading import resolve_model_path, token_logprobs
     from novarl.models.scores import Logprobs
     from novarl.types import TrainBatch
-    from tests.helpers.spawn import send
 
     os.environ.update(NOVARL_MEGATRON_ON_CPU="1", NOVARL_MEGATRON_CHECKPOINT_DIR=folder)
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     cfg = load_config(None, overrides=["policy.megatron_cfg.enabled=true", "policy.precision=bfloat16"])
-    policy = MegatronReference(cfg.policy, resolve_model_path("tiny-arith"))
+    policy = MegatronPolicy(cfg.policy, resolve_model_path("tiny-arith"), total_steps=1, emulate_cuda=True)
     params = dict(policy.modules[0].named_parameters())
     ids = torch.randint(3, 18, (4, 30), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids, dtype=torch.bool)
@@ -309,14 +308,15 @@ def bf16_rank(rank: int, world: int, rendezvous: str, results, folder: str) -> N
     ours = ours.to_rows(policy.forward(ours, Logprobs()))[:, 1:].float()
     with torch.no_grad():
         theirs = token_logprobs(bundled_tiny_arith()(input_ids=ids).logits, ids)[:, 1:]
-    send(results, rank, ({p.dtype for p in params.values()}, [n for n in params if "norm" in n],
-                         (ours - theirs).abs()))
+    return ({p.dtype for p in params.values()}, [n for n in params if "norm" in n], (ours - theirs).abs(),
+            policy._layout())
 
 
 @pytest.fixture(scope="module")
 def one_megatron_rank(tmp_path_factory) -> dict:
     """What one spawned Megatron rank (CPU emulation) measured: the compiled layers' step against the eager
-    ones' ("compile"), and a packed row of alike pieces run side by side against the varlen path ("alike")."""
+    ones' ("compile"), a packed row of alike pieces run side by side against the varlen path ("alike"), a bf16
+    policy ("bf16") and the fp32 policy's checkpoint layout."""
     pytest.importorskip("megatron.core")
     from tests.helpers.spawn import spawned
 
@@ -370,8 +370,10 @@ def stepping_rank(rank: int, world: int, rendezvous: str, results, folder: str) 
 
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     eager, eager_step = one_step(folder, compile_layers=False)
-    alike = alike_pieces(eager)
-    send(results, rank, {"compile": (eager_step, one_step(folder, compile_layers=True)[1]), "alike": alike})
+    measured = {"alike": alike_pieces(eager), "fp32 layout": eager._layout()}
+    measured["compile"] = (eager_step, one_step(folder, compile_layers=True)[1])
+    measured["bf16"] = bf16_measures(folder)
+    send(results, rank, measured)
 
 
 def alike_pieces(policy) -> dict:

@@ -220,9 +220,13 @@ class MegatronPolicy(MegatronModel, TrainingBackend, WeightSender):
         # written where they are not 1, so that checkpoints without them read as they were
         parallel.update({name: size for name, size in (("vpp", len(self.modules)), ("etp", self.etp_size),
                                                        ("cp", self.cp_size)) if size > 1})
-        return {"parallel": parallel,
-                "vocab_size": self.shape.vocab_size, "experts": self.shape.num_experts, "fused_norms": self.fused_norms,
-                "distributed_optimizer": self.distributed_optimizer}
+        layout = {"parallel": parallel, "vocab_size": self.shape.vocab_size, "experts": self.shape.num_experts,
+                  "fused_norms": self.fused_norms, "distributed_optimizer": self.distributed_optimizer}
+        if not self.fused_norms and self.precision != "float32":
+            # the local spec's norms in the 16-bit dtype (model.py norms_in_params_dtype), which moves them among the
+            # optimizer's fp32 and 16-bit weights: a checkpoint written before, with fp32 norms, reads as another layout
+            layout["norms"] = self.precision
+        return layout
 
     def save_hf(self, path: Path, tokenizer, fmt=None) -> None:
         """A consolidated Hugging Face folder (in `fmt`, an ExportFormat: fp32 by default) from

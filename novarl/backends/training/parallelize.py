@@ -301,14 +301,25 @@ def apply_fsdp(model: torch.nn.Module, dp_mesh: DeviceMesh, *, param_dtype: torc
 
 def fsdp_units(layers: list[torch.nn.Module], keep_gathered: bool) -> list[list[torch.nn.Module]]:
     """The decoder layers FSDP2 shards together (one gather, one gradient reduction and one set of hooks each):
-    one unit a layer, or where the gathered weights are kept, runs of layers_per_kept_unit layers (by the largest
-    layer's parameters on this rank)."""
-    if not keep_gathered or not layers:
+    one unit a layer, or where the gathered weights are kept and this torch's FSDP2 runs a unit's hooks on each
+    of its modules (groups_modules_fully), runs of layers_per_kept_unit layers (by the largest layer's
+    parameters on this rank)."""
+    if not keep_gathered or not layers or not groups_modules_fully():
         return [[layer] for layer in layers]
     largest = max(sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in layer.parameters())
                   for layer in layers)
     size = layers_per_kept_unit(largest, len(layers))
     return [layers[start:start + size] for start in range(0, len(layers), size)]
+
+
+def groups_modules_fully() -> bool:
+    """Whether this torch's FSDP2 runs a unit of several modules' forward hooks on each module and completes a
+    unit some module of which did not run (FSDPState._force_complete_incomplete_states; torch 2.13 has it). Older
+    versions ran the pre-hook on the first module to run and the post-hook on the last only, which novarl has not
+    tested (with recomputation, a unit's modules run again in the backward): their layers stay a unit each."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return hasattr(FSDPState, "_force_complete_incomplete_states")
 
 
 def keeps_gathered(trainable: bool, dp_mesh: DeviceMesh, cpu_offload: bool) -> bool:
