@@ -298,14 +298,16 @@ class MegatronModel:
         kernel: cuDNN's on an H100, where torch's varlen kernel took 1.7x as long for the same work in the
         DTensor backend's run C; or Transformer Engine's) and megatron-core's own rotary positions (each
         piece counts from 0): as fixed rows would run. Not under context parallelism
-        (each sequence is split), pipelines (the stages' buffers have the schedule's one shape), sequence
-        parallelism with pieces that do not split over the tensor-parallel ranks, or a packed attention
-        kernel asked by name (models/attention.py KERNEL_ENV)."""
+        (each sequence is split), pipelines (the stages' buffers have the schedule's one shape), experts that
+        take tokens from other data-parallel ranks (every rank's micro-batch has one shape, _model_inputs),
+        sequence parallelism with pieces that do not split over the tensor-parallel ranks, or a packed
+        attention kernel asked by name (models/attention.py KERNEL_ENV)."""
         from novarl.models import attention
 
         piece = inputs.piece_length
         split = self.tp_size if self.config.sequence_parallel else 1
-        if piece is None or shard is not None or self.pp_size > 1 or piece % split or attention.ASKED is not None:
+        if piece is None or shard is not None or self.pp_size > 1 or self.experts_span_data or piece % split \
+                or attention.ASKED is not None:
             return None
         return piece
 
