@@ -257,16 +257,14 @@ def flash_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu
     return out[None]
 
 
-def sequence_rows(cu_seqlens: torch.Tensor, longest: int | None = None, total: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a packed row's boundaries [k + 1]: the attention rows [k, L] (each sequence's
-    positions, then whatever follows it: at the end of a causal row nothing real attends to it)
-    and take [T] (where each position's output is in the flattened [k * L] rows). With the longest
-    sequence and the row's length T given, nothing is read back from the boundaries' device."""
+def sequence_rows(cu_seqlens: torch.Tensor, longest: int | None, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a packed row's boundaries [k + 1] and its length T (cu_seqlens[-1]): the attention rows [k, L]
+    (each sequence's positions, then whatever follows it: at the end of a causal row nothing real attends
+    to it) and take [T] (where each position's output is in the flattened [k * L] rows). With the longest
+    sequence L given, nothing is read back from the boundaries' device."""
     cu = cu_seqlens.long()
     lengths = cu.diff()
     longest = int(longest) if longest is not None else int(lengths.max())
-    total = int(total) if total is not None else int(cu[-1])
     rows = (cu[:-1, None] + torch.arange(longest, device=cu.device)).clamp(max=total - 1)
     sequence = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths, output_size=total)
     take = sequence * longest + torch.arange(total, device=cu.device) - cu[sequence]

@@ -283,14 +283,14 @@ class MegatronModel:
         parallelism): on the last stage vocab-parallel logits [R, W, V/tp], or where its output layer
         picks and the head is Logprobs each position's logprob of the token after it [R, W]; hidden
         states for the next stage otherwise."""
+        piece = self._side_by_side(inputs, shard)
         if self.picking_layer is None or not isinstance(head, Logprobs):
-            return self._run_model(model, inputs, shard)
+            return self._run_model(model, inputs, shard, piece)
         from novarl.backends.megatron.picking import picking
 
         following = _following(inputs.input_ids)
-        piece = self._side_by_side(inputs, shard)
         with picking(self.picking_layer, following if piece is None else following.view(-1, piece), head.temperature):
-            return self._run_model(model, inputs, shard)
+            return self._run_model(model, inputs, shard, piece)
 
     def _side_by_side(self, inputs: ModelInputs, shard: ContextShard | None) -> int | None:
         """Where a packed row's pieces all hold as many tokens (ModelInputs.piece_length), that length: the row
@@ -311,9 +311,10 @@ class MegatronModel:
             return None
         return piece
 
-    def _run_model(self, model, inputs: ModelInputs, shard: ContextShard | None) -> torch.Tensor:
+    def _run_model(self, model, inputs: ModelInputs, shard: ContextShard | None, piece: int | None) -> torch.Tensor:
+        """The model over the micro-batch's layout: padded rows, a packed row, or (piece: _side_by_side) a
+        packed row's alike pieces as padded rows."""
         ids, positions = inputs.input_ids, inputs.position_ids
-        piece = self._side_by_side(inputs, shard)
         if piece is not None:  # [1, W] as [W / piece, piece] and back: logits, picked logprobs or values
             out = model(ids.view(-1, piece), positions.view(-1, piece), None)
             return out.reshape(*ids.shape, *out.shape[2:])
