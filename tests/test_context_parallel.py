@@ -99,9 +99,11 @@ def attention_check(world: int) -> dict:
 
 def one_step(model_path: str, world: int, *parallel: str) -> tuple:
     """One optimizer step of the DTensor policy on a batch of 6 sequences, then the batch's logprobs:
-    (loss, grad norm, tokens computed, logprobs)."""
+    (loss, grad norm, tokens computed, logprobs, the rows the picking head scored: no logits over the
+    vocabulary were made)."""
     from novarl.algorithms.losses import make_loss
     from novarl.backends.training.dtensor import DTensorPolicy
+    from novarl.models import logprob_head
     from novarl.models.scores import Logprobs
     from novarl.cli import BUNDLED_RECIPE
     from novarl.config import load_config
@@ -117,9 +119,18 @@ def one_step(model_path: str, world: int, *parallel: str) -> tuple:
     mask = torch.arange(ids.shape[1]) < lengths[:, None]
     loss_mask = mask & (torch.arange(ids.shape[1]) >= 4)  # a 4-token prompt
     batch = TrainBatch.from_rows(ids, mask, loss_mask, torch.linspace(-1, 1, len(lengths))).with_own_counts()
+    picked, chunked = [], logprob_head.chunked_logprobs
+
+    def counted(hidden, *args):
+        picked.append(len(hidden))
+        return chunked(hidden, *args)
+
+    logprob_head.chunked_logprobs = counted
     metrics = policy.forward_backward(batch, make_loss(cfg.loss_fn), Logprobs())
     metrics.update(policy.optim_step())
-    return metrics["loss"], metrics["grad_norm"], metrics["tokens_computed"], policy.forward(batch, Logprobs())
+    logprobs = policy.forward(batch, Logprobs())
+    logprob_head.chunked_logprobs = chunked
+    return metrics["loss"], metrics["grad_norm"], metrics["tokens_computed"], logprobs, sum(picked)
 
 
 def identical_loss_gradient(world: int) -> torch.Tensor:
@@ -178,9 +189,10 @@ def test_context_parallel_attention_and_the_policy_on_dp2_x_cp2_and_cp2_x_tp2_ma
             assert len(got) == sum(LENGTHS) and torch.allclose(got, want, atol=1e-5), layout
             for name, grad in grads.items():
                 assert torch.allclose(grad, want_grads[name], atol=1e-5, rtol=1e-4), (layout, name)
-        for (loss, grad_norm, tokens, logprobs), (rank_loss, rank_norm, rank_tokens, rank_logprobs) in (
+        for (loss, grad_norm, tokens, logprobs, _), (rank_loss, rank_norm, rank_tokens, rank_logprobs, picked) in (
                 (one_dp_cp, dp_cp), (one_cp_tp, cp_tp)):
             assert 0.45 < rank_tokens / tokens < 0.65  # a cp rank computes half of each sequence (padded to 4)
+            assert picked > 0  # the rank's positions scored by the picking head: no logits over the vocabulary
             assert rank_loss == pytest.approx(loss, abs=1e-6)
             assert rank_norm == pytest.approx(grad_norm, rel=1e-4)
             assert torch.allclose(rank_logprobs, logprobs, atol=1e-5)  # after the step: the same update

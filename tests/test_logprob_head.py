@@ -35,6 +35,52 @@ def test_chunked_logprobs_and_gradients_equal_the_full_softmax(rows):
         assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
 
 
+def vocabulary_part_rank(rank: int, world: int, rendezvous: str, results) -> None:
+    """Over 2 gloo ranks: the logprobs and gradients of chunked_logprobs over a vocabulary of 40 split as
+    rows 0-27 / 28-39, and as 0-39 / none (a rank whose part is all padding, as Megatron's padded vocabulary
+    gives a tiny model's last rank), next to the whole vocabulary's on one rank."""
+    import torch.distributed as dist
+
+    from tests.helpers.spawn import send
+
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 16, generator=generator)
+    weight = torch.randn(40, 16, generator=generator)
+    targets = torch.randint(0, 40, (10,), generator=generator)
+    upstream = torch.randn(10, generator=generator)
+
+    def run(first: int, end: int, vocab) -> tuple:
+        h, w = hidden.clone().requires_grad_(), weight[first:end].clone().requires_grad_()
+        picked = chunked_logprobs(h, w, targets, 0.7, 3, vocab=vocab)
+        (picked * upstream).sum().backward()
+        return picked.detach(), h.grad, w.grad
+
+    measured = {"whole": run(0, 40, None)}
+    for name, cut in (("28 / 12", 28), ("40 / none", 40)):
+        first, end = (0, cut) if rank == 0 else (cut, 40)
+        picked, grad_hidden, grad_weight = run(first, end, (dist.group.WORLD, first))
+        dist.all_reduce(grad_hidden)  # the tensor-parallel region's sum of each rank's part
+        measured[name] = (picked, grad_hidden, grad_weight, first)
+    send(results, rank, measured)
+
+
+def test_a_vocabulary_split_over_ranks_gives_the_whole_vocabularys_logprobs_and_gradients():
+    """chunked_logprobs with `vocab` (Megatron's vocabulary-parallel output layer under tensor parallelism):
+    each rank's part of the logsumexp and the targets it holds, combined over the group."""
+    from tests.helpers.spawn import spawned
+
+    ranks = spawned(vocabulary_part_rank, 2)
+    want, want_hidden, want_weight = ranks[0]["whole"]
+    for name in ("28 / 12", "40 / none"):
+        for measured in ranks:
+            picked, grad_hidden, grad_weight, first = measured[name]
+            torch.testing.assert_close(picked, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(grad_hidden, want_hidden, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(grad_weight, want_weight[first:first + len(grad_weight)], rtol=1e-5, atol=1e-5)
+        assert sum(len(measured[name][2]) for measured in ranks) == 40
+
+
 def test_logits_kept_for_the_backward_or_recomputed_give_the_same_gradients(monkeypatch):
     """Small calls keep their logits for the backward (SAVE_LOGITS_BYTES): one head matmul per chunk
     fewer there, the same gradients as recomputing them."""
@@ -125,13 +171,21 @@ def test_a_picking_model_trains_on_the_plain_heads_logprobs_and_gradients(layout
         assert torch.allclose(got_grads[name], grad, atol=1e-6), name
 
 
-def test_only_a_plain_linear_head_of_a_plain_causal_model_picks():
+def test_only_a_whole_plain_linear_head_of_a_plain_causal_model_picks():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    from novarl.distributed.local import ensure_single_process_group
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=32))
     assert not use_picking_head(gpt2)  # not a PLAIN_CAUSAL architecture
     model = tiny_qwen2()
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(96))
+    assert not use_picking_head(model)
+    model = tiny_qwen2()  # a head a tensor-parallel plan split over the vocabulary (its weight a DTensor)
+    ensure_single_process_group()
+    parallelize_module(model, init_device_mesh("cpu", (1,)), {"lm_head": ColwiseParallel()})
     assert not use_picking_head(model)
     model = tiny_qwen2()
     assert use_picking_head(model)

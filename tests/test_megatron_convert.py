@@ -216,8 +216,40 @@ def megatron_rank(rank: int, world: int, rendezvous: str, results) -> None:
                 checks[f"{name} mlp{i}"] = torch.allclose(mlp, theirs.mlp(x), atol=1e-5)
                 checks[f"{name} norm{i}"] = torch.allclose(ours.input_layernorm(x), theirs.input_layernorm(x),
                                                            atol=1e-6)
+        checks[f"{name} picking output"] = picking_output_check(model, shape.vocab_size, x)
     checks.update(core_attention_checks(world))
     send(results, rank, checks)
+
+
+def picking_output_check(model, vocab_size: int, hidden: torch.Tensor) -> bool:
+    """The output layer's logprobs of the following tokens at temperature 0.7 and their gradients (in its
+    input and weight) picked chunk by chunk over this tensor-parallel rank's part of the vocabulary
+    (backends/megatron/picking.py), as from megatron-core's logits with its vocab-parallel cross entropy."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from novarl.backends.megatron.picking import picking, use_picking_output
+
+    layer, weight = model.output_layer, model.shared_embedding_or_output_weight()
+    s, b = hidden.shape[:2]
+    generator = torch.Generator().manual_seed(3)
+    following, upstream = torch.randint(0, vocab_size, (b, s), generator=generator), torch.randn(s, b)
+    part = weight.shape[0]
+    columns = torch.arange(part) + parallel_state.get_tensor_model_parallel_rank() * part
+    measured = []
+    for picks in (False, True):
+        x = hidden.clone().requires_grad_()
+        weight.grad = None
+        if picks:
+            assert use_picking_output(layer, vocab_size, rows=4, fused=False)
+            with picking(layer, following, 0.7):
+                scores = layer(x, weight=weight)[0]
+        else:  # as megatron_model.py's _position_scores takes the whole logits
+            logits = (layer(x, weight=weight)[0].float() / 0.7).masked_fill(columns >= vocab_size, float("-inf"))
+            scores = -tensor_parallel.vocab_parallel_cross_entropy(logits, following.t().contiguous())
+        (scores * upstream).sum().backward()
+        measured.append((scores.detach(), x.grad, weight.grad.clone()))
+    layer.__class__ = tensor_parallel.ColumnParallelLinear
+    return all(torch.allclose(got, want, atol=1e-5) for got, want in zip(*measured, strict=True))
 
 
 def core_attention_checks(world: int) -> dict[str, bool]:
@@ -258,8 +290,9 @@ def core_attention_checks(world: int) -> dict[str, bool]:
 
 
 def test_megatron_core_loads_and_computes_like_hugging_face():
-    """Llama and Qwen2 (q/k/v biases) split over 2 tensor-parallel gloo ranks, and novarl's core
-    attention against megatron-core's on them. (Whole models on one rank, the bundled one among
+    """Llama and Qwen2 (q/k/v biases) split over 2 tensor-parallel gloo ranks, their output layers picking
+    logprobs over each rank's part of the vocabulary, and novarl's core attention against megatron-core's
+    on them. (Whole models on one rank, the bundled one among
     them, are held against Hugging Face end to end in tests/test_megatron_backend.py and
     tests/test_megatron_layouts.py.)"""
     pytest.importorskip("megatron.core")
@@ -267,8 +300,9 @@ def test_megatron_core_loads_and_computes_like_hugging_face():
 
     for checks in spawned(megatron_rank, 2):
         assert checks and all(checks.values()), checks
-        # per model: strict load, then qkv/mlp/norm for each of 2 layers; then the core attention, twice
-        assert len(checks) == 2 * (1 + 3 * 2) + 2
+        # per model: strict load, qkv/mlp/norm for each of 2 layers, the picking output layer; then the core
+        # attention, twice
+        assert len(checks) == 2 * (1 + 3 * 2 + 1) + 2
 
 
 def test_a_bf16_policy_without_transformer_engine_holds_every_weight_in_bf16(one_megatron_rank):

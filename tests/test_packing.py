@@ -324,4 +324,5 @@ def test_the_advisor_sizes_activations_by_the_packed_row():
 
     # a row of 8192 packed tokens holds the activations of 8 sequences of 1024, not of 2
     assert activations(**micro_batch_shape(policy)) == pytest.approx(activations(sequence_length=8192))
-    assert activations(**micro_batch_shape(policy)) > 3 * activations(sequence_length=1024, micro_batch_size=2)
+    # (4x the layers' activations; the output head's one chunk of float32 logits is the same in both)
+    assert activations(**micro_batch_shape(policy)) > 2.5 * activations(sequence_length=1024, micro_batch_size=2)

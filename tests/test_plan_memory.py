@@ -32,6 +32,7 @@ from novarl.plan.memory import (
     max_kv_cache_tokens,
     megatron_bytes_per_parameter,
     output_activation_bytes,
+    picked_output_bytes,
     stack_activation_bytes,
     zero_model_states,
 )
@@ -320,6 +321,24 @@ def test_output_logits_are_fp32_and_vocab_parallel():
                                    tensor_parallel_size=4) == 4096 * 2 * 151936
 
 
+def test_a_picking_head_keeps_its_logits_in_the_compute_dtype_while_they_are_small():
+    """models/logprob_head.py: the logits kept for the backward up to 4 GiB, else recomputed there; one
+    1 GiB chunk of fp32 logits and its gradient at a time. Qwen2.5's 151,936-entry vocabulary: 8,192 bf16
+    tokens keep 2.5 GB; 32,768 (10 GB) keep none."""
+    gib = 1 << 30
+    assert picked_output_bytes(tokens=8192, vocab_size=151936, compute_bytes=2) == 2 * 8192 * 151936 + 2 * gib
+    assert picked_output_bytes(tokens=32768, vocab_size=151936, compute_bytes=2) == 2 * gib
+    assert picked_output_bytes(tokens=100, vocab_size=1000, compute_bytes=4) == 4 * 100 * 1000 + 2 * 4 * 100 * 1000
+    qwen, mixtral = shape(QWEN25_15B), shape(MIXTRAL_8X7B)
+    assert qwen.picking_head and not mixtral.picking_head  # the head picks on PLAIN_CAUSAL architectures only
+    long = Workload(sequence_length=32768, micro_batch_size=1)
+    layers = stack_activation_bytes(qwen, num_layers=28, sequence_length=32768, micro_batch_size=1)
+    assert estimate_memory(qwen, strategy="fsdp2", workload=long).activations == layers + 2 * gib  # 20 GB less
+    moe = estimate_memory(mixtral, strategy="zero2", workload=WORK, parallel=Parallelism(data_parallel_size=8))
+    assert moe.activations == stack_activation_bytes(mixtral, num_layers=32, sequence_length=4096,
+                                                     micro_batch_size=1) + LOGITS
+
+
 # --------------------------------------------------------------------- strategies
 LLAMA = shape(LLAMA2_7B)
 P = LLAMA.parameters                      # 6,738,415,616
@@ -328,6 +347,8 @@ ROOT = P - 32 * LAYER                     # embeddings + final norm + lm_head = 
 WORK = Workload(sequence_length=4096, micro_batch_size=1)
 SBH = 4096 * 4096
 LOGITS = 4 * 4096 * 32000
+PICKED = 2 * 4096 * 32000 + 2 * LOGITS
+"""A picking head's (Llama is PLAIN_CAUSAL): its bf16 logits kept, one chunk of fp32 logits and its gradient."""
 
 
 def estimate(strategy: str, work: Workload = WORK, **parallel) -> MemoryBreakdown:
@@ -335,7 +356,7 @@ def estimate(strategy: str, work: Workload = WORK, **parallel) -> MemoryBreakdow
 
 
 def test_data_parallel_strategies_llama2_7b():
-    activations = 32 * 34 * SBH + LOGITS
+    activations = 32 * 34 * SBH + PICKED
     ddp, z1, z2, z3 = (estimate(s, data_parallel_size=8) for s in ("ddp", "zero1", "zero2", "zero3"))
     assert (ddp.params, ddp.grads, ddp.optimizer) == (2 * P, 2 * P, 12 * P)
     assert z1.model_states == pytest.approx(4 * P + 12 * P / 8)
@@ -343,7 +364,7 @@ def test_data_parallel_strategies_llama2_7b():
     assert z3.model_states == pytest.approx(16 * P / 8)
     assert all(r.activations == activations for r in (ddp, z1, z2, z3))
     assert z3.gathered_params == 2 * (ROOT + 2 * LAYER) + 4 * LAYER and ddp.gathered_params == 0
-    assert round(ddp.gb(), 2) == 126.59 and round(z3.gb(), 2) == 34.40
+    assert round(ddp.gb(), 2) == 127.38 and round(z3.gb(), 2) == 35.18
 
 
 def test_fsdp2_matches_zero3_states_with_fp32_shards():
@@ -368,9 +389,9 @@ def test_fsdp2_tp_splits_layers_not_embeddings():
     tp = estimate("fsdp2_tp", data_parallel_size=4, tensor_parallel_size=2)
     resident = (ROOT + 32 * LAYER / 2) / 4
     assert tp.model_states == pytest.approx(16 * resident)
-    assert tp.activations == 32 * (10 + 24 / 2) * SBH + LOGITS  # full-vocab logits on each rank
+    assert tp.activations == 32 * (10 + 24 / 2) * SBH + PICKED  # the whole head on each rank, picking
     sp = estimate("fsdp2_tp", data_parallel_size=4, tensor_parallel_size=2, sequence_parallel=True)
-    assert sp.activations == 32 * 34 / 2 * SBH + LOGITS
+    assert sp.activations == 32 * 34 / 2 * SBH + PICKED
     assert tp.gathered_params == 2 * (ROOT + LAYER) + 4 * LAYER / 2
 
 
@@ -379,7 +400,7 @@ def test_context_parallel_splits_the_sequence():
     # each rank's half of the sequence, plus the other half's keys and values, all-gathered and
     # kept for the backward in every layer (bf16; Llama-2-7B has 32 KV heads of 128)
     gathered_kv = 32 * 2 * 2048 * 32 * 128 * 2
-    assert cp.activations == 32 * 34 * 2048 * 4096 + 4 * 2048 * 32000 + gathered_kv
+    assert cp.activations == 32 * 34 * 2048 * 4096 + PICKED / 2 + gathered_kv
     recomputed = estimate("fsdp2", Workload(sequence_length=4096, micro_batch_size=1, recompute="full"),
                           data_parallel_size=4, context_parallel_size=2)
     assert recomputed.activations - estimate(
@@ -396,7 +417,8 @@ def test_megatron_tp2_pp2_reports_the_first_stage():
     assert result.activations == 16 * 2 * (10 + 24 / 2) * SBH   # 2 micro-batches in flight, no logits
     assert result.notes == ("first pipeline stage (16 layers), the heavier one",)
     single = estimate("megatron", tensor_parallel_size=2)
-    assert single.activations == 32 * 22 * SBH + LOGITS / 2
+    assert single.activations == 32 * 22 * SBH + PICKED / 2  # each tp rank picks over its half of the vocabulary
+    assert estimate("megatron").activations == 32 * 34 * SBH + PICKED  # its output layer picks at tp 1
     assert single.params == pytest.approx(2 * (P - 4096) / 2 + 2 * 4096)  # final norm replicated
 
 
@@ -485,5 +507,5 @@ def test_memory_modules_import_nothing_heavy():
 def test_float32_activations_take_four_bytes():
     half = estimate("fsdp2")
     full = estimate("fsdp2", Workload(sequence_length=4096, micro_batch_size=1, precision="float32"))
-    logits = 4 * 4096 * 32000  # fp32 in both
-    assert full.activations - logits == 2 * (half.activations - logits)
+    chunk = 2 * LOGITS  # a chunk of fp32 logits and its gradient in both; the kept logits in the compute dtype
+    assert full.activations - chunk == 2 * (half.activations - chunk)

@@ -22,7 +22,8 @@ parallelism (Megatron's cp_comm_type all_gather, Llama 3's), not ring attention.
 The layout, `shard_rows` and `ContextShard.gather_identical_loss` also serve Megatron's context
 parallelism (backends/training/megatron.py), whose attention is Transformer Engine's.
 
-Logprobs: each rank scores its positions' next tokens; the scores are all-gathered (summing
+Logprobs: each rank scores its positions' next tokens (through the picking head, models/logprob_head.py,
+where the model has one: without the logits over the vocabulary); the scores are all-gathered (summing
 gradients on the way back) and read per token as without cp. Every cp rank then computes the same
 loss, so each parameter's gradient is cp times its share; FSDP2, sharding over the dp x cp ranks,
 averages over all of them, which gives back the data-parallel mean.

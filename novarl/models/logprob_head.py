@@ -14,10 +14,13 @@ copy of the logits is kept, nor their gradient.
 
 It runs inside the model's forward, where FSDP2 has the head's weight gathered and DeepSpeed
 ZeRO-3 has it in place, so their hooks see an ordinary forward and backward. Without a
-request the head is the plain linear layer (generation, the critic's head, context
-parallelism). Installed for architectures whose logits are the head's output as is
-(PLAIN_CAUSAL: no final soft-capping) and only where the weight is a whole tensor on each
-rank (not under tensor parallelism, whose head is split over the vocabulary).
+request the head is the plain linear layer (generation, the critic's head). Installed for
+architectures whose logits are the head's output as is (PLAIN_CAUSAL: no final soft-capping)
+and only where the weight is a whole tensor on each rank: under the DTensor backend's tensor
+parallelism, whose plan splits the decoder layers and leaves the head whole (each tensor-parallel
+rank picks the same logprobs from the same hidden states), and under its context parallelism (each
+rank picks its own positions' following tokens); not where a custom plan splits the head over the
+vocabulary (its weight a DTensor).
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
-from novarl.models.architectures import PLAIN_CAUSAL
+from novarl.models.architectures import HEAD_CHUNK_BYTES, HEAD_SAVE_LOGITS_BYTES, PLAIN_CAUSAL
 from novarl.models.scores import scaled_logits
 
-CHUNK_BYTES = 1 << 30
-"""The float32 logits computed at once: 1 GiB (1,766 rows of a 151,936-entry vocabulary)."""
+CHUNK_BYTES = HEAD_CHUNK_BYTES
+"""The float32 logits computed at once (architectures.py: the planner reads it there)."""
 
 
 def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -40,49 +44,75 @@ def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab_size))
 
 
-SAVE_LOGITS_BYTES = 4 << 30
+SAVE_LOGITS_BYTES = HEAD_SAVE_LOGITS_BYTES
 """A call's logits (in the weight's dtype) are kept for the backward when they take at most this
-(4 GiB: a micro-batch of 8,192 tokens of a 151,936-entry vocabulary in bf16 takes 2.5 GB); the
-backward then reads them instead of recomputing each chunk's matmul. Larger calls recompute."""
+(architectures.py); the backward then reads them instead of recomputing each chunk's matmul."""
 
 
 class ChunkedLogprobs(torch.autograd.Function):
-    """hidden [n, H], weight [V, H], targets [n] -> [n] float32 log softmax(hidden @ weight.T / T)[target]."""
+    """hidden [n, H], weight [V, H], targets [n] -> [n] float32 log softmax(hidden @ weight.T / T)[target].
+
+    vocab (group, first): the vocabulary is split over the group's ranks (Megatron's vocabulary-parallel
+    output layer) and weight holds its rows first .. first + V - 1 (none where this rank's part is all
+    padding). Each rank's rows give its part of every row's logsumexp and the targets it holds, combined
+    over the group: every rank returns the same logprobs. The gradient in hidden is this rank's part (the
+    caller's tensor-parallel region sums it over the group, as megatron-core's output layer's does)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                rows: int, fused: bool) -> torch.Tensor:
+                rows: int, fused: bool, vocab: tuple[dist.ProcessGroup, int] | None = None) -> torch.Tensor:
         steps = _fused() if fused else (_chunk_forward, _chunk_grad_logits)
         keep = any(ctx.needs_input_grad[:2]) and len(hidden) * len(weight) * weight.element_size() <= SAVE_LOGITS_BYTES
-        picked = torch.empty(len(hidden), dtype=torch.float32, device=hidden.device)
-        lse = torch.empty_like(picked)
+        held = None
+        if vocab is not None:  # the targets in this rank's rows, as its row numbers
+            targets = targets - vocab[1]
+            held = (targets >= 0) & (targets < len(weight))
+            targets = targets.clamp(0, max(len(weight) - 1, 0))
+        picked = torch.zeros(len(hidden), dtype=torch.float32, device=hidden.device)
+        lse = torch.full_like(picked, float("-inf"))
         kept = []
-        for start in range(0, len(hidden), rows):
+        for start in range(0, len(hidden) if len(weight) else 0, rows):
             end = start + rows
             lse[start:end], picked[start:end], logits = steps[0](hidden[start:end], weight, targets[start:end],
                                                                  temperature)
             if keep:
                 kept.append(logits)
-        ctx.save_for_backward(hidden, weight, targets, lse, *kept)
+        if vocab is not None:
+            picked = picked * held
+            dist.all_reduce(picked, group=vocab[0])
+            lse = _logsumexp_over(lse, vocab[0])
+        ctx.save_for_backward(hidden, weight, targets, lse, held, *kept)
         ctx.temperature, ctx.rows, ctx.steps = temperature, rows, steps
         return picked - lse
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        hidden, weight, targets, lse, *kept = ctx.saved_tensors
+        hidden, weight, targets, lse, held, *kept = ctx.saved_tensors
         want_hidden, want_weight = ctx.needs_input_grad[:2]
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
-        for index, start in enumerate(range(0, len(hidden), ctx.rows)):
+        picked_grad = grad if held is None else grad * held  # a target's own logit: on the rank that holds it
+        for index, start in enumerate(range(0, len(hidden) if len(weight) else 0, ctx.rows)):
             end = start + ctx.rows
             chunk = hidden[start:end]
             logits = kept[index] if kept else torch.nn.functional.linear(chunk, weight)  # recomputed
-            d_logits = ctx.steps[1](logits, targets[start:end], lse[start:end], grad[start:end], ctx.temperature)
+            d_logits = ctx.steps[1](logits, targets[start:end], lse[start:end], grad[start:end],
+                                    picked_grad[start:end], ctx.temperature)
             if want_hidden:
                 grad_hidden[start:end] = d_logits @ weight
             if want_weight:
                 grad_weight.add_(d_logits.t() @ chunk)  # summed in float32, with no float32 copy of each term
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None,
+                None)
+
+
+def _logsumexp_over(lse: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[n] logsumexp over the group's ranks of each rank's [n] (-inf where a rank holds no column)."""
+    top = lse.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    total = (lse - top).exp()
+    dist.all_reduce(total, group=group)
+    return top + total.log()
 
 
 def _chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -95,13 +125,13 @@ def _chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
 
 def _chunk_grad_logits(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
-                       temperature: float) -> torch.Tensor:
+                       picked_grad: torch.Tensor, temperature: float) -> torch.Tensor:
     """A chunk's gradient of the loss in its logits (from the head's logits, unscaled; computed in
     float32, returned in the logits' dtype): d logprob[target] / d logits = onehot(target) - softmax,
-    times the upstream's."""
+    times the upstream's (picked_grad at the target: 0 where another rank holds it)."""
     g = grad.float()
     d_logits = (scaled_logits(logits, temperature) - lse[:, None]).exp_().mul_(-g[:, None])
-    d_logits.scatter_add_(-1, targets[:, None], g[:, None])
+    d_logits.scatter_add_(-1, targets[:, None], picked_grad.float()[:, None])
     if temperature != 1.0:
         d_logits.div_(temperature)
     return d_logits.to(logits.dtype)
@@ -138,19 +168,22 @@ class CompiledOrEager:
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                     rows: int | None = None, fused: bool = False) -> torch.Tensor:
+                     rows: int | None = None, fused: bool = False,
+                     vocab: tuple[dist.ProcessGroup, int] | None = None) -> torch.Tensor:
     """[n] float32 logprobs of targets [n] under the logits hidden [n, H] @ weight [V, H].T / temperature,
     computed `rows` rows at a time (default: chunk_rows of the vocabulary); differentiable in
     hidden and weight (the backward reads the logits kept where they take at most SAVE_LOGITS_BYTES,
     else recomputes each chunk's). fused: each chunk's steps compiled (_fused): the same numbers
-    within float rounding, fewer passes over memory."""
-    return ChunkedLogprobs.apply(hidden, weight, targets, temperature, rows or chunk_rows(weight.shape[0]), fused)
+    within float rounding, fewer passes over memory. vocab (group, first): weight is this rank's part
+    of a vocabulary split over the group, from row `first` (ChunkedLogprobs)."""
+    return ChunkedLogprobs.apply(hidden, weight, targets, temperature, rows or chunk_rows(max(len(weight), 1)), fused,
+                                 vocab)
 
 
 class PickingHead(torch.nn.Linear):
     """A causal LM's output head that, inside `picking(...)`, returns logprobs of chosen tokens."""
 
-    _request: tuple[torch.Tensor, torch.Tensor, float] | None = None
+    _request: tuple[torch.Tensor | None, torch.Tensor, float] | None = None
     rows: int | None = None
     """Rows of logits computed at once (policy.logprob_chunk_size); None: chunk_rows of the vocabulary."""
     fused: bool = False
@@ -161,14 +194,16 @@ class PickingHead(torch.nn.Linear):
         if self._request is None:
             return super().forward(hidden)
         previous, targets, temperature = self._request
-        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, previous.clamp(min=0))
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        if previous is not None:
+            rows = rows.index_select(0, previous.clamp(min=0))
         return chunked_logprobs(rows, self.weight, targets, temperature, self.rows, self.fused)
 
     @contextmanager
-    def picking(self, previous: torch.Tensor, targets: torch.Tensor, temperature: float) -> Iterator[None]:
+    def picking(self, previous: torch.Tensor | None, targets: torch.Tensor, temperature: float) -> Iterator[None]:
         """While inside: the head returns [n] logprobs of targets [n], token i's read from the
         hidden state at flat position previous[i] of the [R, W] input (clamped at 0: a sequence's
-        first token, which the caller masks)."""
+        first token, which the caller masks); previous None: at flat position i (one target a position)."""
         self._request = (previous, targets, temperature)
         try:
             yield
@@ -179,10 +214,13 @@ class PickingHead(torch.nn.Linear):
 def use_picking_head(model: torch.nn.Module, rows: int | None = None, fused: bool = False) -> bool:
     """Make a loaded Hugging Face causal LM's output head a PickingHead (computing `rows` rows of
     logits at once, its chunk steps compiled if `fused`) where its logits are the head's output as
-    is (an unbiased linear layer of a PLAIN_CAUSAL architecture). Before any sharding. True if the
-    head now picks."""
+    is (an unbiased linear layer of a PLAIN_CAUSAL architecture) and its weight a whole tensor (after
+    tensor parallelism, before FSDP2 or ZeRO shard it). True if the head now picks."""
+    from torch.distributed.tensor import DTensor
+
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not torch.nn.Linear or head.bias is not None or model.config.model_type not in PLAIN_CAUSAL:
+    if type(head) is not torch.nn.Linear or head.bias is not None or model.config.model_type not in PLAIN_CAUSAL \
+            or isinstance(head.weight, DTensor):  # split over the vocabulary by a tensor-parallel plan
         return False
     head.__class__ = PickingHead
     head.rows, head.fused = rows, fused

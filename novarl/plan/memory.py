@@ -29,7 +29,12 @@ Sources
   saves nothing more. The formula counts a GPT layer (4h MLP, LayerNorm, dropout
   masks); for SwiGLU/RMSNorm/GQA layers without dropout it is an estimate of the
   same size, not an exact count.
-  Output layer (same paper, sec. 4.3): fp32 logits for the loss, 4 s b v / t.
+  Output layer (same paper, sec. 4.3): fp32 logits for the loss, 4 s b v / t. Where novarl's
+  output head picks the following tokens' logprobs chunk by chunk (models/logprob_head.py: a
+  PLAIN_CAUSAL model on DTensor or DeepSpeed, on Megatron without context parallelism, each
+  tensor-parallel rank over its v / t), it keeps the logits in the compute dtype where they take
+  at most 4 GiB (else recomputes them chunk by chunk in the backward), plus one 1 GiB chunk of
+  float32 logits and its gradient.
 - Pipeline parallel (same paper, sec. 4.2.3): with 1F1B the first stage holds p
   micro-batches in flight of its L/p layers, i.e. L layers' worth; the
   interleaved schedule (m virtual stages) multiplies that by 1 + (p-1)/(p m).
@@ -44,6 +49,7 @@ from typing import Literal
 
 from novarl.errors import UserError
 from novarl.backends.contract.model_shape import ModelShape, layers_per_kept_unit
+from novarl.models.architectures import HEAD_CHUNK_BYTES, HEAD_SAVE_LOGITS_BYTES
 
 GB = 10**9
 
@@ -196,6 +202,18 @@ def output_activation_bytes(*, sequence_length: int, micro_batch_size: int, voca
                             tensor_parallel_size: int = 1) -> float:
     """fp32 logits kept for the loss, 4 s b v / t (Korthikanti et al. sec. 4.3)."""
     return 4 * sequence_length * micro_batch_size * vocab_size / tensor_parallel_size
+
+
+def picked_output_bytes(*, tokens: int, vocab_size: int, compute_bytes: int) -> float:
+    """What a picking output head holds (models/logprob_head.py): the logits in the compute dtype, kept
+    for the backward where they take at most HEAD_SAVE_LOGITS_BYTES (else each chunk's is recomputed
+    there), and one chunk's float32 logits and their gradient at a time."""
+    logits = compute_bytes * tokens * vocab_size
+    return (logits if logits <= HEAD_SAVE_LOGITS_BYTES else 0.0) + 2 * min(HEAD_CHUNK_BYTES, 4 * tokens * vocab_size)
+
+
+def _compute_bytes(precision: Precision) -> int:
+    return 4 if precision == "float32" else 2
 
 
 def stack_activation_bytes(shape: ModelShape, *, num_layers: float, sequence_length: int, micro_batch_size: int,
@@ -373,8 +391,8 @@ def _data_parallel(shape: ModelShape, strategy: str, work: Workload, parallel: P
 def _fsdp2(shape: ModelShape, strategy: str, work: Workload, parallel: Parallelism) -> MemoryBreakdown:
     """FSDP2 as novarl's DTensor backend applies it: each decoder layer, then the root
     (embeddings, final norm, lm_head) sharded over dp x cp. TP (fsdp2_tp) splits the
-    decoder layers only: novarl's plan leaves embeddings and lm_head whole, so the
-    logits are full-vocabulary on each rank."""
+    decoder layers only: novarl's plan leaves embeddings and lm_head whole, so each rank's
+    head covers the whole vocabulary (and picks, where the model's head does)."""
     tp = parallel.tensor_parallel_size
     shards = parallel.data_parallel_size * parallel.context_parallel_size
     root = shape.parameters - shape.num_layers * shape.layer_parameters
@@ -402,7 +420,7 @@ def _context_parallel_kv(shape: ModelShape, work: Workload, parallel: Parallelis
     cp = parallel.context_parallel_size
     if cp == 1:
         return 0.0
-    compute_bytes = 4 if work.precision == "float32" else 2
+    compute_bytes = _compute_bytes(work.precision)
     heads = math.ceil(shape.num_key_value_heads / tensor_parallel_size)
     per_layer = 2 * work.sequence_length * (cp - 1) / cp * work.micro_batch_size * heads * shape.head_dim
     layers = 1 if work.recompute == "full" else shape.num_layers
@@ -417,7 +435,7 @@ def _gathered_units(shape: ModelShape, precision: Precision, *, tensor_parallel_
     its gathered copies through the micro-batches, backends/training/parallelize.py keeps_gathered),
     and one unit's unsharded fp32 gradient before its reduce-scatter (a layer's, or where `whole`
     a run of layers_per_kept_unit layers': parallelize.py fsdp_units)."""
-    compute_bytes = 4 if precision == "float32" else 2
+    compute_bytes = _compute_bytes(precision)
     layer = shape.layer_parameters / tensor_parallel_size
     root = shape.parameters - shape.num_layers * shape.layer_parameters
     unit = layers_per_kept_unit(int(layer), shape.num_layers) * layer if whole else layer
@@ -433,9 +451,19 @@ def _full_model_activations(shape: ModelShape, work: Workload, parallel: Paralle
         recompute=work.recompute, flash_attention=work.flash_attention)
     if work.precision == "float32":  # the formula counts 16-bit activations
         layers *= 2
-    logits = output_activation_bytes(sequence_length=sequence, micro_batch_size=work.micro_batch_size,
-                                     vocab_size=shape.vocab_size)
-    return layers + logits
+    return layers + _output_bytes(shape, work, sequence, picks=shape.picking_head)
+
+
+def _output_bytes(shape: ModelShape, work: Workload, sequence: int, *, picks: bool,
+                  tensor_parallel_size: int = 1) -> float:
+    """The output layer's activations for a micro-batch of `sequence`-token rows: a picking head's
+    (picked_output_bytes), else the fp32 logits over this rank's part of the vocabulary."""
+    if picks:
+        return picked_output_bytes(tokens=sequence * work.micro_batch_size,
+                                   vocab_size=math.ceil(shape.vocab_size / tensor_parallel_size),
+                                   compute_bytes=_compute_bytes(work.precision))
+    return output_activation_bytes(sequence_length=sequence, micro_batch_size=work.micro_batch_size,
+                                   vocab_size=shape.vocab_size, tensor_parallel_size=tensor_parallel_size)
 
 
 # ------------------------------------------------------------------- megatron
@@ -509,7 +537,7 @@ def _megatron_stage(shape: ModelShape, work: Workload, parallel: Parallelism, *,
         shape, num_layers=layers * in_flight, sequence_length=sequence, micro_batch_size=work.micro_batch_size,
         tensor_parallel_size=tp, sequence_parallel=parallel.sequence_parallel, recompute=work.recompute,
         flash_attention=work.flash_attention)
-    if last:
-        activations += output_activation_bytes(sequence_length=sequence, micro_batch_size=work.micro_batch_size,
-                                               vocab_size=shape.vocab_size, tensor_parallel_size=tp)
+    if last:  # the output layer picks but under context parallelism (megatron_model.py), each rank its part
+        picks = shape.picking_head and parallel.context_parallel_size == 1
+        activations += _output_bytes(shape, work, sequence, picks=picks, tensor_parallel_size=tp)
     return _Stage("first" if first else "last", layers, dense, layers * experts_per_layer, activations)

@@ -63,6 +63,10 @@ class ModelShape:
     plain_causal_attention: bool = True
     """Attention is plain causal softmax attention (Llama/Qwen2/Qwen3/Mistral without a sliding
     window): what novarl's context parallelism computes (models/context_parallel.py)."""
+    picking_head: bool = True
+    """The logits are the output head's as is (a PLAIN_CAUSAL architecture): novarl's training backends
+    take the following tokens' logprobs from the head chunk by chunk, without the logits over the
+    vocabulary (models/logprob_head.py)."""
 
     # ------------------------------------------------------------ parameter counts
     @property
@@ -165,6 +169,7 @@ class ModelShape:
             source=source,
             plain_causal_attention=model_type in PLAIN_CAUSAL and not (
                 config.get("sliding_window") and config.get("use_sliding_window", True)),
+            picking_head=model_type in PLAIN_CAUSAL,
         )
 
     @classmethod

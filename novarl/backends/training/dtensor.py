@@ -118,10 +118,10 @@ class ShardedModel(DataParallelRows):
                 from novarl.logging.console import info
 
                 info(trainable_summary(model, adapted, self.lora))
-        if not value_head and dims.tensor_parallel == 1:  # tensor parallelism splits the head over the vocabulary
-            use_picking_head(model, policy.logprob_chunk_size)
         if dims.tensor_parallel > 1:
             apply_tp(model, self.mesh["tp"], dt)
+        if not value_head:  # after tensor parallelism: a head that a custom plan splits stays the plain one
+            use_picking_head(model, policy.logprob_chunk_size)
         if trainable and dt.activation_checkpointing:
             apply_activation_checkpointing(model)
         if compiles(dt, model, self.device):

@@ -208,11 +208,12 @@ class MegatronModel:
 
     def _picking_output(self, rows: int | None):
         """The output layer, made to pick the following tokens' logprobs (backends/megatron/picking.py;
-        `rows` rows of logits at once, the chunk steps compiled on CUDA), where this stage has it and
-        it holds the whole vocabulary: no tensor or context parallelism, not the critic. None elsewhere:
-        there the logits are computed whole."""
+        `rows` rows of logits at once, the chunk steps compiled on CUDA; under tensor parallelism each
+        rank its part of the vocabulary), where this stage has it: not under context parallelism (whose
+        ranks hold parts of each sequence: Transformer Engine's, not run on novarl's CPU emulation), not
+        the critic. None elsewhere: there the logits are computed whole."""
         last = [module for chunk, module in zip(self.chunks, self.modules) if chunk.last]
-        if self.value_head or self.tp_size > 1 or self.cp_size > 1 or not last:
+        if self.value_head or self.cp_size > 1 or not last:
             return None
         from novarl.backends.megatron.picking import use_picking_output
 

@@ -119,14 +119,18 @@ def model_logprobs(model, attention: str | None, mb: TrainBatch, batching: Micro
     `batching` says, and the tokens it computed (padding included). attention: the model's
     implementation when it reads packed boundaries (models/attention.py), else None. context: the
     context-parallel group each sequence is split over (models/context_parallel.py)."""
+    head = picking_head(model)
     if context is not None:
-        logits, inputs, shard = context_outputs(model, mb, batching, context)
+        inputs, shard = context_layout(mb, batching, context)
         ids = inputs.input_ids.reshape(-1)
         following = torch.nn.functional.pad(ids[1:], (0, 1)).index_select(0, shard.local)
-        scores = token_scores(logits[0], following, temperature)  # each position's next token's
+        if head is None:
+            scores = token_scores(context_forward(model, inputs, shard)[0], following, temperature)
+        else:  # each of the rank's positions scores its following token, without the full logits
+            with head.picking(None, following, temperature):
+                scores = context_forward(model, inputs, shard)
         return per_token(shard.gather(scores, 0), inputs.previous), len(shard.local)
     inputs = model_inputs(mb, batching, attention)
-    head = picking_head(model)
     if head is None:
         return picked_logprobs(run_model(model, attention, inputs), inputs, mb, temperature), inputs.tokens_computed
     with head.picking(inputs.previous, mb.input_ids, temperature):  # no full logits: models/logprob_head.py
@@ -140,7 +144,8 @@ def model_values(model, attention: str | None, mb: TrainBatch, batching: MicroBa
     models/critic.py), each read at its predecessor's position like a logprob; 0 at each
     sequence's first token. And the tokens computed (padding included)."""
     if context is not None:
-        outputs, inputs, shard = context_outputs(model, mb, batching, context)
+        inputs, shard = context_layout(mb, batching, context)
+        outputs = context_forward(model, inputs, shard)
         return per_token(shard.gather(outputs.reshape(-1).float(), 0), inputs.previous), len(shard.local)
     inputs = model_inputs(mb, batching, attention)
     outputs = run_model(model, attention, inputs)
@@ -176,22 +181,26 @@ def run_model(model, attention: str | None, inputs) -> torch.Tensor:
                  attention_mask=None if attention else inputs.attention_mask, use_cache=False, **boundaries).logits
 
 
-def context_outputs(model, mb: TrainBatch, batching: MicroBatching, group: dist.ProcessGroup):
-    """Context parallelism: the model's outputs [1, n, V] over this rank's share of the micro-batch's
-    tokens (models/context_parallel.py: the n tokens it computes), the whole layout, and the share.
-    Every sequence (a packed row's, or each padded row) is laid out to a multiple of 2 x cp tokens."""
+def context_layout(mb: TrainBatch, batching: MicroBatching, group: dist.ProcessGroup):
+    """Context parallelism: the micro-batch's whole layout and this rank's share of its tokens
+    (models/context_parallel.py). Every sequence (a packed row's, or each padded row) is laid out to a
+    multiple of 2 x cp tokens."""
     from novarl.models.context_parallel import shard_rows
 
     split = 2 * dist.get_world_size(group)
     inputs = lay_out(mb, batching.layout, math.lcm(batching.length_multiple, split), sequence_multiple=split)
     rows, width = inputs.input_ids.shape
     cu = inputs.cu_seqlens if inputs.attention_mask is None else torch.arange(rows + 1) * width
-    shard = shard_rows(cu.to(inputs.input_ids.device), group)
+    return inputs, shard_rows(cu.to(inputs.input_ids.device), group)
+
+
+def context_forward(model, inputs, shard) -> torch.Tensor:
+    """The model's outputs over the rank's share of the laid-out tokens: logits [1, n, V], a critic's
+    values, or what a picking head returns."""
     local = shard.local
-    outputs = model(input_ids=inputs.input_ids.reshape(-1)[local][None],
-                    position_ids=inputs.position_ids.reshape(-1)[local][None], use_cache=False,
-                    novarl_context=shard).logits
-    return outputs, inputs, shard
+    return model(input_ids=inputs.input_ids.reshape(-1)[local][None],
+                 position_ids=inputs.position_ids.reshape(-1)[local][None], use_cache=False,
+                 novarl_context=shard).logits
 
 
 @torch.no_grad()
