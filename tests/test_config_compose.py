@@ -295,7 +295,7 @@ def test_unbuilt_settings_are_refused_and_operational_ones_warned():
     assert msg.startswith("Invalid config (the config): 1 problem(s):")
     assert "'checkpointing.checkpoint_must_save_by' = '00:03:30:00': saving before a wall-clock deadline" in msg
     cfg = load_config({"policy": {"logprob_chunk_size": 1024, "dtensor_cfg": {"_v2": False},
-                                  "megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 2,
+                                  "megatron_cfg": {"enabled": True, "context_parallel_size": 2,
                                                    "distributed_data_parallel_config": {"overlap_param_gather": True}}},
                        "checkpointing": {"save_consolidated": True}})
     warned = "\n".join(cfg.load_warnings)
@@ -303,8 +303,11 @@ def test_unbuilt_settings_are_refused_and_operational_ones_warned():
                 "distributed_data_parallel_config.overlap_param_gather"):
         assert key in warned
     assert load_config({}).load_warnings == ()
-    # without tensor or context parallelism Megatron's output layer picks chunk by chunk: the key is read
-    assert load_config({"policy": {"logprob_chunk_size": 1024, "megatron_cfg": {"enabled": True}}}).load_warnings == ()
+    # without context parallelism Megatron's output layer picks chunk by chunk (each tensor-parallel rank over its
+    # part of the vocabulary), as DTensor's head does on every layout: the key is read
+    for parallel in ({"megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 2}},
+                     {"dtensor_cfg": {"tensor_parallel_size": 2, "context_parallel_size": 2}}):
+        assert load_config({"policy": {"logprob_chunk_size": 1024, **parallel}}).load_warnings == ()
 
 
 def test_sequence_parallelism_without_tensor_parallel_ranks_is_said_to_do_nothing():

@@ -335,8 +335,15 @@ def test_a_picking_head_keeps_its_logits_in_the_compute_dtype_while_they_are_sma
     layers = stack_activation_bytes(qwen, num_layers=28, sequence_length=32768, micro_batch_size=1)
     assert estimate_memory(qwen, strategy="fsdp2", workload=long).activations == layers + 2 * gib  # 18 GB less
     moe = estimate_memory(mixtral, strategy="zero2", workload=WORK, parallel=Parallelism(data_parallel_size=8))
-    assert moe.activations == stack_activation_bytes(mixtral, num_layers=32, sequence_length=4096,
-                                                     micro_batch_size=1) + LOGITS
+    layers = stack_activation_bytes(mixtral, num_layers=32, sequence_length=4096, micro_batch_size=1)
+    assert moe.activations == layers + LOGITS
+    # Megatron's output layer picks for every architecture it converts, but not under context parallelism
+    megatron = estimate_memory(mixtral, strategy="megatron", workload=WORK, parallel=Parallelism(data_parallel_size=8))
+    assert megatron.activations == layers + PICKED
+    split = estimate_memory(mixtral, strategy="megatron", workload=WORK,
+                            parallel=Parallelism(data_parallel_size=4, context_parallel_size=2))
+    assert split.activations == stack_activation_bytes(mixtral, num_layers=32, sequence_length=2048,
+                                                       micro_batch_size=1) + LOGITS / 2
 
 
 # --------------------------------------------------------------------- strategies

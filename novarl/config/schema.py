@@ -156,8 +156,9 @@ class PolicyConfig(Section):
     """None: bfloat16 on GPU, float32 on CPU."""
     logprob_chunk_size: int | None = Field(None, ge=1)
     """Tokens whose float32 logits are computed at once for their logprobs (models/logprob_head.py);
-    None: as many as 1 GiB of them holds. DTensor (without tensor parallelism), DeepSpeed, and
-    Megatron-core without tensor or context parallelism (backends/megatron/picking.py)."""
+    None: as many as 1 GiB of them holds. DTensor, DeepSpeed, and Megatron-core without context
+    parallelism (backends/megatron/picking.py: under tensor parallelism over each rank's part of the
+    vocabulary)."""
     dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
     megatron_cfg: MegatronConfig = Field(default_factory=MegatronConfig)
     deepspeed_cfg: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)

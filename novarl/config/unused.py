@@ -82,10 +82,10 @@ def check_settings(config: NovaRLConfig) -> list[str]:
     warnings.extend(_sequence_parallel_warnings(config.policy))
     ddp = config.policy.megatron_cfg.distributed_data_parallel_config
     chunk = config.policy.logprob_chunk_size
-    if chunk and _splits_the_vocabulary(config.policy):
+    if chunk and _computes_logits_whole(config.policy):
         warnings.append(f"'policy.logprob_chunk_size' = {chunk}: logprobs come from chunks of that many tokens where "
-                        "the output layer holds the whole vocabulary (no tensor or context parallelism on Megatron, no "
-                        "tensor parallelism on DTensor); this run computes each micro-batch's logits whole")
+                        "the output layer picks them (not under Megatron's context parallelism); this run computes "
+                        "each micro-batch's logits whole")
     if config.policy.megatron_cfg.enabled:
         if ddp.overlap_param_gather:
             warnings.append("'policy.megatron_cfg.distributed_data_parallel_config.overlap_param_gather' = True: the "
@@ -127,13 +127,12 @@ def _sequence_parallel_warnings(policy) -> list[str]:
     return []
 
 
-def _splits_the_vocabulary(policy) -> bool:
-    """Whether the output layer's vocabulary is split over ranks (or, on Megatron, the tokens over
-    context-parallel ranks), where the logprobs cannot come from its chunks."""
-    mc = policy.megatron_cfg
-    if mc.enabled:
-        return mc.tensor_model_parallel_size > 1 or mc.context_parallel_size > 1
-    return policy.dtensor_cfg.tensor_parallel_size > 1 and not policy.deepspeed_cfg.enabled
+def _computes_logits_whole(policy) -> bool:
+    """Whether the output layer computes each micro-batch's logits whole rather than picking the logprobs
+    chunk by chunk: Megatron's under context parallelism (megatron_model.py). DTensor's and DeepSpeed's
+    head picks on every layout of theirs (under DTensor's tensor and context parallelism too; only a custom
+    plan function that splits the head, unseen here, keeps it plain: models/logprob_head.py)."""
+    return policy.megatron_cfg.enabled and policy.megatron_cfg.context_parallel_size > 1
 
 
 def _reward_warnings(config: NovaRLConfig) -> list[str]:

@@ -31,8 +31,8 @@ Sources
   same size, not an exact count.
   Output layer (same paper, sec. 4.3): fp32 logits for the loss, 4 s b v / t. Where novarl's
   output head picks the following tokens' logprobs chunk by chunk (models/logprob_head.py: a
-  PLAIN_CAUSAL model on DTensor or DeepSpeed, on Megatron without context parallelism, each
-  tensor-parallel rank over its v / t), it keeps the logits in the compute dtype where they take
+  PLAIN_CAUSAL model on DTensor or DeepSpeed; every model on Megatron without context parallelism,
+  each tensor-parallel rank over its v / t), it keeps the logits in the compute dtype where they take
   at most 4 GiB (else recomputes them chunk by chunk in the backward), plus one 1 GiB chunk of
   float32 logits and its gradient.
 - Pipeline parallel (same paper, sec. 4.2.3): with 1F1B the first stage holds p
@@ -537,7 +537,7 @@ def _megatron_stage(shape: ModelShape, work: Workload, parallel: Parallelism, *,
         shape, num_layers=layers * in_flight, sequence_length=sequence, micro_batch_size=work.micro_batch_size,
         tensor_parallel_size=tp, sequence_parallel=parallel.sequence_parallel, recompute=work.recompute,
         flash_attention=work.flash_attention)
-    if last:  # the output layer picks but under context parallelism (megatron_model.py), each rank its part
-        picks = shape.picking_head and parallel.context_parallel_size == 1
+    if last:  # the output layer (any converted architecture's) picks but under context parallelism (megatron_model.py)
+        picks = parallel.context_parallel_size == 1
         activations += _output_bytes(shape, work, sequence, picks=picks, tensor_parallel_size=tp)
     return _Stage("first" if first else "last", layers, dense, layers * experts_per_layer, activations)

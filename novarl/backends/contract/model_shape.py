@@ -64,9 +64,10 @@ class ModelShape:
     """Attention is plain causal softmax attention (Llama/Qwen2/Qwen3/Mistral without a sliding
     window): what novarl's context parallelism computes (models/context_parallel.py)."""
     picking_head: bool = True
-    """The logits are the output head's as is (a PLAIN_CAUSAL architecture): novarl's training backends
-    take the following tokens' logprobs from the head chunk by chunk, without the logits over the
-    vocabulary (models/logprob_head.py)."""
+    """The logits are the output head's as is (a PLAIN_CAUSAL architecture): the DTensor and DeepSpeed
+    backends take the following tokens' logprobs from the Hugging Face head chunk by chunk, without the
+    logits over the vocabulary (models/logprob_head.py; Megatron's output layer picks for every model it
+    converts)."""
 
     # ------------------------------------------------------------ parameter counts
     @property

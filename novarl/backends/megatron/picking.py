@@ -12,7 +12,8 @@ token, [s, b], computed chunk by chunk (models/logprob_head.py: the logits kept 
 they are small, else recomputed there). The model transposes that to [b, s] as it does logits. Under
 tensor parallelism each rank computes its part of the vocabulary's, combined over the tensor-parallel
 group (chunked_logprobs' `vocab`), its input taken as the layer takes it (gathered from the sequence's
-parts under sequence parallelism; the input's gradient summed over the group). Megatron pads the
+parts under sequence parallelism, and kept so for the backward, where megatron-core's own layer keeps
+its part and gathers it again; the input's gradient summed over the group). Megatron pads the
 vocabulary to a multiple of 128 x tp: the padding's rows are never a token and take no part (each
 rank's weight is cut to the real vocabulary, whose gradient's padding rows stay 0).
 """
