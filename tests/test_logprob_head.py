@@ -171,15 +171,59 @@ def test_a_picking_model_trains_on_the_plain_heads_logprobs_and_gradients(layout
         assert torch.allclose(got_grads[name], grad, atol=1e-6), name
 
 
+def tiny_moe(model_type: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=96, hidden_size=32, intermediate_size=48,
+                                  moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
+                                  max_position_embeddings=64, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_model_picks_its_heads_logprobs_and_gradients(model_type):
+    """Mixtral's and Qwen3-MoE's heads are plain linear layers (PLAIN_HEAD): the picking head gives the plain
+    head's logprobs and every gradient (padded rows: their attention is not novarl's packed one)."""
+    from novarl.backends.training.batching import MicroBatching
+    from novarl.backends.training.rows import model_logprobs
+
+    plain = tiny_moe(model_type)
+    picking = copy.deepcopy(plain)
+    assert use_picking_head(picking, rows=5)
+    generator = torch.Generator().manual_seed(4)
+    lengths = torch.tensor([11, 6, 9])
+    ids = torch.randint(1, 96, (3, 11), generator=generator)
+    mask = torch.arange(11) < lengths[:, None]
+    mb = TrainBatch.from_rows(ids, mask, mask.clone(), torch.zeros(3))
+    upstream = torch.linspace(-1, 1, int(lengths.sum()))
+    results = []
+    for model in (plain, picking):
+        logprobs, _ = model_logprobs(model, None, mb, MicroBatching("fixed", 3, 64, 1), 0.8)
+        (logprobs * upstream).sum().backward()
+        results.append((logprobs.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_grads), (got, got_grads) = results
+    assert torch.allclose(got, want, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys() and "lm_head.weight" in got_grads
+    for name, grad in want_grads.items():
+        assert torch.allclose(got_grads[name], grad, atol=1e-6), name
+
+
 def test_only_a_whole_plain_linear_head_of_a_plain_causal_model_picks():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from novarl.distributed.local import ensure_single_process_group
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=32))
-    assert not use_picking_head(gpt2)  # not a PLAIN_CAUSAL architecture
+    assert not use_picking_head(gpt2)  # not a PLAIN_HEAD architecture
+    gemma2 = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gemma2", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0))
+    assert not use_picking_head(gemma2)  # its logits are soft-capped after the head
     model = tiny_qwen2()
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(96))
     assert not use_picking_head(model)

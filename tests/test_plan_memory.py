@@ -329,16 +329,18 @@ def test_a_picking_head_keeps_its_logits_in_the_compute_dtype_while_they_are_sma
     assert picked_output_bytes(tokens=8192, vocab_size=151936, compute_bytes=2) == 2 * 8192 * 151936 + 2 * gib
     assert picked_output_bytes(tokens=32768, vocab_size=151936, compute_bytes=2) == 2 * gib
     assert picked_output_bytes(tokens=100, vocab_size=1000, compute_bytes=4) == 4 * 100 * 1000 + 2 * 4 * 100 * 1000
-    qwen, mixtral = shape(QWEN25_15B), shape(MIXTRAL_8X7B)
-    assert qwen.picking_head and not mixtral.picking_head  # the head picks on PLAIN_CAUSAL architectures only
+    qwen, mixtral, capped = shape(QWEN25_15B), shape(MIXTRAL_8X7B), shape({**MIXTRAL_8X7B, "model_type": "gemma2"})
+    assert qwen.picking_head and mixtral.picking_head and not capped.picking_head  # PLAIN_HEAD architectures
     long = Workload(sequence_length=32768, micro_batch_size=1)
     layers = stack_activation_bytes(qwen, num_layers=28, sequence_length=32768, micro_batch_size=1)
     assert estimate_memory(qwen, strategy="fsdp2", workload=long).activations == layers + 2 * gib  # 18 GB less
-    moe = estimate_memory(mixtral, strategy="zero2", workload=WORK, parallel=Parallelism(data_parallel_size=8))
     layers = stack_activation_bytes(mixtral, num_layers=32, sequence_length=4096, micro_batch_size=1)
-    assert moe.activations == layers + LOGITS
-    # Megatron's output layer picks for every architecture it converts, but not under context parallelism
-    megatron = estimate_memory(mixtral, strategy="megatron", workload=WORK, parallel=Parallelism(data_parallel_size=8))
+    eight = Parallelism(data_parallel_size=8)
+    assert estimate_memory(mixtral, strategy="zero2", workload=WORK, parallel=eight).activations == layers + PICKED
+    # a Hugging Face head whose logits are soft-capped computes them whole on DeepSpeed; Megatron's own output layer
+    # picks whatever the architecture, but not under context parallelism
+    assert estimate_memory(capped, strategy="zero2", workload=WORK, parallel=eight).activations == layers + LOGITS
+    megatron = estimate_memory(capped, strategy="megatron", workload=WORK, parallel=eight)
     assert megatron.activations == layers + PICKED
     split = estimate_memory(mixtral, strategy="megatron", workload=WORK,
                             parallel=Parallelism(data_parallel_size=4, context_parallel_size=2))

@@ -6,6 +6,10 @@ PLAIN_CAUSAL = ("llama", "qwen2", "qwen3", "mistral")
 active) and whose logits are the output head's as is: what novarl's varlen and context-parallel
 attention and its logprob head compute exactly (models/attention.py, models/logprob_head.py)."""
 
+PLAIN_HEAD = (*PLAIN_CAUSAL, "mixtral", "qwen2_moe", "qwen3_moe", "olmo2", "phi3", "gemma")
+"""Architectures whose logits are the output head's as is (no final soft-capping or scaling, as Gemma 2 and 3
+and Granite have): what novarl's picking head computes exactly (models/logprob_head.py)."""
+
 HEAD_CHUNK_BYTES = 1 << 30
 """The float32 logits novarl's picking output heads compute at once (models/logprob_head.py): 1 GiB (1,766
 rows of a 151,936-entry vocabulary)."""
