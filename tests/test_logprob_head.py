@@ -224,6 +224,8 @@ def test_only_a_whole_plain_linear_head_of_a_plain_causal_model_picks():
         "gemma2", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0))
     assert not use_picking_head(gemma2)  # its logits are soft-capped after the head
+    gemma2.config.final_logit_softcapping = None
+    assert use_picking_head(gemma2)  # not where its config sets no cap
     model = tiny_qwen2()
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(96))
     assert not use_picking_head(model)

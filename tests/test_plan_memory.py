@@ -330,7 +330,8 @@ def test_a_picking_head_keeps_its_logits_in_the_compute_dtype_while_they_are_sma
     assert picked_output_bytes(tokens=32768, vocab_size=151936, compute_bytes=2) == 2 * gib
     assert picked_output_bytes(tokens=100, vocab_size=1000, compute_bytes=4) == 4 * 100 * 1000 + 2 * 4 * 100 * 1000
     qwen, mixtral, capped = shape(QWEN25_15B), shape(MIXTRAL_8X7B), shape({**MIXTRAL_8X7B, "model_type": "gemma2"})
-    assert qwen.picking_head and mixtral.picking_head and not capped.picking_head  # PLAIN_HEAD architectures
+    assert qwen.picking_head and mixtral.picking_head and not capped.picking_head  # Gemma 2 caps its logits
+    assert shape({**MIXTRAL_8X7B, "model_type": "gemma2", "final_logit_softcapping": None}).picking_head
     long = Workload(sequence_length=32768, micro_batch_size=1)
     layers = stack_activation_bytes(qwen, num_layers=28, sequence_length=32768, micro_batch_size=1)
     assert estimate_memory(qwen, strategy="fsdp2", workload=long).activations == layers + 2 * gib  # 18 GB less

@@ -7,8 +7,18 @@ active) and whose logits are the output head's as is: what novarl's varlen and c
 attention and its logprob head compute exactly (models/attention.py, models/logprob_head.py)."""
 
 PLAIN_HEAD = (*PLAIN_CAUSAL, "mixtral", "qwen2_moe", "qwen3_moe", "olmo2", "phi3", "gemma")
-"""Architectures whose logits are the output head's as is (no final soft-capping or scaling, as Gemma 2 and 3
-and Granite have): what novarl's picking head computes exactly (models/logprob_head.py)."""
+"""Architectures whose logits are the output head's as is (no final scaling, as Granite's): what novarl's
+picking head computes exactly (models/logprob_head.py); Gemma 2's and 3's where their config sets no final
+soft-capping (plain_head)."""
+
+SOFT_CAPPED_HEAD = {"gemma2": 30.0, "gemma3": None, "gemma3_text": None}
+"""Architectures that soft-cap the head's logits by `final_logit_softcapping` where it is set, and its
+default in transformers' config classes (a config.json may leave it out)."""
+
+
+def plain_head(model_type: str, final_logit_softcapping: float | None) -> bool:
+    """Whether a model's logits are its output head's as is (PLAIN_HEAD, or a SOFT_CAPPED_HEAD without a cap)."""
+    return model_type in PLAIN_HEAD or (model_type in SOFT_CAPPED_HEAD and final_logit_softcapping is None)
 
 HEAD_CHUNK_BYTES = 1 << 30
 """The float32 logits novarl's picking output heads compute at once (models/logprob_head.py): 1 GiB (1,766

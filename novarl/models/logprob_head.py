@@ -15,7 +15,7 @@ copy of the logits is kept, nor their gradient.
 It runs inside the model's forward, where FSDP2 has the head's weight gathered and DeepSpeed
 ZeRO-3 has it in place, so their hooks see an ordinary forward and backward. Without a
 request the head is the plain linear layer (generation, the critic's head). Installed for
-architectures whose logits are the head's output as is (PLAIN_HEAD: no final soft-capping)
+architectures whose logits are the head's output as is (architectures.plain_head: no final soft-capping)
 and only where the weight is a whole tensor on each rank: under the DTensor backend's tensor
 parallelism, whose plan splits the decoder layers and leaves the head whole (each tensor-parallel
 rank picks the same logprobs from the same hidden states), and under its context parallelism (each
@@ -32,7 +32,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from novarl.models.architectures import HEAD_CHUNK_BYTES, HEAD_SAVE_LOGITS_BYTES, PLAIN_HEAD
+from novarl.models.architectures import HEAD_CHUNK_BYTES, HEAD_SAVE_LOGITS_BYTES, plain_head
 from novarl.models.scores import scaled_logits
 
 CHUNK_BYTES = HEAD_CHUNK_BYTES
@@ -214,14 +214,16 @@ class PickingHead(torch.nn.Linear):
 def use_picking_head(model: torch.nn.Module, rows: int | None = None, fused: bool = False) -> bool:
     """Make a loaded Hugging Face causal LM's output head a PickingHead (computing `rows` rows of
     logits at once, its chunk steps compiled if `fused`) where its logits are the head's output as
-    is (an unbiased linear layer of a PLAIN_HEAD architecture) and its weight a whole tensor (after
+    is (an unbiased linear layer of a plain_head architecture) and its weight a whole tensor (after
     tensor parallelism, before FSDP2 or ZeRO shard it). True if the head now picks."""
     from torch.distributed.tensor import DTensor
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not torch.nn.Linear or head.bias is not None or model.config.model_type not in PLAIN_HEAD \
-            or isinstance(head.weight, DTensor):  # split over the vocabulary by a tensor-parallel plan
-        return False
+    config = model.config
+    if type(head) is not torch.nn.Linear or head.bias is not None \
+            or isinstance(head.weight, DTensor) \
+            or not plain_head(config.model_type, getattr(config, "final_logit_softcapping", None)):
+        return False  # a biased head, one split over the vocabulary by a tensor-parallel plan, or capped logits
     head.__class__ = PickingHead
     head.rows, head.fused = rows, fused
     return True

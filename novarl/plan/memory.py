@@ -31,7 +31,7 @@ Sources
   same size, not an exact count.
   Output layer (same paper, sec. 4.3): fp32 logits for the loss, 4 s b v / t. Where novarl's
   output head picks the following tokens' logprobs chunk by chunk (models/logprob_head.py: a
-  PLAIN_HEAD model on DTensor or DeepSpeed; every model on Megatron without context parallelism,
+  plain-headed model on DTensor or DeepSpeed; every model on Megatron without context parallelism,
   each tensor-parallel rank over its v / t), it keeps the logits in the compute dtype where they take
   at most 4 GiB (else recomputes them chunk by chunk in the backward), plus one 1 GiB chunk of
   float32 logits and its gradient.

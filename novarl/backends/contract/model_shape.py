@@ -30,7 +30,7 @@ from typing import Any
 
 from novarl.errors import UserError
 
-from novarl.models.architectures import PLAIN_CAUSAL, PLAIN_HEAD
+from novarl.models.architectures import PLAIN_CAUSAL, SOFT_CAPPED_HEAD, plain_head
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +64,7 @@ class ModelShape:
     """Attention is plain causal softmax attention (Llama/Qwen2/Qwen3/Mistral without a sliding
     window): what novarl's context parallelism computes (models/context_parallel.py)."""
     picking_head: bool = True
-    """The logits are the output head's as is (a PLAIN_HEAD architecture): the DTensor and DeepSpeed
+    """The logits are the output head's as is (architectures.plain_head): the DTensor and DeepSpeed
     backends take the following tokens' logprobs from the Hugging Face head chunk by chunk, without the
     logits over the vocabulary (models/logprob_head.py; Megatron's output layer picks for every model it
     converts)."""
@@ -170,7 +170,8 @@ class ModelShape:
             source=source,
             plain_causal_attention=model_type in PLAIN_CAUSAL and not (
                 config.get("sliding_window") and config.get("use_sliding_window", True)),
-            picking_head=model_type in PLAIN_HEAD,
+            picking_head=plain_head(model_type, config.get("final_logit_softcapping",
+                                                           SOFT_CAPPED_HEAD.get(model_type))),
         )
 
     @classmethod
