@@ -167,6 +167,40 @@ def test_fused_chunks_give_the_eager_chunks_numbers(device, dtype):
         assert (g.float() - w.float()).norm() / w.float().norm() < tolerance
 
 
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=cuda)])
+def test_a_vocabulary_part_on_a_group_of_one_gives_the_whole_heads_numbers_without_host_reads(device, dtype):
+    """chunked_logprobs' `vocab` mode (Megatron's output layer under tensor parallelism, its chunk steps fused on
+    CUDA; over 2 ranks in tests/test_logprob_head.py) on a group of one: the whole vocabulary's logprobs and
+    gradients, eager and fused, with nothing read back to the host (its masks and collectives stay on the
+    device)."""
+    import torch.distributed as dist
+
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.logprob_head import chunked_logprobs
+
+    ensure_single_process_group()
+    group = dist.new_group([0], backend="nccl" if device == "cuda" else "gloo")
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(23, 32, generator=generator).to(device, dtype).requires_grad_()
+    weight = (torch.randn(300, 32, generator=generator) / 4).to(device, dtype).requires_grad_()
+    targets = torch.randint(0, 300, (23,), generator=generator).to(device)
+    upstream = torch.randn(23, generator=generator).to(device)
+
+    def run(fused: bool, vocab) -> tuple:
+        picked = chunked_logprobs(hidden, weight, targets, 0.7, 10, fused=fused, vocab=vocab)
+        return picked, torch.autograd.grad((picked * upstream).sum(), (hidden, weight))
+
+    for fused in (False, True):
+        want, want_grads = run(fused, None)
+        run(fused, (group, 0))  # compiled on first use (fused): outside the count
+        with scalar_reads() as reads:
+            got, got_grads = run(fused, (group, 0))
+        assert reads.count == 0
+        assert torch.allclose(got, want, atol=1e-6)
+        for g, w in zip(got_grads, want_grads, strict=True):
+            assert torch.allclose(g.float(), w.float(), atol=1e-6)
+
+
 def test_a_chunk_step_that_cannot_compile_runs_eagerly_said_once(monkeypatch, capsys):
     """Where torch.compile fails (no Triton, an old GPU), the fused head's steps run as the eager ones."""
     from novarl.models import logprob_head
