@@ -104,15 +104,21 @@ def test_without_namespaces_a_fork_bomb_leaves_the_program_beside_it_its_process
     for both (as before), it could not."""
     if os.getuid() != 0:
         pytest.skip("the sandbox changes user only where novarl runs as root")
-    late_fork = ("import os, time\ntime.sleep(1.0)\npid = os.fork()\nif pid == 0:\n    os._exit(0)\n"
-                 "os.waitpid(pid, 0)\nprint('forked')\n")
+    sandbox = LocalSandbox(SandboxLimits(timeout_s=4.0, max_processes=16), isolate=False, workers=2)
+    # the late fork waits until the sandbox's users hold 16 processes (the bomb at its limit: on a loaded machine
+    # its runner may start seconds after this one), or 3 s
+    late_fork = (f"import os, time\nusers = {{{sandbox.uid}, {sandbox.uid - 1}}}\n"
+                 "def held():\n    n = 0\n    for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+                 "        try:\n            n += os.stat('/proc/' + pid).st_uid in users\n"
+                 "        except OSError:\n            pass\n    return n\n"
+                 "deadline = time.time() + 3\nwhile held() < 16 and time.time() < deadline:\n    time.sleep(0.05)\n"
+                 "pid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('forked')\n")
     programs = [Program("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"),
                 Program(late_fork)]
-    sandbox = LocalSandbox(SandboxLimits(timeout_s=2.5, max_processes=16), isolate=False, workers=2)
     bomb, beside = sandbox.run_all(programs)
     assert bomb.runs[0].status == "timeout"
     assert (beside.runs[0].status, beside.runs[0].stdout) == ("ok", "forked\n")
-    shared = LocalSandbox(SandboxLimits(timeout_s=2.5, max_processes=16), isolate=False, workers=2)
+    shared = LocalSandbox(SandboxLimits(timeout_s=4.0, max_processes=16), isolate=False, workers=2)
     shared._free_uids = queue.SimpleQueue()
     shared._free_uids.put(shared.uid), shared._free_uids.put(shared.uid)  # both slots one user: the old way
     _, starved = shared.run_all(programs)  # its runner or its program finds no process left to start
