@@ -89,7 +89,8 @@ class ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         hidden, weight, targets, lse, held, *kept = ctx.saved_tensors
         want_hidden, want_weight = ctx.needs_input_grad[:2]
-        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        # (zeros only where this rank holds no rows: every chunk writes its own otherwise)
+        grad_hidden = (torch.empty_like if len(weight) else torch.zeros_like)(hidden) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         picked_grad = grad if held is None else grad * held  # a target's own logit: on the rank that holds it
         for index, start in enumerate(range(0, len(hidden) if len(weight) else 0, ctx.rows)):

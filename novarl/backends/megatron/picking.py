@@ -26,6 +26,10 @@ from typing import cast
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 
 from novarl.models.logprob_head import chunked_logprobs
 
@@ -45,11 +49,6 @@ class PickingOutputLayer(ColumnParallelLinear):
         part = self.weight if weight is None else weight  # this rank's rows of the (padded) vocabulary
         first, vocab = 0, None
         if self.tp_group.size() > 1:
-            from megatron.core.tensor_parallel.mappings import (
-                copy_to_tensor_model_parallel_region,
-                gather_from_sequence_parallel_region,
-            )
-
             input_ = (gather_from_sequence_parallel_region(input_, group=self.tp_group) if self.sequence_parallel
                       else copy_to_tensor_model_parallel_region(input_, group=self.tp_group))
             first = self.tp_group.rank() * self.output_size_per_partition
