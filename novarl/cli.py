@@ -134,9 +134,9 @@ def _config(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _config(args)  # first: a config's errors are said before torch loads (~1-2 s)
     from novarl.trainer.api import GRPOTrainer
 
-    cfg = _config(args)
     result = GRPOTrainer(cfg).train(resume=args.resume)
     before, after = result.initial_accuracy, result.final_accuracy
     steps = f"{result.steps} steps" if not result.stopped_early else \

@@ -257,7 +257,7 @@ def test_adam_behind_megatron_core_takes_the_fused_kernel_mid_run_with_the_same_
     first = [torch.nn.Parameter(torch.randn(5, 3, device=device)), torch.nn.Parameter(torch.randn(7, device=device))]
     twins = [first, [torch.nn.Parameter(p.detach().clone()) for p in first]]
     fused, plain = (torch.optim.AdamW(params, lr=0.1, weight_decay=0.01) for params in twins)
-    fuse_adam(SimpleNamespace(optimizer=fused), device_type="mps")  # parameters elsewhere: left as it is
+    fuse_adam(SimpleNamespace(optimizer=fused), device_types=("mps",))  # parameters elsewhere: left as it is
     assert not fused.param_groups[0]["fused"]
     for step in range(3):
         if step == 1:  # the state as a checkpoint holds it, loaded into a foreach AdamW, then fused
@@ -266,7 +266,7 @@ def test_adam_behind_megatron_core_takes_the_fused_kernel_mid_run_with_the_same_
             wrapped = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=fused)])  # megatron-core's chain
             with torch.no_grad():  # (as MegatronPolicy.load runs)
                 _load_optimizer_state(SimpleNamespace(optimizer=fused), saved)
-            fuse_adam(wrapped, device_type=device)
+            fuse_adam(wrapped, device_types=(device,))
             assert all(fused.state[p]["step"].device == p.device for p in first)
         grads = [torch.randn_like(p) for p in first]
         for params, optimizer in zip(twins, (fused, plain)):

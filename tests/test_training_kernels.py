@@ -1,6 +1,6 @@
 """The fast paths of a training step on a GPU, and their CPU fallbacks: packed attention through
 torch's varlen flash kernel (models/attention.py) equals each sequence's own causal attention; the
-optimizer is the fused kernel on CUDA (backends/training/optim.py); the chunked logprob head
+optimizer is the fused kernel on CUDA and the CPU (backends/training/optim.py); the chunked logprob head
 (models/logprob_head.py) in bf16 on CUDA equals the full softmax, and its chunk steps compiled
 (fused, where the decoder layers are compiled) equal the eager ones. The CUDA tests skip without
 CUDA; the fallbacks, the compiled paths and the choices between them are tested here on the CPU."""
@@ -113,12 +113,15 @@ def test_shared_keys_read_a_shared_prompt_in_each_row_of_its_group():
     assert torch.equal(alone.cu_seqlens, lay_out(mb, "packed", 8).cu_seqlens)
 
 
-def test_the_optimizer_is_fused_on_cuda_unless_the_config_chooses():
+def test_the_optimizer_is_fused_on_cuda_and_the_cpu_unless_the_config_chooses():
     param = [torch.nn.Parameter(torch.zeros(3))]
     adamw = OptimizerConfig(name="torch.optim.AdamW", kwargs={"lr": 1e-3})
     assert not build_optimizer(adamw, param).defaults.get("fused")  # no device given: torch's default
-    assert not build_optimizer(adamw, param, torch.device("cpu")).defaults.get("fused")
+    assert build_optimizer(adamw, param, torch.device("cpu")).defaults["fused"] is True
     chosen = OptimizerConfig(name="torch.optim.AdamW", kwargs={"lr": 1e-3, "foreach": True})
+    assert not build_optimizer(chosen, param, torch.device("cpu")).defaults.get("fused")
+    rmsprop = OptimizerConfig(name="torch.optim.RMSprop", kwargs={"lr": 1e-3})  # no fused kernel
+    assert "fused" not in build_optimizer(rmsprop, param, torch.device("cpu")).defaults
     if torch.cuda.is_available():
         on_gpu = [torch.nn.Parameter(torch.zeros(3, device="cuda"))]
         assert build_optimizer(adamw, on_gpu, torch.device("cuda")).defaults["fused"] is True

@@ -374,14 +374,15 @@ def build_deepspeed_optimizer(policy: PolicyConfig, params, *, on_gpu: bool) -> 
     and no C++ op is built."""
     optimizer = policy.optimizer
     assert optimizer is not None  # null only with Megatron (schema.py)
+    device = torch.device("cuda" if on_gpu else "cpu")  # the device it steps on: torch's fused kernel there
     if not policy.deepspeed_cfg.offload_optimizer:
-        return build_optimizer(optimizer, params)
+        return build_optimizer(optimizer, params, device)
     name = optimizer.name.removeprefix("torch.optim.")
     if name not in ("Adam", "AdamW"):
         raise ConfigError(f"policy.deepspeed_cfg.offload_optimizer steps Adam or AdamW on the CPU; "
                           f"policy.optimizer.name is {optimizer.name}.")
     if not on_gpu:
-        return build_optimizer(optimizer, params)
+        return build_optimizer(optimizer, params, device)
     from novarl.backends.training.ops import cpu_adam
 
     kwargs = dict(optimizer.kwargs)

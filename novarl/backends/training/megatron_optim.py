@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from novarl.backends.training.optim import FUSED_DEVICES
 from novarl.errors import ConfigError
 
 
@@ -49,11 +50,11 @@ def build_optimizer(mc, model_chunks: list, *, precision: str, distributed: bool
     return optimizer
 
 
-def fuse_adam(optimizer, device_type: str = "cuda") -> None:
+def fuse_adam(optimizer, device_types: tuple[str, ...] = FUSED_DEVICES) -> None:
     """torch's Adam behind megatron-core's optimizer (its choice where neither Transformer Engine nor Apex is
     installed, in torch's foreach implementation) switched to torch's fused kernel where every parameter it
-    steps is on a `device_type` device, as the DTensor backend's optimizer is on CUDA: one launch for all the
-    parameters. Step counts already kept move to the parameters' device, where the fused kernel reads them
+    steps is on one device of a type in `device_types` (CUDA or the CPU), as the DTensor backend's optimizer
+    is (optim.py): one kernel for all the parameters. Step counts already kept move to the parameters' device, where the fused kernel reads them
     (a state loaded from a checkpoint written before). Idempotent; after loading a state too (it brings
     its groups' settings)."""
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -61,7 +62,8 @@ def fuse_adam(optimizer, device_type: str = "cuda") -> None:
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):  # (Apex's and TE's are fused already)
             continue
         params = [param for group in inner.param_groups for param in group["params"]]
-        if not params or any(param.device.type != device_type for param in params):
+        if not params or params[0].device.type not in device_types or \
+                any(param.device != params[0].device for param in params):
             continue
         for group in inner.param_groups:
             group.update(fused=True, foreach=False)
