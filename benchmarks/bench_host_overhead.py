@@ -1,4 +1,5 @@
-"""The host's time in a training step of novarl's DTensor policy, by how FSDP2's units are laid out.
+"""The host's time in a training step of novarl's DTensor policy on one device: FSDP2's unit layouts, the
+plain module novarl runs there (one_device.py), and a plain PyTorch loop.
 
     python benchmarks/bench_host_overhead.py [--steps 20] [--rounds 3] [--out FILE]
 
@@ -7,16 +8,21 @@ FSDP2's hooks) comes near the kernels' time, the GPU waits for it (issue 35: 26 
 `fixed-compile` had no kernel running). This measures that host time where it can be seen alone: on the CPU,
 with a model of Qwen2.5-1.5B's depth (28 decoder layers) and a width so small that its arithmetic is a few
 percent of the step. One step = a logprob pass + forward/backward over 2 micro-batches + the optimizer step, as
-in bench_train_gpu.py, on one rank (one data-parallel shard: the gathered weights are kept through the step).
+in bench_train_gpu.py, on one rank; in float32 (the host's work alone) and in bfloat16 (a GPU's path: bf16
+copies of the float32 weights; its CPU kernels are slower, so its step is more arithmetic).
 
 Layouts, side by side in one process (rounds interleaved, each layout's median step of each round):
 - `per-layer units`: each decoder layer its own FSDP2 unit (one gather, one gradient reduction and one set of
   hooks a layer), as novarl sharded before;
 - `kept runs`: consecutive layers in one unit up to KEPT_UNIT_PARAMETERS (parallelize.py fsdp_units; here all 28,
-  the layers being tiny): novarl's layout where the gathered weights are kept;
+  the layers being tiny): novarl's FSDP2 layout where the gathered weights are kept (a data-parallel shard of one
+  in a tensor- or context-parallel mesh);
+- `one device`: no FSDP2 (one_device.py: bf16 copies made for each pass, their gradients added to the float32
+  parameters' by a hook each), what novarl runs on one device;
+- `plain loop`: bf16 weights, full log-softmax, fused AdamW, no novarl (bench_train_gpu.py's reference);
 each eager and with compiled decoder layers. (With a torch whose FSDP2 does not group modules fully, before 2.13,
-both layouts are a unit a layer: the table's unit counts say so.) Writes benchmarks/results/host_overhead_cpu.md
-(or --out).
+both FSDP2 layouts are a unit a layer: the table's unit counts say so.) Writes
+benchmarks/results/host_overhead_cpu.md (or --out).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=28, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
-LAYOUTS = ("per-layer units", "kept runs")
+LAYOUTS = ("per-layer units", "kept runs", "one device", "plain loop")
 
 
 def save_model(folder: Path) -> None:
@@ -47,21 +53,41 @@ def save_model(folder: Path) -> None:
                                  pad_token_id=0)).save_pretrained(folder)
 
 
-def build(folder: Path, layout: str, compiled: bool):
-    from novarl.backends.training import parallelize
-    from novarl.backends.training.dtensor import DTensorPolicy
-    from novarl.config import load_config
+def build(folder: Path, layout: str, compiled: bool, precision: str):
+    from novarl.backends.training import dtensor, parallelize
 
-    kept_runs = parallelize.fsdp_units
+    kept_runs, one_device = parallelize.fsdp_units, dtensor.one_device
     parallelize.fsdp_units = kept_runs if layout == "kept runs" else lambda layers, keep: [[x] for x in layers]
+    dtensor.one_device = one_device if layout == "one device" else lambda *args: False
     try:
+        from novarl.config import load_config
+
         cfg = load_config(None, overrides=[
             f"policy.model_name={folder}", "policy.max_seq_length=64", "policy.train_micro_batch_size=4",
             "policy.logprob_batch_size=4", "policy.scheduler=[]", "policy.optimizer.kwargs.lr=1e-6",
-            f"policy.dtensor_cfg.torch_compile={str(compiled).lower()}"])
-        return DTensorPolicy(cfg.policy, str(folder), total_steps=1_000)
+            f"policy.precision={precision}", f"policy.dtensor_cfg.torch_compile={str(compiled).lower()}"])
+        return dtensor.DTensorPolicy(cfg.policy, str(folder), total_steps=1_000)
     finally:
-        parallelize.fsdp_units = kept_runs
+        parallelize.fsdp_units, dtensor.one_device = kept_runs, one_device
+
+
+def plain_step(folder: Path, compiled: bool, precision: str):
+    """bench_train_gpu.py's plain loop on make_step's batch: weights in `precision`, each decoder layer compiled
+    if `compiled`, full log-softmax, fused AdamW."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_train_gpu import plain_step as one_step
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, precision), attn_implementation="sdpa")
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    ids = torch.randint(3, SHAPE["vocab_size"], (8, 48), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    return lambda: one_step(model, optimizer, ids, mask, 4, [None])
 
 
 def make_step(policy):
@@ -86,7 +112,7 @@ def make_step(policy):
     return step
 
 
-def measure(steps: int, rounds: int) -> dict:
+def measure(steps: int, rounds: int, precision: str) -> dict:
     """{"times": {f"{layout}, {eager|compiled}": [median seconds of each round]}, "modules": {the same: the FSDP2
     units (gathered together) its model has, the root's included}}."""
     import torch
@@ -104,9 +130,13 @@ def measure(steps: int, rounds: int) -> dict:
         for compiled in (False, True):
             for layout in LAYOUTS:
                 name = f"{layout}, {'compiled' if compiled else 'eager'}"
-                policy = build(Path(tmp), layout, compiled)
-                units[name] = len({id(m._get_fsdp_state()) for m in policy.model.modules() if isinstance(m, FSDPModule)})
-                cases[name] = make_step(policy)
+                if layout == "plain loop":
+                    cases[name], units[name] = plain_step(Path(tmp), compiled, precision), 0
+                else:
+                    policy = build(Path(tmp), layout, compiled, precision)
+                    units[name] = len({id(m._get_fsdp_state()) for m in policy.model.modules()
+                                       if isinstance(m, FSDPModule)})
+                    cases[name] = make_step(policy)
                 for _ in range(3 if compiled else 1):  # warm-up (compiling)
                     cases[name]()
         for _ in range(rounds):
@@ -120,7 +150,7 @@ def measure(steps: int, rounds: int) -> dict:
     return {"times": times, "modules": units}
 
 
-def report(result: dict, steps: int, rounds: int) -> str:
+def report(result: dict, steps: int, rounds: int, precision: str) -> str:
     from benchmarks.models import cpu_name
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -128,16 +158,17 @@ def report(result: dict, steps: int, rounds: int) -> str:
     if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
                       cwd=ROOT).stdout.strip():
         commit += " + uncommitted changes"
-    lines = [f"# Host time of a DTensor training step by FSDP2 unit layout ({cpu_name()}, one thread)", "",
+    lines = [f"## {precision} ({cpu_name()}, one thread)", "",
              f"{date.today()}, commit {commit}: `python benchmarks/bench_host_overhead.py --steps {steps} --rounds "
-             f"{rounds}`. Qwen2-shaped model of 28 layers of width {SHAPE['hidden_size']} (its arithmetic is a "
-             "few percent of the step: what is measured is the host's work), one rank; a step = a logprob pass + "
-             "forward/backward over 2 micro-batches of 4 x 48 tokens + AdamW. Median step of each round (rounds "
-             "interleaved across the layouts, on a shared machine), then the median of the rounds.", "",
+             f"{rounds} --precision {precision}`. Qwen2-shaped model of 28 layers of width {SHAPE['hidden_size']} "
+             "(in float32 its arithmetic is a few percent of the step: what is measured is the host's work), one "
+             "rank; a step = a logprob pass + forward/backward over 2 micro-batches of 4 x 48 tokens + AdamW "
+             "(fused). Median step of each round (rounds interleaved across the layouts, on a shared machine), then "
+             "the median of the rounds.", "",
              "| layout | FSDP2 units | step (ms) | rounds (ms) | vs per-layer units |", "|---|---|---|---|---|"]
     times = result["times"]
     for name, rounds_s in times.items():
-        base = times[name.replace("kept runs", "per-layer units")]
+        base = times[f"per-layer units, {name.split(', ')[-1]}"]
         lines.append(f"| {name} | {result['modules'][name]} | {statistics.median(rounds_s) * 1e3:.1f} | "
                      f"{', '.join(f'{s * 1e3:.1f}' for s in rounds_s)} | "
                      f"{statistics.median(rounds_s) / statistics.median(base):.2f}x |")
@@ -148,12 +179,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--precision", nargs="+", default=["float32", "bfloat16"],
+                        help="float32: the host's work alone; bfloat16: a GPU's path (copies, casts), whose CPU "
+                             "kernels are slower")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "host_overhead_cpu.md")
     args = parser.parse_args()
-    result = measure(args.steps, args.rounds)
-    text = report(result, args.steps, args.rounds)
+    text = "# Host time of a DTensor training step on one device, by layout\n"
+    for precision in args.precision:
+        result = measure(args.steps, args.rounds, precision)
+        text += "\n" + report(result, args.steps, args.rounds, precision)
+        print(json.dumps(result))
     print(text)
-    print(json.dumps(result))
     args.out.write_text(text)
 
 

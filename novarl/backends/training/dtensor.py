@@ -1,5 +1,6 @@
 """The DTensor training backend: FSDP2 over data-parallel ranks, tensor parallelism
-inside each data-parallel replica (see parallelize.py for the order of steps).
+inside each data-parallel replica (see parallelize.py for the order of steps); on one
+device, the plain module with FSDP2's mixed precision (one_device.py).
 
 Every rank runs the same methods (they are collective). Ranks of one
 tensor-parallel group see the same rows; data-parallel ranks split the rows of
@@ -28,8 +29,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
+from novarl.algorithms.losses import LossFn
 from novarl.backends.protocols import ReferenceBackend, TrainingBackend, WeightSender
 from novarl.backends.training.batching import MicroBatching
+from novarl.backends.training.one_device import OneDeviceWeights, ShardedWeights, one_device
 from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.parallelize import (
@@ -45,7 +48,6 @@ from novarl.backends.training.parallelize import (
     dp_group,
     fsdp_mesh,
     keeps_gathered,
-    reshard,
 )
 from novarl.config.schema import PolicyConfig
 from novarl.errors import UserError
@@ -131,9 +133,15 @@ class ShardedModel(DataParallelRows):
 
                 info("decoder layers compiled (policy.dtensor_cfg.torch_compile: on by default on CUDA; "
                      "the first steps compile)")
-        self.keep_gathered = keeps_gathered(trainable, fsdp_mesh(self.mesh), dt.cpu_offload)
-        apply_fsdp(model, fsdp_mesh(self.mesh), param_dtype=DTYPES[precision], cpu_offload=dt.cpu_offload,
-                   keep_gathered=self.keep_gathered)
+        self.weights: OneDeviceWeights | ShardedWeights
+        if one_device(dist.get_world_size(), dt.cpu_offload):
+            self.keep_gathered = False
+            self.weights = OneDeviceWeights(model, DTYPES[precision])
+        else:
+            self.keep_gathered = keeps_gathered(trainable, fsdp_mesh(self.mesh), dt.cpu_offload)
+            apply_fsdp(model, fsdp_mesh(self.mesh), param_dtype=DTYPES[precision], cpu_offload=dt.cpu_offload,
+                       keep_gathered=self.keep_gathered)
+            self.weights = ShardedWeights(model)
         model.train(trainable)
         if self.lora is None:
             model.requires_grad_(trainable)
@@ -142,15 +150,16 @@ class ShardedModel(DataParallelRows):
     @torch.no_grad()
     def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
         """DataParallelRows.forward, the gathered weights freed at its end: FSDP2 keeps the root's (and
-        with keep_gathered every layer's) after a forward, for a backward that a no-grad pass never runs.
-        With the training pass's last backward (which reshards) this is the one place that frees them:
-        nothing stays gathered between calls (while another role or a colocated engine runs, or an
-        optimizer step or a load changes the weights; a gathered module lists its copies, without
-        grads, as its parameters)."""
+        with keep_gathered every layer's) after a forward, for a backward that a no-grad pass never runs;
+        on one device the compute-dtype copies are made for the pass. With the training pass's end
+        (forward_backward) this is the one place that frees them: nothing stays gathered between calls
+        (while another role or a colocated engine runs, or an optimizer step or a load changes the
+        weights; a gathered module lists its copies, without grads, as its parameters)."""
+        self.weights.gather()
         try:
             return super().forward(batch, head)
         finally:
-            reshard(self.model)
+            self.weights.release()
 
 
 class TrainableShardedModel(ShardedModel, AccumulatingRows):
@@ -167,7 +176,19 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
                                          self.device)
         self.scheduler = build_scheduler(policy.scheduler, self.optimizer, total_steps)
 
+    def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:
+        """AccumulatingRows.forward_backward, the gathered weights freed at its end (FSDP2's last backward
+        has freed them already; on one device the copies made for the pass, their gradients added to the
+        float32 parameters' as the backward made them)."""
+        self.weights.gather()
+        try:
+            return super().forward_backward(batch, loss, head)
+        finally:
+            self.weights.release()
+
     def accumulation_boundary(self, last: bool) -> None:
+        if isinstance(self.weights, OneDeviceWeights):
+            return  # nothing to reduce: the gradients accumulate in the parameters' float32 ones
         self.model.set_requires_gradient_sync(last)
         if self.keep_gathered:  # the gathered weights serve the next micro-batch; the last backward frees them
             self.model.set_reshard_after_backward(last)
