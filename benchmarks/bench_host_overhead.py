@@ -121,6 +121,9 @@ def measure(steps: int, rounds: int, precision: str) -> dict:
     from novarl.distributed.local import ensure_single_process_group
 
     torch.set_num_threads(1)
+    # every layout's compiled layers share the decoder layer's code: its graphs (grad and no-grad, float32 and
+    # bfloat16, four layouts) over dynamo's default of 8 would run the later cases eager
+    torch._dynamo.config.recompile_limit = 64
     ensure_single_process_group()
     times: dict[str, list[float]] = {}
     units: dict[str, int] = {}
