@@ -71,20 +71,22 @@ VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure 
     "padded-attention": "packed rows' attention as SDPA over each sequence's padded row (no varlen kernel)",
     "varlen": "packed rows' attention through the varlen kernel even where the row's pieces are all alike (as "
               "NOVARL_PACKED_ATTENTION=flash_varlen: not as padded rows side by side)",
-    "reshard": "each layer's gathered weights freed after its forward and backward, as before novarl kept "
-               "them through a step's micro-batches on one data-parallel shard (parallelize.py keeps_gathered)",
-    "layer-units": "each decoder layer its own FSDP2 unit where the gathered weights are kept, as before novarl "
-                   "sharded kept layers in runs (parallelize.py fsdp_units: fewer hooks' host time a layer, "
-                   "benchmarks/results/host_overhead_cpu.md; only with a torch whose FSDP2 groups modules fully, "
-                   "2.13: on an older one the case itself)",
+    "fsdp2": "the model FSDP2's on the one GPU, as before novarl ran it as the plain module there "
+             "(one_device.py: no FSDP2 hooks or DTensor parameters; 0.62-0.65x the host's time of a compiled step on "
+             "a CPU, benchmarks/results/host_overhead_cpu.md), its layers in kept runs (parallelize.py fsdp_units)",
+    "reshard": "FSDP2 (as +fsdp2), each layer's gathered weights freed after its forward and backward, as before "
+               "novarl kept them through a step's micro-batches on one data-parallel shard (parallelize.py "
+               "keeps_gathered)",
+    "layer-units": "FSDP2 (as +fsdp2), each decoder layer its own unit where the gathered weights are kept, as "
+                   "before novarl sharded kept layers in runs (parallelize.py fsdp_units; only with a torch whose "
+                   "FSDP2 groups modules fully, 2.13: on an older one +fsdp2 itself)",
     "unfused-swiglu": "Megatron's SwiGLU as eager kernels (megatron_cfg.bias_activation_fusion=false), as novarl "
                       "ran it by default before it followed NeMo RL's recipes (on with CUDA)",
 }
 DEFAULT_CASES = (  # most wanted first: issue 35's targets and the latest change, then the experiments
-    "plain,fixed-compile,packed-compile,var-packed-compile,megatron-packed,megatron-packed-compile,"
-    "fixed-compile+reshard,megatron-packed+unfused-swiglu,packed-compile+varlen,"
-    "megatron-compile,packed-compile+reshard,megatron,fixed-compile+eager-head,var-megatron-packed,"
-    "packed-compile+padded-attention")
+    "plain,fixed-compile,fixed-compile+fsdp2,packed-compile,var-packed-compile,megatron-packed,"
+    "megatron-packed-compile,megatron-packed+unfused-swiglu,packed-compile+varlen,megatron-compile,"
+    "fixed-compile+reshard,megatron,fixed-compile+eager-head,var-megatron-packed,packed-compile+padded-attention")
 BEFORE_GB = {"fixed": 69.0, "packed": 69.7}
 """Peak memory at micro-batch 4, equal lengths, before issue 35 (its table): the bound it sets."""
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "cudnn", "efficient", "sdpa", "bmm")
@@ -350,14 +352,14 @@ def apply_variant(variant: str) -> None:
         attention.ASKED = "padded_sdpa"  # as NOVARL_PACKED_ATTENTION=padded_sdpa would
     elif variant == "varlen":
         attention.ASKED = "flash_varlen"
-    elif variant == "reshard":
-        from novarl.backends.training import dtensor
+    elif variant in ("fsdp2", "reshard", "layer-units"):
+        from novarl.backends.training import dtensor, parallelize
 
-        dtensor.keeps_gathered = lambda *args: False
-    elif variant == "layer-units":
-        from novarl.backends.training import parallelize
-
-        parallelize.fsdp_units = lambda layers, keep_gathered: [[layer] for layer in layers]
+        dtensor.one_device = lambda *args: False
+        if variant == "reshard":
+            dtensor.keeps_gathered = lambda *args: False
+        if variant == "layer-units":
+            parallelize.fsdp_units = lambda layers, keep_gathered: [[layer] for layer in layers]
     elif variant == "unfused-swiglu":
         from novarl.backends.megatron import model
 

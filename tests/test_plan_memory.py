@@ -387,6 +387,23 @@ def test_fsdp2_matches_zero3_states_with_fp32_shards():
     assert fp32.gathered_params == 4 * (ROOT + 2 * LAYER) + 4 * LAYER
 
 
+def test_one_device_holds_a_bf16_copy_of_each_weight_and_one_weights_gradient_without_fsdp2():
+    """On one device the DTensor backend's model is not FSDP2's (backends/training/one_device.py): FSDP2's
+    states, a bf16 copy of every weight through a pass, and one weight's bf16 gradient at a time (Llama-2-7B's
+    largest: its embedding, 32,000 x 4,096); in float32 nothing beside the states; with offload FSDP2's units."""
+    from novarl.backends.contract.model_shape import largest_weight
+
+    one = estimate("fsdp2", data_parallel_size=1)
+    assert (one.params, one.grads, one.optimizer) == (4 * P, 4 * P, 8 * P)
+    assert largest_weight(LLAMA) == 32000 * 4096 > 2 * 11008 * 4096
+    assert one.gathered_params == 2 * (P + 32000 * 4096)
+    fp32 = estimate("fsdp2", Workload(sequence_length=4096, micro_batch_size=1, precision="float32"),
+                    data_parallel_size=1)
+    assert fp32.gathered_params == 0
+    offload = estimate("fsdp2_offload", data_parallel_size=1)
+    assert offload.gathered_params == 2 * (ROOT + 2 * LAYER) + 4 * LAYER
+
+
 def test_fsdp2_cpu_offload_keeps_only_working_copies_and_activations_on_gpu():
     offload, fsdp = estimate("fsdp2_offload", data_parallel_size=8), estimate("fsdp2", data_parallel_size=8)
     assert offload.model_states == 0 and offload.cpu_offloaded == pytest.approx(16 * P / 8)

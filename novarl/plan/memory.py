@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from novarl.errors import UserError
-from novarl.backends.contract.model_shape import ModelShape, layers_per_kept_unit
+from novarl.backends.contract.model_shape import ModelShape, largest_weight, layers_per_kept_unit
 from novarl.models.architectures import HEAD_CHUNK_BYTES, HEAD_SAVE_LOGITS_BYTES
 
 GB = 10**9
@@ -392,7 +392,8 @@ def _fsdp2(shape: ModelShape, strategy: str, work: Workload, parallel: Paralleli
     """FSDP2 as novarl's DTensor backend applies it: each decoder layer, then the root
     (embeddings, final norm, lm_head) sharded over dp x cp. TP (fsdp2_tp) splits the
     decoder layers only: novarl's plan leaves embeddings and lm_head whole, so each rank's
-    head covers the whole vocabulary (and picks, where the model's head does)."""
+    head covers the whole vocabulary (and picks, where the model's head does). On one device
+    (no offload) the same states, without FSDP2 (_one_device_copies)."""
     tp = parallel.tensor_parallel_size
     shards = parallel.data_parallel_size * parallel.context_parallel_size
     root = shape.parameters - shape.num_layers * shape.layer_parameters
@@ -401,8 +402,11 @@ def _fsdp2(shape: ModelShape, strategy: str, work: Workload, parallel: Paralleli
     states = (resident * per_parameter.weights, resident * per_parameter.grads, resident * per_parameter.optimizer)
     activations = _full_model_activations(shape, work, parallel, tensor_parallel_size=tp) \
         + _context_parallel_kv(shape, work, parallel, tensor_parallel_size=tp)
-    gathered = _gathered_units(shape, work.precision, tensor_parallel_size=tp,
-                               whole=shards == 1 and strategy != "fsdp2_offload")
+    if shards == 1 and tp == 1 and strategy != "fsdp2_offload":
+        gathered = _one_device_copies(shape, work.precision)
+    else:
+        gathered = _gathered_units(shape, work.precision, tensor_parallel_size=tp,
+                                   whole=shards == 1 and strategy != "fsdp2_offload")
     if strategy != "fsdp2_offload":
         return MemoryBreakdown(params=states[0], grads=states[1], optimizer=states[2],
                                gathered_params=gathered, activations=activations)
@@ -425,6 +429,16 @@ def _context_parallel_kv(shape: ModelShape, work: Workload, parallel: Parallelis
     per_layer = 2 * work.sequence_length * (cp - 1) / cp * work.micro_batch_size * heads * shape.head_dim
     layers = 1 if work.recompute == "full" else shape.num_layers
     return per_layer * compute_bytes * layers
+
+
+def _one_device_copies(shape: ModelShape, precision: Precision) -> float:
+    """The DTensor backend's model on one device (backends/training/one_device.py): every weight's copy in the
+    compute dtype through a pass, and the compute-dtype gradient of one weight at a time (the largest's) before
+    it is added to the float32 one; nothing in float32 (the weights compute as they are)."""
+    if precision == "float32":
+        return 0.0
+    compute_bytes = _compute_bytes(precision)
+    return compute_bytes * (shape.parameters + largest_weight(shape))
 
 
 def _gathered_units(shape: ModelShape, precision: Precision, *, tensor_parallel_size: int,

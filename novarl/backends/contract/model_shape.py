@@ -260,9 +260,21 @@ def layers_per_kept_unit(layer_parameters: int, num_layers: int) -> int:
     """How many consecutive decoder layers share one FSDP2 unit (one gather, one gradient reduction and one set
     of hooks) where a shard keeps its gathered weights: per-layer units save no memory there (every layer stays
     gathered), and each costs its hooks' host time in every forward and backward (28 layers in one run: a training
-    step's host time 0.84-0.93x, benchmarks/results/host_overhead_cpu.md). A unit's size bounds the transient
-    buffers of its gather and of its gradients' reduction; at least one layer, at most all."""
+    step's host time 0.72-0.87x, benchmarks/results/host_overhead_cpu.md). A unit's size bounds the transient
+    buffers of its gather and of its gradients' reduction; at least one layer, at most all. (On one device the
+    DTensor backend's model is not FSDP2's: backends/training/one_device.py.)"""
     return max(1, min(num_layers, KEPT_UNIT_PARAMETERS // max(layer_parameters, 1)))
+
+
+def largest_weight(shape: ModelShape) -> int:
+    """The most elements one weight tensor of the model holds: the embedding (or the output head), an MLP's
+    projection (gate and up fused in some architectures: counted as two), or a mixture's experts, which
+    transformers holds as one tensor for all of them."""
+    mlp = 2 * shape.intermediate_size * shape.hidden_size
+    if shape.num_experts > 1:
+        experts = shape.moe_intermediate_size or shape.intermediate_size
+        mlp = max(mlp, 2 * shape.num_experts * experts * shape.hidden_size)
+    return max(shape.vocab_size * shape.hidden_size, mlp)
 
 
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d*)?(?:[eE]\d+)?)\s*([kKmMbBtT]?)\s*$")
