@@ -36,11 +36,8 @@ def test_values_start_at_zero_and_read_each_tokens_predecessor(critic):
         critic.model.lm_head.weight.normal_(0, 0.1)
         critic.model.lm_head.bias.fill_(0.25)
     values = critic.forward(batch, Values())
-    from torch.distributed.tensor import DTensor
-
-    head = critic.model.lm_head
-    weight, bias = (t.full_tensor() if isinstance(t, DTensor) else t for t in (head.weight, head.bias))
-    critic.model.unshard()  # the root's weights (embeddings, final norm), as its own forward gathers them
+    head = critic.model.lm_head  # one device: the plain module (backends/training/one_device.py), float32
+    weight, bias = head.weight, head.bias
     for s in range(len(batch)):
         tokens = batch.token_index([s])
         ids = batch.input_ids[tokens][None]
@@ -48,7 +45,6 @@ def test_values_start_at_zero_and_read_each_tokens_predecessor(critic):
             hidden = critic.model.model(input_ids=ids).last_hidden_state[0]
         expected = torch.cat([torch.zeros(1), (hidden[:-1] @ weight.T + bias).squeeze(-1)])
         assert torch.allclose(values[tokens], expected, atol=1e-5)
-    critic.model.reshard()
     with torch.no_grad():
         head.weight.zero_()
         head.bias.zero_()

@@ -510,6 +510,45 @@ def test_one_device_trains_like_fsdp2_on_one_rank(monkeypatch, device, precision
     assert after[0]["loss"] == pytest.approx(after[1]["loss"], rel=tolerance["rtol"], abs=tolerance["atol"])
 
 
+def test_one_device_copies_share_tied_weights_cast_a_layers_inputs_and_train_the_float32_weights():
+    """OneDeviceWeights on a module with a tied weight and a layer fed float32 tensors (OLMo 2's rotary
+    tables): while gathered the layer computes with bf16 weights and inputs (FSDP2 casts a unit's floating
+    inputs), both places of the tied weight hold one copy, and the backward's gradient lands in float32 on the
+    float32 weight (both uses summed) with none left on a copy; released, everything is float32 again."""
+    from novarl.backends.training.one_device import OneDeviceWeights
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4, bias=False)
+            self.seen = []
+
+        def forward(self, x, tables=None):
+            self.seen.append((x.dtype, tables[0].dtype, self.proj.weight.dtype))
+            return self.proj(x) * tables[0]
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layer, model.head = Layer(), torch.nn.Linear(4, 4, bias=False)
+    model.head.weight = model.layer.proj.weight  # tied
+    weights = OneDeviceWeights(model, torch.bfloat16, [model.layer])
+    x, tables = torch.randn(3, 4), (torch.ones(3, 4), torch.ones(3, 4))
+    for _ in range(2):  # two micro-batches: the float32 gradient accumulates
+        weights.gather()
+        assert model.layer.proj.weight is model.head.weight and model.head.weight.dtype == torch.bfloat16
+        model.head(model.layer(x, tables=tables)).sum().backward()
+        assert model.head.weight.grad is None  # the copy's, added to the float32 weight's and freed
+        weights.release()
+    weight = model.layer.proj.weight
+    assert weight is model.head.weight and weight.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    assert model.layer.seen == [(torch.bfloat16,) * 3] * 2
+    reference = torch.nn.Parameter(weight.detach().bfloat16())
+    (torch.nn.functional.linear(torch.nn.functional.linear(x.bfloat16(), reference) * 1, reference)).sum().backward()
+    torch.testing.assert_close(weight.grad, 2 * reference.grad.float(), rtol=0.02, atol=0.02)
+    model.layer(x, tables=tables)  # released: no cast
+    assert model.layer.seen[-1] == (torch.float32,) * 3
+
+
 def test_kept_layers_are_sharded_in_runs_whose_parameters_bound_the_transient_buffers(monkeypatch):
     """Where a shard keeps its gathered weights, FSDP2 units are runs of consecutive layers of at most
     KEPT_UNIT_PARAMETERS (at least one layer, the last run shorter); else one a layer, and so with an FSDP2

@@ -45,6 +45,7 @@ from novarl.backends.training.parallelize import (
     build_mesh,
     clip_grad_norm,
     cp_group,
+    decoder_layers,
     dp_group,
     fsdp_mesh,
     keeps_gathered,
@@ -133,15 +134,8 @@ class ShardedModel(DataParallelRows):
 
                 info("decoder layers compiled (policy.dtensor_cfg.torch_compile: on by default on CUDA; "
                      "the first steps compile)")
-        self.weights: OneDeviceWeights | ShardedWeights
-        if one_device(dist.get_world_size(), dt.cpu_offload):
-            self.keep_gathered = False
-            self.weights = OneDeviceWeights(model, DTYPES[precision])
-        else:
-            self.keep_gathered = keeps_gathered(trainable, fsdp_mesh(self.mesh), dt.cpu_offload)
-            apply_fsdp(model, fsdp_mesh(self.mesh), param_dtype=DTYPES[precision], cpu_offload=dt.cpu_offload,
-                       keep_gathered=self.keep_gathered)
-            self.weights = ShardedWeights(model)
+        self.weights, self.keep_gathered = model_weights(model, self.mesh, DTYPES[precision], trainable,
+                                                         cpu_offload=dt.cpu_offload)
         model.train(trainable)
         if self.lora is None:
             model.requires_grad_(trainable)
@@ -155,11 +149,22 @@ class ShardedModel(DataParallelRows):
         (forward_backward) this is the one place that frees them: nothing stays gathered between calls
         (while another role or a colocated engine runs, or an optimizer step or a load changes the
         weights; a gathered module lists its copies, without grads, as its parameters)."""
-        self.weights.gather()
         try:
+            self.weights.gather()
             return super().forward(batch, head)
         finally:
             self.weights.release()
+
+
+def model_weights(model: torch.nn.Module, mesh: DeviceMesh, dtype: torch.dtype, trainable: bool, *,
+                  cpu_offload: bool) -> tuple[OneDeviceWeights | ShardedWeights, bool]:
+    """(the model's weights, whether FSDP2 keeps them gathered through a step): on one device the plain
+    module's (one_device.py), else FSDP2's, applied here (parallelize.apply_fsdp)."""
+    if one_device(dist.get_world_size(), cpu_offload):
+        return OneDeviceWeights(model, dtype, decoder_layers(model)), False
+    keep = keeps_gathered(trainable, fsdp_mesh(mesh), cpu_offload)
+    apply_fsdp(model, fsdp_mesh(mesh), param_dtype=dtype, cpu_offload=cpu_offload, keep_gathered=keep)
+    return ShardedWeights(model), keep
 
 
 class TrainableShardedModel(ShardedModel, AccumulatingRows):
@@ -180,8 +185,8 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         """AccumulatingRows.forward_backward, the gathered weights freed at its end (FSDP2's last backward
         has freed them already; on one device the copies made for the pass, their gradients added to the
         float32 parameters' as the backward made them)."""
-        self.weights.gather()
         try:
+            self.weights.gather()
             return super().forward_backward(batch, loss, head)
         finally:
             self.weights.release()

@@ -52,11 +52,11 @@ def build_optimizer(mc, model_chunks: list, *, precision: str, distributed: bool
 
 def fuse_adam(optimizer, device_types: tuple[str, ...] = FUSED_DEVICES) -> None:
     """torch's Adam behind megatron-core's optimizer (its choice where neither Transformer Engine nor Apex is
-    installed, in torch's foreach implementation) switched to torch's fused kernel where every parameter it
-    steps is on one device of a type in `device_types` (CUDA or the CPU), as the DTensor backend's optimizer
-    is (optim.py): one kernel for all the parameters. Step counts already kept move to the parameters' device, where the fused kernel reads them
-    (a state loaded from a checkpoint written before). Idempotent; after loading a state too (it brings
-    its groups' settings)."""
+    installed, in torch's foreach implementation) switched to torch's fused kernel where every parameter it steps is
+    on one device of a type in `device_types` (CUDA or the CPU), as the DTensor backend's optimizer is (optim.py):
+    one kernel for all the parameters. Step counts already kept move to the parameters' device, where the fused
+    kernel reads them (a state loaded from a checkpoint written before). Idempotent; after loading a state too (it
+    brings its groups' settings)."""
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(chained, "optimizer", None)
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):  # (Apex's and TE's are fused already)

@@ -7,9 +7,12 @@ are short. Here the model is the plain module, and its mixed precision is FSDP2'
 (param_dtype = the compute dtype, reduce_dtype = float32): the model's parameters stay float32 (the optimizer
 steps them; checkpoints, exports and weight syncs read them); for a pass, copies in the compute dtype take
 their places (`gather`), each copy's gradient is added to its parameter's float32 gradient as soon as the
-backward has it (and freed), and the parameters are put back at the pass's end (`release`). In float32
-nothing is swapped. Same numbers as FSDP2 on one rank (its gradients too accumulate over micro-batches in
-float32); the memory the same or less (no unit's gradient buffers: one parameter's gradient at a time).
+backward has it (and freed), and the parameters are put back at the pass's end (`release`); as FSDP2 casts
+each unit's floating inputs, each decoder layer's are cast to the compute dtype meanwhile (OLMo 2's rotary
+tables come float32, and so might a remote-code model's masks). In float32 nothing is swapped. Same numbers
+as FSDP2 on one rank (its gradients too accumulate over micro-batches in float32); the memory of a training
+pass the same or less (no unit's gradient buffers: one parameter's gradient at a time); a frozen model (the
+reference) holds every copy through its pass, where FSDP2 gathered a layer at a time.
 """
 
 from __future__ import annotations
@@ -38,8 +41,14 @@ class ShardedWeights:
 class OneDeviceWeights:
     """A one-device model's float32 parameters and, during a pass, their copies in the compute dtype."""
 
-    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype,
+                 layers: list[torch.nn.Module] | tuple = ()) -> None:
+        """layers: the modules whose floating inputs are cast to the compute dtype while the copies are in
+        place (the decoder layers: FSDP2's units)."""
         self.compute_dtype = compute_dtype
+        if compute_dtype != torch.float32:
+            for layer in layers:
+                layer.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
         places: dict[int, tuple[torch.nn.Parameter, list[tuple[torch.nn.Module, str]]]] = {}
         for module in model.modules():  # every place a parameter is registered (a tied head: two)
             for name, param in module._parameters.items():
@@ -52,13 +61,13 @@ class OneDeviceWeights:
         """The compute-dtype copies in the parameters' places, until `release` (idempotent)."""
         if self.gathered or self.compute_dtype == torch.float32:
             return
+        self.gathered = True  # first: `release` puts back whatever a failure (out of memory) left swapped
         for param, where in self.places:
             copy = torch.nn.Parameter(param.detach().to(self.compute_dtype), requires_grad=param.requires_grad)
             if param.requires_grad:
                 copy.register_post_accumulate_grad_hook(functools.partial(_add_gradient, param))
             for module, name in where:
                 module._parameters[name] = copy
-        self.gathered = True
 
     def release(self) -> None:
         """The float32 parameters back in their places; the copies (and any gradient a backward left on
@@ -69,6 +78,22 @@ class OneDeviceWeights:
             for module, name in where:
                 module._parameters[name] = param
         self.gathered = False
+
+    def _cast_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        """A decoder layer's floating tensors in its arguments (and in tuples among them: rotary tables) cast
+        to the compute dtype while the copies are in place, as FSDP2's MixedPrecisionPolicy casts a unit's."""
+        if not self.gathered:
+            return None
+        dtype = self.compute_dtype
+
+        def cast(value):
+            if isinstance(value, torch.Tensor):
+                return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+            if isinstance(value, tuple):
+                return tuple(cast(v) for v in value)
+            return value
+
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
 
 def _add_gradient(param: torch.nn.Parameter, copy: torch.Tensor) -> None:
