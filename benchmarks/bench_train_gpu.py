@@ -72,7 +72,7 @@ VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure 
     "varlen": "packed rows' attention through the varlen kernel even where the row's pieces are all alike (as "
               "NOVARL_PACKED_ATTENTION=flash_varlen: not as padded rows side by side)",
     "fsdp2": "the model FSDP2's on the one GPU, as before novarl ran it as the plain module there "
-             "(one_device.py: no FSDP2 hooks or DTensor parameters; 0.62-0.65x the host's time of a compiled step on "
+             "(one_device.py: no FSDP2 hooks or DTensor parameters; 0.62-0.73x the host's time of a compiled step on "
              "a CPU, benchmarks/results/host_overhead_cpu.md), its layers in kept runs (parallelize.py fsdp_units)",
     "reshard": "FSDP2 (as +fsdp2), each layer's gathered weights freed after its forward and backward, as before "
                "novarl kept them through a step's micro-batches on one data-parallel shard (parallelize.py "
