@@ -1,18 +1,19 @@
 """The DTensor backend's model where its mesh is one device: no FSDP2, mixed precision as FSDP2 does it.
 
-FSDP2 on one device shards nothing, yet its hooks run at every unit's forward and backward and its parameters
-are DTensors that each optimizer, clipping and state-dict operator dispatches through: 35-40 % of the host's time
-in a compiled training step (benchmarks/results/host_overhead_cpu.md), time a GPU waits where a step's kernels
-are short. Here the model is the plain module, and its mixed precision is FSDP2's MixedPrecisionPolicy
-(param_dtype = the compute dtype, reduce_dtype = float32): the model's parameters stay float32 (the optimizer
-steps them; checkpoints, exports and weight syncs read them); for a pass, copies in the compute dtype take
-their places (`gather`), each copy's gradient is added to its parameter's float32 gradient as soon as the
-backward has it (and freed), and the parameters are put back at the pass's end (`release`); as FSDP2 casts
-each unit's floating inputs, each decoder layer's are cast to the compute dtype meanwhile (OLMo 2's rotary
-tables come float32, and so might a remote-code model's masks). In float32 nothing is swapped. Same numbers
-as FSDP2 on one rank (its gradients too accumulate over micro-batches in float32); the memory of a training
-pass the same or less (no unit's gradient buffers: one parameter's gradient at a time); a frozen model (the
-reference) holds every copy through its pass, where FSDP2 gathered a layer at a time.
+FSDP2 on one device shards nothing, yet its hooks run at every unit's forward and backward and its parameters are
+DTensors that each optimizer, clipping and state-dict operator dispatches through: without them a compiled training
+step takes 0.62-0.73x the host's time of FSDP2 with a unit a layer, 0.74-0.90x with kept runs of layers
+(benchmarks/results/host_overhead_cpu.md, a CPU), time a GPU waits where a step's kernels are short. Here the model
+is the plain module, and its mixed precision is FSDP2's MixedPrecisionPolicy (param_dtype = the compute dtype,
+reduce_dtype = float32): the model's parameters stay float32 (the optimizer steps them; checkpoints, exports and
+weight syncs read them); for a pass, copies in the compute dtype take their places (`gather`), each copy's gradient
+is added to its parameter's float32 gradient as soon as the backward has it (and freed), and the parameters are put
+back at the pass's end (`release`); as FSDP2 casts each unit's floating inputs, each decoder layer's are cast to
+the compute dtype meanwhile (OLMo 2's rotary tables come float32, and so might a remote-code model's masks). In
+float32 nothing is swapped. Same numbers as FSDP2 on one rank (its gradients too accumulate over micro-batches in
+float32); the memory of a training pass the same or less by construction, not measured (no unit's gradient buffers:
+one parameter's gradient at a time); a frozen model (the reference) holds every copy through its pass, where FSDP2
+gathered a layer at a time.
 """
 
 from __future__ import annotations
