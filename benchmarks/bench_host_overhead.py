@@ -1,7 +1,8 @@
 """The host's time in a training step of novarl's DTensor policy on one device: FSDP2's unit layouts, the
-plain module novarl runs there (one_device.py), and a plain PyTorch loop.
+plain module novarl runs there (one_device.py), and a plain PyTorch loop; and of its Megatron-core policy.
 
-    python benchmarks/bench_host_overhead.py [--steps 20] [--rounds 3] [--out FILE]
+    python benchmarks/bench_host_overhead.py [--steps 20] [--rounds 3] [--sections float32 bfloat16 megatron]
+                                             [--out FILE]
 
 On a GPU the host queues a step's kernels ahead of the device; where its own time per layer (Python, autograd,
 FSDP2's hooks) comes near the kernels' time, the GPU waits for it (issue 35: 26 % of the profiled H100 step of
@@ -21,8 +22,9 @@ Layouts, side by side in one process (rounds interleaved, each layout's median s
   parameters' by a hook each), what novarl runs on one device;
 - `plain loop`: bf16 weights, full log-softmax, fused AdamW, no novarl (bench_train_gpu.py's reference);
 each eager and with compiled decoder layers. (With a torch whose FSDP2 does not group modules fully, before 2.13,
-both FSDP2 layouts are a unit a layer: the table's unit counts say so.) Writes
-benchmarks/results/host_overhead_cpu.md (or --out).
+both FSDP2 layouts are a unit a layer: the table's unit counts say so.) The `megatron` section puts the Megatron
+backend's step (eager, compiled) beside one device's, in processes of their own (measure_megatron). Each section
+replaces its own in benchmarks/results/host_overhead_cpu.md (or --out).
 """
 
 from __future__ import annotations
@@ -115,17 +117,9 @@ def make_step(policy):
 def measure(steps: int, rounds: int, precision: str) -> dict:
     """{"times": {f"{layout}, {eager|compiled}": [median seconds of each round]}, "modules": {the same: the FSDP2
     units (gathered together) its model has, the root's included}}."""
-    import torch
     from torch.distributed.fsdp import FSDPModule
 
-    from novarl.distributed.local import ensure_single_process_group
-
-    torch.set_num_threads(1)
-    # every layout's compiled layers share the decoder layer's code: its graphs (grad and no-grad, float32 and
-    # bfloat16, four layouts) over dynamo's default of 8 would run the later cases eager
-    torch._dynamo.config.recompile_limit = 64
-    ensure_single_process_group()
-    times: dict[str, list[float]] = {}
+    set_up()
     units: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
         save_model(Path(tmp))
@@ -140,34 +134,108 @@ def measure(steps: int, rounds: int, precision: str) -> dict:
                     units[name] = len({id(m._get_fsdp_state()) for m in policy.model.modules()
                                        if isinstance(m, FSDPModule)})
                     cases[name] = make_step(policy)
-                for _ in range(3 if compiled else 1):  # warm-up (compiling)
-                    cases[name]()
-        for _ in range(rounds):
-            for name, step in cases.items():
-                seconds = []
-                for _ in range(steps):
-                    tic = time.perf_counter()
-                    step()
-                    seconds.append(time.perf_counter() - tic)
-                times.setdefault(name, []).append(statistics.median(seconds))
-    return {"times": times, "modules": units}
+                warm_up(cases[name], compiled)
+        return {"times": timed_rounds(cases, steps, rounds), "modules": units}
 
 
-def report(result: dict, steps: int, rounds: int, precision: str) -> str:
-    from benchmarks.models import cpu_name
+def set_up() -> None:
+    import torch
 
+    from novarl.distributed.local import ensure_single_process_group
+
+    torch.set_num_threads(1)
+    # every layout's compiled layers share the decoder layer's code: its graphs (grad and no-grad, float32 and
+    # bfloat16, four layouts) over dynamo's default of 8 would run the later cases eager
+    torch._dynamo.config.recompile_limit = 64
+    ensure_single_process_group()
+
+
+def warm_up(step, compiled: bool) -> None:
+    for _ in range(3 if compiled else 1):  # (compiling)
+        step()
+
+
+def timed_rounds(cases: dict, steps: int, rounds: int) -> dict[str, list[float]]:
+    """{case: the median seconds of its steps in each round}, rounds interleaved across the cases."""
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, step in cases.items():
+            seconds = []
+            for _ in range(steps):
+                tic = time.perf_counter()
+                step()
+                seconds.append(time.perf_counter() - tic)
+            times.setdefault(name, []).append(statistics.median(seconds))
+    return times
+
+
+MEGATRON_CASES = ("one device, eager", "one device, compiled", "megatron, eager", "megatron, compiled")
+
+
+def measure_megatron(steps: int, rounds: int) -> dict:
+    """Megatron-core's step beside the DTensor one-device step, float32, in processes of their own (megatron-core
+    runs on the CPU by an emulation of CUDA that intercepts every torch call of its process, the one-device
+    cases' too: their times carry the same tax). Two processes: `whole` (novarl's compiled Megatron layer, one
+    graph) and `pieces` (the layer as it compiled before: graph breaks at megatron-core's warning, the rest of
+    its attention eager). {variant: {case: [median seconds of each round]}}."""
+    found = {}
+    for variant in ("whole", "pieces"):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            subprocess.run([sys.executable, __file__, "--megatron-child", variant, "--steps", str(steps),
+                            "--rounds", str(rounds), "--out", out.name], check=True)
+            found[variant] = json.loads(Path(out.name).read_text())
+    return found
+
+
+def megatron_child(variant: str, steps: int, rounds: int) -> dict[str, list[float]]:
+    import os
+
+    from novarl.backends.megatron import model
+    from novarl.backends.training.megatron import MegatronPolicy
+    from novarl.config import load_config
+
+    set_up()
+    if variant == "pieces":
+        model._trace_group_lookup = lambda: None
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model(Path(tmp) / "model")
+        os.environ["NOVARL_MEGATRON_CHECKPOINT_DIR"] = str(Path(tmp) / "megatron")
+        cases = {}
+        for compiled in (False, True):  # Megatron first: its policy installs the emulation
+            cfg = load_config(None, overrides=[
+                f"policy.model_name={tmp}/model", "policy.max_seq_length=64", "policy.train_micro_batch_size=4",
+                "policy.logprob_batch_size=4", "policy.precision=float32", "policy.megatron_cfg.enabled=true",
+                "policy.megatron_cfg.optimizer.lr=1e-6", "policy.megatron_cfg.optimizer.clip_grad=1.0",
+                f"policy.megatron_cfg.torch_compile={str(compiled).lower()}"])
+            name = f"megatron, {'compiled' if compiled else 'eager'}"
+            cases[name] = make_step(MegatronPolicy(cfg.policy, f"{tmp}/model", total_steps=1_000, emulate_cuda=True))
+            warm_up(cases[name], compiled)
+        for compiled in (False, True):
+            name = f"one device, {'compiled' if compiled else 'eager'}"
+            cases[name] = make_step(build(Path(tmp) / "model", "one device", compiled, "float32"))
+            warm_up(cases[name], compiled)
+        return timed_rounds({name: cases[name] for name in MEGATRON_CASES}, steps, rounds)
+
+
+def commit_name() -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip() or "?"
     if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
                       cwd=ROOT).stdout.strip():
         commit += " + uncommitted changes"
+    return commit
+
+
+def report(result: dict, steps: int, rounds: int, precision: str) -> str:
+    from benchmarks.models import cpu_name
+
     lines = [f"## {precision} ({cpu_name()}, one thread)", "",
-             f"{date.today()}, commit {commit}: `python benchmarks/bench_host_overhead.py --steps {steps} --rounds "
-             f"{rounds} --precision {precision}`. Qwen2-shaped model of 28 layers of width {SHAPE['hidden_size']} "
-             "(in float32 its arithmetic is a few percent of the step: what is measured is the host's work), one "
-             "rank; a step = a logprob pass + forward/backward over 2 micro-batches of 4 x 48 tokens + AdamW "
-             "(fused). Median step of each round (rounds interleaved across the layouts, on a shared machine), then "
-             "the median of the rounds.", "",
+             f"{date.today()}, commit {commit_name()}: `python benchmarks/bench_host_overhead.py --steps {steps} "
+             f"--rounds {rounds} --sections {precision}`. Qwen2-shaped model of 28 layers of width "
+             f"{SHAPE['hidden_size']} (in float32 its arithmetic is a few percent of the step: what is measured is the "
+             "host's work), one rank; a step = a logprob pass + forward/backward over 2 micro-batches of 4 x 48 "
+             "tokens + AdamW (fused). Median step of each round (rounds interleaved across the layouts, on a shared "
+             "machine), then the median of the rounds.", "",
              "| layout | FSDP2 units | step (ms) | rounds (ms) | vs per-layer units |", "|---|---|---|---|---|"]
     times = result["times"]
     for name, rounds_s in times.items():
@@ -178,22 +246,71 @@ def report(result: dict, steps: int, rounds: int, precision: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+MEGATRON_HEADING = "Megatron-core beside one device"
+
+
+def megatron_report(found: dict, steps: int, rounds: int) -> str:
+    from benchmarks.models import cpu_name
+
+    lines = [f"## {MEGATRON_HEADING} (float32, {cpu_name()}, one thread)", "",
+             f"{date.today()}, commit {commit_name()}: `python benchmarks/bench_host_overhead.py --steps {steps} "
+             f"--rounds {rounds} --sections megatron`. The same model and step on megatron-core (local spec, one "
+             "rank; novarl's core attention) and on the DTensor backend's one device, float32, in one process per "
+             "variant: megatron-core runs on the CPU through an emulation of CUDA that intercepts every torch call "
+             "of its process, so every case here carries that tax and only the ratios within a variant compare. "
+             "`whole`: novarl's compiled Megatron layer, one graph; `pieces`: as it compiled before (a graph break "
+             "at megatron-core's tp_group warning in each row-parallel linear, after which dynamo ran the rest of "
+             "the attention eager).", "",
+             "| variant | case | step (ms) | rounds (ms) | vs one device, compiled |", "|---|---|---|---|---|"]
+    for variant, times in found.items():
+        base = statistics.median(times["one device, compiled"])
+        for name, rounds_s in times.items():
+            lines.append(f"| {variant} | {name} | {statistics.median(rounds_s) * 1e3:.1f} | "
+                         f"{', '.join(f'{x * 1e3:.1f}' for x in rounds_s)} | "
+                         f"{statistics.median(rounds_s) / base:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def merged(text: str, section: str) -> str:
+    """The results file's text with `section` in place of the one under the same heading (up to " ("), or
+    added."""
+    heading = section.split("\n", 1)[0].split(" (")[0]
+    parts = text.split("\n## ")
+    for i, part in enumerate(parts[1:], 1):
+        if ("## " + part).split("\n", 1)[0].split(" (")[0] == heading:
+            parts[i] = section.removeprefix("## ").rstrip("\n") + "\n"
+            return "\n## ".join(parts)
+    return text.rstrip("\n") + "\n\n" + section
+
+
+SECTIONS = ("float32", "bfloat16", "megatron")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--precision", nargs="+", default=["float32", "bfloat16"],
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="float32: the host's work alone; bfloat16: a GPU's path (copies, casts), whose CPU "
-                             "kernels are slower")
+                             "kernels are slower; megatron: Megatron-core's step beside one device's (float32). Each "
+                             "replaces its own section of --out, the others kept")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "host_overhead_cpu.md")
+    parser.add_argument("--megatron-child", choices=("whole", "pieces"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    text = "# Host time of a DTensor training step on one device, by layout\n"
-    for precision in args.precision:
-        result = measure(args.steps, args.rounds, precision)
-        text += "\n" + report(result, args.steps, args.rounds, precision)
+    if args.megatron_child:
+        args.out.write_text(json.dumps(megatron_child(args.megatron_child, args.steps, args.rounds)))
+        return
+    text = args.out.read_text() if args.out.exists() else "# Host time of a training step on one device\n"
+    for section in args.sections:
+        if section == "megatron":
+            result = measure_megatron(args.steps, args.rounds)
+            text = merged(text, megatron_report(result, args.steps, args.rounds))
+        else:
+            result = measure(args.steps, args.rounds, section)
+            text = merged(text, report(result, args.steps, args.rounds, section))
         print(json.dumps(result))
+        args.out.write_text(text)
     print(text)
-    args.out.write_text(text)
 
 
 if __name__ == "__main__":

@@ -285,6 +285,7 @@ def run_case(name: str, folder: str, steps: int, tiny: bool, trace: Path | None 
         policy = build(folder, layout, compile_layers, micro, max(lengths))
         step = novarl_step(policy, batch, first)
     times = timed_steps(step, 2 if compile_layers else 1, steps)
+    graphs = compiled_graphs()
     if implementation != "plain":
         work = attention_work(batch, policy.train_batching)
     kernels = profile_kernels(step, trace)
@@ -295,7 +296,16 @@ def run_case(name: str, folder: str, steps: int, tiny: bool, trace: Path | None 
             "s_per_step": seconds, "all_s": times, "tokens": sum(lengths), "tokens_per_s": sum(lengths) / seconds,
             "mfu": flops / seconds / (PEAK_TFLOPS * 1e12), "peak_gb": torch.cuda.max_memory_allocated() / 1e9
             if torch.cuda.is_available() else float("nan"), "attention_work": work, "kernels": kernels,
-            "logprobs": picked()}
+            "logprobs": picked(), "graphs": graphs}
+
+
+def compiled_graphs() -> dict[str, int]:
+    """What torch.compile made of this process's compiled code so far: {"graphs": distinct graphs traced
+    (recompiles included), "breaks": graph breaks}. A compiled layer that breaks runs eager between its
+    pieces (and the rest of its function, where dynamo cannot resume)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
 
 
 def plain_case(folder: str, batch, lengths: list[int], micro: int, first: list, *, variable: bool):
@@ -563,7 +573,10 @@ def report(results: list[dict], device: str, commit: str, shape: str, params: in
         kernels = "; ".join(f"{k} {v:.0f}" for k, v in r["kernels"].get("attention", {}).items()) or "-"
         label = {"plain": "plain PyTorch loop", "megatron": "novarl Megatron-core"}.get(r["implementation"],
                                                                                        "novarl DTensor")
-        lines.append(f"| {r['case']} ({label}) | {r['kind']} | {r['layout']} | {'yes' if r['compile'] else 'no'} "
+        graphs = r.get("graphs", {})
+        compiled = f"yes ({graphs['graphs']} graphs, {graphs['breaks']} breaks)" if r["compile"] and graphs else \
+            "yes" if r["compile"] else "no"
+        lines.append(f"| {r['case']} ({label}) | {r['kind']} | {r['layout']} | {compiled} "
                      f"| {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gb']:.1f} "
                      f"| {r['attention_work']:.2f} | {agreement(r)} | {kernels} |")
     return "\n".join(lines + targets(results) + time_breakdown(results)) + "\n"

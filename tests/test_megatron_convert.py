@@ -359,13 +359,16 @@ def one_megatron_rank(tmp_path_factory) -> dict:
 
 def test_compiled_layers_train_as_the_eager_ones(one_megatron_rank, monkeypatch):
     """policy.megatron_cfg.torch_compile: each local-spec transformer layer compiled in place (inductor on the
-    CPU); one training step (logprobs through the layers, the loss, its gradients, Adam's update) as the eager
-    layers give it, on one spawned rank. Over Transformer Engine's layers it is not applied."""
+    CPU), each one graph; one training step (logprobs through the layers, the loss, its gradients, Adam's update) as
+    the eager layers give it, on one spawned rank. Over Transformer Engine's layers it is not applied."""
     from novarl.backends.megatron import model
     from novarl.config import load_config
 
     eager, compiled = one_megatron_rank["compile"]
     assert eager["compiled"] == [False, False] and compiled["compiled"] == [True, True]
+    # a layer is one graph (one with gradients: the step's logprobs are the loss's), traced once for both layers:
+    # nothing runs eager between its pieces (megatron-core's row-parallel linears warned, a break; issue 35)
+    assert compiled["graph breaks"] == {} and compiled["graphs"] == 1
     assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-5)
     assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-4)
     assert compiled["weights"].keys() == eager["weights"].keys()
@@ -416,11 +419,7 @@ def alike_pieces(policy) -> dict:
     rows' kind (megatron-core's [s, b] rows, or packed thd ones), and of a batch of unlike lengths."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from novarl.algorithms.losses import make_loss
     from novarl.backends.megatron.attention import SDPAttention
-    from novarl.models import attention
-    from novarl.types import TrainBatch
-    from tests.helpers.packing import HEAD, LOSS, batchings, mixed_batch
 
     calls = {"padded": 0, "packed": 0}
     original = SDPAttention.forward
@@ -430,6 +429,18 @@ def alike_pieces(policy) -> dict:
         return original(self, query, key, value, mask, *args, packed_seq_params=packed_seq_params, **kw)
 
     SDPAttention.forward = counted
+    try:
+        return _alike_pieces_counted(policy, calls)
+    finally:
+        SDPAttention.forward = original
+
+
+def _alike_pieces_counted(policy, calls: dict) -> dict:
+    from novarl.algorithms.losses import make_loss
+    from novarl.models import attention
+    from novarl.types import TrainBatch
+    from tests.helpers.packing import HEAD, LOSS, batchings, mixed_batch
+
     policy.train_batching, policy.logprob_batching = batchings("packed")
     ids = torch.randint(3, 18, (4, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids, dtype=torch.bool)
@@ -457,6 +468,7 @@ def one_step(folder: str, compile_layers: bool):
     import os
 
     from megatron.core import parallel_state
+    from torch._dynamo.utils import counters
 
     from novarl.algorithms.losses import make_loss
     from novarl.backends.training.megatron import MegatronPolicy
@@ -474,10 +486,12 @@ def one_step(folder: str, compile_layers: bool):
         "policy.megatron_cfg.scheduler.lr_warmup_iters=0", "policy.megatron_cfg.scheduler.lr_decay_style=constant"])
     policy = MegatronPolicy(cfg.policy, resolve_model_path("tiny-arith"), total_steps=2, emulate_cuda=True)
     batch.old_logprobs = batch.generator_logprobs
+    counters.clear()
     metrics = policy.forward_backward(batch, make_loss(LOSS), HEAD)
     metrics.update(policy.optim_step())
     return policy, {"compiled": [layer._compiled_call_impl is not None for layer in policy.modules[0].decoder.layers],
-                    "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "weights": policy.full_state_dict()}
+                    "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "weights": policy.full_state_dict(),
+                    "graph breaks": dict(counters["graph_break"]), "graphs": counters["stats"]["unique_graphs"]}
 
 
 # ---------------------------------------------------------------- the cache

@@ -77,8 +77,10 @@ def model_is_fused_elsewhere() -> bool:
 
 def test_compiled_layers_give_the_eager_ones_logprobs_and_step_on_packed_rows_in_bf16(tmp_path, monkeypatch):
     """policy.megatron_cfg.torch_compile on CUDA, packed rows (torch's varlen kernel inside the compiled layers),
-    bf16: the logprobs, loss and gradient norm of the eager layers, to bf16's resolution; torch's Adam fused."""
+    bf16: the logprobs, loss and gradient norm of the eager layers, to bf16's resolution, with no graph break;
+    torch's Adam fused."""
     from megatron.core import parallel_state
+    from torch._dynamo.utils import counters
 
     from novarl.algorithms.losses import make_loss
     from novarl.backends.training.megatron import MegatronPolicy
@@ -105,10 +107,13 @@ def test_compiled_layers_give_the_eager_ones_logprobs_and_step_on_packed_rows_in
         assert all(group["fused"] for o in policy._optimizers() for group in o.optimizer.param_groups) or \
             model_is_fused_elsewhere()
         policy.train_batching, policy.logprob_batching = batchings("packed", policy.packed_sequence_multiple)
+        counters.clear()
         logprobs = policy.forward(batch, Logprobs())
         metrics = policy.forward_backward(batch, make_loss(LOSS), Logprobs())
         metrics.update(policy.optim_step())
         out.append((logprobs.cpu(), metrics["loss"], metrics["grad_norm"]))
+    # each compiled layer (and the compiled logprob chunk steps) is whole: nothing runs eager between pieces
+    assert dict(counters["graph_break"]) == {}
     (want, loss, norm), (got, compiled_loss, compiled_norm) = out
     difference = (got - want).abs()
     assert difference.mean() < 0.01 and difference.max() < 0.1, (difference.mean(), difference.max())

@@ -229,9 +229,10 @@ def test_a_chunk_step_that_cannot_compile_runs_eagerly_said_once(monkeypatch, ca
 
 def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients():
     """policy.dtensor_cfg.torch_compile: each decoder layer compiled in place (inductor on the CPU), and
-    the picking head's chunk steps (fused), against the eager model with the plain head."""
+    the picking head's chunk steps (fused), against the eager model with the plain head; no graph break."""
     import copy
 
+    from torch._dynamo.utils import counters
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from novarl.backends.training.batching import MicroBatching
@@ -252,10 +253,13 @@ def test_compiled_decoder_layers_give_the_same_logprobs_and_gradients():
     mask = torch.arange(12) < torch.tensor([[12], [9]])
     mb = TrainBatch.from_rows(ids, mask, mask.clone(), torch.zeros(2))
     results = []
+    torch._dynamo.reset()  # traced here, not found in the cache of an earlier test: its graph breaks are counted
+    counters.clear()
     for model in (eager, compiled):
         logprobs, _ = model_logprobs(model, None, mb, MicroBatching("fixed", 2, 64, 1), 1.0)
         logprobs.sum().backward()
         results.append((logprobs.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] > 0
     (want, want_grads), (got, got_grads) = results
     assert torch.allclose(got, want, atol=1e-5)
     for name, grad in want_grads.items():

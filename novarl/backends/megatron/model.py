@@ -397,10 +397,46 @@ def compiles_layers(mc) -> bool:
 
 def compile_layers(module: Any) -> None:
     """Compile each transformer layer of a model chunk in place (names unchanged): the same code for every
-    layer (compiled once, reused), graph breaks allowed (megatron-core's activation-offloading context and
-    tensor-parallel collectives split a layer into several graphs). module: a GPTModel chunk."""
+    layer (compiled once, reused), graph breaks allowed. module: a GPTModel chunk.
+
+    A layer traces as one graph on one rank (tested): megatron-core's row-parallel linears ask for their group
+    through a helper that warns when it gets None (as they pass it), and a warning is a graph break; inside
+    megatron-core's activation-offloading context dynamo cannot resume after one, so the rest of the attention
+    ran eager (issue 35). `_trace_group_lookup` has dynamo trace that helper without the warning."""
+    _trace_group_lookup()
     for layer in module.decoder.layers:
         layer.compile(dynamic=None)
+
+
+_group_lookup_traced = False
+
+
+def _trace_group_lookup() -> None:
+    """Once a process: megatron-core's get_tensor_model_parallel_group_if_none, as dynamo traces it, without its
+    deprecation warning (Python's filters hide it by default) -- the same group, no graph break. Eager calls run
+    megatron-core's own. A megatron-core without the helper needs nothing; one whose helper takes other arguments
+    keeps the graph break (correct, slower)."""
+    global _group_lookup_traced
+    from megatron.core import parallel_state, utils
+
+    original = getattr(utils, "get_tensor_model_parallel_group_if_none", None)
+    if _group_lookup_traced or original is None:
+        return
+    _group_lookup_traced = True
+
+    def group_if_none(tp_group, is_expert=False, check_initialized=True):
+        if not torch.distributed.is_initialized():
+            return None
+        if tp_group is not None or not parallel_state.is_initialized():
+            return tp_group
+        if is_expert:
+            return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+        return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+
+    try:
+        torch.compiler.substitute_in_graph(original)(group_if_none)
+    except (TypeError, ValueError):  # another signature, or registered already: the layers compile in pieces
+        pass
 
 
 def norms_in_params_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
