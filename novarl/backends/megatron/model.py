@@ -402,7 +402,10 @@ def compile_layers(module: Any) -> None:
     A layer traces as one graph on one rank (tested): megatron-core's row-parallel linears ask for their group
     through a helper that warns when it gets None (as they pass it), and a warning is a graph break; inside
     megatron-core's activation-offloading context dynamo cannot resume after one, so the rest of the attention
-    ran eager (issue 35). `_trace_group_lookup` has dynamo trace that helper without the warning."""
+    ran eager (issue 35). `_trace_group_lookup` has dynamo trace that helper without the warning. Under tensor
+    parallelism a layer still compiles in pieces: the linears' backward all-reduces asynchronously (which dynamo
+    does not trace) and megatron-core warns about CUDA_DEVICE_MAX_CONNECTIONS (results equal to eager's, checked
+    on 2 CPU ranks; not measured for speed)."""
     _trace_group_lookup()
     for layer in module.decoder.layers:
         layer.compile(dynamic=None)
