@@ -466,8 +466,11 @@ def test_one_device_trains_like_fsdp2_on_one_rank(monkeypatch, device, precision
     parameters, and in bfloat16 copies for each pass whose gradients the float32 ones accumulate. Over two
     steps with a learning rate (three training and three logprob micro-batches each, compiled layers on
     CUDA) its logprobs, losses, gradient norms and weights are FSDP2's on one rank (float32: to rounding;
-    bfloat16: the same casts and kernels, to bf16's resolution over two updates). During a pass the layers
-    compute with the copies, none is left after it, and a checkpoint FSDP2 wrote resumes on it."""
+    bfloat16: the same casts and kernels, to bf16's resolution over two updates), with no graph break in the
+    compiled layers. During a pass the layers compute with the copies, none is left after it, and a checkpoint
+    FSDP2 wrote resumes on it."""
+    from torch._dynamo.utils import counters
+
     from novarl.backends.training import dtensor
     from novarl.backends.training.one_device import OneDeviceWeights
     from novarl.config import load_config
@@ -489,10 +492,13 @@ def test_one_device_trains_like_fsdp2_on_one_rank(monkeypatch, device, precision
         policy.model.model.layers[0].mlp.register_forward_pre_hook(
             lambda module, args: seen.append(module.down_proj.weight.dtype))
         call = lambda method, *args: getattr(policy, method)(*args)  # noqa: E731
+        torch._dynamo.reset()  # its compiled layers traced here, graph breaks counted
+        counters.clear()
         runs[plain] = [measure(call, batch), measure(call, batch)]
         runs[plain].append(policy.full_state_dict())
         policies[plain] = policy
         assert set(seen) == {getattr(torch, precision)}
+        assert dict(counters["graph_break"]) == {}  # (on the CPU nothing compiles by default)
     one, fsdp = runs[True], runs[False]
     tolerance = dict(rtol=1e-5, atol=1e-6) if precision == "float32" else dict(rtol=0.02, atol=0.02)
     for got, want in zip(one[:2], fsdp[:2]):
