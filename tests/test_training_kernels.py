@@ -88,9 +88,45 @@ def test_the_packed_kernel_is_chosen_by_device_dtype_and_novarl_packed_attention
     monkeypatch.setattr(attention, "_said", set())
     monkeypatch.setattr(attention, "ASKED", "fa3")
     assert choose(cuda_bf16, 0.0) == choose(cuda_bf16, 0.0) != "fa3"
+    capsys.readouterr()
+    assert attention.varlen_kernel(cuda_bf16, 0.0) is attention.varlen_kernel(cuda_bf16, 0.0)  # eager: said at once
     err = capsys.readouterr().err
     assert err.count("NOVARL_PACKED_ATTENTION='fa3' is not a packed attention kernel (flash_varlen, padded_sdpa): "
                      "not used") == 1  # said once
+    assert err.count("packed attention: ") == 1 and attention._unsaid is None
+
+
+def test_compiled_layers_note_the_packed_attention_path_without_a_graph_break(monkeypatch):
+    """Packed rows through compiled decoder layers (the CPU's padded-rows path): the attention's note of its path
+    for the log is a global's store that the compiled layer replays, not a log call inside it (a graph break
+    on CUDA, where the path is said); run_model says it after the pass."""
+    from torch._dynamo.utils import counters
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from novarl.backends.training import rows
+    from novarl.backends.training.batching import MicroBatching
+    from novarl.backends.training.parallelize import apply_compile
+    from novarl.types import TrainBatch
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    assert attention.use_varlen_attention(model) == attention.VARLEN
+    apply_compile(model)
+    ids = torch.randint(1, 64, (3, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.arange(12) < torch.tensor([[12], [9], [5]])
+    mb = TrainBatch.from_rows(ids, mask, mask.clone(), torch.zeros(3))
+    inputs = rows.model_inputs(mb, MicroBatching("packed", 3, 64, 1), attention.VARLEN)
+    notes = []
+    monkeypatch.setattr(rows, "say_attention_path", lambda: notes.append(attention._unsaid))
+    torch._dynamo.reset()
+    counters.clear()
+    for _ in range(2):
+        attention.packed_kernel, attention._unsaid = None, None
+        rows.run_model(model, attention.VARLEN, inputs)
+        assert attention.packed_kernel == "padded_sdpa"
+    assert notes == [("padded_sdpa", False, torch.float32, False)] * 2
+    assert dict(counters["graph_break"]) == {}
 
 
 def test_shared_keys_read_a_shared_prompt_in_each_row_of_its_group():

@@ -155,11 +155,7 @@ def _causal_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dr
 def _side_by_side(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: int, dropout: float,
                   scaling: float | None) -> torch.Tensor:
     """A packed row [1, H, T, D] of pieces of `length` tokens each, as T / length causal rows: [1, T, H, D]."""
-    if query.is_cuda and "side_by_side" not in _said:
-        from novarl.logging.console import info
-
-        _said.add("side_by_side")
-        info("packed attention: rows whose pieces are all alike as padded rows side by side (SDPA)")
+    _to_say("side_by_side", query, dropout)
     rows = query.shape[2] // length
 
     def split(t: torch.Tensor) -> torch.Tensor:  # [1, H, T, D] -> [rows, H, length, D]
@@ -180,41 +176,63 @@ ASKED: str | None = os.environ.get(KERNEL_ENV) or None
 def varlen_kernel(query: torch.Tensor, dropout: float):
     """The variable-length kernel packed rows' attention runs on: on CUDA in bf16/fp16 without
     dropout, torch's flash kernel (`torch.nn.attention.varlen`, torch 2.10+); a packed row's
-    attention then costs its sequences' own work, with no padding and no gather. None elsewhere (the CPU, float32, an older torch, or
-    NOVARL_PACKED_ATTENTION=padded_sdpa): the padded-rows path below, which computes the same
-    attention. On CUDA each path is said in the log the first time it runs."""
+    attention then costs its sequences' own work, with no padding and no gather. None elsewhere
+    (the CPU, float32, an older torch, or NOVARL_PACKED_ATTENTION=padded_sdpa): the padded-rows
+    path below, which computes the same attention. On CUDA each path is said in the log the first
+    time it runs (say_attention_path)."""
     global packed_kernel
     name = _packed_choice(query, dropout)
     packed_kernel = name
-    if query.is_cuda and name not in _said:  # the CPU's is the only one it has
-        from novarl.logging.console import info
-
-        _said.add(name)
-        info("packed attention: " + {
-            "flash_varlen": "torch's flash varlen kernel (torch.nn.attention.varlen)",
-        }.get(name, "causal SDPA over each sequence's padded row (" + (
-            f"{KERNEL_ENV}=padded_sdpa" if ASKED == "padded_sdpa" else
-            f"no varlen kernel for {str(query.dtype).removeprefix('torch.')}{' with dropout' if dropout else ''} "
-            f"in torch {torch.__version__}") + ")"))
+    _to_say(name, query, dropout)
     return flash_varlen if name == "flash_varlen" else None
 
 
 def _packed_choice(query: torch.Tensor, dropout: float) -> str:
-    asked = ASKED
-    if asked is not None and asked not in PACKED_KERNELS and asked not in _said:
-        from novarl.logging.console import info
-
-        _said.add(asked)
-        info(f"warning: {KERNEL_ENV}={asked!r} is not a packed attention kernel ({', '.join(PACKED_KERNELS)}): "
-             "not used")
-    if not (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout) or asked == "padded_sdpa":
+    if not (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not dropout) or ASKED == "padded_sdpa":
         return "padded_sdpa"
     return "flash_varlen" if _flash_varlen() is not None else "padded_sdpa"
 
 
 packed_kernel: str | None = None
 """What this process's latest packed attention ran: one of PACKED_KERNELS."""
+_unsaid: tuple | None = None
+"""The attention path the latest packed pass took, for say_attention_path: (path, on CUDA, dtype, dropout)."""
 _said: set[str] = set()
+
+
+def _to_say(path: str, query: torch.Tensor, dropout: float) -> None:
+    """Note the path for the log: said at once where this runs eagerly, else by say_attention_path after the
+    compiled pass (a log call inside a compiled layer is a graph break; the note, a global's store, is not)."""
+    global _unsaid
+    _unsaid = (path, query.is_cuda, query.dtype, bool(dropout))
+    if not torch.compiler.is_compiling():
+        say_attention_path()
+
+
+def say_attention_path() -> None:
+    """Say in the log, once each, which path packed attention took on CUDA (and a KERNEL_ENV that names no
+    kernel). Called after each model pass (backends/training/rows.py, megatron_model.py) and by the attention
+    itself where it runs eagerly; the CPU's path is the only one it has, not said."""
+    global _unsaid
+    if _unsaid is None:
+        return
+    (path, cuda, dtype, dropout), _unsaid = _unsaid, None
+    from novarl.logging.console import info
+
+    if ASKED is not None and ASKED not in PACKED_KERNELS and ASKED not in _said:
+        _said.add(ASKED)
+        info(f"warning: {KERNEL_ENV}={ASKED!r} is not a packed attention kernel ({', '.join(PACKED_KERNELS)}): "
+             "not used")
+    if not cuda or path in _said:
+        return
+    _said.add(path)
+    info("packed attention: " + {
+        "flash_varlen": "torch's flash varlen kernel (torch.nn.attention.varlen)",
+        "side_by_side": "rows whose pieces are all alike as padded rows side by side (SDPA)",
+    }.get(path, "causal SDPA over each sequence's padded row (" + (
+        f"{KERNEL_ENV}=padded_sdpa" if ASKED == "padded_sdpa" else
+        f"no varlen kernel for {str(dtype).removeprefix('torch.')}{' with dropout' if dropout else ''} "
+        f"in torch {torch.__version__}") + ")"))
 
 
 def _flash_varlen():

@@ -39,6 +39,7 @@ from novarl.backends.training.batching import (
 from novarl.backends.training.rows import per_token
 from novarl.config.schema import PolicyConfig
 from novarl.logging.console import info
+from novarl.models.attention import say_attention_path
 from novarl.models.context_parallel import ContextShard
 from novarl.models.scores import Head, Logprobs, Values, check_head, scaled_logits, training_precision
 from novarl.types import TrainBatch
@@ -314,7 +315,13 @@ class MegatronModel:
 
     def _run_model(self, model, inputs: ModelInputs, shard: ContextShard | None, piece: int | None) -> torch.Tensor:
         """The model over the micro-batch's layout: padded rows, a packed row, or (piece: _side_by_side) a
-        packed row's alike pieces as padded rows."""
+        packed row's alike pieces as padded rows; then the log says the packed attention's path (what compiled
+        layers could not say inside)."""
+        out = self._model_pass(model, inputs, shard, piece)
+        say_attention_path()
+        return out
+
+    def _model_pass(self, model, inputs: ModelInputs, shard: ContextShard | None, piece: int | None) -> torch.Tensor:
         ids, positions = inputs.input_ids, inputs.position_ids
         if piece is not None:  # [1, W] as [W / piece, piece] and back: logits, picked logprobs or values
             out = model(ids.view(-1, piece), positions.view(-1, piece), None)

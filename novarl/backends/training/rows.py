@@ -26,7 +26,7 @@ from novarl.backends.training.batching import (
     plan_for,
 )
 from novarl.distributed.local import collective_device
-from novarl.models.attention import VARLEN
+from novarl.models.attention import VARLEN, say_attention_path
 from novarl.models.logprob_head import picking_head
 from novarl.models.scores import Head, Values, check_head, token_scores
 from novarl.errors import UserError
@@ -177,8 +177,10 @@ def run_model(model, attention: str | None, inputs) -> torch.Tensor:
             boundaries["novarl_piece_length"] = inputs.piece_length
     # no KV cache: with one, transformers would not read packed rows' position ids as
     # sequence boundaries (and a training forward has no use for it)
-    return model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                 attention_mask=None if attention else inputs.attention_mask, use_cache=False, **boundaries).logits
+    logits = model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
+                   attention_mask=None if attention else inputs.attention_mask, use_cache=False, **boundaries).logits
+    say_attention_path()  # (what compiled layers could not say inside)
+    return logits
 
 
 def context_layout(mb: TrainBatch, batching: MicroBatching, group: dist.ProcessGroup):
