@@ -201,18 +201,16 @@ _said: set[str] = set()
 
 
 def _to_say(path: str, query: torch.Tensor, dropout: float) -> None:
-    """Note the path for the log: said at once where this runs eagerly, else by say_attention_path after the
-    compiled pass (a log call inside a compiled layer is a graph break; the note, a global's store, is not)."""
+    """Note the path for the log, which say_attention_path says after the pass: a log call inside a compiled
+    layer would be a graph break; a global's store is not (the compiled layer replays it)."""
     global _unsaid
     _unsaid = (path, query.is_cuda, query.dtype, bool(dropout))
-    if not torch.compiler.is_compiling():
-        say_attention_path()
 
 
 def say_attention_path() -> None:
     """Say in the log, once each, which path packed attention took on CUDA (and a KERNEL_ENV that names no
-    kernel). Called after each model pass (backends/training/rows.py, megatron_model.py) and by the attention
-    itself where it runs eagerly; the CPU's path is the only one it has, not said."""
+    kernel). Called after each model pass (backends/training/rows.py run_model, megatron_model.py _run_model);
+    the CPU's path is the only one it has, not said."""
     global _unsaid
     if _unsaid is None:
         return
