@@ -12,7 +12,8 @@ spec without Transformer Engine); `<case>+<variant>` switches one fast path back
 Each case runs in a process of its own (a fresh CUDA context, its own peak memory): a warm-up
 step (two with torch.compile), then --steps timed steps, the median reported.
 
-MFU = 4 x forward FLOPs / (seconds x 989 TFLOP/s, the H100 SXM's dense bf16 peak), with the
+MFU = 4 x forward FLOPs / (seconds x the device's dense bf16 peak: 989 TFLOP/s on an H100 SXM or an H200,
+PEAKS), with the
 forward FLOPs of a sequence of L tokens = L x 2 x parameters + 2 x layers x hidden x L^2
 (causal attention); only real tokens count (padding is waste). Equal lengths: 16 sequences
 x 2,048 tokens (a 256-token prompt), micro-batches of 4 sequences (8,192 tokens when packed).
@@ -42,7 +43,16 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PEAK_TFLOPS = 989.0
+PEAKS = (  # (words in torch's device name, dense bf16 TFLOP/s by the vendor's datasheet), the first that matches
+    ("h100 pcie", 756.0), ("h100 nvl", 835.0), ("h100", 989.0), ("h200", 989.0), ("h800", 989.0), ("h20", 148.0),
+    ("a100", 312.0), ("a800", 312.0), ("l40s", 362.0))
+DEFAULT_PEAK = 989.0
+"""Issue 35's basis (the H100 SXM's), where the device is none of PEAKS (the report says so)."""
+DEVICE_NOTES = {  # words in the device name: what to keep in mind when comparing its runs with the H100's
+    "h200": "an H200 has the H100's matrix and arithmetic rates (the MFU basis is the same) with 141 GB of memory at "
+            "4.8 TB/s (the H100 80 GB: 3.35 TB/s): memory-bound kernels (elementwise, the optimizer, copies) run up to "
+            "1.4x faster, so its MFU flatters an H100's somewhat; issue 35's targets are the H100's",
+}
 SHAPES = {
     "qwen2.5-1.5b": dict(vocab_size=151_936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32_768),
@@ -99,6 +109,21 @@ CATEGORIES = (  # (category, words in the kernel's name), the first that matches
     ("copies", ("memcpy", "memset", "copy")),
     ("eager elementwise", ()),
 )
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+
+
+def peak_tflops(device: str) -> tuple[float, str]:
+    """(dense bf16 TFLOP/s, where the figure comes from) of the device torch names `device`."""
+    lowered = device.lower()
+    for words, peak in PEAKS:
+        if words in lowered:
+            return peak, f"the {device}'s dense bf16 peak by its datasheet"
+    return DEFAULT_PEAK, f"issue 35's H100 SXM figure: {device} is not in PEAKS"
 
 
 def batch_lengths(kind: str, tiny: bool) -> tuple[list[int], int]:
@@ -292,9 +317,10 @@ def run_case(name: str, folder: str, steps: int, tiny: bool, trace: Path | None 
     seconds = statistics.median(times[-steps:])
     params = json.loads((Path(folder).parent / "params.json").read_text())
     flops = 4 * forward_flops(lengths, params, config["num_hidden_layers"], config["hidden_size"])
+    peak = peak_tflops(device_name())[0] * 1e12
     return {"case": name, "kind": kind, "layout": layout, "compile": compile_layers, "implementation": implementation,
             "s_per_step": seconds, "all_s": times, "tokens": sum(lengths), "tokens_per_s": sum(lengths) / seconds,
-            "mfu": flops / seconds / (PEAK_TFLOPS * 1e12), "peak_gb": torch.cuda.max_memory_allocated() / 1e9
+            "mfu": flops / seconds / peak, "peak_gb": torch.cuda.max_memory_allocated() / 1e9
             if torch.cuda.is_available() else float("nan"), "attention_work": work, "kernels": kernels,
             "logprobs": picked(), "graphs": graphs}
 
@@ -549,15 +575,19 @@ def kernel_category(name: str) -> str:
 
 
 def report(results: list[dict], device: str, commit: str, shape: str, params: int, steps: int) -> str:
+    peak, basis = peak_tflops(device)
     lines = [f"# Training speed on one {device}", "",
              f"- date: {date.today()}; commit {commit}; `python benchmarks/bench_train_gpu.py` "
              f"(torch {_version('torch')}, transformers {_version('transformers')})",
              f"- model: random {shape} shape, {params / 1e9:.2f} B parameters, bf16 compute (novarl: fp32 master "
-             "weights under FSDP2 mixed precision; plain: bf16 weights, fused AdamW)",
+             "weights, bf16 copies for each pass as FSDP2's mixed precision makes them, without FSDP2 on the one "
+             "device unless `+fsdp2`; Megatron: its bf16 parameters and fp32 main weights; plain: bf16 weights, "
+             "fused AdamW)",
              "- step = logprob pass (no grad) + forward/backward in micro-batches + optimizer step; "
              f"median of {steps} timed steps after warm-up; each case in a fresh process",
-             f"- MFU = 4 x forward FLOPs of the real tokens / (s x {PEAK_TFLOPS:.0f} TFLOP/s); attention work = "
+             f"- MFU = 4 x forward FLOPs of the real tokens / (s x {peak:.0f} TFLOP/s, {basis}); attention work = "
              "score work computed / the real tokens' (sum of L^2)",
+             *(f"- {note}" for words, note in DEVICE_NOTES.items() if words in device.lower()),
              "- logprobs |diff|: the first step's logprobs of the tokens the loss reads (the same weights and batch) "
              "against the plain loop's on the same batch (else the batch's first case), mean and max; spread = the "
              "reference's standard deviation, the scale a wrong result would show at",
@@ -751,10 +781,8 @@ def run_cases(args: argparse.Namespace) -> None:
     """The cases of args.cases in that order, each in a process of its own, then the report. With
     --budget, a case starts only where the time left holds the longest case so far (the rest are
     listed as not run), and none runs past the time left."""
-    import torch
-
     shape = "tiny" if args.tiny else "qwen2.5-1.5b"
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    device = device_name()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip() or "?"
     if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
