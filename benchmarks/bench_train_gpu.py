@@ -756,7 +756,7 @@ def main() -> None:
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--trace-to", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--traces", default="fixed-compile,packed-compile",
+    parser.add_argument("--traces", default="fixed-compile,packed-compile,megatron-packed-compile",
                         help="cases whose profiled step is also written as a gzipped Chrome trace (to $OUT, else "
                              "beside --out), with the host's waits in the report")
     parser.add_argument("--timeout", type=float, default=240, help="seconds per case")

@@ -5,8 +5,9 @@
 # BENCH_SECONDS (cases that would not fit are listed as not run), then the tests only a GPU runs for the
 # training kernels and Megatron-core in the time left of TOTAL_SECONDS. The table goes to
 # OUT_DIR/train_gpu*.md as each case ends, the runs' JSON to $OUT/train_gpu.json, the profiled steps of
-# fixed-compile and packed-compile as gzipped Chrome traces ($OUT/trace_*.json.gz: 7 files in all, of the 8
-# the device tool brings back; the machine, the bench's and the tests' output in bench.log and gpu_tests.log)
+# fixed-compile, packed-compile and megatron-packed-compile as gzipped Chrome traces ($OUT/trace_*.json.gz; with
+# the breakdown's plot train_gpu.png, 8 files in all, as many as the device tool brings back; the machine, the
+# bench's and the tests' output in bench.log and gpu_tests.log)
 # (`python benchmarks/bench_train_gpu.py --plot-from <it>` draws the time breakdown where matplotlib is);
 # the report charges the traced cases' idle stretches to what the host ran then (BENCH_TRACE_STACKS=1: located
 # by Python frames, slower).
