@@ -433,6 +433,44 @@ def test_decoder_layers_compile_by_default_only_where_it_was_measured_to_win():
     assert not compiles(default, gpt2, gpu)
     assert compiles(DTensorConfig(torch_compile=True), qwen, cpu)
     assert not compiles(DTensorConfig(torch_compile=False), qwen, gpu)
+    for sequence_parallel in (False, True):  # torch cannot trace tensor-parallel layers over varying lengths
+        with pytest.raises(ValueError, match="torch_compile=true with tensor_parallel_size=2: novarl cannot"):
+            DTensorConfig(torch_compile=True, tensor_parallel_size=2, sequence_parallel=sequence_parallel)
+    assert not compiles(DTensorConfig(tensor_parallel_size=2), qwen, gpu)  # the default: off, not refused
+
+
+def test_compiled_layers_with_lora_and_activation_checkpointing_train_like_eager_ones():
+    """policy.dtensor_cfg.torch_compile=true where it is not on by default (not measured on a GPU): LoRA's
+    adapted layers and activation checkpointing. Over two steps (logprob pass, training pass and optimizer
+    step) on one rank, the compiled model's logprobs, loss and gradient norm are the eager one's (float
+    rounding), the compiled layers without a graph break."""
+    from torch._dynamo.utils import counters
+
+    from novarl.backends.training import dtensor
+    from novarl.config import load_config
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.loading import resolve_model_path
+    from tests.helpers.packing import measure, mixed_batch
+
+    ensure_single_process_group()
+    runs = {}
+    for compiled in (False, True):
+        cfg = load_config(None, overrides=[
+            "policy.train_micro_batch_size=3", "policy.logprob_batch_size=4", "policy.scheduler=[]",
+            "policy.optimizer.kwargs={lr: 0.01}", "policy.dtensor_cfg.activation_checkpointing=true",
+            "policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.dim=4",
+            f"policy.dtensor_cfg.torch_compile={str(compiled).lower()}"])
+        policy = dtensor.DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"),
+                                       total_steps=4)
+        call = lambda method, *args, policy=policy: getattr(policy, method)(*args)  # noqa: E731
+        torch._dynamo.reset()
+        counters.clear()
+        runs[compiled] = [measure(call, mixed_batch(rows=6)) for _ in range(2)]
+        assert dict(counters["graph_break"]) == {} and (counters["stats"]["unique_graphs"] > 0) is compiled
+    for got, want in zip(runs[True], runs[False], strict=True):
+        torch.testing.assert_close(got["logprobs"], want["logprobs"], rtol=1e-5, atol=1e-5)
+        for name in ("loss", "grad_norm"):
+            assert got[name] == pytest.approx(want[name], rel=1e-5), name
 
 
 def test_one_data_parallel_shard_gathers_each_layer_once_a_pass_and_trains_as_resharding_does(monkeypatch):
