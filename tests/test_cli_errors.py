@@ -431,3 +431,24 @@ def test_dash_c_and_a_positional_config_together_is_refused(capsys, log_dir, com
     assert out == ""
     assert msg.strip() == (f"novarl: error: Two configs given: -c {BUNDLED_RECIPE} and '{FSDP2X2}'. Give one, "
                            "either as the first argument after the command or with -c, not both.")
+
+
+def test_a_rank_that_fails_in_torch_compile_is_reported_by_what_failed_not_by_torchs_hint():
+    """A rank's error in the run's message (ray_group.what_failed): its last line, but for torch.compile's
+    errors, whose last line only says to set TORCHDYNAMO_VERBOSE, the error the compiler raised or dynamo's
+    explanation (real errors of torch.compile on the CPU)."""
+    from novarl.distributed.ray_group import what_failed
+
+    def failing_backend(gm, inputs):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    with pytest.raises(Exception) as compiler:
+        torch.compile(lambda x: x + 1, backend=failing_backend)(torch.ones(1))
+    assert str(compiler.value).strip().splitlines()[-1].startswith("Set TORCHDYNAMO_VERBOSE")
+    assert what_failed(compiler.value) == "RecursionError: maximum recursion depth exceeded"
+    with pytest.raises(Exception) as dynamo:
+        torch.compile(lambda x: x.pow(object()), backend="eager", fullgraph=True)(torch.ones(2))
+    assert what_failed(dynamo.value).startswith("Explanation: Dynamo does not know how to trace builtin operator")
+    assert what_failed(ValueError("the cause\n  the last line  ")) == "the last line"
+    long = what_failed(ValueError("x" * 300 + "the end"), limit=60)
+    assert long.startswith("x" * 20 + " ... ") and long.endswith("the end") and len(long) < 80

@@ -117,6 +117,22 @@ def start_local_ray(num_cpus: int | None = None) -> None:
         ray_constants.ENABLE_RAY_CLUSTER = cluster_default
 
 
+TORCH_HINTS = ("Set TORCHDYNAMO_VERBOSE", "For more details about this graph break", "Hint:",
+               "Developer debug context")
+"""Lines torch.compile's errors end with that say nothing of what failed."""
+
+
+def what_failed(error: BaseException, limit: int = 400) -> str:
+    """The line of an error's message that says what failed: its last line, but for torch.compile's errors
+    (whose last line is a hint to set TORCHDYNAMO_VERBOSE) the explanation or the error the compiler raised;
+    a long one cut in its middle."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    explained = [line for line in lines if line.startswith("Explanation:")]
+    told = [line for line in lines if not line.startswith(TORCH_HINTS)]
+    line = (explained or told[-1:] or lines[-1:] or [""])[0]
+    return line if len(line) <= limit else f"{line[:limit // 3]} ... {line[-(2 * limit) // 3:]}"
+
+
 class RayWorkerGroup:
     def __init__(self, factory: Callable[..., Any], kwargs: dict[str, Any], *, world_size: int,
                  gpus_per_rank: int = 0, cpus_per_rank: int = 1, name: str = "policy",
@@ -230,9 +246,8 @@ class RayWorkerGroup:
             rank = refs.index(first) if isinstance(err, RayActorError) else dead[0]
             return WorkerDied(f"{self.name} rank {first_rank + rank} died; the worker group was shut down.")
         cause = getattr(err, "cause", None) or err
-        last_line = (str(cause).strip().splitlines() or [""])[-1]
         return WorkerDied(f"{self.name} rank {first_rank + refs.index(first)} failed: {type(cause).__name__}: "
-                          f"{last_line}")
+                          f"{what_failed(cause)}")
 
     def shutdown(self) -> None:
         """Stop every rank: their processes end, or with NOVARL_REUSE_RANKS are kept for the next group
