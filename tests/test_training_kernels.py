@@ -433,10 +433,19 @@ def test_decoder_layers_compile_by_default_only_where_it_was_measured_to_win():
     assert not compiles(default, gpt2, gpu)
     assert compiles(DTensorConfig(torch_compile=True), qwen, cpu)
     assert not compiles(DTensorConfig(torch_compile=False), qwen, gpu)
-    for sequence_parallel in (False, True):  # torch cannot trace tensor-parallel layers over varying lengths
-        with pytest.raises(ValueError, match="torch_compile=true with tensor_parallel_size=2: novarl cannot"):
-            DTensorConfig(torch_compile=True, tensor_parallel_size=2, sequence_parallel=sequence_parallel)
-    assert not compiles(DTensorConfig(tensor_parallel_size=2), qwen, gpu)  # the default: off, not refused
+
+    from novarl.backends.contract.checks import check_config
+    from novarl.config import load_config
+
+    def refused(*overrides: str) -> bool:  # torch cannot trace tensor-parallel layers over varying lengths
+        tp = ["cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2", *overrides]
+        return any("compiled tensor-parallel layers (policy.dtensor_cfg.torch_compile: true" in str(problem)
+                   for problem in check_config(load_config(None, overrides=tp)).problems)
+
+    assert refused("policy.dtensor_cfg.torch_compile=true")
+    assert refused("policy.dtensor_cfg.torch_compile=true", "policy.dtensor_cfg.sequence_parallel=true")
+    assert not refused()  # the default, off under tensor parallelism
+    assert not refused("policy.dtensor_cfg.torch_compile=true", "policy.megatron_cfg.enabled=true")  # not read
 
 
 def test_compiled_layers_with_lora_and_activation_checkpointing_train_like_eager_ones():

@@ -57,20 +57,8 @@ class DTensorConfig(Section):
     the norms, rotary and gated MLP's elementwise work; the first steps compile (~15-25 s). None: on
     where it was measured to win (benchmarks/results/train_gpu_*.md: +23-26 % tokens/s on an H100):
     CUDA, a Llama/Qwen/Mistral model, no tensor or context parallelism, LoRA or activation
-    checkpointing; off elsewhere. Refused with tensor parallelism (its layers do not compile yet)."""
+    checkpointing; off elsewhere. True with tensor parallelism is refused (dtensor_spec.py: not built)."""
     lora_cfg: LoraConfig = Field(default_factory=LoraConfig)
-
-    @model_validator(mode="after")
-    def _compile_without_tensor_parallelism(self) -> "DTensorConfig":
-        if self.enabled and self.torch_compile and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"policy.dtensor_cfg.torch_compile=true with tensor_parallel_size={self.tensor_parallel_size}: "
-                "novarl cannot compile tensor-parallel decoder layers yet. Once a micro-batch's sequence length "
-                "differs from the first one's, torch (2.13) fails to trace their training pass: without "
-                "sequence_parallel the view of the split activations in the backward recurses without end; with "
-                "it, the norms' sharded inputs cannot be hashed. Set torch_compile: false (context parallelism, "
-                "LoRA and activation checkpointing compile)")
-        return self
 
 
 class MegatronOptimizerConfig(Section):
