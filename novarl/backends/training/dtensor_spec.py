@@ -14,19 +14,21 @@ class DTensorSpec(TrainingSpec):
     checkpoint_module = "novarl.backends.training.dtensor_checkpoint"
     context_parallel = True
 
-    def missing(self, cfg) -> tuple[list[str], list[str]]:
-        """Compiled tensor-parallel decoder layers (refused: not built). Once a micro-batch's sequence length
-        differs from the first one's, torch (2.13, on two CPU ranks) failed to trace their training pass: without
-        sequence parallelism the backward's view of the split activations recursed without end; with it, the
-        norms' sharded inputs of a symbolic length could not be hashed. Context parallelism, LoRA and activation
-        checkpointing compile."""
-        sections = [("policy", cfg.policy)] + ([("value", cfg.value)] if cfg.value is not None else [])
-        return [f"compiled tensor-parallel layers ({name}.dtensor_cfg.torch_compile: true with tensor_parallel_size="
-                f"{dt.tensor_parallel_size}: torch cannot trace their training pass once the sequence length varies, "
-                "with or without sequence_parallel); set torch_compile: false (context parallelism, LoRA and "
-                "activation checkpointing compile)"
-                for name, dt in ((name, section.dtensor_cfg) for name, section in sections)
-                if dt.torch_compile and dt.tensor_parallel_size > 1], []
+    def config_problems(self, cfg) -> list[str]:
+        """Compiled tensor-parallel decoder layers are not built: once a micro-batch's sequence length differs
+        from the first one's, torch (2.13, two CPU ranks) failed to trace their training pass (without sequence
+        parallelism the backward's view of the split activations recursed without end; with it, the norms'
+        sharded inputs of a symbolic length could not be hashed). The policy's and the critic's sections."""
+        problems = []
+        for name, section in (("policy", cfg.policy), ("value", cfg.value)):
+            dt = section.dtensor_cfg if section is not None else None
+            if dt is not None and dt.torch_compile and dt.tensor_parallel_size > 1:
+                problems.append(f"{name}.dtensor_cfg.torch_compile=true with tensor_parallel_size="
+                                f"{dt.tensor_parallel_size}: compiled tensor-parallel layers are not available yet "
+                                "(torch cannot trace their training pass once the sequence length varies, with or "
+                                "without sequence_parallel); set torch_compile: false (context parallelism, LoRA "
+                                "and activation checkpointing compile).")
+        return problems
 
     def parallel_sizes(self, cfg) -> ParallelSizes:
         dt = cfg.policy.dtensor_cfg

@@ -57,7 +57,7 @@ class DTensorConfig(Section):
     the norms, rotary and gated MLP's elementwise work; the first steps compile (~15-25 s). None: on
     where it was measured to win (benchmarks/results/train_gpu_*.md: +23-26 % tokens/s on an H100):
     CUDA, a Llama/Qwen/Mistral model, no tensor or context parallelism, LoRA or activation
-    checkpointing; off elsewhere. True with tensor parallelism is refused (dtensor_spec.py: not built)."""
+    checkpointing; off elsewhere. True with tensor parallelism is refused (dtensor_spec.py config_problems: not built)."""
     lora_cfg: LoraConfig = Field(default_factory=LoraConfig)
 
 
