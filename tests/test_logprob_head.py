@@ -62,15 +62,62 @@ def vocabulary_part_rank(rank: int, world: int, rendezvous: str, results) -> Non
         picked, grad_hidden, grad_weight = run(first, end, (dist.group.WORLD, first))
         dist.all_reduce(grad_hidden)  # the tensor-parallel region's sum of each rank's part
         measured[name] = (picked, grad_hidden, grad_weight, first)
+    measured["models"] = split_models()
     send(results, rank, measured)
 
 
-def test_a_vocabulary_split_over_ranks_gives_the_whole_vocabularys_logprobs_and_gradients():
-    """chunked_logprobs with `vocab` (Megatron's vocabulary-parallel output layer under tensor parallelism):
-    each rank's part of the logsumexp and the targets it holds, combined over the group."""
+def split_models() -> dict:
+    """On this rank of 2: a one-layer Llama (untied head) and Gemma (tied, its embeddings scaled) of 19 tokens
+    whose padding token (15) is in rank 1's rows, whole and split over the vocabulary (vocab_parallel.py): their
+    logits and the logprobs their heads pick, and every parameter's gradient of each (split ones gathered)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from novarl.models.vocab_parallel import split_vocabulary
+
+    mesh = init_device_mesh("cpu", (2,))
+    shape = dict(vocab_size=19, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=16, pad_token_id=15, bos_token_id=1, eos_token_id=2,
+                 max_position_embeddings=32)
+    builds = {"llama, untied": lambda: LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False)),
+              "gemma, tied": lambda: GemmaForCausalLM(GemmaConfig(**shape))}
+    ids = torch.randperm(38, generator=torch.Generator().manual_seed(3)).remainder(19).view(2, 19)  # every token
+    targets = ids.roll(-1, dims=1).flatten()
+    upstream = torch.randn(2, 19, 19, generator=torch.Generator().manual_seed(4))
+    found = {}
+    for name, build in builds.items():
+        torch.manual_seed(0)
+        whole = build()
+        split = copy.deepcopy(whole)
+        assert split_vocabulary(split, mesh) and use_picking_head(split) and use_picking_head(whole)
+        case = {"rows": len(split.lm_head.weight.to_local()),
+                "tied": split.lm_head.weight is split.get_input_embeddings().weight}
+        for model, key in ((whole, "whole"), (split, "split")):
+            logits = model(ids).logits
+            hidden = model.model(ids).last_hidden_state.flatten(0, 1)
+            with model.lm_head.picking(None, targets, 0.7):
+                picked = model.lm_head(hidden)
+            ((logits * upstream).sum() + picked.sum()).backward()
+            case[key] = (logits.detach(), picked.detach(), {
+                n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                for n, p in model.named_parameters()})
+        found[name] = case
+    return found
+
+
+@pytest.fixture(scope="module")
+def vocabulary_parts():
+    """vocabulary_part_rank's results on 2 gloo ranks (spawned once for the tests that read them)."""
     from tests.helpers.spawn import spawned
 
-    ranks = spawned(vocabulary_part_rank, 2)
+    return spawned(vocabulary_part_rank, 2)
+
+
+def test_a_vocabulary_split_over_ranks_gives_the_whole_vocabularys_logprobs_and_gradients(vocabulary_parts):
+    """chunked_logprobs with `vocab` (Megatron's vocabulary-parallel output layer under tensor parallelism):
+    each rank's part of the logsumexp and the targets it holds, combined over the group."""
+    ranks = vocabulary_parts
     want, want_hidden, want_weight = ranks[0]["whole"]
     for name in ("28 / 12", "40 / none"):
         for measured in ranks:
@@ -79,6 +126,25 @@ def test_a_vocabulary_split_over_ranks_gives_the_whole_vocabularys_logprobs_and_
             torch.testing.assert_close(grad_hidden, want_hidden, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(grad_weight, want_weight[first:first + len(grad_weight)], rtol=1e-5, atol=1e-5)
         assert sum(len(measured[name][2]) for measured in ranks) == 40
+
+
+def test_embeddings_and_head_split_over_the_vocabulary_compute_the_whole_models_numbers(vocabulary_parts):
+    """The DTensor backend's tensor parallelism splits the embeddings and the picking head over the vocabulary
+    (models/vocab_parallel.py: 10 / 9 rows of 19): the logits it gathers, the logprobs it picks and every
+    gradient are the whole model's (float32 sums in another order: 1e-5), on each rank; the padding token's
+    embedding (rank 1's row 5) gets no gradient; tied weights stay one parameter."""
+    for rank, measured in enumerate(vocabulary_parts):
+        for name, case in measured["models"].items():
+            assert case["rows"] == (10, 9)[rank] and case["tied"] == (name == "gemma, tied"), name
+            (logits, picked, grads), (split_logits, split_picked, split_grads) = case["whole"], case["split"]
+            torch.testing.assert_close(split_logits, logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(split_picked, picked, rtol=1e-5, atol=1e-5)
+            assert split_grads.keys() == grads.keys()
+            for key, grad in grads.items():
+                torch.testing.assert_close(split_grads[key], grad, rtol=1e-5, atol=1e-5, msg=f"{name}: {key}")
+            if name == "llama, untied":
+                assert not split_grads["model.embed_tokens.weight"][15].any()
+                assert split_grads["model.embed_tokens.weight"][14].abs().sum() > 0
 
 
 def test_logits_kept_for_the_backward_or_recomputed_give_the_same_gradients(monkeypatch):

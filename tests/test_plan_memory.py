@@ -412,13 +412,26 @@ def test_fsdp2_cpu_offload_keeps_only_working_copies_and_activations_on_gpu():
     assert "host memory" in offload.notes[0]
 
 
-def test_fsdp2_tp_splits_layers_not_embeddings():
+def test_fsdp2_tp_splits_layers_and_the_vocabulary():
+    """Llama's head picks: the embeddings and the head split over the vocabulary too (models/vocab_parallel.py),
+    each rank's head picking over half of it."""
     tp = estimate("fsdp2_tp", data_parallel_size=4, tensor_parallel_size=2)
-    resident = (ROOT + 32 * LAYER / 2) / 4
+    resident = (ROOT / 2 + 32 * LAYER / 2) / 4
     assert tp.model_states == pytest.approx(16 * resident)
-    assert tp.activations == 32 * (10 + 24 / 2) * SBH + PICKED  # the whole head on each rank, picking
+    assert tp.activations == 32 * (10 + 24 / 2) * SBH + PICKED / 2
     sp = estimate("fsdp2_tp", data_parallel_size=4, tensor_parallel_size=2, sequence_parallel=True)
-    assert sp.activations == 32 * 34 / 2 * SBH + PICKED
+    assert sp.activations == 32 * 34 / 2 * SBH + PICKED / 2
+    assert tp.gathered_params == 2 * (ROOT / 2 + LAYER) + 4 * LAYER / 2
+
+
+def test_fsdp2_tp_keeps_a_head_that_does_not_pick_whole():
+    """A soft-capped head (Gemma 2's) gives its full logits: the embeddings and the head stay whole on each rank."""
+    import dataclasses
+
+    gemma2 = dataclasses.replace(LLAMA, picking_head=False)
+    tp = estimate_memory(gemma2, strategy="fsdp2_tp", workload=WORK,
+                         parallel=Parallelism(data_parallel_size=4, tensor_parallel_size=2))
+    assert tp.model_states == pytest.approx(16 * (ROOT + 32 * LAYER / 2) / 4)
     assert tp.gathered_params == 2 * (ROOT + LAYER) + 4 * LAYER / 2
 
 

@@ -16,11 +16,10 @@ It runs inside the model's forward, where FSDP2 has the head's weight gathered a
 ZeRO-3 has it in place, so their hooks see an ordinary forward and backward. Without a
 request the head is the plain linear layer (generation, the critic's head). Installed for
 architectures whose logits are the head's output as is (architectures.plain_head: no final soft-capping)
-and only where the weight is a whole tensor on each rank: under the DTensor backend's tensor
-parallelism, whose plan splits the decoder layers and leaves the head whole (each tensor-parallel
-rank picks the same logprobs from the same hidden states), and under its context parallelism (each
-rank picks its own positions' following tokens); not where a custom plan splits the head over the
-vocabulary (its weight a DTensor).
+and where the weight is a whole tensor on each rank, or split over the vocabulary by novarl's own
+tensor-parallel plan (models/vocab_parallel.py: each tensor-parallel rank scores its rows and the
+ranks combine each row's logsumexp); under the DTensor backend's context parallelism each rank picks
+its own positions' following tokens. Not where a custom plan splits the head (its weight a DTensor).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import torch.distributed as dist
 
 from novarl.models.architectures import HEAD_CHUNK_BYTES, HEAD_SAVE_LOGITS_BYTES, plain_head
 from novarl.models.scores import scaled_logits
+from novarl.models.vocab_parallel import VocabParallel, gather_columns, sum_gradient_over
 
 CHUNK_BYTES = HEAD_CHUNK_BYTES
 """The float32 logits computed at once (architectures.py: the planner reads it there)."""
@@ -191,14 +191,23 @@ class PickingHead(torch.nn.Linear):
     """Each chunk's steps compiled (chunked_logprobs' fused): on DTensor where the decoder layers are
     compiled, on DeepSpeed on CUDA."""
 
+    vocab: VocabParallel | None = None
+    """Where the weight is split over the vocabulary across tensor-parallel ranks (vocab_parallel.py): its
+    group and this rank's rows. The logits it returns are then gathered from every rank's columns."""
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight, vocab = self.weight, self.vocab
+        if vocab is not None:  # this rank's rows; the hidden states' gradient summed over the ranks' rows
+            weight, hidden = weight.to_local(), sum_gradient_over(hidden, vocab.group)
         if self._request is None:
-            return super().forward(hidden)
+            logits = torch.nn.functional.linear(hidden, weight)
+            return logits if vocab is None else gather_columns(logits, vocab.group, vocab.sizes)
         previous, targets, temperature = self._request
         rows = hidden.reshape(-1, hidden.shape[-1])
         if previous is not None:
             rows = rows.index_select(0, previous.clamp(min=0))
-        return chunked_logprobs(rows, self.weight, targets, temperature, self.rows, self.fused)
+        return chunked_logprobs(rows, weight, targets, temperature, self.rows, self.fused,
+                                None if vocab is None else (vocab.group, vocab.first))
 
     @contextmanager
     def picking(self, previous: torch.Tensor | None, targets: torch.Tensor, temperature: float) -> Iterator[None]:
@@ -217,17 +226,25 @@ def use_picking_head(model: torch.nn.Module, rows: int | None = None, fused: boo
     logits at once, its chunk steps compiled if `fused`) where its logits are the head's output as
     is (an unbiased linear layer of a plain_head architecture) and its weight a whole tensor (after
     tensor parallelism, before FSDP2 or ZeRO shard it). True if the head now picks."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, PickingHead):  # else split over the vocabulary already (vocab_parallel.py)
+        if not can_pick(model):
+            return False
+        head.__class__ = PickingHead
+    head.rows, head.fused = rows, fused
+    return True
+
+
+def can_pick(model: torch.nn.Module) -> bool:
+    """Whether the model's head can pick: an unbiased nn.Linear, its weight a whole tensor (not split over
+    the vocabulary by a custom tensor-parallel plan), of an architecture whose logits are the head's output
+    as is (no final soft-capping)."""
     from torch.distributed.tensor import DTensor
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     config = model.config
-    if type(head) is not torch.nn.Linear or head.bias is not None \
-            or isinstance(head.weight, DTensor) \
-            or not plain_head(config.model_type, getattr(config, "final_logit_softcapping", None)):
-        return False  # a biased head, one split over the vocabulary by a tensor-parallel plan, or capped logits
-    head.__class__ = PickingHead
-    head.rows, head.fused = rows, fused
-    return True
+    return (type(head) is torch.nn.Linear and head.bias is None and not isinstance(head.weight, DTensor)
+            and plain_head(config.model_type, getattr(config, "final_logit_softcapping", None)))
 
 
 def picking_head(model) -> PickingHead | None:

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 from novarl.backends.contract.model_shape import layers_per_kept_unit
 from novarl.config.schema import DTensorConfig
 from novarl.errors import UserError
+from novarl.models.vocab_parallel import split_vocabulary
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -128,7 +129,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) -> None:
-    """Tensor parallelism with the default Llama-family plan or `custom_parallel_plan`."""
+    """Tensor parallelism with the default Llama-family plan or `custom_parallel_plan`. With the default plan,
+    the embeddings and the output head are split over the vocabulary where the head picks logprobs
+    (models/vocab_parallel.py), else left whole on every rank."""
     size = tp_mesh.size()
     config = model.config
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
@@ -149,6 +152,8 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) ->
         apply_plan(model, tp_mesh, plan)
     if cfg.sequence_parallel and not cfg.custom_parallel_plan:
         apply_sequence_parallel_ends(model, tp_mesh)
+    if not cfg.custom_parallel_plan:  # the embeddings and the picking head over the vocabulary
+        split_vocabulary(model, tp_mesh)
     for name, param in model.named_parameters():  # torch's SequenceParallel makes the norms' weights trainable
         if name in frozen:
             param.requires_grad_(False)
