@@ -9,8 +9,9 @@ with CPU offload -- every layout as Ray actors, so each rank's peak resident
 memory (ru_maxrss) is measured the same way. The table compares the measured
 growth over an import-only actor with the model state the layout should hold
 per rank: fp32 weights + gradients + Adam moments = 16 bytes per parameter,
-divided by the data-parallel size (FSDP2) or, for the layer weights, by the
-tensor-parallel size (TP keeps embeddings replicated).
+divided by the data-parallel size (FSDP2) or by the tensor-parallel size (TP splits the
+decoder layers and, since models/vocab_parallel.py, the embeddings over the vocabulary;
+runs before it kept the embeddings whole on each rank).
 """
 
 from __future__ import annotations
@@ -97,10 +98,10 @@ def make_models(folder: Path) -> dict[str, tuple[str, int]]:
             "random Llama ~100M": random_llama_100m(folder / "random")}
 
 
-def expected_mb(parameters: int, embedding: int, ranks: int, tensor_parallel: int) -> float:
-    dp = ranks // tensor_parallel
-    layer = parameters - embedding
-    return 16 * (layer / tensor_parallel + embedding) / dp / 2**20
+def expected_mb(parameters: int, ranks: int, tensor_parallel: int) -> float:
+    """Model state per rank: 16 bytes a parameter, every weight split over dp (FSDP2) or tp (the decoder
+    layers and the tied embeddings over the vocabulary)."""
+    return 16 * parameters / ranks / 2**20
 
 
 def main() -> None:
@@ -122,7 +123,6 @@ def main() -> None:
         baseline = base.call("peak_rss_mb")
         base.shutdown()
         for model_name, (path, params) in models.items():
-            embedding = 19 * (128 if "tiny" in model_name else 768)
             for layout, (ranks, tp, offload) in LAYOUTS.items():
                 group = RayWorkerGroup(Bench, dict(model_path=path, tensor_parallel=tp, cpu_offload=offload,
                                                    batch_size=args.batch_size, seq_len=args.seq_len),
@@ -131,7 +131,7 @@ def main() -> None:
                 peaks = group.call_all("peak_rss_mb")
                 group.shutdown()
                 rows.append((model_name, params, layout, statistics.median(times), max(peaks),
-                             max(peaks) - baseline, expected_mb(params, embedding, ranks, tp)))
+                             max(peaks) - baseline, expected_mb(params, ranks, tp)))
                 print(rows[-1], flush=True)
     ray.shutdown()
     write_report(args, rows, baseline)
@@ -156,8 +156,8 @@ def write_report(args, rows, baseline: float) -> None:
 {table}
 
 Model state expected = 16 bytes per parameter (fp32 weights, gradients, two Adam moments),
-divided by the data-parallel size; under TP x2 the decoder-layer weights are halved and the
-embeddings stay whole. Growth also holds activations, the loaded checkpoint copy and allocator
+divided by the data-parallel size; under TP x2 the decoder-layer weights and the embeddings
+(over the vocabulary) are halved. Growth also holds activations, the loaded checkpoint copy and allocator
 slack. On a CPU-only host "CPU offload" has no device memory to free, so it shows its cost
 (extra copies) and not its saving; its saving shows on the GPU machine.
 """
