@@ -74,14 +74,21 @@ def split_models() -> dict:
     from torch.distributed.tensor import DTensor
     from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
 
+    from novarl.models.critic import add_value_head
     from novarl.models.vocab_parallel import split_vocabulary
 
     mesh = init_device_mesh("cpu", (2,))
     shape = dict(vocab_size=19, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=2, head_dim=16, pad_token_id=15, bos_token_id=1, eos_token_id=2,
                  max_position_embeddings=32)
+    def critic():
+        model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True))
+        add_value_head(model)
+        torch.nn.init.normal_(model.lm_head.weight)  # (a value head starts at zero)
+        return model
+
     builds = {"llama, untied": lambda: LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False)),
-              "gemma, tied": lambda: GemmaForCausalLM(GemmaConfig(**shape))}
+              "gemma, tied": lambda: GemmaForCausalLM(GemmaConfig(**shape)), "critic": critic}
     ids = torch.randperm(38, generator=torch.Generator().manual_seed(3)).remainder(19).view(2, 19)  # every token
     targets = ids.roll(-1, dims=1).flatten()
     upstream = torch.randn(2, 19, 19, generator=torch.Generator().manual_seed(4))
@@ -90,15 +97,18 @@ def split_models() -> dict:
         torch.manual_seed(0)
         whole = build()
         split = copy.deepcopy(whole)
-        assert split_vocabulary(split, mesh) and use_picking_head(split) and use_picking_head(whole)
-        case = {"rows": len(split.lm_head.weight.to_local()),
+        picks = name != "critic"  # a value head: the embeddings split, the head as it is
+        assert split_vocabulary(split, mesh) and use_picking_head(split) == use_picking_head(whole) == picks
+        case = {"rows": len(split.get_input_embeddings().weight.to_local()),
                 "tied": split.lm_head.weight is split.get_input_embeddings().weight}
         for model, key in ((whole, "whole"), (split, "split")):
             logits = model(ids).logits
-            hidden = model.model(ids).last_hidden_state.flatten(0, 1)
-            with model.lm_head.picking(None, targets, 0.7):
-                picked = model.lm_head(hidden)
-            ((logits * upstream).sum() + picked.sum()).backward()
+            picked = torch.zeros(())
+            if picks:
+                hidden = model.model(ids).last_hidden_state.flatten(0, 1)
+                with model.lm_head.picking(None, targets, 0.7):
+                    picked = model.lm_head(hidden)
+            ((logits * upstream[..., :logits.shape[-1]]).sum() + picked.sum()).backward()
             case[key] = (logits.detach(), picked.detach(), {
                 n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
                 for n, p in model.named_parameters()})
@@ -132,7 +142,8 @@ def test_embeddings_and_head_split_over_the_vocabulary_compute_the_whole_models_
     """The DTensor backend's tensor parallelism splits the embeddings and the picking head over the vocabulary
     (models/vocab_parallel.py: 10 / 9 rows of 19): the logits it gathers, the logprobs it picks and every
     gradient are the whole model's (float32 sums in another order: 1e-5), on each rank; the padding token's
-    embedding (rank 1's row 5) gets no gradient; tied weights stay one parameter."""
+    embedding (rank 1's row 5) gets no gradient; tied weights stay one parameter. A critic's embeddings split
+    beneath its own value head, the same values and gradients."""
     for rank, measured in enumerate(vocabulary_parts):
         for name, case in measured["models"].items():
             assert case["rows"] == (10, 9)[rank] and case["tied"] == (name == "gemma, tied"), name
@@ -145,6 +156,20 @@ def test_embeddings_and_head_split_over_the_vocabulary_compute_the_whole_models_
             if name == "llama, untied":
                 assert not split_grads["model.embed_tokens.weight"][15].any()
                 assert split_grads["model.embed_tokens.weight"][14].abs().sum() > 0
+
+
+def test_embeddings_tied_to_a_head_that_does_not_pick_stay_whole():
+    """Gemma 2 with its final soft-capping: the head's logits are read as they are, so neither it nor the
+    embeddings tied to it are split over the vocabulary; untied, the embeddings are."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from novarl.models.vocab_parallel import splits
+
+    shape = dict(vocab_size=19, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=16, final_logit_softcapping=30.0)
+    assert splits(Gemma2ForCausalLM(Gemma2Config(**shape))) == (False, False)
+    assert splits(Gemma2ForCausalLM(Gemma2Config(**shape, tie_word_embeddings=False))) == (True, False)
+    assert splits(Gemma2ForCausalLM(Gemma2Config(**{**shape, "final_logit_softcapping": None}))) == (True, True)
 
 
 def test_logits_kept_for_the_backward_or_recomputed_give_the_same_gradients(monkeypatch):

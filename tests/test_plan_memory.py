@@ -414,25 +414,29 @@ def test_fsdp2_cpu_offload_keeps_only_working_copies_and_activations_on_gpu():
 
 def test_fsdp2_tp_splits_layers_and_the_vocabulary():
     """Llama's head picks: the embeddings and the head split over the vocabulary too (models/vocab_parallel.py),
-    each rank's head picking over half of it."""
+    each rank's head picking over half of it; the final norm whole."""
     tp = estimate("fsdp2_tp", data_parallel_size=4, tensor_parallel_size=2)
-    resident = (ROOT / 2 + 32 * LAYER / 2) / 4
-    assert tp.model_states == pytest.approx(16 * resident)
+    root = ROOT - (LLAMA.embedding_parameters + LLAMA.lm_head_parameters) / 2
+    assert root == 4096 + 2 * 32000 * 4096 / 2
+    assert tp.model_states == pytest.approx(16 * (root + 32 * LAYER / 2) / 4)
     assert tp.activations == 32 * (10 + 24 / 2) * SBH + PICKED / 2
     sp = estimate("fsdp2_tp", data_parallel_size=4, tensor_parallel_size=2, sequence_parallel=True)
     assert sp.activations == 32 * 34 / 2 * SBH + PICKED / 2
-    assert tp.gathered_params == 2 * (ROOT / 2 + LAYER) + 4 * LAYER / 2
+    assert tp.gathered_params == 2 * (root + LAYER) + 4 * LAYER / 2
 
 
-def test_fsdp2_tp_keeps_a_head_that_does_not_pick_whole():
-    """A soft-capped head (Gemma 2's) gives its full logits: the embeddings and the head stay whole on each rank."""
+@pytest.mark.parametrize("tied", [False, True])
+def test_fsdp2_tp_keeps_a_head_that_does_not_pick_whole(tied):
+    """A soft-capped head (Gemma 2's) gives its full logits: it stays whole on each rank, with the embeddings
+    where they are tied to it; untied embeddings split (as a critic's, whose value head is its own)."""
     import dataclasses
 
-    gemma2 = dataclasses.replace(LLAMA, picking_head=False)
-    tp = estimate_memory(gemma2, strategy="fsdp2_tp", workload=WORK,
+    capped = dataclasses.replace(LLAMA, picking_head=False, tie_word_embeddings=tied)
+    tp = estimate_memory(capped, strategy="fsdp2_tp", workload=WORK,
                          parallel=Parallelism(data_parallel_size=4, tensor_parallel_size=2))
-    assert tp.model_states == pytest.approx(16 * (ROOT + 32 * LAYER / 2) / 4)
-    assert tp.gathered_params == 2 * (ROOT + LAYER) + 4 * LAYER / 2
+    root = capped.parameters - 32 * LAYER - (0 if tied else capped.embedding_parameters / 2)
+    assert tp.model_states == pytest.approx(16 * (root + 32 * LAYER / 2) / 4)
+    assert tp.gathered_params == 2 * (root + LAYER) + 4 * LAYER / 2
 
 
 def test_context_parallel_splits_the_sequence():

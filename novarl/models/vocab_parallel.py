@@ -12,7 +12,8 @@ divide V), a DTensor Shard(0) over the tensor-parallel mesh, and:
   and the chosen token's logit over the group (chunked_logprobs' vocabulary mode), or, where the full logits
   are asked for, gathers the ranks' columns. The gradient in its input (the same hidden states on every
   rank) is summed over the group, so each rank's is the whole one, as with a whole head.
-Tied weights stay tied: one Parameter for both modules.
+Tied weights stay tied: one Parameter for both modules. A head that does not pick (Gemma 2's soft-capped one)
+stays whole, and so do embeddings tied to it; a critic's embeddings split beneath its own value head.
 """
 
 from __future__ import annotations
@@ -122,17 +123,22 @@ SCALED_EMBEDDING = "ScaledWordEmbedding"
 (their forward calls it) times a scale; split through a subclass that puts the split lookup beneath theirs."""
 
 
-def splittable(model: torch.nn.Module) -> bool:
-    """Whether split_vocabulary applies: an nn.Embedding (or Gemma's scaled one) and an unbiased nn.Linear head
-    of a plain_head architecture (the head then picks logprobs: logprob_head.can_pick), whole tensors both."""
+def splits(model: torch.nn.Module) -> tuple[bool, bool]:
+    """(the embeddings, the head): what split_vocabulary splits. The embeddings where they are an nn.Embedding
+    (or Gemma's scaled one) over whole tensors; the head where it also picks (an unbiased nn.Linear of a
+    plain_head architecture over the same vocabulary: logprob_head.can_pick). Embeddings tied to a head that
+    does not pick stay whole with it (its logits are read as they are); a critic's (its value head untied) split."""
     from novarl.models.logprob_head import can_pick
 
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     lookup = type(embed) is torch.nn.Embedding or (
         isinstance(embed, torch.nn.Embedding) and type(embed).__name__.endswith(SCALED_EMBEDDING))
-    return (lookup and not isinstance(embed.weight, DTensor) and can_pick(model)
-            and head.out_features == embed.num_embeddings)
+    if not lookup or isinstance(embed.weight, DTensor):
+        return False, False
+    picks = can_pick(model) and head.out_features == embed.num_embeddings
+    tied = head is not None and head.weight is embed.weight
+    return picks or not tied, picks
 
 
 @functools.cache
@@ -145,17 +151,16 @@ def _split_class(cls: type) -> type:
 
 
 def split_vocabulary(model: torch.nn.Module, mesh: DeviceMesh) -> bool:
-    """Split the embeddings and the head of `model` (splittable) over the vocabulary across the 1-D
-    tensor-parallel `mesh`; the head becomes a PickingHead. True if split (not where a rank would hold no
-    row: more ranks than the vocabulary's rows)."""
+    """Split the embeddings and the head of `model` over the vocabulary across the 1-D tensor-parallel `mesh`,
+    where `splits` says; a split head becomes a PickingHead. True if anything was split (nothing where a rank
+    would hold no row: more ranks than the vocabulary's rows)."""
     from novarl.models.logprob_head import PickingHead
 
-    if mesh.size() == 1 or not splittable(model):
-        return False
+    embeddings, picks = splits(model) if mesh.size() > 1 else (False, False)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if min(part_sizes(embed.num_embeddings, mesh.size())) == 0:
+    if not embeddings or min(part_sizes(embed.num_embeddings, mesh.size())) == 0:
         return False
-    tied = head.weight is embed.weight
+    tied = head is not None and head.weight is embed.weight
     vocab = VocabParallel(mesh, embed.num_embeddings)
 
     def split(weight: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -165,7 +170,8 @@ def split_vocabulary(model: torch.nn.Module, mesh: DeviceMesh) -> bool:
     embed.weight = split(embed.weight)
     embed.__class__ = _split_class(type(embed))
     embed.vocab = vocab
-    head.weight = embed.weight if tied else split(head.weight)
-    head.__class__ = PickingHead
-    head.vocab = vocab
+    if picks:
+        head.weight = embed.weight if tied else split(head.weight)
+        head.__class__ = PickingHead
+        head.vocab = vocab
     return True

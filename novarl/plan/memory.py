@@ -391,13 +391,11 @@ def _data_parallel(shape: ModelShape, strategy: str, work: Workload, parallel: P
 def _fsdp2(shape: ModelShape, strategy: str, work: Workload, parallel: Parallelism) -> MemoryBreakdown:
     """FSDP2 as novarl's DTensor backend applies it: each decoder layer, then the root
     (embeddings, final norm, lm_head) sharded over dp x cp. TP (fsdp2_tp) splits the
-    decoder layers, and where the head picks, the embeddings and the head over the vocabulary
-    (models/vocab_parallel.py; the small final norm counted with them); a
-    head that does not pick stays whole on each rank. On one device (no offload) the same states,
-    without FSDP2 (_one_device_copies)."""
+    decoder layers, and the embeddings and head over the vocabulary (_root_per_rank). On one device
+    (no offload) the same states, without FSDP2 (_one_device_copies)."""
     tp = parallel.tensor_parallel_size
     shards = parallel.data_parallel_size * parallel.context_parallel_size
-    root = (shape.parameters - shape.num_layers * shape.layer_parameters) / _vocabulary_parts(shape, tp)
+    root = _root_per_rank(shape, tp)
     resident = (root + shape.num_layers * shape.layer_parameters / tp) / shards
     per_parameter = fsdp2_bytes_per_parameter(work.precision, work.optimizer)
     states = (resident * per_parameter.weights, resident * per_parameter.grads, resident * per_parameter.optimizer)
@@ -442,10 +440,14 @@ def _one_device_copies(shape: ModelShape, precision: Precision) -> float:
     return compute_bytes * (shape.parameters + largest_weight(shape))
 
 
-def _vocabulary_parts(shape: ModelShape, tensor_parallel_size: int) -> int:
-    """Over how many ranks the DTensor backend splits the embeddings and the head: the tensor-parallel ones where
-    the head picks (models/vocab_parallel.py), else 1."""
-    return tensor_parallel_size if shape.picking_head else 1
+def _root_per_rank(shape: ModelShape, tensor_parallel_size: int) -> float:
+    """The parameters outside the decoder layers (embeddings, final norm, head) a tensor-parallel rank of the
+    DTensor backend holds before FSDP2 shards them (models/vocab_parallel.py): the embeddings and a head that
+    picks split over the vocabulary; embeddings tied to a head that does not pick whole with it."""
+    root = shape.parameters - shape.num_layers * shape.layer_parameters
+    embeddings = shape.embedding_parameters if shape.picking_head or not shape.tie_word_embeddings else 0
+    split = embeddings + (shape.lm_head_parameters if shape.picking_head else 0)
+    return root - split * (1 - 1 / tensor_parallel_size)
 
 
 def _gathered_units(shape: ModelShape, precision: Precision, *, tensor_parallel_size: int,
@@ -458,8 +460,7 @@ def _gathered_units(shape: ModelShape, precision: Precision, *, tensor_parallel_
     a run of layers_per_kept_unit layers': parallelize.py fsdp_units)."""
     compute_bytes = _compute_bytes(precision)
     layer = shape.layer_parameters / tensor_parallel_size
-    root = (shape.parameters - shape.num_layers * shape.layer_parameters) / _vocabulary_parts(shape,
-                                                                                              tensor_parallel_size)
+    root = _root_per_rank(shape, tensor_parallel_size)
     unit = layers_per_kept_unit(int(layer), shape.num_layers) * layer if whole else layer
     return compute_bytes * (root + (shape.num_layers if whole else 2) * layer) + 4 * unit
 
@@ -474,7 +475,7 @@ def _full_model_activations(shape: ModelShape, work: Workload, parallel: Paralle
     if work.precision == "float32":  # the formula counts 16-bit activations
         layers *= 2
     return layers + _output_bytes(shape, work, sequence, picks=shape.picking_head,
-                                  tensor_parallel_size=_vocabulary_parts(shape, tensor_parallel_size))
+                                  tensor_parallel_size=tensor_parallel_size if shape.picking_head else 1)
 
 
 def _output_bytes(shape: ModelShape, work: Workload, sequence: int, *, picks: bool,
