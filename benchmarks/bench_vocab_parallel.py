@@ -45,7 +45,7 @@ class Rank:
         from novarl.types import TrainBatch
 
         if not split:  # (the last layout measured: a rank process kept for another group would keep this)
-            parallelize.split_vocabulary = lambda model, mesh: False
+            parallelize.split_vocabulary = lambda model, mesh: "the vocabulary whole (the bench's reference)"
         from novarl.backends.training.dtensor import DTensorPolicy
 
         policy = PolicyConfig(model_name=model_path, precision="float32", train_micro_batch_size=4,

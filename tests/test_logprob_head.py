@@ -98,9 +98,16 @@ def split_models() -> dict:
         whole = build()
         split = copy.deepcopy(whole)
         picks = name != "critic"  # a value head: the embeddings split, the head as it is
-        assert split_vocabulary(split, mesh) and use_picking_head(split) == use_picking_head(whole) == picks
+        said = split_vocabulary(split, mesh)
+        assert said.startswith("the input embeddings " + ("and the output head " if picks else "")
+                               + "split over the vocabulary (10 of 19 rows a rank)"), said
+        assert use_picking_head(split) == use_picking_head(whole) == picks
         case = {"rows": len(split.get_input_embeddings().weight.to_local()),
                 "tied": split.lm_head.weight is split.get_input_embeddings().weight}
+        try:  # a token the vocabulary does not have fails as the whole lookup does (before any collective)
+            split(ids + 1)
+        except RuntimeError as error:
+            case["outside"] = str(error)
         for model, key in ((whole, "whole"), (split, "split")):
             logits = model(ids).logits
             picked = torch.zeros(())
@@ -147,6 +154,7 @@ def test_embeddings_and_head_split_over_the_vocabulary_compute_the_whole_models_
     for rank, measured in enumerate(vocabulary_parts):
         for name, case in measured["models"].items():
             assert case["rows"] == (10, 9)[rank] and case["tied"] == (name == "gemma, tied"), name
+            assert "a token id outside the model's vocabulary of 19" in case["outside"]
             (logits, picked, grads), (split_logits, split_picked, split_grads) = case["whole"], case["split"]
             torch.testing.assert_close(split_logits, logits, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(split_picked, picked, rtol=1e-5, atol=1e-5)
@@ -167,9 +175,13 @@ def test_embeddings_tied_to_a_head_that_does_not_pick_stay_whole():
 
     shape = dict(vocab_size=19, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=2, head_dim=16, final_logit_softcapping=30.0)
-    assert splits(Gemma2ForCausalLM(Gemma2Config(**shape))) == (False, False)
-    assert splits(Gemma2ForCausalLM(Gemma2Config(**shape, tie_word_embeddings=False))) == (True, False)
-    assert splits(Gemma2ForCausalLM(Gemma2Config(**{**shape, "final_logit_softcapping": None}))) == (True, True)
+    assert splits(Gemma2ForCausalLM(Gemma2Config(**shape))) == (
+        False, False, "the output head gives its logits whole (it does not pick)")
+    assert splits(Gemma2ForCausalLM(Gemma2Config(**shape, tie_word_embeddings=False)))[:2] == (True, False)
+    assert splits(Gemma2ForCausalLM(Gemma2Config(**{**shape, "final_logit_softcapping": None}))) == (True, True, "")
+    renormalising = Gemma2ForCausalLM(Gemma2Config(**{**shape, "final_logit_softcapping": None}))
+    renormalising.get_input_embeddings().max_norm = 1.0  # its lookup rewrites the rows it reads: kept whole
+    assert splits(renormalising)[:2] == (False, False)
 
 
 def test_logits_kept_for_the_backward_or_recomputed_give_the_same_gradients(monkeypatch):

@@ -109,6 +109,9 @@ class VocabParallelEmbedding(torch.nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         vocab = self.vocab
+        # a token the vocabulary does not have fails, as the whole lookup's would (no wait for the GPU)
+        torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
+                            f"a token id outside the model's vocabulary of {self.num_embeddings}")
         outside = (ids < vocab.first) | (ids >= vocab.first + vocab.size)
         local = (ids - vocab.first).masked_fill(outside, 0)
         pad = self.padding_idx
@@ -123,11 +126,12 @@ SCALED_EMBEDDING = "ScaledWordEmbedding"
 (their forward calls it) times a scale; split through a subclass that puts the split lookup beneath theirs."""
 
 
-def splits(model: torch.nn.Module) -> tuple[bool, bool]:
-    """(the embeddings, the head): what split_vocabulary splits. The embeddings where they are an nn.Embedding
-    (or Gemma's scaled one) over whole tensors; the head where it also picks (an unbiased nn.Linear of a
-    plain_head architecture over the same vocabulary: logprob_head.can_pick). Embeddings tied to a head that
-    does not pick stay whole with it (its logits are read as they are); a critic's (its value head untied) split."""
+def splits(model: torch.nn.Module) -> tuple[bool, bool, str]:
+    """(the embeddings, the head, why not where they stay whole): what split_vocabulary splits. The embeddings
+    where they are an nn.Embedding (or Gemma's scaled one) over whole tensors with a plain lookup (no max_norm,
+    frequency-scaled or sparse gradients); the head where it also picks (an unbiased nn.Linear of a plain_head
+    architecture over the same vocabulary: logprob_head.can_pick). Embeddings tied to a head that does not pick
+    stay whole with it (its logits are read as they are); a critic's (its value head untied) split."""
     from novarl.models.logprob_head import can_pick
 
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -135,10 +139,12 @@ def splits(model: torch.nn.Module) -> tuple[bool, bool]:
     lookup = type(embed) is torch.nn.Embedding or (
         isinstance(embed, torch.nn.Embedding) and type(embed).__name__.endswith(SCALED_EMBEDDING))
     if not lookup or isinstance(embed.weight, DTensor):
-        return False, False
+        return False, False, f"the input embeddings are a {type(embed).__name__}"
+    if embed.max_norm is not None or embed.scale_grad_by_freq or embed.sparse:
+        return False, False, "the input embeddings renormalise, scale or sparsify their rows"
     picks = can_pick(model) and head.out_features == embed.num_embeddings
     tied = head is not None and head.weight is embed.weight
-    return picks or not tied, picks
+    return picks or not tied, picks, "" if picks else "the output head gives its logits whole (it does not pick)"
 
 
 @functools.cache
@@ -150,16 +156,18 @@ def _split_class(cls: type) -> type:
     return type(f"VocabParallel{cls.__name__}", (cls, VocabParallelEmbedding), {})
 
 
-def split_vocabulary(model: torch.nn.Module, mesh: DeviceMesh) -> bool:
+def split_vocabulary(model: torch.nn.Module, mesh: DeviceMesh) -> str:
     """Split the embeddings and the head of `model` over the vocabulary across the 1-D tensor-parallel `mesh`,
-    where `splits` says; a split head becomes a PickingHead. True if anything was split (nothing where a rank
-    would hold no row: more ranks than the vocabulary's rows)."""
+    where `splits` says (nothing where a rank would hold no row); a split head becomes a PickingHead. What was
+    done, for the log."""
     from novarl.models.logprob_head import PickingHead
 
-    embeddings, picks = splits(model) if mesh.size() > 1 else (False, False)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if not embeddings or min(part_sizes(embed.num_embeddings, mesh.size())) == 0:
-        return False
+    embeddings, picks, why = splits(model)
+    if embeddings and min(part_sizes(embed.num_embeddings, mesh.size())) == 0:
+        embeddings, picks, why = False, False, f"{embed.num_embeddings} rows cannot give {mesh.size()} ranks one each"
+    if not embeddings:
+        return f"the input embeddings and the output head stay whole on every tensor-parallel rank: {why}"
     tied = head is not None and head.weight is embed.weight
     vocab = VocabParallel(mesh, embed.num_embeddings)
 
@@ -174,4 +182,7 @@ def split_vocabulary(model: torch.nn.Module, mesh: DeviceMesh) -> bool:
         head.weight = embed.weight if tied else split(head.weight)
         head.__class__ = PickingHead
         head.vocab = vocab
-    return True
+    rows = f"{max(vocab.sizes):,} of {embed.num_embeddings:,} rows a rank"
+    if picks:
+        return f"the input embeddings and the output head split over the vocabulary ({rows})"
+    return f"the input embeddings split over the vocabulary ({rows}); the output head whole on every rank: {why}"

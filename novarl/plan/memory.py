@@ -443,7 +443,8 @@ def _one_device_copies(shape: ModelShape, precision: Precision) -> float:
 def _root_per_rank(shape: ModelShape, tensor_parallel_size: int) -> float:
     """The parameters outside the decoder layers (embeddings, final norm, head) a tensor-parallel rank of the
     DTensor backend holds before FSDP2 shards them (models/vocab_parallel.py): the embeddings and a head that
-    picks split over the vocabulary; embeddings tied to a head that does not pick whole with it."""
+    picks split over the vocabulary; embeddings tied to a head that does not pick whole with it. (A
+    custom_parallel_plan, which leaves both whole, is not modelled.)"""
     root = shape.parameters - shape.num_layers * shape.layer_parameters
     embeddings = shape.embedding_parameters if shape.picking_head or not shape.tie_word_embeddings else 0
     split = embeddings + (shape.lm_head_parameters if shape.picking_head else 0)

@@ -122,7 +122,8 @@ class ShardedModel(DataParallelRows):
 
                 info(trainable_summary(model, adapted, self.lora))
         if dims.tensor_parallel > 1:
-            apply_tp(model, self.mesh["tp"], dt)
+            said = apply_tp(model, self.mesh["tp"], dt)
+            say_once(f"{'critic' if value_head else 'policy'}: {said}" if trainable else "")
         if not value_head:  # after tensor parallelism: a head that a custom plan splits stays the plain one
             use_picking_head(model, policy.logprob_chunk_size)
         if trainable and dt.activation_checkpointing:
@@ -154,6 +155,14 @@ class ShardedModel(DataParallelRows):
             return super().forward(batch, head)
         finally:
             self.weights.release()
+
+
+def say_once(text: str) -> None:
+    """`text` on the console from the group's first rank (nothing if empty)."""
+    if text and dist.get_rank() == 0:
+        from novarl.logging.console import info
+
+        info(text)
 
 
 def model_weights(model: torch.nn.Module, mesh: DeviceMesh, dtype: torch.dtype, trainable: bool, *,

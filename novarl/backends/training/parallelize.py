@@ -128,10 +128,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) -> None:
+def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) -> str:
     """Tensor parallelism with the default Llama-family plan or `custom_parallel_plan`. With the default plan,
-    the embeddings and the output head are split over the vocabulary where the head picks logprobs
-    (models/vocab_parallel.py), else left whole on every rank."""
+    the embeddings and the output head are split over the vocabulary (models/vocab_parallel.py). What became
+    of them, for the log."""
     size = tp_mesh.size()
     config = model.config
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
@@ -152,13 +152,16 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) ->
         apply_plan(model, tp_mesh, plan)
     if cfg.sequence_parallel and not cfg.custom_parallel_plan:
         apply_sequence_parallel_ends(model, tp_mesh)
+    vocabulary = ("the input embeddings and the output head stay whole on every tensor-parallel rank: "
+                  "policy.dtensor_cfg.custom_parallel_plan places the model's layers")
     if not cfg.custom_parallel_plan:  # the embeddings and the picking head over the vocabulary
-        split_vocabulary(model, tp_mesh)
+        vocabulary = split_vocabulary(model, tp_mesh)
     for name, param in model.named_parameters():  # torch's SequenceParallel makes the norms' weights trainable
         if name in frozen:
             param.requires_grad_(False)
     # DTensor warns that (dp, tp) norms take two all-reduces; on these sizes that is fine.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    return vocabulary
 
 
 def apply_plan(model: torch.nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
