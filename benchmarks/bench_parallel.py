@@ -21,12 +21,11 @@ import os
 import platform
 import statistics
 import tempfile
-import time
 from datetime import date
 from pathlib import Path
 
 import torch
-from models import random_llama_100m, synthetic_batch
+from models import TimedPolicy, random_llama_100m, synthetic_batch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -38,7 +37,7 @@ LAYOUTS = {  # name: (ranks, tensor_parallel, cpu_offload)
 }
 
 
-class Bench:
+class Bench(TimedPolicy):
     """Runs on every rank: the policy plus a fixed batch, timed steps, memory."""
 
     def __init__(self, model_path: str, tensor_parallel: int, cpu_offload: bool, batch_size: int,
@@ -54,18 +53,6 @@ class Bench:
         self.batch = synthetic_batch(batch_size, seq_len)
         self.loss = make_loss(LossConfig())
         self.head = Logprobs()
-
-    def step(self) -> float:
-        start = time.perf_counter()
-        self.batch.old_logprobs = self.policy.forward(self.batch, self.head)
-        self.policy.forward_backward(self.batch, self.loss, self.head)
-        self.policy.optim_step()
-        return time.perf_counter() - start
-
-    def peak_rss_mb(self) -> float:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class ImportsOnly:

@@ -19,12 +19,12 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from models import TimedPolicy  # noqa: E402 (benchmarks/models.py, beside this script)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 SHAPE = dict(vocab_size=151_936, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
@@ -32,7 +32,7 @@ SHAPE = dict(vocab_size=151_936, hidden_size=256, intermediate_size=512, num_hid
 LAYOUTS = {"1 rank": (1, True), "TP x2, vocabulary split": (2, True), "TP x2, vocabulary whole": (2, False)}
 
 
-class Rank:
+class Rank(TimedPolicy):
     """One rank's DTensor policy on a fixed batch; `split` False: the embeddings and the head left whole."""
 
     def __init__(self, model_path: str, tensor_parallel: int, split: bool, tokens: int) -> None:
@@ -58,24 +58,12 @@ class Rank:
                                           torch.randn(4, generator=generator))
         self.loss, self.head = make_loss(LossConfig()), Logprobs()
 
-    def step(self) -> float:
-        start = time.perf_counter()
-        self.batch.old_logprobs = self.policy.forward(self.batch, self.head)
-        self.policy.forward_backward(self.batch, self.loss, self.head)
-        self.policy.optim_step()
-        return time.perf_counter() - start
-
     def state_mb(self) -> float:
         from torch.distributed.tensor import DTensor
 
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
                     for p in {id(p): p for p in self.policy.model.parameters()}.values())
         return 16 * local / 2**20
-
-    def peak_rss_mb(self) -> float:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def save_model(folder: Path) -> str:

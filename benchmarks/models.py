@@ -49,3 +49,23 @@ def synthetic_batch(batch_size: int, seq_len: int):
     loss_mask = mask.clone()
     loss_mask[:, :seq_len // 2] = False
     return TrainBatch.from_rows(ids, mask, loss_mask, torch.randn(batch_size, generator=gen))
+
+
+class TimedPolicy:
+    """A Ray rank's policy on a fixed batch (set by the subclass: policy, batch, loss, head): one timed
+    step, and the process's peak resident memory."""
+
+    def step(self) -> float:
+        """Seconds of a logprob pass + forward/backward + optimizer step."""
+        import time
+
+        start = time.perf_counter()
+        self.batch.old_logprobs = self.policy.forward(self.batch, self.head)
+        self.policy.forward_backward(self.batch, self.loss, self.head)
+        self.policy.optim_step()
+        return time.perf_counter() - start
+
+    def peak_rss_mb(self) -> float:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
