@@ -31,9 +31,9 @@ class _SumOverGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        out = local.clone()
-        dist.all_reduce(out, group=group)
-        return out
+        ctx.mark_dirty(local)  # summed in place: the caller's fresh lookup, which nothing else reads
+        dist.all_reduce(local, group=group)
+        return local
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
