@@ -99,11 +99,9 @@ class ShardedModel(DataParallelRows):
                                 "custom_parallel_plan: novarl's context parallelism composes with the default "
                                 "tensor-parallel plan without sequence parallelism only.")
             self.attention = use_context_parallel_attention(model)
-            if self.train_batching.share_prompts and trainable and dist.get_rank() == 0:
-                from novarl.logging.console import info
-
-                info("context parallelism lays every sample's prompt out with it: "
-                     "policy.sequence_packing.share_prompts does not apply")
+            say_on_first_rank("context parallelism lays every sample's prompt out with it: "
+                              "policy.sequence_packing.share_prompts does not apply",
+                              when=self.train_batching.share_prompts and trainable)
             # micro-batches planned as they are laid out: each sample with its prompt
             self.train_batching = dataclasses.replace(self.train_batching, share_prompts=False)
             self.logprob_batching = dataclasses.replace(self.logprob_batching, share_prompts=False)
@@ -117,24 +115,18 @@ class ShardedModel(DataParallelRows):
             from novarl.models.lora import inject, trainable_summary
 
             adapted = inject(model, self.lora, seed)
-            if dist.get_rank() == 0:
-                from novarl.logging.console import info
-
-                info(trainable_summary(model, adapted, self.lora))
+            say_on_first_rank(trainable_summary(model, adapted, self.lora))
         if dims.tensor_parallel > 1:
             said = apply_tp(model, self.mesh["tp"], dt)
-            say_once(f"{'critic' if value_head else 'policy'}: {said}" if trainable else "")
+            say_on_first_rank(f"{'critic' if value_head else 'policy'}: {said}", when=trainable)
         if not value_head:  # after tensor parallelism: a head that a custom plan splits stays the plain one
             use_picking_head(model, policy.logprob_chunk_size)
         if trainable and dt.activation_checkpointing:
             apply_activation_checkpointing(model)
         if compiles(dt, model, self.device):
             apply_compile(model)
-            if trainable and dist.get_rank() == 0 and dt.torch_compile is None:
-                from novarl.logging.console import info
-
-                info("decoder layers compiled (policy.dtensor_cfg.torch_compile: on by default on CUDA; "
-                     "the first steps compile)")
+            say_on_first_rank("decoder layers compiled (policy.dtensor_cfg.torch_compile: on by default on CUDA; "
+                              "the first steps compile)", when=trainable and dt.torch_compile is None)
         self.weights, self.keep_gathered = model_weights(model, self.mesh, DTYPES[precision], trainable,
                                                          cpu_offload=dt.cpu_offload)
         model.train(trainable)
@@ -157,9 +149,9 @@ class ShardedModel(DataParallelRows):
             self.weights.release()
 
 
-def say_once(text: str) -> None:
-    """`text` on the console from the group's first rank (nothing if empty)."""
-    if text and dist.get_rank() == 0:
+def say_on_first_rank(text: str, when: bool = True) -> None:
+    """`text` on the console, from the group's first rank only, if `when`."""
+    if when and dist.get_rank() == 0:
         from novarl.logging.console import info
 
         info(text)
