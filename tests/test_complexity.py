@@ -24,7 +24,6 @@ KNOWN: dict[str, int] = {
     "novarl/trainer/grpo.py:run_grpo": 14,
     "novarl/config/nemo_rl_data.py:_dataset_lists": 14,
     "novarl/config/roll.py:_critic": 13,
-    "novarl/backends/training/dtensor.py:ShardedModel.__init__": 13,
     "novarl/config/roll_devices.py:placement": 11,
     "novarl/plan/advisor.py:_score": 12,
     "novarl/backends/contract/resolve.py:_generation_problems": 12,
