@@ -8,7 +8,8 @@ Model: random-initialised, of Qwen2.5-1.5B's shape (28 layers, hidden 1536, MLP 
 One training step = one logprob pass over the batch (no grad) + forward/backward in
 micro-batches + the optimizer step, bf16 compute. Cases: the plain loop; novarl's DTensor policy
 (fixed rows or packed, with or without torch.compile); novarl's Megatron-core policy (its layer
-spec without Transformer Engine); `<case>+<variant>` switches one fast path back off (VARIANTS).
+spec without Transformer Engine); novarl's DeepSpeed ZeRO-2 policy (`zero2`, `zero2-compile`: its
+decoder layers compiled as DTensor's); `<case>+<variant>` switches one fast path back off (VARIANTS).
 Each case runs in a process of its own (a fresh CUDA context, its own peak memory): a warm-up
 step (two with torch.compile), then --steps timed steps, the median reported.
 
@@ -23,8 +24,8 @@ that ran are read from the profiler (one profiled step per case), not assumed, a
 that step's GPU time goes: kernels by category (matmul, attention, compiled, eager elementwise,
 optimizer, copies) and the time no kernel ran.
 
-Needs torch, transformers and pydantic (and megatron-core for its cases; novarl from this
-checkout); no network.
+Needs torch, transformers and pydantic (and megatron-core or deepspeed for their cases; novarl from
+this checkout); no network.
 Writes benchmarks/results/train_gpu_<device>.md (or --out).
 """
 
@@ -75,6 +76,8 @@ CASES = {
     "megatron-packed": ("equal", "packed", False, "megatron"),
     "megatron-packed-compile": ("equal", "packed", True, "megatron"),
     "var-megatron-packed": ("variable", "packed", False, "megatron"),
+    "zero2": ("equal", "fixed", False, "deepspeed"),
+    "zero2-compile": ("equal", "fixed", True, "deepspeed"),
 }
 VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure what it gives
     "eager-head": "the logprob head's chunk steps eager (not fused by torch.compile)",
@@ -95,7 +98,7 @@ VARIANTS = {  # "<case>+<variant>": the case with one path switched, to measure 
 }
 DEFAULT_CASES = (  # most wanted first: issue 35's targets and the latest change, then the experiments
     "plain,fixed-compile,fixed-compile+fsdp2,packed-compile,var-packed-compile,megatron-packed-compile,"
-    "megatron-packed,megatron-packed+unfused-swiglu,packed-compile+varlen,megatron-compile,"
+    "megatron-packed,zero2-compile,zero2,megatron-packed+unfused-swiglu,packed-compile+varlen,megatron-compile,"
     "fixed-compile+reshard,megatron,fixed-compile+eager-head,var-megatron-packed,packed-compile+padded-attention")
 BEFORE_GB = {"fixed": 69.0, "packed": 69.7}
 """Peak memory at micro-batch 4, equal lengths, before issue 35 (its table): the bound it sets."""
@@ -229,6 +232,27 @@ def megatron_policy(folder: str, layout: str, compile_layers: bool, micro: int, 
     return MegatronPolicy(cfg.policy, folder, total_steps=1_000, emulate_cuda=not cuda)
 
 
+def deepspeed_policy(folder: str, layout: str, compile_layers: bool, micro: int, longest: int):
+    """novarl's DeepSpeed ZeRO-2 policy on one rank, bf16 on CUDA (DeepSpeed's bf16 weights, float32
+    master weights in its optimizer), its decoder layers compiled or not (deepspeed_cfg.torch_compile)."""
+    import torch
+
+    from novarl.backends.training.deepspeed import DeepSpeedPolicy
+    from novarl.config import load_config
+    from novarl.distributed.local import ensure_single_process_group
+
+    ensure_single_process_group()
+    overrides = [f"policy.model_name={folder}", f"policy.max_seq_length={longest}",
+                 f"policy.train_micro_batch_size={micro}", f"policy.logprob_batch_size={micro}",
+                 "policy.scheduler=[]", "policy.deepspeed_cfg.enabled=true", "policy.deepspeed_cfg.zero_stage=2",
+                 f"policy.precision={'bfloat16' if torch.cuda.is_available() else 'float32'}",
+                 f"policy.deepspeed_cfg.torch_compile={str(compile_layers).lower()}",
+                 "policy.optimizer.kwargs.lr=1e-6", "policy.max_grad_norm=1.0",
+                 *packing_overrides(layout, micro, longest)]
+    cfg = load_config(None, overrides=overrides)
+    return DeepSpeedPolicy(cfg.policy, folder, total_steps=1_000)
+
+
 def packing_overrides(layout: str, micro: int, longest: int) -> list[str]:
     if layout != "packed":
         return []
@@ -306,7 +330,7 @@ def run_case(name: str, folder: str, steps: int, tiny: bool, trace: Path | None 
         step, work, picked = plain_case(folder, batch, lengths, micro, first, variable=kind == "variable")
     else:
         picked = lambda: first[0]  # noqa: E731
-        build = megatron_policy if implementation == "megatron" else novarl_policy
+        build = {"megatron": megatron_policy, "deepspeed": deepspeed_policy}.get(implementation, novarl_policy)
         policy = build(folder, layout, compile_layers, micro, max(lengths))
         step = novarl_step(policy, batch, first)
     times = timed_steps(step, 2 if compile_layers else 1, steps)
@@ -601,8 +625,8 @@ def report(results: list[dict], device: str, commit: str, shape: str, params: in
             lines.append(f"| {r['case']} | | | | {r['error'][:200]} | | | | | | |")
             continue
         kernels = "; ".join(f"{k} {v:.0f}" for k, v in r["kernels"].get("attention", {}).items()) or "-"
-        label = {"plain": "plain PyTorch loop", "megatron": "novarl Megatron-core"}.get(r["implementation"],
-                                                                                       "novarl DTensor")
+        label = {"plain": "plain PyTorch loop", "megatron": "novarl Megatron-core",
+                 "deepspeed": "novarl DeepSpeed ZeRO-2"}.get(r["implementation"], "novarl DTensor")
         graphs = r.get("graphs", {})
         compiled = f"yes ({graphs['graphs']} graphs, {graphs['breaks']} breaks)" if r["compile"] and graphs else \
             "yes" if r["compile"] else "no"

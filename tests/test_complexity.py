@@ -28,7 +28,6 @@ KNOWN: dict[str, int] = {
     "novarl/plan/advisor.py:_score": 12,
     "novarl/backends/contract/resolve.py:_generation_problems": 12,
     "novarl/config/roll.py:_actor_infer": 12,
-    "novarl/backends/training/deepspeed.py:DeepSpeedModel.__init__": 12,
     "novarl/backends/megatron/model.py:transformer_config": 11,
     "novarl/config/roll_algorithm.py:_estimator": 11,
 }

@@ -483,6 +483,65 @@ def test_compiled_layers_with_lora_and_activation_checkpointing_train_like_eager
             assert got[name] == pytest.approx(want[name], rel=1e-5), name
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_deepspeed_compiled_layers_train_like_eager_ones(device):
+    """policy.deepspeed_cfg.torch_compile=true (off by default: not measured on a GPU): ZeRO-2's decoder
+    layers compiled before the engine wraps them, with activation checkpointing. Over two steps (logprob
+    pass, training pass and optimizer step) on one rank in float32, the logprobs, loss and gradient norm are
+    the eager engine's (float rounding), the layers compiled without a graph break."""
+    pytest.importorskip("deepspeed")
+    from torch._dynamo.utils import counters
+
+    from novarl.backends.training.deepspeed import DeepSpeedPolicy
+    from novarl.config import load_config
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.loading import resolve_model_path
+    from tests.helpers.packing import measure, mixed_batch
+
+    ensure_single_process_group()
+    runs = {}
+    for compiled in (False, True):
+        cfg = load_config(None, overrides=[
+            "policy.deepspeed_cfg.enabled=true", "policy.deepspeed_cfg.zero_stage=2", "policy.precision=float32",
+            "policy.deepspeed_cfg.activation_checkpointing=true", "policy.train_micro_batch_size=3",
+            "policy.logprob_batch_size=4", "policy.scheduler=[]", "policy.optimizer.kwargs={lr: 0.01}",
+            f"policy.deepspeed_cfg.torch_compile={str(compiled).lower()}"])
+        policy = DeepSpeedPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device(device), total_steps=4)
+        call = lambda method, *args, policy=policy: getattr(policy, method)(*args)  # noqa: E731
+        torch._dynamo.reset()
+        counters.clear()
+        runs[compiled] = [measure(call, mixed_batch(rows=6, seed=seed)) for seed in range(2)]
+        assert dict(counters["graph_break"]) == {}
+        if compiled or device == "cpu":  # (on CUDA the eager model's head compiles its chunk steps)
+            assert (counters["stats"]["unique_graphs"] > 0) is compiled
+    tolerance = 1e-5 if device == "cpu" else 1e-4
+    for got, want in zip(runs[True], runs[False], strict=True):
+        torch.testing.assert_close(got["logprobs"], want["logprobs"], rtol=tolerance, atol=tolerance)
+        for name in ("loss", "grad_norm"):
+            assert got[name] == pytest.approx(want[name], rel=tolerance), name
+
+
+def test_compiled_layers_under_zero3_are_refused():
+    """ZeRO-3 fetches each submodule's parameters in a hook DeepSpeed keeps out of compiled code: a layer
+    would compile in pieces, so deepspeed_cfg.torch_compile with stage 3 is refused before anything starts,
+    for the policy and for the critic; stage 2 is not."""
+    from novarl.backends.contract.checks import check_config
+    from novarl.config import load_config
+
+    def refused(*overrides: str) -> list[str]:
+        problems = check_config(load_config(None, overrides=["policy.deepspeed_cfg.enabled=true", *overrides])).problems
+        return [str(p).split(":")[0] for p in problems if "compile in pieces" in str(p)]
+
+    assert refused("policy.deepspeed_cfg.zero_stage=3", "policy.deepspeed_cfg.torch_compile=true") == [
+        "policy.deepspeed_cfg.torch_compile=true with zero_stage=3"]
+    assert refused("policy.deepspeed_cfg.zero_stage=2", "policy.deepspeed_cfg.torch_compile=true") == []
+    assert refused("policy.deepspeed_cfg.zero_stage=3") == []
+    critic = ["policy.deepspeed_cfg.zero_stage=3", "grpo.adv_estimator.name=gae", "value={}",
+              "value.deepspeed_cfg.enabled=true", "value.deepspeed_cfg.zero_stage=3",
+              "value.deepspeed_cfg.torch_compile=true"]
+    assert refused(*critic) == ["value.deepspeed_cfg.torch_compile=true with zero_stage=3"]
+
+
 def test_one_data_parallel_shard_gathers_each_layer_once_a_pass_and_trains_as_resharding_does(monkeypatch):
     """On one data-parallel shard a trainable model's gathered weights serve every micro-batch of a step
     (parallelize.py keeps_gathered): each FSDP unit is gathered twice in a step of three logprob and three

@@ -38,7 +38,7 @@ from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.batching import MicroBatching
 from novarl.backends.training.deepspeed_checkpoint import CHECKPOINT_TAG  # <role>/deepspeed/, no `latest` file beside
 from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing
-from novarl.backends.training.parallelize import apply_activation_checkpointing
+from novarl.backends.training.parallelize import apply_activation_checkpointing, apply_compile
 from novarl.config.schema import PolicyConfig
 from novarl.distributed.weight_sync import bucketed, in_dtype
 from novarl.errors import ConfigError
@@ -158,10 +158,7 @@ class DeepSpeedModel(DataParallelRows):
                 info(trainable_summary(model, adapted, self.lora))
         else:
             model.requires_grad_(trainable)
-        if not value_head:  # its chunk steps compiled on CUDA, as Megatron's (DeepSpeed compiles no layers)
-            use_picking_head(model, policy.logprob_chunk_size, fused=self.device.type == "cuda")
-        if trainable and policy.deepspeed_cfg.activation_checkpointing:
-            apply_activation_checkpointing(model)
+        prepare_layers(model, policy, trainable=trainable, value_head=value_head, device=self.device)
         model.train(trainable)
         self.optimizer = self.scheduler = None
         if trainable:
@@ -365,6 +362,19 @@ def _drop_every_frozen_name(engine) -> None:
         return state
 
     engine.module_state_dict = module_state_dict
+
+
+def prepare_layers(model: torch.nn.Module, policy: PolicyConfig, *, trainable: bool, value_head: bool,
+                   device: torch.device) -> None:
+    """The model's layers as the engine takes them: the picking head (its chunk steps compiled on CUDA, as
+    Megatron's, or with the layers), activation checkpointing, and with deepspeed_cfg.torch_compile each decoder
+    layer compiled (parallelize.apply_compile, after the checkpointing, as DTensor's: the same layers)."""
+    if not value_head:
+        use_picking_head(model, policy.logprob_chunk_size, fused=device.type == "cuda")
+    if trainable and policy.deepspeed_cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if policy.deepspeed_cfg.torch_compile:
+        apply_compile(model)
 
 
 def build_deepspeed_optimizer(policy: PolicyConfig, params, *, on_gpu: bool) -> torch.optim.Optimizer:

@@ -29,15 +29,27 @@ class DeepSpeedSpec(TrainingSpec):
     def config_problems(self, cfg) -> list[str]:
         """DeepSpeed takes precedence over an enabled DTensor section, and ZeRO has no tensor
         parallelism: a DTensor tensor-parallel size there would be dropped, so it is refused.
-        (A disabled dtensor_cfg is not read.)"""
-        policy = cfg.policy
+        (A disabled dtensor_cfg is not read.) Compiled layers under ZeRO-3 are refused too: stage 3
+        fetches each submodule's parameters in a forward hook that DeepSpeed wraps in
+        torch.compiler.disable, so dynamo breaks each layer's graph at every linear and norm (13 breaks
+        a Llama layer, torch 2.13 and DeepSpeed 0.19 on a CPU): pieces, not the fused layer."""
+        policy, problems = cfg.policy, []
         tp = policy.dtensor_cfg.tensor_parallel_size
-        if not policy.dtensor_cfg.enabled or tp == 1:
-            return []
-        return [f"policy.dtensor_cfg.tensor_parallel_size={tp} with policy.deepspeed_cfg.enabled: DeepSpeed takes "
+        if policy.dtensor_cfg.enabled and tp > 1:
+            problems.append(
+                f"policy.dtensor_cfg.tensor_parallel_size={tp} with policy.deepspeed_cfg.enabled: DeepSpeed takes "
                 "precedence over DTensor, and novarl's ZeRO shards over every rank as data parallel, with no tensor "
                 "parallelism. Set policy.dtensor_cfg.tensor_parallel_size=1 to train with ZeRO, or "
-                "policy.deepspeed_cfg.enabled=false to train with DTensor's tensor parallelism."]
+                "policy.deepspeed_cfg.enabled=false to train with DTensor's tensor parallelism.")
+        for name, section in (("policy", policy), ("value", cfg.value)):
+            ds = section.deepspeed_cfg if section is not None else None
+            if ds is not None and ds.torch_compile and ds.zero_stage == 3:
+                problems.append(
+                    f"{name}.deepspeed_cfg.torch_compile=true with zero_stage=3: ZeRO-3 gathers each submodule's "
+                    "parameters in a hook that DeepSpeed keeps out of compiled code, so a decoder layer would "
+                    "compile in pieces between its linears, not as one fused graph. Set torch_compile: false, "
+                    "or use zero_stage 2 (or DTensor's FSDP2, whose layers compile whole) for compiled layers.")
+        return problems
 
     def layout_overrides(self, layout) -> list[str]:
         return [f"policy.deepspeed_cfg.zero_stage={layout.zero_stage}",

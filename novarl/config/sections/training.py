@@ -57,7 +57,8 @@ class DTensorConfig(Section):
     the norms, rotary and gated MLP's elementwise work; the first steps compile (~15-25 s). None: on
     where it was measured to win (benchmarks/results/train_gpu_*.md: +23-26 % tokens/s on an H100):
     CUDA, a Llama/Qwen/Mistral model, no tensor or context parallelism, LoRA or activation
-    checkpointing; off elsewhere. True with tensor parallelism is refused (dtensor_spec.py config_problems: not built)."""
+    checkpointing; off elsewhere. True with tensor parallelism is refused (dtensor_spec.py
+    config_problems: not built)."""
     lora_cfg: LoraConfig = Field(default_factory=LoraConfig)
 
 
@@ -162,6 +163,12 @@ class DeepSpeedConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass (transformers' gradient
     checkpointing), as dtensor_cfg.activation_checkpointing does for DTensor."""
+    torch_compile: bool | None = None
+    """novarl's: each decoder layer compiled with torch.compile (inductor) before the engine wraps the
+    model, as dtensor_cfg.torch_compile does (the same layers; the first steps compile). ZeRO 0-2 only:
+    stage 3 fetches each submodule's parameters in a hook that DeepSpeed keeps out of compiled code, so
+    its layers would compile in pieces (refused: deepspeed_spec.py config_problems). None: off until
+    measured to win on a GPU (benchmarks/bench_train_gpu.py `zero2-compile`)."""
     config: dict[str, Any] | None = None
     """Raw DeepSpeed JSON config, merged over the preset."""
 
