@@ -23,8 +23,9 @@ Layouts, side by side in one process (rounds interleaved, each layout's median s
 - `plain loop`: bf16 weights, full log-softmax, fused AdamW, no novarl (bench_train_gpu.py's reference);
 each eager and with compiled decoder layers. (With a torch whose FSDP2 does not group modules fully, before 2.13,
 both FSDP2 layouts are a unit a layer: the table's unit counts say so.) The `megatron` section puts the Megatron
-backend's step (eager, compiled) beside one device's, in processes of their own (measure_megatron). Each section
-replaces its own in benchmarks/results/host_overhead_cpu.md (or --out).
+backend's step (eager, compiled) beside one device's, in processes of their own (measure_megatron); the
+`deepspeed` section DeepSpeed ZeRO-2's (eager, compiled layers) beside one device's (measure_deepspeed). Each
+section replaces its own in benchmarks/results/host_overhead_cpu.md (or --out).
 """
 
 from __future__ import annotations
@@ -217,6 +218,33 @@ def megatron_child(variant: str, steps: int, rounds: int) -> dict[str, list[floa
         return timed_rounds({name: cases[name] for name in MEGATRON_CASES}, steps, rounds)
 
 
+DEEPSPEED_CASES = ("one device, eager", "one device, compiled", "ZeRO-2, eager", "ZeRO-2, compiled")
+
+
+def measure_deepspeed(steps: int, rounds: int) -> dict[str, list[float]]:
+    """DeepSpeed ZeRO-2's step (one rank, eager and with its decoder layers compiled: deepspeed_cfg.torch_compile)
+    beside the DTensor backend's one device, float32, in this process: {case: [median seconds of each round]}."""
+    from novarl.backends.training.deepspeed import DeepSpeedPolicy
+    from novarl.config import load_config
+
+    set_up()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model(Path(tmp))
+        cases = {}
+        for compiled in (False, True):
+            cfg = load_config(None, overrides=[
+                f"policy.model_name={tmp}", "policy.max_seq_length=64", "policy.train_micro_batch_size=4",
+                "policy.logprob_batch_size=4", "policy.scheduler=[]", "policy.optimizer.kwargs.lr=1e-6",
+                "policy.precision=float32", "policy.deepspeed_cfg.enabled=true", "policy.deepspeed_cfg.zero_stage=2",
+                f"policy.deepspeed_cfg.torch_compile={str(compiled).lower()}"])
+            how = "compiled" if compiled else "eager"
+            cases[f"ZeRO-2, {how}"] = make_step(DeepSpeedPolicy(cfg.policy, tmp, total_steps=1_000))
+            cases[f"one device, {how}"] = make_step(build(Path(tmp), "one device", compiled, "float32"))
+        for name, step in cases.items():
+            warm_up(step, name.endswith("compiled"))
+        return timed_rounds({name: cases[name] for name in DEEPSPEED_CASES}, steps, rounds)
+
+
 def commit_name() -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip() or "?"
@@ -263,12 +291,29 @@ def megatron_report(found: dict, steps: int, rounds: int) -> str:
              "the attention eager).", "",
              "| variant | case | step (ms) | rounds (ms) | vs one device, compiled |", "|---|---|---|---|---|"]
     for variant, times in found.items():
-        base = statistics.median(times["one device, compiled"])
-        for name, rounds_s in times.items():
-            lines.append(f"| {variant} | {name} | {statistics.median(rounds_s) * 1e3:.1f} | "
-                         f"{', '.join(f'{x * 1e3:.1f}' for x in rounds_s)} | "
-                         f"{statistics.median(rounds_s) / base:.2f}x |")
+        lines += beside_one_device(times, f"{variant} | ")
     return "\n".join(lines) + "\n"
+
+
+def beside_one_device(times: dict[str, list[float]], prefix: str = "") -> list[str]:
+    """A table row per case: its median step, its rounds, and its ratio to one device's compiled step."""
+    base = statistics.median(times["one device, compiled"])
+    return [f"| {prefix}{name} | {statistics.median(rounds_s) * 1e3:.1f} | "
+            f"{', '.join(f'{x * 1e3:.1f}' for x in rounds_s)} | {statistics.median(rounds_s) / base:.2f}x |"
+            for name, rounds_s in times.items()]
+
+
+def deepspeed_report(times: dict[str, list[float]], steps: int, rounds: int) -> str:
+    from benchmarks.models import cpu_name
+
+    lines = [f"## DeepSpeed ZeRO-2 beside one device (float32, {cpu_name()}, one thread)", "",
+             f"{date.today()}, commit {commit_name()}: `python benchmarks/bench_host_overhead.py --steps {steps} "
+             f"--rounds {rounds} --sections deepspeed`. The same model and step on DeepSpeed ZeRO-2 (one rank, its "
+             "engine's gradient hooks and bucketed reduction; `compiled`: policy.deepspeed_cfg.torch_compile, the "
+             "decoder layers DTensor compiles) and on the DTensor backend's one device, float32, in one process, "
+             "rounds interleaved.", "",
+             "| case | step (ms) | rounds (ms) | vs one device, compiled |", "|---|---|---|---|"]
+    return "\n".join(lines + beside_one_device(times)) + "\n"
 
 
 def merged(text: str, section: str) -> str:
@@ -283,7 +328,7 @@ def merged(text: str, section: str) -> str:
     return text.rstrip("\n") + "\n\n" + section
 
 
-SECTIONS = ("float32", "bfloat16", "megatron")
+SECTIONS = ("float32", "bfloat16", "megatron", "deepspeed")
 
 
 def main() -> None:
@@ -292,8 +337,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="float32: the host's work alone; bfloat16: a GPU's path (copies, casts), whose CPU "
-                             "kernels are slower; megatron: Megatron-core's step beside one device's (float32). Each "
-                             "replaces its own section of --out, the others kept")
+                             "kernels are slower; megatron, deepspeed: Megatron-core's and DeepSpeed ZeRO-2's step "
+                             "beside one device's (float32). Each replaces its own section of --out, the others kept")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "host_overhead_cpu.md")
     parser.add_argument("--megatron-child", choices=("whole", "pieces"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -305,6 +350,9 @@ def main() -> None:
         if section == "megatron":
             result = measure_megatron(args.steps, args.rounds)
             text = merged(text, megatron_report(result, args.steps, args.rounds))
+        elif section == "deepspeed":
+            result = measure_deepspeed(args.steps, args.rounds)
+            text = merged(text, deepspeed_report(result, args.steps, args.rounds))
         else:
             result = measure(args.steps, args.rounds, section)
             text = merged(text, report(result, args.steps, args.rounds, section))
