@@ -92,6 +92,7 @@ from novarl.plan.memory import (
     estimate_memory,
     generator_weight_bytes,
     kv_cache_bytes,
+    reference_weights,
 )
 from novarl.backends.contract.model_shape import ModelShape
 from novarl.backends import registry
@@ -428,7 +429,8 @@ def _breakdown(context: _Context, layout: _Layout, workload: Workload, parallel:
     if on_weights:  # generation on the training weights: no second copy, a KV buffer
         breakdown = dataclasses.replace(breakdown, kv_cache=MEGATRON_GENERATION_BUFFER_GB * GB)
     if context.with_reference:  # the reference is sharded like the policy's weights
-        breakdown = dataclasses.replace(breakdown, reference_weights=breakdown.params)
+        breakdown = dataclasses.replace(breakdown, reference_weights=reference_weights(
+            breakdown, layout.memory_strategy, workload.precision))
     if context.with_critic:  # PPO's critic: model states of its own, sharded like the policy's
         breakdown = dataclasses.replace(breakdown, critic_states=breakdown.model_states)
     return breakdown

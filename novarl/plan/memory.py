@@ -354,6 +354,16 @@ def estimate_memory(shape: ModelShape, *, strategy: str, workload: Workload,
     return _replace(breakdown, generator_weights=weights, kv_cache=kv)
 
 
+def reference_weights(breakdown: MemoryBreakdown, strategy: str, precision: Precision) -> float:
+    """A frozen KL reference's weights per GPU beside the policy whose `breakdown` this is, laid out like its
+    weights: on the DTensor backend (FSDP2's strategies) in the compute dtype, half the policy's float32 masters
+    in bf16 (backends/training/dtensor.py model_weights: a model that does not train keeps none); on ZeRO and
+    Megatron as the policy's weights are held."""
+    if strategy.startswith("fsdp2") and precision != "float32":
+        return breakdown.params / 2
+    return breakdown.params
+
+
 def _check_parallelism(strategy: str, parallel: Parallelism) -> None:
     sizes = {k: v for k, v in asdict(parallel).items() if k.endswith("_size") and v is not None}
     small = [f"{k}={v}" for k, v in sizes.items() if v < 1]

@@ -160,12 +160,30 @@ def say_on_first_rank(text: str, when: bool = True) -> None:
 def model_weights(model: torch.nn.Module, mesh: DeviceMesh, dtype: torch.dtype, trainable: bool, *,
                   cpu_offload: bool) -> tuple[OneDeviceWeights | ShardedWeights, bool]:
     """(the model's weights, whether FSDP2 keeps them gathered through a step): on one device the plain
-    module's (one_device.py), else FSDP2's, applied here (parallelize.apply_fsdp)."""
+    module's (one_device.py), else FSDP2's, applied here (parallelize.apply_fsdp). A frozen model (the KL
+    reference) holds its parameters in the compute dtype: float32 masters serve only an optimizer, and the
+    compute-dtype copies a pass would make of them are these same values (the policy's at step 0: the KL
+    starts at 0), so it holds half the bytes in bf16 and FSDP2 gathers them with no cast (its buffers stay
+    as loaded, as mixed precision leaves them)."""
+    if not trainable:
+        parameters_in(model, dtype)
     if one_device(dist.get_world_size(), cpu_offload):
         return OneDeviceWeights(model, dtype, decoder_layers(model)), False
     keep = keeps_gathered(trainable, fsdp_mesh(mesh), cpu_offload)
     apply_fsdp(model, fsdp_mesh(mesh), param_dtype=dtype, cpu_offload=cpu_offload, keep_gathered=keep)
     return ShardedWeights(model), keep
+
+
+def parameters_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Each floating parameter of `model` replaced by one in `dtype` in every place it is registered (a tied
+    head keeps one parameter; a tensor-parallel DTensor keeps its placements), buffers left as they are."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_floating_point() and param.dtype != dtype:
+                if id(param) not in made:
+                    made[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]
 
 
 class TrainableShardedModel(ShardedModel, AccumulatingRows):

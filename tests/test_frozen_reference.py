@@ -1,0 +1,75 @@
+"""The KL reference on the DTensor backend holds its weights in the compute dtype (dtensor.py model_weights):
+in bf16 half the bytes of the policy's float32 masters, and the same logprobs as the policy before its first
+update, bit for bit, on one device and under FSDP2, tensor and sequence parallelism and CPU offload (2 gloo
+ranks)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers.spawn import send, spawned
+
+BF16 = ["policy.precision=bfloat16", "policy.logprob_batch_size=4"]
+LAYOUTS = {  # name: (overrides, whether the model is tiny-arith with two key/value heads, for tp 2)
+    "dp2": ([], False),
+    "dp2+offload": (["policy.dtensor_cfg.cpu_offload=true"], False),
+    "tp2": (["policy.dtensor_cfg.tensor_parallel_size=2"], True),
+    "tp2+sp": (["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"], True),
+}
+
+
+def local_bytes(model: torch.nn.Module) -> tuple[set[torch.dtype], int]:
+    """(the dtypes of this rank's parameters, their bytes), a DTensor's local shard counted."""
+    tensors = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return {t.dtype for t in tensors}, sum(t.numel() * t.element_size() for t in tensors)
+
+
+def policy_and_reference(overrides: list[str], model_path: str) -> dict:
+    """A bf16 policy and its reference on the same weights: whether their logprobs of one batch are equal,
+    and each one's parameter dtypes and bytes on this rank."""
+    from novarl.backends.training.dtensor import DTensorPolicy, DTensorReference
+    from novarl.config import load_config
+    from tests.helpers.packing import HEAD, mixed_batch
+
+    cfg = load_config(None, overrides=[*BF16, *overrides])
+    policy = DTensorPolicy(cfg.policy, model_path, torch.device("cpu"), total_steps=2)
+    reference = DTensorReference(cfg.policy, model_path, torch.device("cpu"))
+    batch = mixed_batch(rows=6)
+    return {"equal": torch.equal(policy.forward(batch, HEAD), reference.forward(batch, HEAD)),
+            "policy": local_bytes(policy.model), "reference": local_bytes(reference.model)}
+
+
+def layouts_rank(rank: int, world: int, rendezvous: str, results, models: dict[bool, str]) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    send(results, rank, {name: policy_and_reference(["cluster.gpus_per_node=2", *overrides], models[two_kv])
+                         for name, (overrides, two_kv) in LAYOUTS.items()})
+
+
+def assert_half_in_bf16(found: dict) -> None:
+    """The same logprobs, the policy's masters float32, the reference's weights bf16 and half their bytes."""
+    assert found["equal"]
+    (policy_dtypes, policy_bytes), (reference_dtypes, reference_bytes) = found["policy"], found["reference"]
+    assert policy_dtypes == {torch.float32} and reference_dtypes == {torch.bfloat16}
+    assert reference_bytes * 2 == policy_bytes
+
+
+def test_the_reference_holds_bf16_weights_and_the_policys_logprobs_on_one_device():
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.loading import resolve_model_path
+
+    ensure_single_process_group()
+    assert_half_in_bf16(policy_and_reference([], str(resolve_model_path("tiny-arith"))))
+
+
+def test_the_reference_holds_bf16_weights_and_the_policys_logprobs_on_two_ranks(tmp_path):
+    from novarl.models.loading import resolve_model_path
+    from tests.helpers.models import two_kv_head_copy
+
+    models = {False: str(resolve_model_path("tiny-arith")), True: str(two_kv_head_copy(tmp_path / "kv2"))}
+    for found in spawned(layouts_rank, 2, models):
+        assert list(found) == list(LAYOUTS)
+        for layout in found.values():
+            assert_half_in_bf16(layout)
