@@ -449,76 +449,69 @@ def test_decoder_layers_compile_by_default_only_where_it_was_measured_to_win():
     assert not refused("policy.dtensor_cfg.torch_compile=true", "policy.megatron_cfg.enabled=true")  # not read
 
 
-def test_compiled_layers_with_lora_and_activation_checkpointing_train_like_eager_ones():
-    """policy.dtensor_cfg.torch_compile=true where it is not on by default (not measured on a GPU): LoRA's
-    adapted layers and activation checkpointing. Over two steps (logprob pass, training pass and optimizer
-    step) on one rank, the compiled model's logprobs, loss and gradient norm are the eager one's (float
-    rounding), the compiled layers without a graph break."""
+def trains_like_eager(build, tolerance: float = 1e-5, *, head_compiles: bool = False) -> None:
+    """The policy `build(compiled)` makes, eager then compiled (each traced afresh), over two steps (logprob
+    pass, training pass and optimizer step) on one rank: the compiled one's logprobs, loss and gradient norm are
+    the eager one's within `tolerance`, its layers compiled without a graph break (head_compiles: the eager
+    model's head compiles its chunk steps too, as on CUDA)."""
     from torch._dynamo.utils import counters
 
-    from novarl.backends.training import dtensor
-    from novarl.config import load_config
     from novarl.distributed.local import ensure_single_process_group
-    from novarl.models.loading import resolve_model_path
     from tests.helpers.packing import measure, mixed_batch
 
     ensure_single_process_group()
     runs = {}
     for compiled in (False, True):
-        cfg = load_config(None, overrides=[
-            "policy.train_micro_batch_size=3", "policy.logprob_batch_size=4", "policy.scheduler=[]",
-            "policy.optimizer.kwargs={lr: 0.01}", "policy.dtensor_cfg.activation_checkpointing=true",
-            "policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.dim=4",
-            f"policy.dtensor_cfg.torch_compile={str(compiled).lower()}"])
-        policy = dtensor.DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"),
-                                       total_steps=4)
-        call = lambda method, *args, policy=policy: getattr(policy, method)(*args)  # noqa: E731
-        torch._dynamo.reset()
-        counters.clear()
-        runs[compiled] = [measure(call, mixed_batch(rows=6)) for _ in range(2)]
-        assert dict(counters["graph_break"]) == {} and (counters["stats"]["unique_graphs"] > 0) is compiled
-    for got, want in zip(runs[True], runs[False], strict=True):
-        torch.testing.assert_close(got["logprobs"], want["logprobs"], rtol=1e-5, atol=1e-5)
-        for name in ("loss", "grad_norm"):
-            assert got[name] == pytest.approx(want[name], rel=1e-5), name
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
-def test_deepspeed_compiled_layers_train_like_eager_ones(device):
-    """policy.deepspeed_cfg.torch_compile=true (off by default: not measured on a GPU): ZeRO-2's decoder
-    layers compiled before the engine wraps them, with activation checkpointing. Over two steps (logprob
-    pass, training pass and optimizer step) on one rank in float32, the logprobs, loss and gradient norm are
-    the eager engine's (float rounding), the layers compiled without a graph break."""
-    pytest.importorskip("deepspeed")
-    from torch._dynamo.utils import counters
-
-    from novarl.backends.training.deepspeed import DeepSpeedPolicy
-    from novarl.config import load_config
-    from novarl.distributed.local import ensure_single_process_group
-    from novarl.models.loading import resolve_model_path
-    from tests.helpers.packing import measure, mixed_batch
-
-    ensure_single_process_group()
-    runs = {}
-    for compiled in (False, True):
-        cfg = load_config(None, overrides=[
-            "policy.deepspeed_cfg.enabled=true", "policy.deepspeed_cfg.zero_stage=2", "policy.precision=float32",
-            "policy.deepspeed_cfg.activation_checkpointing=true", "policy.train_micro_batch_size=3",
-            "policy.logprob_batch_size=4", "policy.scheduler=[]", "policy.optimizer.kwargs={lr: 0.01}",
-            f"policy.deepspeed_cfg.torch_compile={str(compiled).lower()}"])
-        policy = DeepSpeedPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device(device), total_steps=4)
+        policy = build(compiled)
         call = lambda method, *args, policy=policy: getattr(policy, method)(*args)  # noqa: E731
         torch._dynamo.reset()
         counters.clear()
         runs[compiled] = [measure(call, mixed_batch(rows=6, seed=seed)) for seed in range(2)]
         assert dict(counters["graph_break"]) == {}
-        if compiled or device == "cpu":  # (on CUDA the eager model's head compiles its chunk steps)
-            assert (counters["stats"]["unique_graphs"] > 0) is compiled
-    tolerance = 1e-5 if device == "cpu" else 1e-4
+        assert (counters["stats"]["unique_graphs"] > 0) is (compiled or head_compiles)
     for got, want in zip(runs[True], runs[False], strict=True):
         torch.testing.assert_close(got["logprobs"], want["logprobs"], rtol=tolerance, atol=tolerance)
         for name in ("loss", "grad_norm"):
             assert got[name] == pytest.approx(want[name], rel=tolerance), name
+
+
+def test_compiled_layers_with_lora_and_activation_checkpointing_train_like_eager_ones():
+    """policy.dtensor_cfg.torch_compile=true where it is not on by default (not measured on a GPU): LoRA's
+    adapted layers and activation checkpointing train like eager ones (float rounding)."""
+    from novarl.backends.training import dtensor
+    from novarl.config import load_config
+    from novarl.models.loading import resolve_model_path
+
+    def build(compiled: bool):
+        cfg = load_config(None, overrides=[
+            "policy.train_micro_batch_size=3", "policy.logprob_batch_size=4", "policy.scheduler=[]",
+            "policy.optimizer.kwargs={lr: 0.01}", "policy.dtensor_cfg.activation_checkpointing=true",
+            "policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.dim=4",
+            f"policy.dtensor_cfg.torch_compile={str(compiled).lower()}"])
+        return dtensor.DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"), total_steps=4)
+
+    trains_like_eager(build)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_deepspeed_compiled_layers_train_like_eager_ones(device):
+    """policy.deepspeed_cfg.torch_compile=true (off by default: not measured on a GPU): ZeRO-2's decoder
+    layers compiled before the engine wraps them, with activation checkpointing, train like eager ones in
+    float32 (float rounding)."""
+    pytest.importorskip("deepspeed")
+    from novarl.backends.training.deepspeed import DeepSpeedPolicy
+    from novarl.config import load_config
+    from novarl.models.loading import resolve_model_path
+
+    def build(compiled: bool):
+        cfg = load_config(None, overrides=[
+            "policy.deepspeed_cfg.enabled=true", "policy.deepspeed_cfg.zero_stage=2", "policy.precision=float32",
+            "policy.deepspeed_cfg.activation_checkpointing=true", "policy.train_micro_batch_size=3",
+            "policy.logprob_batch_size=4", "policy.scheduler=[]", "policy.optimizer.kwargs={lr: 0.01}",
+            f"policy.deepspeed_cfg.torch_compile={str(compiled).lower()}"])
+        return DeepSpeedPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device(device), total_steps=4)
+
+    trains_like_eager(build, 1e-5 if device == "cpu" else 1e-4, head_compiles=device == "cuda")
 
 
 def test_compiled_layers_under_zero3_are_refused():
