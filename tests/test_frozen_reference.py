@@ -1,10 +1,11 @@
 """The KL reference on the DTensor backend holds its weights in the compute dtype (dtensor.py model_weights):
 in bf16 half the bytes of the policy's float32 masters, and the same logprobs as the policy before its first
 update, bit for bit, on one device and under FSDP2, tensor and sequence parallelism and CPU offload (2 gloo
-ranks)."""
+ranks). DeepSpeed's reference computes as its policy too."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.helpers.spawn import send, spawned
@@ -73,3 +74,30 @@ def test_the_reference_holds_bf16_weights_and_the_policys_logprobs_on_two_ranks(
         assert list(found) == list(LAYOUTS)
         for layout in found.values():
             assert_half_in_bf16(layout)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeeds_reference_computes_as_its_policy_in_bf16(stage):
+    """DeepSpeed's reference (below ZeRO-3 a frozen copy without an engine, at 3 an engine of its own) holds the
+    engine's bf16 weights and its float32 rotary tables: the policy's logprobs before its first update, bit for
+    bit. (The frozen copy cast its buffers to bf16 too: on tiny-arith its logprobs were up to 0.11 off the
+    policy's, a KL penalty that did not start at 0.)"""
+    pytest.importorskip("deepspeed")
+    from novarl.backends.training.deepspeed import DeepSpeedPolicy, DeepSpeedReference
+    from novarl.config import load_config
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.loading import resolve_model_path
+    from tests.helpers.packing import HEAD, mixed_batch
+
+    ensure_single_process_group()
+    cfg = load_config(None, overrides=[*BF16, "policy.deepspeed_cfg.enabled=true",
+                                       f"policy.deepspeed_cfg.zero_stage={stage}"])
+    path = resolve_model_path("tiny-arith")
+    policy = DeepSpeedPolicy(cfg.policy, path, torch.device("cpu"), total_steps=2)
+    reference = DeepSpeedReference(cfg.policy, path, torch.device("cpu"))
+    batch = mixed_batch(rows=6)
+    assert torch.equal(policy.forward(batch, HEAD), reference.forward(batch, HEAD))
+    frozen = reference.engine.module if reference.engine is not None else reference.model
+    assert (reference.engine is None) is (stage < 3)
+    assert {p.dtype for p in frozen.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in frozen.buffers()} == {b.dtype for b in policy.engine.module.buffers()} == {torch.float32}

@@ -65,6 +65,20 @@ def load_causal_lm(name_or_path: str, *, dtype: torch.dtype = torch.float32,
     return model
 
 
+def parameters_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Each floating parameter of `model` replaced by one in `dtype` in every place it is registered (a tied
+    head keeps one parameter; a tensor-parallel DTensor keeps its placements), its buffers left as loaded: how
+    a frozen model (the KL reference) holds the values its trained counterpart computes with under mixed
+    precision, which casts parameters and leaves buffers (rotary tables) as they are."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_floating_point() and param.dtype != dtype:
+                if id(param) not in made:
+                    made[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]
+
+
 def check_model_folder(folder: str, *, trust_remote_code: bool = False, key: str = "policy.model_name") -> None:
     """What loading the weights of the local model `folder` would fail on, found without
     loading them (config.json and the safetensors headers only: milliseconds, whatever the

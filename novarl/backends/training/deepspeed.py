@@ -44,7 +44,7 @@ from novarl.distributed.weight_sync import bucketed, in_dtype
 from novarl.errors import ConfigError
 from novarl.models.attention import use_varlen_attention
 from novarl.models.logprob_head import use_picking_head
-from novarl.models.loading import ExportFormat, load_causal_lm
+from novarl.models.loading import ExportFormat, load_causal_lm, parameters_in
 from novarl.models.scores import training_precision
 from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf, sends_adapter
 
@@ -167,9 +167,10 @@ class DeepSpeedModel(DataParallelRows):
             self.scheduler = build_scheduler(policy.scheduler, self.optimizer, total_steps)
         elif self.zero_stage != 3:  # a frozen copy needs no engine unless its parameters are partitioned
             config = None
-        if config is None:
+        if config is None:  # its weights in the engine's compute dtype, its buffers (rotary tables) as the engine's
             self.engine = None
-            self.model = model.to(self.device, dtype=_dtype(policy, self.device))
+            self.model = model.to(self.device)
+            parameters_in(self.model, _dtype(policy, self.device))
             return
         try:
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,

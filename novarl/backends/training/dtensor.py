@@ -55,7 +55,7 @@ from novarl.errors import UserError
 from novarl.distributed.weight_sync import bucketed, full_weights, in_dtype
 from novarl.models.attention import use_varlen_attention
 from novarl.models.context_parallel import use_context_parallel_attention
-from novarl.models.loading import DTYPES, ExportFormat, load_causal_lm
+from novarl.models.loading import DTYPES, ExportFormat, load_causal_lm, parameters_in
 from novarl.models.logprob_head import use_picking_head
 from novarl.models.scores import Head, training_precision
 from novarl.types import TrainBatch
@@ -172,18 +172,6 @@ def model_weights(model: torch.nn.Module, mesh: DeviceMesh, dtype: torch.dtype, 
     keep = keeps_gathered(trainable, fsdp_mesh(mesh), cpu_offload)
     apply_fsdp(model, fsdp_mesh(mesh), param_dtype=dtype, cpu_offload=cpu_offload, keep_gathered=keep)
     return ShardedWeights(model), keep
-
-
-def parameters_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Each floating parameter of `model` replaced by one in `dtype` in every place it is registered (a tied
-    head keeps one parameter; a tensor-parallel DTensor keeps its placements), buffers left as they are."""
-    made: dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None and param.is_floating_point() and param.dtype != dtype:
-                if id(param) not in made:
-                    made[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
-                module._parameters[name] = made[id(param)]
 
 
 class TrainableShardedModel(ShardedModel, AccumulatingRows):
