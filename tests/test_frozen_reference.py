@@ -25,16 +25,17 @@ def local_bytes(model: torch.nn.Module) -> tuple[set[torch.dtype], int]:
     return {t.dtype for t in tensors}, sum(t.numel() * t.element_size() for t in tensors)
 
 
-def policy_and_reference(overrides: list[str], model_path: str) -> dict:
-    """A bf16 policy and its reference on the same weights: whether their logprobs of one batch are equal,
-    and each one's parameter dtypes and bytes on this rank."""
+def policy_and_reference(overrides: list[str], model_path: str, device: torch.device | None) -> dict:
+    """A bf16 policy and its reference on the same weights, on `device` (None: the process's GPU if it has
+    one): whether their logprobs of one batch are equal, and each one's parameter dtypes and bytes on this
+    rank."""
     from novarl.backends.training.dtensor import DTensorPolicy, DTensorReference
     from novarl.config import load_config
     from tests.helpers.packing import HEAD, mixed_batch
 
     cfg = load_config(None, overrides=[*BF16, *overrides])
-    policy = DTensorPolicy(cfg.policy, model_path, torch.device("cpu"), total_steps=2)
-    reference = DTensorReference(cfg.policy, model_path, torch.device("cpu"))
+    policy = DTensorPolicy(cfg.policy, model_path, device, total_steps=2)
+    reference = DTensorReference(cfg.policy, model_path, device)
     batch = mixed_batch(rows=6)
     return {"equal": torch.equal(policy.forward(batch, HEAD), reference.forward(batch, HEAD)),
             "policy": local_bytes(policy.model), "reference": local_bytes(reference.model)}
@@ -45,7 +46,8 @@ def layouts_rank(rank: int, world: int, rendezvous: str, results, models: dict[b
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
-    send(results, rank, {name: policy_and_reference(["cluster.gpus_per_node=2", *overrides], models[two_kv])
+    send(results, rank, {name: policy_and_reference(["cluster.gpus_per_node=2", *overrides], models[two_kv],
+                                                    torch.device("cpu"))
                          for name, (overrides, two_kv) in LAYOUTS.items()})
 
 
@@ -58,11 +60,12 @@ def assert_half_in_bf16(found: dict) -> None:
 
 
 def test_the_reference_holds_bf16_weights_and_the_policys_logprobs_on_one_device():
+    """(On the process's GPU where it has one: compiled layers, cuBLAS.)"""
     from novarl.distributed.local import ensure_single_process_group
     from novarl.models.loading import resolve_model_path
 
     ensure_single_process_group()
-    assert_half_in_bf16(policy_and_reference([], str(resolve_model_path("tiny-arith"))))
+    assert_half_in_bf16(policy_and_reference([], str(resolve_model_path("tiny-arith")), None))
 
 
 def test_the_reference_holds_bf16_weights_and_the_policys_logprobs_on_two_ranks(tmp_path):
@@ -93,8 +96,8 @@ def test_deepspeeds_reference_computes_as_its_policy_in_bf16(stage):
     cfg = load_config(None, overrides=[*BF16, "policy.deepspeed_cfg.enabled=true",
                                        f"policy.deepspeed_cfg.zero_stage={stage}"])
     path = resolve_model_path("tiny-arith")
-    policy = DeepSpeedPolicy(cfg.policy, path, torch.device("cpu"), total_steps=2)
-    reference = DeepSpeedReference(cfg.policy, path, torch.device("cpu"))
+    policy = DeepSpeedPolicy(cfg.policy, path, None, total_steps=2)  # (a CUDA host's GPU)
+    reference = DeepSpeedReference(cfg.policy, path, None)
     batch = mixed_batch(rows=6)
     assert torch.equal(policy.forward(batch, HEAD), reference.forward(batch, HEAD))
     frozen = reference.engine.module if reference.engine is not None else reference.model
