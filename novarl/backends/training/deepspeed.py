@@ -15,6 +15,12 @@ the optimizer state (stage 1), and the gradients (2), and the parameters (3).
   on the CPU (from GPUs, DeepSpeed's CPU Adam, a C++ op built on first use: see
   ops.py; on a CPU host, torch's AdamW, with no op to build); `offload_param`
   (stage 3) keeps the parameters there too.
+- `deepspeed_cfg.torch_compile`: each decoder layer compiled before the engine
+  wraps the model (prepare_layers), stages 0-2; off by default until measured
+  on a GPU.
+- The frozen reference: below stage 3 a copy with no engine, its weights in the
+  compute dtype and its buffers as the engine leaves them, so it computes as the
+  policy does before its first update.
 - `deepspeed_cfg.config` is merged over the config built here, for any
   DeepSpeed key novarl does not set (see `deepspeed_config`).
 
