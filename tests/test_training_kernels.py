@@ -514,6 +514,40 @@ def test_deepspeed_compiled_layers_train_like_eager_ones(device):
     trains_like_eager(build, 1e-5 if device == "cpu" else 1e-4, head_compiles=device == "cuda")
 
 
+def test_compiled_layers_stay_compiled_through_the_policys_and_the_references_passes_on_packed_rows():
+    """One decoder layer's compiled forward serves the policy's training and logprob passes and the frozen
+    reference's, over packed rows whose attention takes several paths (shared prompts, alike pieces, varlen) as
+    their lengths change: more graphs than dynamo's default limit of 8, past which it would run the layer eagerly
+    for the rest of the run (models/compile_limits.py). With novarl's limit no pass gives up compiling."""
+    from torch._dynamo.utils import counters
+
+    from novarl.algorithms.losses import make_loss
+    from novarl.backends.training.dtensor import DTensorPolicy, DTensorReference
+    from novarl.config import load_config
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.loading import resolve_model_path
+    from tests.helpers.packing import HEAD, LOSS, mixed_batch
+
+    ensure_single_process_group()
+    cfg = load_config(None, overrides=[
+        "policy.precision=bfloat16", "policy.dtensor_cfg.torch_compile=true", "policy.train_micro_batch_size=3",
+        "policy.logprob_batch_size=4", "policy.sequence_packing.enabled=true",
+        "policy.sequence_packing.train_mb_tokens=64", "policy.sequence_packing.logprob_mb_tokens=64"])
+    path = resolve_model_path("tiny-arith")
+    policy = DTensorPolicy(cfg.policy, path, torch.device("cpu"), total_steps=8)
+    reference = DTensorReference(cfg.policy, path, torch.device("cpu"))
+    torch._dynamo.reset()
+    counters.clear()
+    for seed in range(6):
+        batch = mixed_batch(rows=7, longest=10 + 6 * seed, seed=seed)
+        batch.old_logprobs = policy.forward(batch, HEAD)
+        batch.reference_logprobs = reference.forward(batch, HEAD)
+        policy.forward_backward(batch, make_loss(LOSS), HEAD)
+        policy.optim_step()
+    assert counters["stats"]["unique_graphs"] > 8 and dict(counters["graph_break"]) == {}
+    assert not [reason for reason in counters["unimplemented"] if "recompile limit" in reason]
+
+
 def test_compiled_layers_under_zero3_are_refused():
     """ZeRO-3 fetches each submodule's parameters in a hook DeepSpeed keeps out of compiled code: a layer
     would compile in pieces, so deepspeed_cfg.torch_compile with stage 3 is refused before anything starts,

@@ -152,6 +152,9 @@ class CompiledOrEager:
     the first failure on, said once: the same numbers, only slower."""
 
     def __init__(self, fn) -> None:
+        from novarl.models.compile_limits import allow_recompiles
+
+        allow_recompiles()
         self.fn = fn
         self.compiled = torch.compile(fn, dynamic=None)
 

@@ -406,6 +406,9 @@ def compile_layers(module: Any) -> None:
     parallelism a layer still compiles in pieces: the linears' backward all-reduces asynchronously (which dynamo
     does not trace) and megatron-core warns about CUDA_DEVICE_MAX_CONNECTIONS (results equal to eager's, checked
     on 2 CPU ranks; not measured for speed)."""
+    from novarl.models.compile_limits import allow_recompiles
+
+    allow_recompiles()
     _trace_group_lookup()
     for layer in module.decoder.layers:
         layer.compile(dynamic=None)

@@ -280,8 +280,10 @@ def apply_compile(model: torch.nn.Module) -> None:
     does: after tensor parallelism and activation checkpointing, before FSDP. Each layer is its own
     graph (the same code for every layer: compiled once, reused), graph breaks allowed. A picking
     head's chunk steps are compiled too (models/logprob_head.py: fused)."""
+    from novarl.models.compile_limits import allow_recompiles
     from novarl.models.logprob_head import picking_head
 
+    allow_recompiles()
     for layer in decoder_layers(model):
         layer.compile(dynamic=None)
     head = picking_head(model)
