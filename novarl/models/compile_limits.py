@@ -7,8 +7,8 @@ against the logprob and reference passes), the parameters' requires_grad (a froz
 path (padded rows, packed rows through the varlen kernel, shared prompts, alike pieces side by side: different
 keyword arguments) and the shapes (static first, dynamic once they change). A GRPO step with a KL reference on
 packed rows made more than 8 graphs of the layer on tiny-arith (bf16, CPU), dynamo's default recompile limit:
-past it dynamo runs the layer eagerly for the rest of the process, with one warning in torch's log that the
-console never shows. Each graph compiles once, so a higher limit costs compile time at the first steps only."""
+past it dynamo runs the layer eagerly for the rest of the process, saying so once in torch's own log (a
+warning on the rank's stderr, nothing in the step's metrics). Each graph compiles once, so a higher limit costs compile time at the first steps only."""
 
 from __future__ import annotations
 
