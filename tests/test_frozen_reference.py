@@ -79,20 +79,12 @@ def test_the_reference_holds_bf16_weights_and_the_policys_logprobs_on_two_ranks(
             assert_half_in_bf16(layout)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeeds_reference_computes_as_its_policy_in_bf16(stage):
-    """DeepSpeed's reference (below ZeRO-3 a frozen copy without an engine, at 3 an engine of its own) holds the
-    engine's bf16 weights and its float32 rotary tables: the policy's logprobs before its first update, bit for
-    bit. (The frozen copy cast its buffers to bf16 too: on tiny-arith its logprobs were up to 0.11 off the
-    policy's, a KL penalty that did not start at 0.)"""
-    pytest.importorskip("deepspeed")
+def deepspeeds_reference_computes_as_its_policy(stage: int) -> None:
     from novarl.backends.training.deepspeed import DeepSpeedPolicy, DeepSpeedReference
     from novarl.config import load_config
-    from novarl.distributed.local import ensure_single_process_group
     from novarl.models.loading import resolve_model_path
     from tests.helpers.packing import HEAD, mixed_batch
 
-    ensure_single_process_group()
     cfg = load_config(None, overrides=[*BF16, "policy.deepspeed_cfg.enabled=true",
                                        f"policy.deepspeed_cfg.zero_stage={stage}"])
     path = resolve_model_path("tiny-arith")
@@ -104,3 +96,17 @@ def test_deepspeeds_reference_computes_as_its_policy_in_bf16(stage):
     assert (reference.engine is None) is (stage < 3)
     assert {p.dtype for p in frozen.parameters()} == {torch.bfloat16}
     assert {b.dtype for b in frozen.buffers()} == {b.dtype for b in policy.engine.module.buffers()} == {torch.float32}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeeds_reference_computes_as_its_policy_in_bf16(stage):
+    """DeepSpeed's reference (below ZeRO-3 a frozen copy without an engine, at 3 an engine of its own) holds the
+    engine's bf16 weights and its float32 rotary tables: the policy's logprobs before its first update, bit for
+    bit. (The frozen copy cast its buffers to bf16 too: on tiny-arith its logprobs were up to 0.11 off the
+    policy's, a KL penalty that did not start at 0.) In a process of its own: DeepSpeed keeps process-wide
+    groups."""
+    pytest.importorskip("deepspeed")
+    from tests.helpers.spawn import in_a_fresh_process
+
+    in_a_fresh_process(deepspeeds_reference_computes_as_its_policy, stage,
+                       backend="nccl" if torch.cuda.is_available() else "gloo")

@@ -493,12 +493,7 @@ def test_compiled_layers_with_lora_and_activation_checkpointing_train_like_eager
     trains_like_eager(build)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
-def test_deepspeed_compiled_layers_train_like_eager_ones(device):
-    """policy.deepspeed_cfg.torch_compile=true (off by default: not measured on a GPU): ZeRO-2's decoder
-    layers compiled before the engine wraps them, with activation checkpointing, train like eager ones in
-    float32 (float rounding)."""
-    pytest.importorskip("deepspeed")
+def deepspeed_compiled_layers_train_like_eager_ones(device: str) -> None:
     from novarl.backends.training.deepspeed import DeepSpeedPolicy
     from novarl.config import load_config
     from novarl.models.loading import resolve_model_path
@@ -512,6 +507,18 @@ def test_deepspeed_compiled_layers_train_like_eager_ones(device):
         return DeepSpeedPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device(device), total_steps=4)
 
     trains_like_eager(build, 1e-5 if device == "cpu" else 1e-4, head_compiles=device == "cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_deepspeed_compiled_layers_train_like_eager_ones(device):
+    """policy.deepspeed_cfg.torch_compile=true (off by default: not measured on a GPU): ZeRO-2's decoder
+    layers compiled before the engine wraps them, with activation checkpointing, train like eager ones in
+    float32 (float rounding). In a process of its own: DeepSpeed keeps process-wide groups."""
+    pytest.importorskip("deepspeed")
+    from tests.helpers.spawn import in_a_fresh_process
+
+    in_a_fresh_process(deepspeed_compiled_layers_train_like_eager_ones, device,
+                       backend="nccl" if device == "cuda" else "gloo")
 
 
 def test_compiled_layers_stay_compiled_through_the_policys_and_the_references_passes_on_packed_rows():

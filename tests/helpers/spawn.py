@@ -51,3 +51,27 @@ def spawned(target, world: int, *args, timeout: float = 300) -> list:
                 proc.kill()
     assert [p.exitcode for p in procs] == [0] * world
     return [torch.load(io.BytesIO(data), weights_only=True) for _, data in sorted(got, key=lambda g: g[0])]
+
+
+def checked_rank(rank: int, world: int, rendezvous: str, results, backend: str, check, *args) -> None:
+    """A spawned rank that joins its group over `backend`, runs check(*args) and sends back None, or the
+    traceback of what it raised."""
+    import traceback
+
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world)
+    try:
+        check(*args)
+        outcome = None
+    except Exception:  # noqa: BLE001 (the test in the parent process shows it)
+        outcome = traceback.format_exc()
+    send(results, rank, outcome)
+
+
+def in_a_fresh_process(check, *args, backend: str = "gloo") -> None:
+    """check(*args) (a module-level function) on one spawned rank: for code that keeps process-wide state an
+    earlier test in the same worker may have left behind (DeepSpeed's communication groups), failing with its
+    traceback."""
+    (outcome,) = spawned(checked_rank, 1, backend, check, *args)
+    assert outcome is None, outcome
