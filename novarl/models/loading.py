@@ -65,18 +65,27 @@ def load_causal_lm(name_or_path: str, *, dtype: torch.dtype = torch.float32,
     return model
 
 
+def parameter_places(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, list[tuple[torch.nn.Module, str]]]]:
+    """Each floating parameter of `model` with every (module, name) place it is registered in (a tied head's
+    weight: two), in the order model.modules() meets them."""
+    places: dict[int, tuple[torch.nn.Parameter, list[tuple[torch.nn.Module, str]]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_floating_point():
+                places.setdefault(id(param), (param, []))[1].append((module, name))
+    return list(places.values())
+
+
 def parameters_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Each floating parameter of `model` replaced by one in `dtype` in every place it is registered (a tied
     head keeps one parameter; a tensor-parallel DTensor keeps its placements), its buffers left as loaded: how
     a frozen model (the KL reference) holds the values its trained counterpart computes with under mixed
     precision, which casts parameters and leaves buffers (rotary tables) as they are."""
-    made: dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None and param.is_floating_point() and param.dtype != dtype:
-                if id(param) not in made:
-                    made[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
-                module._parameters[name] = made[id(param)]
+    for param, where in parameter_places(model):
+        if param.dtype != dtype:
+            cast = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+            for module, name in where:
+                module._parameters[name] = cast
 
 
 def check_model_folder(folder: str, *, trust_remote_code: bool = False, key: str = "policy.model_name") -> None:

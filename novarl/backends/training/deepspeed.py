@@ -175,8 +175,8 @@ class DeepSpeedModel(DataParallelRows):
             config = None
         if config is None:  # its weights in the engine's compute dtype, its buffers (rotary tables) as the engine's
             self.engine = None
+            parameters_in(model, _dtype(policy, self.device))  # on the host: no float32 copy on the device
             self.model = model.to(self.device)
-            parameters_in(self.model, _dtype(policy, self.device))
             return
         try:
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,

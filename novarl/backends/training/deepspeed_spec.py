@@ -31,8 +31,8 @@ class DeepSpeedSpec(TrainingSpec):
         parallelism: a DTensor tensor-parallel size there would be dropped, so it is refused.
         (A disabled dtensor_cfg is not read.) Compiled layers under ZeRO-3 are refused too: stage 3
         fetches each submodule's parameters in a forward hook that DeepSpeed wraps in
-        torch.compiler.disable, so dynamo breaks each layer's graph at every linear and norm (13 breaks
-        a Llama layer, torch 2.13 and DeepSpeed 0.19 on a CPU): pieces, not the fused layer."""
+        torch.compiler.disable, so dynamo breaks each layer's graph at those hooks (torch 2.13 and DeepSpeed
+        0.19 on a CPU: equal to eager, in pieces between the linears and norms), not the fused layer."""
         policy, problems = cfg.policy, []
         tp = policy.dtensor_cfg.tensor_parallel_size
         if policy.dtensor_cfg.enabled and tp > 1:

@@ -22,6 +22,8 @@ import functools
 
 import torch
 
+from novarl.models.loading import parameter_places
+
 
 class ShardedWeights:
     """FSDP2's weights (more than one device, or CPU offload): gathered by its hooks; `release` frees what
@@ -50,12 +52,7 @@ class OneDeviceWeights:
         if compute_dtype != torch.float32:
             for layer in layers:
                 layer.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
-        places: dict[int, tuple[torch.nn.Parameter, list[tuple[torch.nn.Module, str]]]] = {}
-        for module in model.modules():  # every place a parameter is registered (a tied head: two)
-            for name, param in module._parameters.items():
-                if param is not None and param.is_floating_point():
-                    places.setdefault(id(param), (param, []))[1].append((module, name))
-        self.places = list(places.values())
+        self.places = parameter_places(model)  # every place a parameter is registered (a tied head: two)
         self.gathered = False
 
     def gather(self) -> None:
