@@ -58,12 +58,12 @@ def logprobs_and_grads(context, layout: str):
 
 
 def test_each_rank_gets_two_balanced_chunks_of_every_sequence():
-    cu = torch.tensor([0, 8, 24])  # two sequences of 8 and 16 tokens, cp = 2: chunks of 2 and 4
+    cu = (0, 8, 24)  # two sequences of 8 and 16 tokens, cp = 2: chunks of 2 and 4
     first, second = balanced_chunks(cu, 2)
     assert first == [(0, 0, 2), (6, 0, 2), (8, 8, 4), (20, 8, 4)]  # chunks 0 and 3 of each
     assert second == [(2, 0, 2), (4, 0, 2), (12, 8, 4), (16, 8, 4)]  # chunks 1 and 2
     with pytest.raises(ValueError, match="multiple of 4 tokens; one has 6"):
-        balanced_chunks(torch.tensor([0, 6]), 2)
+        balanced_chunks((0, 6), 2)
 
 
 def test_context_parallelism_is_refused_where_it_does_not_run(capsys):
@@ -142,13 +142,13 @@ def identical_loss_gradient(world: int) -> torch.Tensor:
     from novarl.models.context_parallel import shard_rows
 
     weight = torch.linspace(-1, 1, 24, requires_grad=True)
-    cu = torch.tensor([0, 8, 24])  # two sequences
+    cu = (0, 8, 24)  # two sequences
     if world == 1:
         full = weight * 3
     else:
         groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank makes every group
         group = groups[dist.get_rank() // 2]
-        shard = shard_rows(cu, group)
+        shard = shard_rows(cu, group, torch.device("cpu"))
         full = shard.gather_identical_loss(weight.index_select(0, shard.local) * 3)
     (full.pow(2) * torch.arange(24)).sum().backward()
     grad = weight.grad

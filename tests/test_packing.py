@@ -99,6 +99,10 @@ def test_packed_row_restarts_positions_and_maps_tokens_back():
     padded = lay_out(batch, "fixed", 4)
     assert padded.input_ids.shape == (3, 12) and torch.equal(padded.input_ids.view(-1)[padded.index], batch.input_ids)
     assert torch.equal(padded.attention_mask.view(-1).nonzero().view(-1), padded.index)
+    pipelined = lay_out(batch, "fixed", 4, rows=4, width=16)  # a pipeline's one shape
+    for laid in (inputs, padded, pipelined):  # the host copy context parallelism reads, without a device wait
+        assert list(laid.bounds) == laid.cu_seqlens.tolist()
+    assert pipelined.bounds == (0, 16, 32, 48, 64)
 
 
 def test_shared_prompt_row_by_hand():
@@ -114,6 +118,7 @@ def test_shared_prompt_row_by_hand():
     assert inputs.previous.tolist() == [-1, 0, 1, 2, 3, -1, 0, 1, 2]
     assert inputs.attention_rows.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 5, 0], [6, 7, 0, 0, 0]]
     assert inputs.attention_take.tolist() == [0, 1, 2, 3, 4, 8, 10, 11]
+    assert inputs.bounds == tuple(inputs.cu_seqlens.tolist()) == (0, 8)
     batch.group_ids = torch.tensor([4, 5])  # nothing to share: the plain packed row, no gathered keys
     alone, plain = lay_out(batch, "packed", 8, share_prompts=True), lay_out(batch, "packed", 8)
     assert alone.attention_rows is None and alone.shared_keys is None

@@ -31,10 +31,13 @@ averages over all of them, which gives back the data-parallel mean.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from novarl.types import to_device
 
 CP_ATTENTION = "novarl_context_parallel"
 _registered = False
@@ -84,28 +87,29 @@ class _GatherOwnShare(torch.autograd.Function):
         return grad.index_select(0, ctx.local), None
 
 
-def shard_rows(cu_seqlens: torch.Tensor, group: dist.ProcessGroup) -> ContextShard:
-    """This rank's share of rows whose sequences are bounded by cu_seqlens ([k + 1] flat
-    positions; every sequence's length a multiple of 2 x cp), its index maps on cu_seqlens' device."""
+def shard_rows(bounds: Sequence[int], group: dist.ProcessGroup, device: torch.device) -> ContextShard:
+    """This rank's share of rows whose sequences are bounded by `bounds` (cu_seqlens as host ints,
+    k + 1 flat positions; every sequence's length a multiple of 2 x cp), its index maps on `device`.
+    Host ints: the micro-batch loop never waits on the device for them."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    pieces = balanced_chunks(cu_seqlens, size)
+    pieces = balanced_chunks(bounds, size)
     flat = [torch.cat([torch.arange(first, first + n) for first, _, n in mine]) if mine
             else torch.zeros(0, dtype=torch.long) for mine in pieces]
-    total = int(cu_seqlens[-1])
+    total = int(bounds[-1])
     restore = torch.empty(total, dtype=torch.long)
     restore[torch.cat(flat)] = torch.arange(total)
     offsets = [0]
     for _, _, n in pieces[rank]:
         offsets.append(offsets[-1] + n)
     chunks = tuple((offset, first, start) for offset, (first, start, _) in zip(offsets, pieces[rank]))
-    device = cu_seqlens.device
-    return ContextShard(group, flat[rank].to(device), restore.to(device), chunks, tuple(n for _, _, n in pieces[rank]))
+    return ContextShard(group, to_device(flat[rank], device), to_device(restore, device), chunks,
+                        tuple(n for _, _, n in pieces[rank]))
 
 
-def balanced_chunks(cu_seqlens: torch.Tensor, size: int) -> list[list[tuple[int, int, int]]]:
+def balanced_chunks(bounds: Sequence[int], size: int) -> list[list[tuple[int, int, int]]]:
     """Per cp rank, its chunks of the row as (first flat position, its sequence's start, length):
     chunks r and 2 x size - 1 - r of every sequence (each a multiple of 2 x size long)."""
-    cu = cu_seqlens.long().cpu().tolist()
+    cu = [int(b) for b in bounds]
     pieces: list[list[tuple[int, int, int]]] = [[] for _ in range(size)]
     for start, end in zip(cu[:-1], cu[1:]):
         if (end - start) % (2 * size):

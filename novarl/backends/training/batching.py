@@ -306,7 +306,8 @@ class ModelInputs:
     (in its sequence) is: its logits predict the token; -1 at each sequence's first token."""
     cu_seqlens: torch.Tensor
     """packed: [k + 1] int32 boundaries of the sequences in the row (each padded to
-    sequence_multiple, the row's tail padding a sequence of its own), for varlen kernels."""
+    sequence_multiple, the row's tail padding a sequence of its own), for varlen kernels.
+    Padded rows: [R + 1] the rows' bounds (0, W, 2W, ...)."""
     max_seqlen: int
     attention_rows: torch.Tensor | None = None
     """Shared prompts: [A, L] int64 the row positions of each attention row (a prompt and one of
@@ -320,6 +321,8 @@ class ModelInputs:
     """packed: where every piece of the row (each sequence with its padding, the row's tail) holds the same
     number of tokens, that number: the row is then W / piece_length padded rows side by side, and the
     attention runs them as such (models/attention.py: SDPA's kernel, not the varlen one). Else None."""
+    bounds: tuple[int, ...] = ()
+    """cu_seqlens as host ints: read without waiting on the device (context parallelism's shares)."""
 
     @property
     def tokens_computed(self) -> int:
@@ -364,7 +367,8 @@ def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple:
         pieces = cu.diff()
         alike = int(pieces[0]) if len(pieces) and bool((pieces == pieces[0]).all()) else None
         return ModelInputs(ids[None], positions[None], None, index, torch.where(first, -1, index - 1),
-                           cu.to(torch.int32), int(pieces.max()), piece_length=alike).to(device)
+                           cu.to(torch.int32), int(pieces.max()), piece_length=alike,
+                           bounds=tuple(cu.tolist())).to(device)
     count = rows if rows is not None else len(mb)
     longest = int(lengths.max()) if len(mb) else 1
     W = width if width is not None else round_up(longest, multiple)
@@ -376,7 +380,7 @@ def lay_out(mb: TrainBatch, layout: Layout, multiple: int, *, sequence_multiple:
     positions = torch.arange(W).expand(count, W)
     cu = torch.arange(count + 1, dtype=torch.int32) * W
     return ModelInputs(ids.view(count, W), positions, mask.view(count, W), index, torch.where(first, -1, index - 1),
-                       cu, W).to(device)
+                       cu, W, bounds=tuple(cu.tolist())).to(device)
 
 
 def _shares_a_prompt(mb: TrainBatch) -> bool:
@@ -425,7 +429,8 @@ def _shared_prompt_row(mb: TrainBatch, multiple: int, width: int | None) -> Mode
     row_positions[index] = positions
     previous = torch.where(positions == 0, -1, index[(torch.arange(len(ids)) - 1).clamp(min=0)])
     cu_rows = torch.tensor([0, total], dtype=torch.int32)
-    return ModelInputs(row_ids[None], row_positions[None], None, index, previous, cu_rows, total, rows, take, keys)
+    return ModelInputs(row_ids[None], row_positions[None], None, index, previous, cu_rows, total, rows, take, keys,
+                       bounds=(0, total))
 
 
 def _shared_keys(rows: torch.Tensor, take: torch.Tensor, lengths: torch.Tensor) -> SharedKeys:

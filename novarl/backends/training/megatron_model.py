@@ -274,10 +274,7 @@ class MegatronModel:
             return None
         from novarl.models.context_parallel import shard_rows
 
-        rows, width = inputs.input_ids.shape
-        cu = inputs.cu_seqlens if inputs.attention_mask is None else \
-            torch.arange(rows + 1, device=inputs.input_ids.device) * width
-        return shard_rows(cu, self.cp_group)
+        return shard_rows(inputs.bounds, self.cp_group, inputs.input_ids.device)
 
     def _forward(self, model, inputs: ModelInputs, shard: ContextShard | None = None,
                  head: Head | None = None) -> torch.Tensor:

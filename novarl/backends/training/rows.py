@@ -191,9 +191,7 @@ def context_layout(mb: TrainBatch, batching: MicroBatching, group: dist.ProcessG
 
     split = 2 * dist.get_world_size(group)
     inputs = lay_out(mb, batching.layout, math.lcm(batching.length_multiple, split), sequence_multiple=split)
-    rows, width = inputs.input_ids.shape
-    cu = inputs.cu_seqlens if inputs.attention_mask is None else torch.arange(rows + 1) * width
-    return inputs, shard_rows(cu.to(inputs.input_ids.device), group)
+    return inputs, shard_rows(inputs.bounds, group, inputs.input_ids.device)
 
 
 def context_forward(model, inputs, shard) -> torch.Tensor:
