@@ -160,3 +160,43 @@ def test_resume_after_a_killed_rank_matches_and_converts(tmp_path, zero3_run):
     # Resuming it on another number of ranks is refused (before any rank starts).
     with pytest.raises(UserError, match="written by 2 ranks; ZeRO's partitions load only on as many ranks"):
         run(tmp_path / "one_rank", 5, *ckpt, f"checkpointing.checkpoint_dir={ref_ckpt}", "cluster.gpus_per_node=1")
+
+
+def deepspeed_after_the_world_is_made_again() -> None:
+    """Three DeepSpeed policies in one process, the torch.distributed world destroyed (not through DeepSpeed)
+    and made again before each of the last two: the second lets go of DeepSpeed's groups through DeepSpeed's own
+    function hidden (the path of a DeepSpeed before 0.19.8), the third through it."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    from novarl.backends.training.deepspeed import DeepSpeedPolicy
+    from novarl.models.loading import resolve_model_path
+    from tests.helpers.packing import HEAD, mixed_batch
+
+    cfg = load_config(None, overrides=[ZERO, "policy.deepspeed_cfg.zero_stage=2"])
+    batch, path = mixed_batch(rows=3), resolve_model_path("tiny-arith")
+    first = DeepSpeedPolicy(cfg.policy, path, None, total_steps=2).forward(batch, HEAD)
+    release = groups._release_process_group_references
+    for hidden in (True, False):
+        dist.destroy_process_group()  # as vLLM's in-process engine ends it, or a user's code
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
+        if hidden:
+            del groups._release_process_group_references
+        try:
+            again = DeepSpeedPolicy(cfg.policy, path, None, total_steps=2).forward(batch, HEAD)
+        finally:
+            groups._release_process_group_references = release
+        assert torch.equal(again, first)
+
+
+def test_deepspeed_starts_again_after_its_world_is_made_again():
+    """DeepSpeed keeps groups of the world it joined for the process's life: without novarl letting go of them,
+    an engine after the world was made again failed with 'Group ... is not registered' (in a pytest worker after
+    other tests; vLLM's in-process engine ends the world when it shuts down), which novarl reported as 'DeepSpeed
+    refused its config'."""
+    from tests.helpers.spawn import in_a_fresh_process
+
+    in_a_fresh_process(deepspeed_after_the_world_is_made_again)

@@ -117,23 +117,10 @@ class DeepSpeedModel(DataParallelRows):
                  accumulation_steps: int = 1, total_steps: int = 1, seed: int = 0,
                  value_head: bool = False) -> None:
         """value_head: the output head replaced by a scalar one before the engine (a critic)."""
-        from novarl.backends.training.ops import deepspeed_environment, skip_shared_memory_op
         from novarl.distributed.local import default_device
 
-        deepspeed_environment()
-        import deepspeed
-
-        # DeepSpeed's own collectives use a name torch has deprecated; not the user's to fix.
-        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
-
-        if not dist.is_initialized():
-            raise RuntimeError("the DeepSpeed backend needs the process group joined first")
         self.device = device or default_device()
-        # DeepSpeed's CUDA accelerator reads the launcher's LOCAL_RANK; a Ray rank has it set (ray_group.py),
-        # one in-process rank (the driver) may not: its device's index
-        os.environ.setdefault("LOCAL_RANK", str(self.device.index or 0))
-        skip_shared_memory_op(self.device)
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        deepspeed = join_deepspeed(self.device)
         self.value_head = value_head
         self.dp_group = dist.group.WORLD
         self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
@@ -352,6 +339,74 @@ class DeepSpeedReference(DeepSpeedModel, ReferenceBackend):
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None) -> None:
         super().__init__(policy, model_path, device, trainable=False)
+
+
+_deepspeeds_world: list[Any] = []
+"""The torch.distributed world DeepSpeed last joined in this process (DeepSpeed keeps its groups process-wide)."""
+
+
+def join_deepspeed(device: torch.device):
+    """`deepspeed`, its communication joined to this process's torch.distributed world.
+
+    DeepSpeed keeps groups it made from the world (a clone of it, the data-parallel group) for the
+    process's life, and lets go of them only when the world is destroyed through DeepSpeed's own
+    destroy_process_group. Where something else destroyed that world and a new one was made (vLLM in
+    the same process ends its engine so; or a user's code), DeepSpeed's next engine would use the
+    dead world's groups ("Group ... is not registered"): they are let go of here first."""
+    from novarl.backends.training.ops import deepspeed_environment, skip_shared_memory_op
+
+    if not dist.is_initialized():
+        raise RuntimeError("the DeepSpeed backend needs the process group joined first")
+    deepspeed_environment()
+    import deepspeed
+
+    # DeepSpeed's own collectives use a name torch has deprecated; not the user's to fix.
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    # DeepSpeed's CUDA accelerator reads the launcher's LOCAL_RANK; a Ray rank has it set (ray_group.py),
+    # one in-process rank (the driver) may not: its device's index
+    os.environ.setdefault("LOCAL_RANK", str(device.index or 0))
+    skip_shared_memory_op(device)
+    world = dist.group.WORLD
+    if _deepspeeds_world and _deepspeeds_world[0] is not world:
+        _forget_groups_of_a_destroyed_world()
+    _deepspeeds_world[:] = [world]
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    return deepspeed
+
+
+def _forget_groups_of_a_destroyed_world() -> None:
+    """DeepSpeed's process-wide groups let go of, as its destroy_process_group does after the world's end
+    (deepspeed.utils.groups._release_process_group_references, DeepSpeed 0.19.8 on). An earlier DeepSpeed
+    (0.18-0.19.7, which novarl takes too) has no such function but keeps the same module-level names: they
+    are set back to their first values here."""
+    import sys
+
+    from deepspeed.utils import groups
+
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release(group=None)
+        return
+    for name, first in _DEEPSPEED_GROUPS.items():
+        if isinstance(first, dict) and isinstance(getattr(groups, name, None), dict):
+            getattr(groups, name).clear()
+        elif hasattr(groups, name):
+            setattr(groups, name, first)
+    sequence_parallel = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    for name in ("_SEQUENCE_PARALLEL_GROUP", "_SEQUENCE_DATA_PARALLEL_GROUP"):
+        if sequence_parallel is not None and hasattr(sequence_parallel, name):
+            setattr(sequence_parallel, name, None)
+
+
+_DEEPSPEED_GROUPS: dict[str, Any] = {
+    **dict.fromkeys(("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                     "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"), {}),
+    **dict.fromkeys(("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
+                     "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
+                     "_MPU_TENSOR_MODEL_PARALLEL_RANK", "mpu", "mesh_device"), None),
+    "expert_tensor_parallel_world_size": 1,
+}
+"""deepspeed.utils.groups' process-wide names (0.18-0.19.8) and their values when the module is first imported."""
 
 
 def _drop_every_frozen_name(engine) -> None:
