@@ -13,8 +13,8 @@ process that asks for a group of the same shape (ranks, CPUs and GPUs each, proc
 which then skips starting them: about 6 s of imports a rank on 2 CPU cores. For sweeps and notebooks
 that call `novarl.train` again and again, and the test suite. Only ranks whose roles all declare
 `process_reusable` (they leave nothing behind in the process, or clear it in `leave_process`:
-DTensor's and Megatron's roles, Hugging Face engines) are kept; DeepSpeed's global state and vLLM's
-engines end with their process. A run with another shape stops the kept ones first (their resources
+DTensor's, DeepSpeed's and Megatron's roles, Hugging Face engines) are kept; vLLM's engines end with
+their process. A run with another shape stops the kept ones first (their resources
 go to it)."""
 
 _KEPT: dict[tuple, tuple[Any, list[Any], str]] = {}

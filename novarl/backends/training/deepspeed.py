@@ -108,6 +108,15 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 class DeepSpeedModel(DataParallelRows):
     """A Hugging Face causal LM in a DeepSpeed engine, one data-parallel rank of it."""
 
+    process_reusable = True
+    """Once dropped, with the process group destroyed and DeepSpeed's groups let go of (`leave_process`), its
+    rank's process may serve another run's group (kept_ranks.REUSE_RANKS_VARIABLE)."""
+
+    def leave_process(self) -> None:
+        """DeepSpeed's process-wide groups let go of, as in a new process (their world is being destroyed)."""
+        _forget_groups_of_a_destroyed_world()
+        _deepspeeds_world.clear()
+
     engine: Any
     """The DeepSpeedEngine; None for a frozen copy below ZeRO-3 (its parameters whole, nothing to gather)."""
     optimizer: torch.optim.Optimizer | None
