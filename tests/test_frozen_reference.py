@@ -103,8 +103,8 @@ def test_deepspeeds_reference_computes_as_its_policy_in_bf16(stage):
     """DeepSpeed's reference (below ZeRO-3 a frozen copy without an engine, at 3 an engine of its own) holds the
     engine's bf16 weights and its float32 rotary tables: the policy's logprobs before its first update, bit for
     bit. (The frozen copy cast its buffers to bf16 too: on tiny-arith its logprobs were up to 0.11 off the
-    policy's, a KL penalty that did not start at 0.) In a process of its own: DeepSpeed keeps process-wide
-    groups."""
+    policy's, a KL penalty that did not start at 0.) In a process of its own, away from what the worker's
+    earlier tests left process-wide."""
     pytest.importorskip("deepspeed")
     from tests.helpers.spawn import in_a_fresh_process
 

@@ -513,7 +513,8 @@ def deepspeed_compiled_layers_train_like_eager_ones(device: str) -> None:
 def test_deepspeed_compiled_layers_train_like_eager_ones(device):
     """policy.deepspeed_cfg.torch_compile=true (off by default: not measured on a GPU): ZeRO-2's decoder
     layers compiled before the engine wraps them, with activation checkpointing, train like eager ones in
-    float32 (float rounding). In a process of its own: DeepSpeed keeps process-wide groups."""
+    float32 (float rounding). In a process of its own, away from what the worker's earlier tests left process-wide
+    (dynamo's caches and counters among them)."""
     pytest.importorskip("deepspeed")
     from tests.helpers.spawn import in_a_fresh_process
 

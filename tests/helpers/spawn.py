@@ -71,7 +71,7 @@ def checked_rank(rank: int, world: int, rendezvous: str, results, backend: str, 
 
 def in_a_fresh_process(check, *args, backend: str = "gloo") -> None:
     """check(*args) (a module-level function) on one spawned rank: for code that keeps process-wide state an
-    earlier test in the same worker may have left behind (DeepSpeed's communication groups), failing with its
-    traceback."""
+    earlier test in the same worker may have left behind (dynamo's caches; a torch.distributed world made again),
+    failing with its traceback."""
     (outcome,) = spawned(checked_rank, 1, backend, check, *args)
     assert outcome is None, outcome
