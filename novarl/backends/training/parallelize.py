@@ -129,9 +129,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) -> str:
-    """Tensor parallelism with the default Llama-family plan or `custom_parallel_plan`. With the default plan,
-    the embeddings and the output head are split over the vocabulary (models/vocab_parallel.py). What became
-    of them, for the log."""
+    """Tensor parallelism with the default Llama-family plan or `custom_parallel_plan`. The default plan without
+    sequence parallelism or LoRA adapters runs on local tensors (local_tp.py: it compiles); with either, on
+    torch's DTensor styles. With the default plan, the embeddings and the output head are split over the
+    vocabulary (models/vocab_parallel.py). What became of them, for the log."""
     size = tp_mesh.size()
     config = model.config
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
@@ -141,6 +142,10 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) ->
                             f"{name}={value}.")
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     default = LLAMA_LAYER_PLAN_SP if cfg.sequence_parallel else LLAMA_LAYER_PLAN
+    if not cfg.sequence_parallel and not any(hasattr(module, "lora_A") for module in model.modules()):
+        from novarl.backends.training.local_tp import LOCAL_LAYER_PLAN
+
+        default = LOCAL_LAYER_PLAN  # the same split on local tensors: compiles (local_tp.py)
     plan = load_custom_plan(cfg.custom_parallel_plan) if cfg.custom_parallel_plan else default
     if callable(plan):
         if any(hasattr(module, "lora_A") for module in model.modules()):
