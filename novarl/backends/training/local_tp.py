@@ -21,7 +21,7 @@ Sequence parallelism, LoRA adapters in the layers and custom plans keep torch's 
 
 from __future__ import annotations
 
-import functools
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -41,7 +41,7 @@ class _SumGradients(torch.autograd.Function):
     tensor-parallel group (each rank's holds its heads' or columns' share)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
@@ -55,7 +55,7 @@ class _SumOutputs(torch.autograd.Function):
     (the sum's gradient is the same for every rank's part)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         return _waited(funcol.all_reduce(x, "sum", group))
 
     @staticmethod
@@ -63,29 +63,42 @@ class _SumOutputs(torch.autograd.Function):
         return grad, None
 
 
-class _ColumnShard:
+class _ColumnShard(torch.nn.Linear):
     """A linear layer's forward on its output rows' shard (the input whole on every rank)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias.to_local() if self.bias is not None else None
-        return torch.nn.functional.linear(x, self.weight.to_local(), bias)
+        bias = _shard(self.bias) if self.bias is not None else None
+        return torch.nn.functional.linear(x, _shard(self.weight), bias)
 
 
-class _RowShard:
+class _RowShard(torch.nn.Linear):
     """A linear layer's forward on its input columns' shard, the partial outputs summed over the group (the bias,
     whole on every rank, added once after the sum)."""
 
-    novarl_tp_group: str
+    novarl_tp_group: Any
+    """The tensor-parallel group's name (functional collectives take it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _SumOutputs.apply(torch.nn.functional.linear(x, self.weight.to_local()), self.novarl_tp_group)
-        return out if self.bias is None else out + self.bias.to_local()
+        out = _SumOutputs.apply(torch.nn.functional.linear(x, _shard(self.weight)), self.novarl_tp_group)
+        return out if self.bias is None else out + _shard(self.bias)
 
 
-@functools.cache
+def _shard(param: Any) -> torch.Tensor:
+    """This rank's shard of a DTensor parameter (its gradient goes back to the DTensor's)."""
+    return param.to_local()
+
+
+_LOCAL_CLASSES: dict[tuple[type, type], type] = {}
+
+
 def _local_class(base: type, behaviour: type) -> type:
     """`base` (nn.Linear or a subclass) with `behaviour`'s forward: the module keeps its attributes and names."""
-    return type(f"{behaviour.__name__.lstrip('_')}{base.__name__}", (behaviour, base), {})
+    if base is torch.nn.Linear:
+        return behaviour
+    if (base, behaviour) not in _LOCAL_CLASSES:
+        _LOCAL_CLASSES[base, behaviour] = type(f"{behaviour.__name__.lstrip('_')}{base.__name__}", (behaviour, base),
+                                               {})
+    return _LOCAL_CLASSES[base, behaviour]
 
 
 class LocalColwise(ParallelStyle):
@@ -128,7 +141,8 @@ def _split_linear(module: torch.nn.Module, mesh: DeviceMesh, weight_placement, b
             split = distribute_tensor(param.data, mesh, [placement])
             setattr(module, name, torch.nn.Parameter(split, requires_grad=param.requires_grad))
     module.__class__ = _local_class(type(module), behaviour)
-    module.novarl_tp_group = mesh.get_group().group_name
+    local: Any = module
+    local.novarl_tp_group = mesh.get_group().group_name
     return module
 
 
