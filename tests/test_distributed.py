@@ -195,3 +195,55 @@ def test_custom_parallel_plan_errors_name_the_key():
         load_custom_plan("tests.helpers.plans:nope")
     with pytest.raises(UserError, match="is a list"):
         load_custom_plan("tests.helpers.plans:CALLS")
+
+
+def qwen3_steps(model: str, world: int) -> dict:
+    """Two training steps of a DTensor policy with tensor_parallel_size=world: losses, and the query norms'
+    weights after them (whole)."""
+    import torch
+
+    from novarl.backends.training.dtensor import DTensorPolicy
+    from tests.helpers.packing import measure, mixed_batch
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, overrides=[
+        f"cluster.gpus_per_node={world}", f"policy.dtensor_cfg.tensor_parallel_size={world}",
+        "policy.train_micro_batch_size=3", "policy.logprob_batch_size=4", "policy.scheduler=[]",
+        "policy.optimizer.kwargs={lr: 0.05}"])
+    policy = DTensorPolicy(cfg.policy, model, torch.device("cpu"), total_steps=4)
+    call = lambda method, *args: getattr(policy, method)(*args)  # noqa: E731
+    losses = [measure(call, mixed_batch(rows=6, seed=seed))["loss"] for seed in range(2)]
+    norms = {name: (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().clone()
+             for name, param in policy.model.named_parameters() if ".q_norm." in name}
+    return {"losses": losses, "norms": norms}
+
+
+def qwen3_rank(rank: int, world: int, rendezvous: str, results, model: str) -> None:
+    import torch.distributed as dist
+
+    from tests.helpers.spawn import send
+
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    send(results, rank, qwen3_steps(model, world))
+
+
+def test_tensor_parallel_qwen3_query_key_norms_train_as_on_one_rank(tmp_path):
+    """Qwen3's query/key norms run on each tensor-parallel rank's heads alone, their weights whole on every rank:
+    their gradients are summed over the ranks (parallelize.sum_head_split_gradients). Without it each rank
+    stepped its norms with its heads' share: the ranks' weights parted (by ~0.1 after two steps) and the second
+    loss was off one rank's (0.6448 vs 0.6432)."""
+    import torch
+
+    from novarl.distributed.local import ensure_single_process_group
+    from tests.helpers.models import tiny_qwen3
+    from tests.helpers.spawn import spawned
+
+    model = str(tiny_qwen3(tmp_path / "qwen3"))
+    ranks = spawned(qwen3_rank, 2, model)
+    ensure_single_process_group()
+    alone = qwen3_steps(model, 1)
+    for got in ranks:
+        assert got["losses"] == pytest.approx(alone["losses"], rel=1e-5)
+        assert got["norms"].keys() == alone["norms"].keys() and len(got["norms"]) == 2
+        for name, weight in alone["norms"].items():
+            torch.testing.assert_close(got["norms"][name], weight, rtol=1e-5, atol=1e-6)

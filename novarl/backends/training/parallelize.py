@@ -71,6 +71,45 @@ LLAMA_LAYER_PLAN_SP: dict[str, ParallelStyle] = {
 }
 
 
+HEAD_SPLIT_MODULES = ("self_attn.q_norm", "self_attn.k_norm")
+"""Modules of a decoder layer that the default plans leave whole on every tensor-parallel rank but that run on the
+rank's attention heads alone (Qwen3's query and key norms): each rank's gradient of their weights is its heads'
+share, which `sum_head_split_gradients` adds up over the ranks (as megatron-core all-reduces its qk-layernorm
+gradients)."""
+
+
+def head_split_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trainable parameters of every decoder layer's HEAD_SPLIT_MODULES."""
+    found = []
+    for layer in decoder_layers(model):
+        for name in HEAD_SPLIT_MODULES:
+            module = layer.get_submodule(name) if _has_submodule(layer, name) else None
+            if module is not None:
+                found += [param for param in module.parameters() if param.requires_grad]
+    return found
+
+
+def _has_submodule(module: torch.nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def sum_head_split_gradients(parameters: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Each of `parameters`' gradients summed over the tensor-parallel `group`, in one all-reduce (FSDP2's
+    gradients: each rank's data-parallel shard, the same elements on every tensor-parallel rank)."""
+    grads = [param.grad for param in parameters if param.grad is not None]
+    if not grads:
+        return
+    local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+    flat = torch.cat([tensor.reshape(-1) for tensor in local])
+    dist.all_reduce(flat, group=group)
+    for tensor, summed in zip(local, flat.split([tensor.numel() for tensor in local]), strict=True):
+        tensor.copy_(summed.view_as(tensor))
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     world_size: int
