@@ -247,3 +247,22 @@ def test_tensor_parallel_qwen3_query_key_norms_train_as_on_one_rank(tmp_path):
         assert got["norms"].keys() == alone["norms"].keys() and len(got["norms"]) == 2
         for name, weight in alone["norms"].items():
             torch.testing.assert_close(got["norms"][name], weight, rtol=1e-5, atol=1e-6)
+
+
+def test_a_query_norm_over_every_head_is_refused_under_the_default_tensor_parallel_plan():
+    """OLMo 2's query/key norms span all the heads' outputs, which the default plan splits by heads: refused,
+    naming it (it failed with a shape error inside the first forward); Qwen3's are one head's and split."""
+    from transformers import AutoModelForCausalLM, Olmo2Config, Qwen3Config
+
+    from novarl.backends.training.parallelize import check_splittable
+
+    shape = dict(vocab_size=19, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    olmo2 = AutoModelForCausalLM.from_config(Olmo2Config(**shape))
+    with pytest.raises(UserError, match=r"this olmo2 model: its self_attn.q_norm normalises all the heads' outputs "
+                                        r"together \(64 values, heads of 16\)"):
+        check_splittable(olmo2, 2, default_plan=True)
+    check_splittable(olmo2, 2, default_plan=False)  # a custom plan places the layers as it says
+    check_splittable(AutoModelForCausalLM.from_config(Qwen3Config(head_dim=16, **shape)), 2, default_plan=True)
+    with pytest.raises(UserError, match="must divide the model's num_key_value_heads=2"):
+        check_splittable(olmo2, 4, default_plan=True)

@@ -78,6 +78,31 @@ share, which `sum_head_split_gradients` adds up over the ranks (as megatron-core
 gradients)."""
 
 
+def check_splittable(model: torch.nn.Module, size: int, *, default_plan: bool) -> None:
+    """`size` divides the heads and the MLP's width; and the default plans, which split the attention by heads,
+    find a query/key norm one head's (Qwen3's), not spanning every head's outputs (OLMo 2's: each rank would hold
+    a part of what it normalises). Refused, naming what."""
+    config = model.config
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, name, None)
+        if value is not None and value % size:
+            raise UserError(f"policy.dtensor_cfg.tensor_parallel_size={size} must divide the model's "
+                            f"{name}={value}.")
+    if not default_plan:
+        return
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers = decoder_layers(model)
+    for name in HEAD_SPLIT_MODULES:
+        norm = layers[0].get_submodule(name) if layers and _has_submodule(layers[0], name) else None
+        weight = getattr(norm, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.numel() != head_dim:
+            raise UserError(f"policy.dtensor_cfg.tensor_parallel_size={size} with this {config.model_type} model: "
+                            f"its {name} normalises all the heads' outputs together ({weight.numel()} values, "
+                            f"heads of {head_dim}), which the default tensor-parallel plan splits by heads. Use "
+                            "tensor_parallel_size: 1 (FSDP2 shards the model over the data-parallel ranks), or a "
+                            "custom_parallel_plan that keeps the attention whole.")
+
+
 def head_split_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The trainable parameters of every decoder layer's HEAD_SPLIT_MODULES."""
     found = []
@@ -173,12 +198,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) ->
     torch's DTensor styles. With the default plan, the embeddings and the output head are split over the
     vocabulary (models/vocab_parallel.py). What became of them, for the log."""
     size = tp_mesh.size()
-    config = model.config
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(config, name, None)
-        if value is not None and value % size:
-            raise UserError(f"policy.dtensor_cfg.tensor_parallel_size={size} must divide the model's "
-                            f"{name}={value}.")
+    check_splittable(model, size, default_plan=not cfg.custom_parallel_plan)
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     default = LLAMA_LAYER_PLAN_SP if cfg.sequence_parallel else LLAMA_LAYER_PLAN
     if not cfg.sequence_parallel and not any(hasattr(module, "lora_A") for module in model.modules()):
