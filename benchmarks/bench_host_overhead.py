@@ -24,8 +24,9 @@ Layouts, side by side in one process (rounds interleaved, each layout's median s
 each eager and with compiled decoder layers. (With a torch whose FSDP2 does not group modules fully, before 2.13,
 both FSDP2 layouts are a unit a layer: the table's unit counts say so.) The `megatron` section puts the Megatron
 backend's step (eager, compiled) beside one device's, in processes of their own (measure_megatron); the
-`deepspeed` section DeepSpeed ZeRO-2's (eager, compiled layers) beside one device's (measure_deepspeed). Each
-section replaces its own in benchmarks/results/host_overhead_cpu.md (or --out).
+`deepspeed` section DeepSpeed ZeRO-2's (eager, compiled layers) beside one device's (measure_deepspeed); the
+`tensor-parallel` section the step on 2 ranks with tp 2, torch's DTensor styles beside local tensors
+(measure_tensor_parallel). Each section replaces its own in benchmarks/results/host_overhead_cpu.md (or --out).
 """
 
 from __future__ import annotations
@@ -245,6 +246,67 @@ def measure_deepspeed(steps: int, rounds: int) -> dict[str, list[float]]:
         return timed_rounds({name: cases[name] for name in DEEPSPEED_CASES}, steps, rounds)
 
 
+TENSOR_PARALLEL_CASES = ("torch's styles, eager", "local tensors, eager", "local tensors, compiled")
+
+
+def measure_tensor_parallel(steps: int, rounds: int) -> dict[str, list[float]]:
+    """The DTensor policy's step on 2 gloo ranks with tensor_parallel_size=2 (the default plan, float32): on
+    torch's ColwiseParallel/RowwiseParallel (as novarl ran it before local_tp.py) and on local tensors, eager and
+    compiled; each rank one thread, in processes of their own. {case: [rank 0's median seconds of each round]}."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model(Path(tmp) / "model")
+        mp.spawn(tensor_parallel_rank, args=(steps, rounds, tmp), nprocs=2)
+        return json.loads((Path(tmp) / "times.json").read_text())
+
+
+def tensor_parallel_rank(rank: int, steps: int, rounds: int, tmp: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from novarl.backends.training import dtensor, local_tp, parallelize
+    from novarl.config import load_config
+
+    torch.set_num_threads(1)
+    torch._dynamo.config.recompile_limit = 64
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    cases, local_plan = {}, local_tp.LOCAL_LAYER_PLAN
+    for name in TENSOR_PARALLEL_CASES:
+        local_tp.LOCAL_LAYER_PLAN = parallelize.LLAMA_LAYER_PLAN if name.startswith("torch") else local_plan
+        compiled = name.endswith("compiled")
+        cfg = load_config(None, overrides=[
+            f"policy.model_name={tmp}/model", "policy.max_seq_length=64", "policy.train_micro_batch_size=4",
+            "policy.logprob_batch_size=4", "policy.scheduler=[]", "policy.optimizer.kwargs.lr=1e-6",
+            "policy.precision=float32", "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2",
+            f"policy.dtensor_cfg.torch_compile={str(compiled).lower()}"])
+        cases[name] = make_step(dtensor.DTensorPolicy(cfg.policy, f"{tmp}/model", total_steps=1_000))
+        warm_up(cases[name], compiled)
+    local_tp.LOCAL_LAYER_PLAN = local_plan
+    times = timed_rounds(cases, steps, rounds)
+    if rank == 0:
+        (Path(tmp) / "times.json").write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def tensor_parallel_report(times: dict[str, list[float]], steps: int, rounds: int) -> str:
+    from benchmarks.models import cpu_name
+
+    base = statistics.median(times["torch's styles, eager"])
+    lines = [f"## Tensor parallelism on 2 ranks (float32, {cpu_name()}, one thread a rank)", "",
+             f"{date.today()}, commit {commit_name()}: `python benchmarks/bench_host_overhead.py --steps {steps} "
+             f"--rounds {rounds} --sections tensor-parallel`. The same model and step on the DTensor backend with "
+             "tensor_parallel_size=2 over gloo (2 processes, rank 0's times): the default plan on torch's DTensor "
+             "styles (each linear's input and output through DTensor; an all-reduce of the input gradient at each "
+             "of q, k, v, gate and up) and on local tensors (backends/training/local_tp.py: one all-reduce each way "
+             "per attention and per MLP). The times hold gloo's collectives on this host's loopback; a GPU's NCCL "
+             "ones differ.", "",
+             "| case | step (ms) | rounds (ms) | vs torch's styles |", "|---|---|---|---|"]
+    lines += [f"| {name} | {statistics.median(r) * 1e3:.1f} | {', '.join(f'{x * 1e3:.1f}' for x in r)} | "
+              f"{statistics.median(r) / base:.2f}x |" for name, r in times.items()]
+    return "\n".join(lines) + "\n"
+
+
 def commit_name() -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip() or "?"
@@ -328,7 +390,7 @@ def merged(text: str, section: str) -> str:
     return text.rstrip("\n") + "\n\n" + section
 
 
-SECTIONS = ("float32", "bfloat16", "megatron", "deepspeed")
+SECTIONS = ("float32", "bfloat16", "megatron", "deepspeed", "tensor-parallel")
 
 
 def main() -> None:
@@ -338,7 +400,8 @@ def main() -> None:
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="float32: the host's work alone; bfloat16: a GPU's path (copies, casts), whose CPU "
                              "kernels are slower; megatron, deepspeed: Megatron-core's and DeepSpeed ZeRO-2's step "
-                             "beside one device's (float32). Each replaces its own section of --out, the others kept")
+                             "beside one device's (float32); tensor-parallel: 2 ranks, torch's styles beside local "
+                             "tensors. Each replaces its own section of --out, the others kept")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "host_overhead_cpu.md")
     parser.add_argument("--megatron-child", choices=("whole", "pieces"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -353,6 +416,9 @@ def main() -> None:
         elif section == "deepspeed":
             result = measure_deepspeed(args.steps, args.rounds)
             text = merged(text, deepspeed_report(result, args.steps, args.rounds))
+        elif section == "tensor-parallel":
+            result = measure_tensor_parallel(args.steps, args.rounds)
+            text = merged(text, tensor_parallel_report(result, args.steps, args.rounds))
         else:
             result = measure(args.steps, args.rounds, section)
             text = merged(text, report(result, args.steps, args.rounds, section))
