@@ -229,7 +229,7 @@ def qwen3_rank(rank: int, world: int, rendezvous: str, results, model: str) -> N
 
 def test_tensor_parallel_qwen3_query_key_norms_train_as_on_one_rank(tmp_path):
     """Qwen3's query/key norms run on each tensor-parallel rank's heads alone, their weights whole on every rank:
-    their gradients are summed over the ranks (parallelize.sum_head_split_gradients). Without it each rank
+    their gradients are summed over the ranks (parallelize.sum_partial_gradients). Without it each rank
     stepped its norms with its heads' share: the ranks' weights parted (by ~0.1 after two steps) and the second
     loss was off one rank's (0.6448 vs 0.6432)."""
     import torch

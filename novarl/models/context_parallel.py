@@ -60,9 +60,11 @@ class ContextShard:
     def gather(self, local: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's `local` ([..., n, ...] along dim) in the row's order ([..., T, ...]); the
         backward sums each rank's gradient back to its own share."""
-        from torch.distributed._functional_collectives import all_gather_single_autograd
+        from torch.distributed import _functional_collectives as funcol
 
-        gathered = all_gather_single_autograd(local.movedim(dim, 0).contiguous(), gather_dim=0, group=self.group)
+        # (torch 2.13's name; older ones have only all_gather_tensor_autograd, which 2.13 says is deprecated)
+        gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+        gathered = gather(local.movedim(dim, 0).contiguous(), gather_dim=0, group=self.group)
         return gathered.index_select(0, self.restore).movedim(0, dim)
 
 

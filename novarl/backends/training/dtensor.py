@@ -44,8 +44,8 @@ from novarl.backends.training.parallelize import (
     apply_tp,
     build_mesh,
     clip_grad_norm,
-    head_split_parameters,
-    sum_head_split_gradients,
+    partial_parameters,
+    sum_partial_gradients,
     cp_group,
     decoder_layers,
     dp_group,
@@ -189,9 +189,9 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         self.optimizer = build_optimizer(policy.optimizer, [p for p in self.model.parameters() if p.requires_grad],
                                          self.device)
         self.scheduler = build_scheduler(policy.scheduler, self.optimizer, total_steps)
-        # the default tensor-parallel plans leave Qwen3's query/key norms whole, run on each rank's heads
-        split = policy.dtensor_cfg.tensor_parallel_size > 1 and not policy.dtensor_cfg.custom_parallel_plan
-        self.head_split = head_split_parameters(self.model) if split else []
+        # whole on every tensor-parallel rank, each rank's gradient a share (Qwen3's query/key norms; the norms
+        # under sequence parallelism on local tensors)
+        self.partial = partial_parameters(self.model, policy.dtensor_cfg)
 
     def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:
         """AccumulatingRows.forward_backward, the gathered weights freed at its end (FSDP2's last backward
@@ -222,8 +222,8 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
     def optim_step(self) -> dict[str, float]:
         """Clip, step the optimizer and scheduler, zero the gradients. The gradient norm is read last: on a
         GPU the host queues the whole step before it waits for the norm."""
-        if self.head_split:
-            sum_head_split_gradients(self.head_split, self.mesh["tp"].get_group())
+        if self.partial:
+            sum_partial_gradients(self.partial, self.mesh["tp"].get_group())
         grad_norm = clip_grad_norm(list(self.model.parameters()), self.policy.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()

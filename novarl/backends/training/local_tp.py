@@ -14,9 +14,15 @@ local shards inside the layer, and the two collectives of a layer are explicit (
 - after o and down, each rank's partial output is summed (`_SumOutputs`, an all-reduce; the backward passes the
   gradient on as it is).
 
+With sequence parallelism (LOCAL_LAYER_PLAN_SP) the residual stream and the norms hold each rank's share of the
+sequence: the blocks' inputs are all-gathered along it (the backward reduce-scatters), o's and down's outputs
+reduce-scattered (the backward all-gathers), the first layer's input cut to the rank's share (`SplitSequence`);
+the norms' weights, whole on every rank, get each rank's tokens' share of their gradient, which the trainer sums
+over the ranks (parallelize.partial_parameters, as megatron-core does for its sequence-parallel norms).
+
 Everything in the layer is then plain tensors and functional collectives, which dynamo traces with symbolic
-lengths. The numbers are eager tensor parallelism's up to float rounding (tests/test_distributed.py).
-Sequence parallelism, LoRA adapters in the layers and custom plans keep torch's styles (parallelize.apply_tp).
+lengths. The numbers are one rank's up to float rounding (tests/test_distributed.py, test_training_kernels.py).
+LoRA adapters in the layers and custom plans keep torch's styles (parallelize.apply_tp).
 """
 
 from __future__ import annotations
@@ -34,6 +40,39 @@ from novarl.errors import UserError
 
 def _waited(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.wait() if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
+
+
+# torch 2.13 names them *_single (the *_tensor names warn that they are deprecated); older ones have only those
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: every rank's share of the sequence (dim 1) gathered; backward: the gradient summed over the ranks
+    and split back (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _waited(_all_gather(x.contiguous(), 1, group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _waited(_reduce_scatter(grad.contiguous(), "sum", 1, ctx.group)), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Forward: each rank's partial output summed over the ranks and split along the sequence (dim 1); backward:
+    every rank's share of the gradient gathered."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _waited(_reduce_scatter(x.contiguous(), "sum", 1, group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _waited(_all_gather(grad.contiguous(), 1, ctx.group)), None
 
 
 class _SumGradients(torch.autograd.Function):
@@ -78,8 +117,15 @@ class _RowShard(torch.nn.Linear):
     novarl_tp_group: Any
     """The tensor-parallel group's name (functional collectives take it)."""
 
+    novarl_scatter_sequence: bool = False
+    """Sequence parallelism: the partial outputs summed and split along the sequence (a reduce-scatter)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _SumOutputs.apply(torch.nn.functional.linear(x, _shard(self.weight)), self.novarl_tp_group)
+        partial = torch.nn.functional.linear(x, _shard(self.weight))
+        if self.novarl_scatter_sequence:
+            out = _ScatterSequence.apply(partial, self.novarl_tp_group)
+        else:
+            out = _SumOutputs.apply(partial, self.novarl_tp_group)
         return out if self.bias is None else out + _shard(self.bias)
 
 
@@ -109,22 +155,71 @@ class LocalColwise(ParallelStyle):
 
 
 class LocalRowwise(ParallelStyle):
-    """A linear layer split by input columns (weight Shard(1), bias Replicate), its outputs summed."""
+    """A linear layer split by input columns (weight Shard(1), bias Replicate), its outputs summed; with
+    scatter_sequence, summed and split along the sequence (sequence parallelism)."""
+
+    def __init__(self, *, scatter_sequence: bool = False) -> None:
+        super().__init__()
+        self.scatter_sequence = scatter_sequence
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
-        return _split_linear(module, device_mesh, Shard(1), Replicate(), _RowShard)
+        local: Any = _split_linear(module, device_mesh, Shard(1), Replicate(), _RowShard)
+        local.novarl_scatter_sequence = self.scatter_sequence
+        return local
 
 
-class SumInputGradients(ParallelStyle):
-    """A block (attention, MLP) whose input is the same on every rank: its gradient summed over the group."""
+class BlockInput(ParallelStyle):
+    """A block's (attention's, MLP's) input, the same on every rank: without sequence parallelism its gradient
+    summed over the group; with it (gather_sequence), each rank's share of the sequence all-gathered (the
+    backward reduce-scatters the gradient)."""
+
+    def __init__(self, *, gather_sequence: bool = False) -> None:
+        super().__init__()
+        self.gather_sequence = gather_sequence
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         group = device_mesh.get_group().group_name
+        gather = self.gather_sequence
+
+        def whole(x: torch.Tensor) -> torch.Tensor:
+            if gather:
+                return _GatherSequence.apply(x, group)
+            return _SumGradients.apply(x, group)
 
         def hook(_module, args, kwargs):
             if args:
-                return (_SumGradients.apply(args[0], group), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": _SumGradients.apply(kwargs["hidden_states"], group)}
+                return (whole(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": whole(kwargs["hidden_states"])}
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class _KeepShare(torch.autograd.Function):
+    """Forward: this rank's share of the sequence (dim 1) of activations the same on every rank; backward: every
+    rank's share of the gradient gathered."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
+        ctx.group = group
+        return x.chunk(size, dim=1)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _waited(_all_gather(grad.contiguous(), 1, ctx.group)), None, None, None
+
+
+class SplitSequence(ParallelStyle):
+    """The first decoder layer's input (the embeddings' output, whole on every rank) cut to this rank's share of
+    the sequence: sequence parallelism's residual stream."""
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        group, rank, size = device_mesh.get_group().group_name, device_mesh.get_local_rank(), device_mesh.size()
+
+        def hook(_module, args, kwargs):
+            if args:
+                return (_KeepShare.apply(args[0], group, rank, size), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": _KeepShare.apply(kwargs["hidden_states"], group, rank, size)}
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
@@ -147,14 +242,29 @@ def _split_linear(module: torch.nn.Module, mesh: DeviceMesh, weight_placement, b
 
 
 LOCAL_LAYER_PLAN: dict[str, ParallelStyle] = {
-    "self_attn": SumInputGradients(),
+    "self_attn": BlockInput(),
     "self_attn.q_proj": LocalColwise(),
     "self_attn.k_proj": LocalColwise(),
     "self_attn.v_proj": LocalColwise(),
     "self_attn.o_proj": LocalRowwise(),
-    "mlp": SumInputGradients(),
+    "mlp": BlockInput(),
     "mlp.gate_proj": LocalColwise(),
     "mlp.up_proj": LocalColwise(),
     "mlp.down_proj": LocalRowwise(),
 }
 """parallelize.LLAMA_LAYER_PLAN's split, on local tensors."""
+
+LOCAL_LAYER_PLAN_SP: dict[str, ParallelStyle] = {
+    "self_attn": BlockInput(gather_sequence=True),
+    "self_attn.q_proj": LocalColwise(),
+    "self_attn.k_proj": LocalColwise(),
+    "self_attn.v_proj": LocalColwise(),
+    "self_attn.o_proj": LocalRowwise(scatter_sequence=True),
+    "mlp": BlockInput(gather_sequence=True),
+    "mlp.gate_proj": LocalColwise(),
+    "mlp.up_proj": LocalColwise(),
+    "mlp.down_proj": LocalRowwise(scatter_sequence=True),
+}
+"""parallelize.LLAMA_LAYER_PLAN_SP's split, on local tensors: the residual stream and the norms on each rank's
+share of the sequence (the norms' weights whole on every rank, their gradients summed over the ranks by the
+trainer: parallelize.sequence_split_parameters)."""

@@ -15,7 +15,7 @@ import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -71,58 +71,61 @@ LLAMA_LAYER_PLAN_SP: dict[str, ParallelStyle] = {
 }
 
 
-HEAD_SPLIT_MODULES = ("self_attn.q_norm", "self_attn.k_norm")
-"""Modules of a decoder layer that the default plans leave whole on every tensor-parallel rank but that run on the
-rank's attention heads alone (Qwen3's query and key norms): each rank's gradient of their weights is its heads'
-share, which `sum_head_split_gradients` adds up over the ranks (as megatron-core all-reduces its qk-layernorm
-gradients)."""
+HEAD_SPLIT = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+"""Parameters of a decoder layer that the default plans leave whole on every tensor-parallel rank but that act on
+the rank's attention heads alone (Qwen3's query and key norms): each rank's gradient is its heads' share, which
+`sum_partial_gradients` adds up over the ranks (as megatron-core all-reduces its qk-layernorm gradients)."""
+
+SEQUENCE_SPLIT = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.bias",
+                  "mlp.down_proj.bias")
+"""The same for sequence parallelism on local tensors (local_tp.LOCAL_LAYER_PLAN_SP): the norms, and the biases
+added after o's and down's reduce-scatter, act on the rank's share of the sequence (torch's SequenceParallel
+style makes the norms' weights DTensors whose gradients DTensor reduces instead)."""
 
 
 def check_splittable(model: torch.nn.Module, size: int, *, default_plan: bool) -> None:
     """`size` divides the heads and the MLP's width; and the default plans, which split the attention by heads,
     find a query/key norm one head's (Qwen3's), not spanning every head's outputs (OLMo 2's: each rank would hold
     a part of what it normalises). Refused, naming what."""
-    config = model.config
+    config: Any = model.config
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, name, None)
         if value is not None and value % size:
             raise UserError(f"policy.dtensor_cfg.tensor_parallel_size={size} must divide the model's "
                             f"{name}={value}.")
-    if not default_plan:
+    layers = decoder_layers(model)
+    if not default_plan or not layers:
         return
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    layers = decoder_layers(model)
-    for name in HEAD_SPLIT_MODULES:
-        norm = layers[0].get_submodule(name) if layers and _has_submodule(layers[0], name) else None
-        weight = getattr(norm, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.numel() != head_dim:
+    for name, weight in layers[0].named_parameters():
+        if name in HEAD_SPLIT and weight.numel() != head_dim:
             raise UserError(f"policy.dtensor_cfg.tensor_parallel_size={size} with this {config.model_type} model: "
-                            f"its {name} normalises all the heads' outputs together ({weight.numel()} values, "
-                            f"heads of {head_dim}), which the default tensor-parallel plan splits by heads. Use "
-                            "tensor_parallel_size: 1 (FSDP2 shards the model over the data-parallel ranks), or a "
-                            "custom_parallel_plan that keeps the attention whole.")
+                            f"its {name.removesuffix('.weight')} normalises all the heads' outputs together "
+                            f"({weight.numel()} values, heads of {head_dim}), which the default tensor-parallel "
+                            "plan splits by heads. Use tensor_parallel_size: 1 (FSDP2 shards the model over the "
+                            "data-parallel ranks), or a custom_parallel_plan that keeps the attention whole.")
 
 
-def head_split_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The trainable parameters of every decoder layer's HEAD_SPLIT_MODULES."""
-    found = []
-    for layer in decoder_layers(model):
-        for name in HEAD_SPLIT_MODULES:
-            module = layer.get_submodule(name) if _has_submodule(layer, name) else None
-            if module is not None:
-                found += [param for param in module.parameters() if param.requires_grad]
-    return found
+def runs_on_local_tensors(model: torch.nn.Module, cfg: DTensorConfig) -> bool:
+    """Whether apply_tp splits the decoder layers on local tensors (local_tp.py): the default plans, without LoRA
+    adapters in the layers."""
+    return not cfg.custom_parallel_plan and not any(hasattr(module, "lora_A") for module in model.modules())
 
 
-def _has_submodule(module: torch.nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
+def partial_parameters(model: torch.nn.Module, cfg: DTensorConfig) -> list[torch.nn.Parameter]:
+    """The trainable parameters whose gradient each tensor-parallel rank holds a share of, whole on every rank
+    (HEAD_SPLIT; with sequence parallelism on local tensors, SEQUENCE_SPLIT too). None under a custom plan (it
+    places the layers as it says) or without tensor parallelism."""
+    if cfg.tensor_parallel_size == 1 or cfg.custom_parallel_plan:
+        return []
+    names = set(HEAD_SPLIT)
+    if cfg.sequence_parallel and runs_on_local_tensors(model, cfg):
+        names.update(SEQUENCE_SPLIT)
+    return [param for layer in decoder_layers(model) for name, param in layer.named_parameters()
+            if name in names and param.requires_grad]
 
 
-def sum_head_split_gradients(parameters: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
+def sum_partial_gradients(parameters: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
     """Each of `parameters`' gradients summed over the tensor-parallel `group`, in one all-reduce (FSDP2's
     gradients: each rank's data-parallel shard, the same elements on every tensor-parallel rank)."""
     grads = [param.grad for param in parameters if param.grad is not None]
@@ -193,18 +196,19 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) -> str:
-    """Tensor parallelism with the default Llama-family plan or `custom_parallel_plan`. The default plan without
-    sequence parallelism or LoRA adapters runs on local tensors (local_tp.py: it compiles); with either, on
-    torch's DTensor styles. With the default plan, the embeddings and the output head are split over the
-    vocabulary (models/vocab_parallel.py). What became of them, for the log."""
+    """Tensor parallelism with the default Llama-family plan or `custom_parallel_plan`. The default plans without
+    LoRA adapters run on local tensors (local_tp.py: they compile); with them, on torch's DTensor styles. With
+    the default plan, the embeddings and the output head are split over the vocabulary (models/vocab_parallel.py).
+    What became of them, for the log."""
     size = tp_mesh.size()
     check_splittable(model, size, default_plan=not cfg.custom_parallel_plan)
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+    local = runs_on_local_tensors(model, cfg)
     default = LLAMA_LAYER_PLAN_SP if cfg.sequence_parallel else LLAMA_LAYER_PLAN
-    if not cfg.sequence_parallel and not any(hasattr(module, "lora_A") for module in model.modules()):
-        from novarl.backends.training.local_tp import LOCAL_LAYER_PLAN
+    if local:  # the same split on local tensors: it compiles (local_tp.py)
+        from novarl.backends.training import local_tp
 
-        default = LOCAL_LAYER_PLAN  # the same split on local tensors: compiles (local_tp.py)
+        default = local_tp.LOCAL_LAYER_PLAN_SP if cfg.sequence_parallel else local_tp.LOCAL_LAYER_PLAN
     plan = load_custom_plan(cfg.custom_parallel_plan) if cfg.custom_parallel_plan else default
     if callable(plan):
         if any(hasattr(module, "lora_A") for module in model.modules()):
@@ -215,7 +219,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) ->
     else:
         apply_plan(model, tp_mesh, plan)
     if cfg.sequence_parallel and not cfg.custom_parallel_plan:
-        apply_sequence_parallel_ends(model, tp_mesh)
+        apply_sequence_parallel_ends(model, tp_mesh, local=local)
     vocabulary = ("the input embeddings and the output head stay whole on every tensor-parallel rank: "
                   "policy.dtensor_cfg.custom_parallel_plan places the model's layers")
     if not cfg.custom_parallel_plan:  # the embeddings and the picking head over the vocabulary
@@ -298,12 +302,18 @@ def with_lora_adapters(layer: torch.nn.Module, plan: dict[str, ParallelStyle]) -
     return expanded
 
 
-def apply_sequence_parallel_ends(model: PreTrainedModel, tp_mesh: DeviceMesh) -> None:
-    """Split the embeddings' output along the sequence before the first layer, run the
-    final norm on each rank's tokens, and gather the sequence again before the head."""
+def apply_sequence_parallel_ends(model: PreTrainedModel, tp_mesh: DeviceMesh, *, local: bool) -> None:
+    """Split the embeddings' output along the sequence before the first layer (local: by local_tp.SplitSequence,
+    inside the first layer's compiled graph where it compiles), run the final norm on each rank's tokens, and
+    gather the sequence again before the head."""
     layers = decoder_layers(model)
-    parallelize_module(layers[0], tp_mesh, PrepareModuleInput(
-        input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+    if local:
+        from novarl.backends.training.local_tp import SplitSequence
+
+        parallelize_module(layers[0], tp_mesh, SplitSequence())
+    else:
+        parallelize_module(layers[0], tp_mesh, PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
     parallelize_module(model.model.norm, tp_mesh, SequenceParallel())
     parallelize_module(model.get_output_embeddings(), tp_mesh, PrepareModuleInput(
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
