@@ -1,5 +1,5 @@
-"""Tensor parallelism of a decoder layer with local tensors inside: the default Llama-family plan without sequence
-parallelism, in a form torch.compile traces whatever the sequence length.
+"""Tensor parallelism of a decoder layer with local tensors inside: the default Llama-family plans (with and without
+sequence parallelism), in a form torch.compile traces whatever the sequence length.
 
 torch's ColwiseParallel and RowwiseParallel run each linear on DTensors: the input made a Replicate DTensor, the
 output made local again. Compiled, such a layer failed to trace its training pass once a micro-batch's length
