@@ -68,6 +68,18 @@ def test_medium_model_on_one_node_is_dtensor_and_vllm_tp8():
     assert roomy.recommended.generation_tp == 8
 
 
+def test_an_olmo2_model_is_not_given_dtensor_tensor_parallelism():
+    """OLMo 2's query/key norms span every head, which the DTensor backend's tensor-parallel plans split by heads
+    (refused there): the advisor leaves those layouts out and picks another that fits."""
+    olmo2 = ModelShape.from_hf_config({"model_type": "olmo2", "hidden_size": 5120, "num_hidden_layers": 64,
+                                       "num_attention_heads": 40, "num_key_value_heads": 8,
+                                       "intermediate_size": 27648, "vocab_size": 100352})
+    assert not olmo2.heads_split and QWEN_32B.heads_split
+    advice = advise(olmo2, gpus_per_node=8, num_nodes=1, sequence_length=SEQ)
+    assert all(c.strategy != "dtensor fsdp2+tp" for c in advice.candidates)
+    assert advice.recommended.fits and advice.recommended.strategy != "dtensor fsdp2+tp"
+
+
 def test_medium_model_on_several_nodes_is_megatron_and_dedicated_vllm():
     advice = advise(QWEN_32B, gpus_per_node=8, num_nodes=4, sequence_length=SEQ)
     best = advice.recommended

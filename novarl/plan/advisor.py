@@ -285,7 +285,7 @@ class _Context:
 def _candidates(context: _Context) -> list[Candidate]:
     layouts = [_Layout("dtensor fsdp2", "dtensor", "fsdp2")]
     layouts += [_Layout("dtensor fsdp2+tp", "dtensor", "fsdp2_tp", tensor_parallel_size=tp)
-                for tp in context.tps if tp > 1]
+                for tp in context.tps if tp > 1 and context.shape.heads_split]
     layouts += [_Layout("dtensor fsdp2 + cpu offload", "dtensor", "fsdp2_offload"),
                 _Layout("deepspeed zero-2", "deepspeed", "zero2"),
                 _Layout("deepspeed zero-3", "deepspeed", "zero3")]

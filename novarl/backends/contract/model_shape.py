@@ -51,6 +51,9 @@ class ModelShape:
     """Biases on q, k and v (Qwen2); o has none."""
     qk_norm: bool = False
     """RMSNorm of head_dim on q and on k (Qwen3)."""
+    heads_split: bool = True
+    """The DTensor backend's default tensor-parallel plans can split the attention by heads (False: OLMo 2, whose
+    query/key norms span every head's outputs: backends/training/parallelize.check_splittable refuses it)."""
     num_experts: int = 1
     """Routed experts per MoE layer; 1 for a dense model."""
     num_experts_per_token: int = 1
@@ -163,6 +166,7 @@ class ModelShape:
             # Qwen2 always has q/k/v biases and its config does not say so.
             attention_bias=bool(config.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            heads_split=model_type != "olmo2",
             num_experts=int(experts),
             num_experts_per_token=int(config.get("num_experts_per_tok") or 1) if experts > 1 else 1,
             moe_intermediate_size=config.get("moe_intermediate_size"),
