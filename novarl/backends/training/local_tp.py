@@ -186,13 +186,19 @@ class BlockInput(ParallelStyle):
                 return _GatherSequence.apply(x, group)
             return _SumGradients.apply(x, group)
 
-        def hook(_module, args, kwargs):
-            if args:
-                return (whole(args[0]), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": whole(kwargs["hidden_states"])}
+        return _on_hidden_states(module, whole)
 
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
+
+def _on_hidden_states(module: torch.nn.Module, change) -> torch.nn.Module:
+    """`module`'s input activations (its first positional argument, or `hidden_states` given by name, as Hugging
+    Face's layers call their blocks) passed through `change` before its forward."""
+    def hook(_module, args, kwargs):
+        if args:
+            return (change(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+    return module
 
 
 class _KeepShare(torch.autograd.Function):
@@ -215,14 +221,7 @@ class SplitSequence(ParallelStyle):
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
         group, rank, size = device_mesh.get_group().group_name, device_mesh.get_local_rank(), device_mesh.size()
-
-        def hook(_module, args, kwargs):
-            if args:
-                return (_KeepShare.apply(args[0], group, rank, size), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": _KeepShare.apply(kwargs["hidden_states"], group, rank, size)}
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
+        return _on_hidden_states(module, lambda x: _KeepShare.apply(x, group, rank, size))
 
 
 def _split_linear(module: torch.nn.Module, mesh: DeviceMesh, weight_placement, bias_placement,
