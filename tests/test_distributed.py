@@ -249,6 +249,65 @@ def test_tensor_parallel_qwen3_query_key_norms_train_as_on_one_rank(tmp_path):
             torch.testing.assert_close(got["norms"][name], weight, rtol=1e-5, atol=1e-6)
 
 
+def sp_resume_steps(model: str, folder: str) -> dict:
+    """Under tp 2 + sequence parallelism: a policy split by torch's DTensor styles (as novarl split every
+    default plan before local_tp.py; LoRA still is), one step, its checkpoint, a second step; then a policy on
+    local tensors (today's default) loads that checkpoint and takes the same second step."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from novarl.backends.training import parallelize
+    from novarl.backends.training.dtensor import DTensorPolicy
+    from tests.helpers.packing import measure, mixed_batch
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, overrides=[
+        "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2",
+        "policy.dtensor_cfg.sequence_parallel=true", "policy.train_micro_batch_size=3",
+        "policy.logprob_batch_size=4", "policy.scheduler=[]", "policy.optimizer.kwargs={lr: 0.05}"])
+    make = lambda: DTensorPolicy(cfg.policy, model, torch.device("cpu"), total_steps=4)  # noqa: E731
+    local = parallelize.runs_on_local_tensors
+    parallelize.runs_on_local_tensors = lambda *_: False  # the earlier split, for its checkpoint
+    try:
+        before = make()
+    finally:
+        parallelize.runs_on_local_tensors = local
+    after = make()
+    norm = "model.layers.0.input_layernorm.weight"
+    weights = [dict(policy.model.named_parameters())[norm] for policy in (before, after)]
+    kinds = [weight.device_mesh.mesh_dim_names if isinstance(weight, DTensor) else () for weight in weights]
+    calls = [lambda method, *args, policy=policy: getattr(policy, method)(*args) for policy in (before, after)]
+    first = measure(calls[0], mixed_batch(rows=6, seed=0))["loss"]
+    before.save(Path(folder))
+    went_on = measure(calls[0], mixed_batch(rows=6, seed=1))["loss"]
+    after.load(Path(folder))
+    resumed = measure(calls[1], mixed_batch(rows=6, seed=1))["loss"]
+    return {"kinds": kinds, "first": first, "went_on": went_on, "resumed": resumed}
+
+
+def sp_resume_rank(rank: int, world: int, rendezvous: str, results, model: str, folder: str) -> None:
+    import torch.distributed as dist
+
+    from tests.helpers.spawn import send
+
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    send(results, rank, sp_resume_steps(model, folder))
+
+
+def test_a_sequence_parallel_checkpoint_of_torch_styles_resumes_on_local_tensors(tmp_path):
+    """A checkpoint written while sequence parallelism ran on torch's styles (the norms' weights and their Adam
+    moments tp-Replicate DTensors: novarl before local_tp.py) resumes under the local-tensor plan (plain
+    tensors): the resumed step's loss equals the one the writer took after saving."""
+    from tests.helpers.models import tiny_qwen3
+    from tests.helpers.spawn import spawned
+
+    model = str(tiny_qwen3(tmp_path / "qwen3"))
+    for got in spawned(sp_resume_rank, 2, model, str(tmp_path / "ckpt")):
+        assert got["kinds"] == [("dp", "tp"), ("dp",)]  # a norm's weight: a tp-Replicate DTensor, then not
+        assert got["went_on"] != got["first"]
+        assert got["resumed"] == pytest.approx(got["went_on"], rel=1e-5)
+
+
 def test_a_query_norm_over_every_head_is_refused_under_the_default_tensor_parallel_plan():
     """OLMo 2's query/key norms span all the heads' outputs, which the default plan splits by heads: refused,
     naming it (it failed with a shape error inside the first forward); Qwen3's are one head's and split."""
