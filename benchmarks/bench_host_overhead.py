@@ -246,13 +246,18 @@ def measure_deepspeed(steps: int, rounds: int) -> dict[str, list[float]]:
         return timed_rounds({name: cases[name] for name in DEEPSPEED_CASES}, steps, rounds)
 
 
-TENSOR_PARALLEL_CASES = ("torch's styles, eager", "local tensors, eager", "local tensors, compiled")
+TENSOR_PARALLEL_CASES = ("torch's styles, eager", "local tensors, eager", "local tensors, compiled",
+                         "torch's styles, LoRA, eager", "local tensors, LoRA, eager", "local tensors, LoRA, compiled")
+TP_LORA = ["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.dim=8",
+           "policy.dtensor_cfg.lora_cfg.use_triton=false"]
+"""LoRA on every linear layer of the decoder (the adapters split with their layers)."""
 
 
 def measure_tensor_parallel(steps: int, rounds: int) -> dict[str, list[float]]:
     """The DTensor policy's step on 2 gloo ranks with tensor_parallel_size=2 (the default plan, float32): on
     torch's ColwiseParallel/RowwiseParallel (as novarl ran it before local_tp.py) and on local tensors, eager and
-    compiled; each rank one thread, in processes of their own. {case: [rank 0's median seconds of each round]}."""
+    compiled; the same with LoRA adapters; each rank one thread, in processes of their own. {case: [rank 0's
+    median seconds of each round]}."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -279,7 +284,7 @@ def tensor_parallel_rank(rank: int, steps: int, rounds: int, tmp: str) -> None:
             f"policy.model_name={tmp}/model", "policy.max_seq_length=64", "policy.train_micro_batch_size=4",
             "policy.logprob_batch_size=4", "policy.scheduler=[]", "policy.optimizer.kwargs.lr=1e-6",
             "policy.precision=float32", "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2",
-            f"policy.dtensor_cfg.torch_compile={str(compiled).lower()}"])
+            f"policy.dtensor_cfg.torch_compile={str(compiled).lower()}", *(TP_LORA if "LoRA" in name else [])])
         cases[name] = make_step(dtensor.DTensorPolicy(cfg.policy, f"{tmp}/model", total_steps=1_000))
         warm_up(cases[name], compiled)
     local_tp.LOCAL_LAYER_PLAN = local_plan
@@ -292,18 +297,19 @@ def tensor_parallel_rank(rank: int, steps: int, rounds: int, tmp: str) -> None:
 def tensor_parallel_report(times: dict[str, list[float]], steps: int, rounds: int) -> str:
     from benchmarks.models import cpu_name
 
-    base = statistics.median(times["torch's styles, eager"])
     lines = [f"## Tensor parallelism on 2 ranks (float32, {cpu_name()}, one thread a rank)", "",
              f"{date.today()}, commit {commit_name()}: `python benchmarks/bench_host_overhead.py --steps {steps} "
              f"--rounds {rounds} --sections tensor-parallel`. The same model and step on the DTensor backend with "
              "tensor_parallel_size=2 over gloo (2 processes, rank 0's times): the default plan on torch's DTensor "
              "styles (each linear's input and output through DTensor; an all-reduce of the input gradient at each "
              "of q, k, v, gate and up) and on local tensors (backends/training/local_tp.py: one all-reduce each way "
-             "per attention and per MLP). The times hold gloo's collectives on this host's loopback; a GPU's NCCL "
+             "per attention and per MLP); then the same with LoRA adapters (rank 8) on every linear layer, against "
+             "torch's styles with them. The times hold gloo's collectives on this host's loopback; a GPU's NCCL "
              "ones differ.", "",
              "| case | step (ms) | rounds (ms) | vs torch's styles |", "|---|---|---|---|"]
+    base = {lora: statistics.median(times[f"torch's styles, {lora}eager"]) for lora in ("", "LoRA, ")}
     lines += [f"| {name} | {statistics.median(r) * 1e3:.1f} | {', '.join(f'{x * 1e3:.1f}' for x in r)} | "
-              f"{statistics.median(r) / base:.2f}x |" for name, r in times.items()]
+              f"{statistics.median(r) / base['LoRA, ' if 'LoRA' in name else '']:.2f}x |" for name, r in times.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -250,29 +250,22 @@ def test_tensor_parallel_qwen3_query_key_norms_train_as_on_one_rank(tmp_path):
 
 
 def sp_resume_steps(model: str, folder: str) -> dict:
-    """Under tp 2 + sequence parallelism: a policy split by torch's DTensor styles (as novarl split every
-    default plan before local_tp.py; LoRA still is), one step, its checkpoint, a second step; then a policy on
-    local tensors (today's default) loads that checkpoint and takes the same second step."""
+    """Under tp 2 + sequence parallelism: a policy split by torch's DTensor styles (as novarl split the default
+    plans before local_tp.py: tests/helpers/plans.torch_styles_sp), one step, its checkpoint, a second step; then
+    a policy on the default plan (local tensors) loads that checkpoint and takes the same second step."""
     import torch
     from torch.distributed.tensor import DTensor
 
-    from novarl.backends.training import parallelize
     from novarl.backends.training.dtensor import DTensorPolicy
     from tests.helpers.packing import measure, mixed_batch
 
     torch.set_num_threads(1)
-    cfg = load_config(None, overrides=[
-        "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2",
-        "policy.dtensor_cfg.sequence_parallel=true", "policy.train_micro_batch_size=3",
-        "policy.logprob_batch_size=4", "policy.scheduler=[]", "policy.optimizer.kwargs={lr: 0.05}"])
-    make = lambda: DTensorPolicy(cfg.policy, model, torch.device("cpu"), total_steps=4)  # noqa: E731
-    local = parallelize.runs_on_local_tensors
-    parallelize.runs_on_local_tensors = lambda *_: False  # the earlier split, for its checkpoint
-    try:
-        before = make()
-    finally:
-        parallelize.runs_on_local_tensors = local
-    after = make()
+    overrides = ["cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2",
+                 "policy.dtensor_cfg.sequence_parallel=true", "policy.train_micro_batch_size=3",
+                 "policy.logprob_batch_size=4", "policy.scheduler=[]", "policy.optimizer.kwargs={lr: 0.05}"]
+    earlier = "policy.dtensor_cfg.custom_parallel_plan=tests.helpers.plans:torch_styles_sp"
+    before, after = (DTensorPolicy(load_config(None, overrides=[*overrides, *plan]).policy, model,
+                                   torch.device("cpu"), total_steps=4) for plan in ([earlier], []))
     norm = "model.layers.0.input_layernorm.weight"
     weights = [dict(policy.model.named_parameters())[norm] for policy in (before, after)]
     kinds = [weight.device_mesh.mesh_dim_names if isinstance(weight, DTensor) else () for weight in weights]
@@ -294,15 +287,13 @@ def sp_resume_rank(rank: int, world: int, rendezvous: str, results, model: str, 
     send(results, rank, sp_resume_steps(model, folder))
 
 
-def test_a_sequence_parallel_checkpoint_of_torch_styles_resumes_on_local_tensors(tmp_path):
+def test_a_sequence_parallel_checkpoint_of_torch_styles_resumes_on_local_tensors(tmp_path, two_kv_head_model):
     """A checkpoint written while sequence parallelism ran on torch's styles (the norms' weights and their Adam
-    moments tp-Replicate DTensors: novarl before local_tp.py) resumes under the local-tensor plan (plain
-    tensors): the resumed step's loss equals the one the writer took after saving."""
-    from tests.helpers.models import tiny_qwen3
+    moments tp-Replicate DTensors: novarl before local_tp.py) resumes under the default plan on local tensors
+    (plain tensors): the resumed step's loss equals the one the writer took after saving."""
     from tests.helpers.spawn import spawned
 
-    model = str(tiny_qwen3(tmp_path / "qwen3"))
-    for got in spawned(sp_resume_rank, 2, model, str(tmp_path / "ckpt")):
+    for got in spawned(sp_resume_rank, 2, str(two_kv_head_model), str(tmp_path / "ckpt")):
         assert got["kinds"] == [("dp", "tp"), ("dp",)]  # a norm's weight: a tp-Replicate DTensor, then not
         assert got["went_on"] != got["first"]
         assert got["resumed"] == pytest.approx(got["went_on"], rel=1e-5)

@@ -54,13 +54,16 @@ def assert_same_training(got: dict, expected: dict) -> None:
         assert got[step]["logprob_mismatch"] < 1e-3  # the engines got the merged, trained weights
 
 
-def test_lora_with_tensor_and_sequence_parallelism_matches_one_rank(tmp_path, model, one_rank):
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_lora_with_tensor_and_sequence_parallelism_matches_one_rank(tmp_path, model, one_rank, sequence_parallel):
+    """The adapters split with their layers (backends/training/local_tp.py): a column-split layer's A and, under
+    sequence parallelism, a row-split layer's B whole on every rank, their gradients summed over the ranks."""
     from safetensors.torch import load_file
 
     result, got = run(tmp_path, model, STEPS, "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2",
-                      "policy.dtensor_cfg.sequence_parallel=true")
+                      f"policy.dtensor_cfg.sequence_parallel={str(sequence_parallel).lower()}")
     assert_same_training(got, one_rank)
-    # Only the adapters trained: the norms (which torch's SequenceParallel re-registers) are the base's.
+    # Only the adapters trained: the norms (which sequence parallelism's styles re-register) are the base's.
     base, trained = load_file(str(model / "model.safetensors")), load_file(str(result.model_dir / "model.safetensors"))
     norms = [k for k in base if k.endswith("norm.weight")]
     assert norms and all(torch.equal(base[k], trained[k]) for k in norms)

@@ -444,7 +444,7 @@ def test_decoder_layers_compile_by_default_only_where_it_was_measured_to_win():
 
     assert not refused("policy.dtensor_cfg.torch_compile=true")  # the default plans: local tensors inside
     assert not refused("policy.dtensor_cfg.torch_compile=true", "policy.dtensor_cfg.sequence_parallel=true")
-    assert refused("policy.dtensor_cfg.torch_compile=true", "policy.dtensor_cfg.lora_cfg.enabled=true")
+    assert not refused("policy.dtensor_cfg.torch_compile=true", "policy.dtensor_cfg.lora_cfg.enabled=true")
     assert refused("policy.dtensor_cfg.torch_compile=true",
                    "policy.dtensor_cfg.custom_parallel_plan=novarl.backends.training.parallelize:LLAMA_LAYER_PLAN")
     assert not refused()  # the default, off under tensor parallelism
@@ -495,7 +495,7 @@ def test_compiled_layers_with_lora_and_activation_checkpointing_train_like_eager
     trains_like_eager(build)
 
 
-def tensor_parallel_compiled_layers_train_like_eager_ones(model: str, sequence_parallel: bool) -> None:
+def tensor_parallel_compiled_layers_train_like_eager_ones(model: str, extra: list[str]) -> None:
     from novarl.backends.training import dtensor
     from novarl.config import load_config
 
@@ -504,25 +504,29 @@ def tensor_parallel_compiled_layers_train_like_eager_ones(model: str, sequence_p
             "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2", "policy.train_micro_batch_size=3",
             "policy.logprob_batch_size=4", "policy.scheduler=[]", "policy.optimizer.kwargs={lr: 0.01}",
             "policy.sequence_packing.enabled=true", f"policy.dtensor_cfg.torch_compile={str(compiled).lower()}",
-            f"policy.dtensor_cfg.sequence_parallel={str(sequence_parallel).lower()}"])
+            *extra])
         return dtensor.DTensorPolicy(cfg.policy, model, torch.device("cpu"), total_steps=4)
 
     torch.set_num_threads(1)
     trains_like_eager(build)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_tensor_parallel_compiled_layers_train_like_eager_ones(tmp_path, sequence_parallel):
+SP = "policy.dtensor_cfg.sequence_parallel=true"
+TP_LORA = ["policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.dim=4",
+           "policy.dtensor_cfg.lora_cfg.use_triton=false"]
+
+
+@pytest.mark.parametrize("extra", [[], [SP], [SP, *TP_LORA]], ids=["tp", "tp+sp", "tp+sp+lora"])
+def test_tensor_parallel_compiled_layers_train_like_eager_ones(tmp_path, extra):
     """policy.dtensor_cfg.torch_compile=true with tensor_parallel_size=2 (the default plans: local tensors inside
-    the layers, backends/training/local_tp.py), on 2 ranks over two steps of other lengths (packed rows): no graph
-    break, and the eager layers' logprobs, loss and gradient norm (float rounding). On torch's DTensor styles,
-    torch failed to trace the second length."""
+    the layers, backends/training/local_tp.py; LoRA's adapters split with their layers), on 2 ranks over two steps
+    of other lengths (packed rows): no graph break, and the eager layers' logprobs, loss and gradient norm (float
+    rounding). On torch's DTensor styles, torch failed to trace the second length."""
     from tests.helpers.models import two_kv_head_copy
     from tests.helpers.spawn import checked_rank, spawned
 
     model = str(two_kv_head_copy(tmp_path / "kv2"))
-    outcomes = spawned(checked_rank, 2, "gloo", tensor_parallel_compiled_layers_train_like_eager_ones, model,
-                       sequence_parallel)
+    outcomes = spawned(checked_rank, 2, "gloo", tensor_parallel_compiled_layers_train_like_eager_ones, model, extra)
     assert outcomes == [None, None], outcomes
 
 

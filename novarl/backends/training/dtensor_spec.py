@@ -16,22 +16,19 @@ class DTensorSpec(TrainingSpec):
 
     def config_problems(self, cfg) -> list[str]:
         """Compiled tensor-parallel decoder layers run on the default plans (local tensors inside: local_tp.py).
-        On torch's DTensor styles (a policy's LoRA adapters, a custom plan), once a micro-batch's sequence length
-        differed from the first one's, torch (2.13, two CPU ranks) failed to trace their training pass. The
-        policy's and the critic's sections."""
+        On torch's DTensor styles (a custom plan), once a micro-batch's sequence length differed from the first
+        one's, torch (2.13, two CPU ranks) failed to trace their training pass. The policy's and the critic's
+        sections."""
         problems = []
         for name, section in (("policy", cfg.policy), ("value", cfg.value)):
             dt = section.dtensor_cfg if section is not None else None
-            if dt is None or not dt.torch_compile or dt.tensor_parallel_size == 1:
+            if dt is None or not dt.torch_compile or dt.tensor_parallel_size == 1 or not dt.custom_parallel_plan:
                 continue
-            styled = [what for what, on in (("lora_cfg.enabled", name == "policy" and dt.lora_cfg.enabled),
-                                            ("custom_parallel_plan", bool(dt.custom_parallel_plan))) if on]
-            if styled:
-                problems.append(f"{name}.dtensor_cfg.torch_compile=true with tensor_parallel_size="
-                                f"{dt.tensor_parallel_size} and {' and '.join(styled)}: such layers run on torch's "
-                                "DTensor styles, which torch cannot trace once the sequence length varies; "
-                                "compiled tensor-parallel layers need the default plan without LoRA. Set "
-                                f"torch_compile: false, or drop {' and '.join(styled)}.")
+            problems.append(f"{name}.dtensor_cfg.torch_compile=true with tensor_parallel_size="
+                            f"{dt.tensor_parallel_size} and a custom_parallel_plan: its layers run on torch's "
+                            "DTensor styles, which torch cannot trace once the sequence length varies; compiled "
+                            "tensor-parallel layers need the default plan. Set torch_compile: false, or drop "
+                            "custom_parallel_plan.")
         return problems
 
     def parallel_sizes(self, cfg) -> ParallelSizes:

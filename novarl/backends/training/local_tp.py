@@ -21,8 +21,9 @@ the norms' weights, whole on every rank, get each rank's tokens' share of their 
 over the ranks (parallelize.partial_parameters, as megatron-core does for its sequence-parallel norms).
 
 Everything in the layer is then plain tensors and functional collectives, which dynamo traces with symbolic
-lengths. The numbers are one rank's up to float rounding (tests/test_distributed.py, test_training_kernels.py).
-LoRA adapters in the layers and custom plans keep torch's styles (parallelize.apply_tp).
+lengths. The numbers are one rank's up to float rounding (tests/test_distributed.py, test_training_kernels.py,
+test_lora_parallel.py). LoRA adapters are split with their layers (LocalColwise, LocalRowwise); custom plans keep
+torch's styles (parallelize.apply_tp).
 """
 
 from __future__ import annotations
@@ -148,24 +149,65 @@ def _local_class(base: type, behaviour: type) -> type:
 
 
 class LocalColwise(ParallelStyle):
-    """A linear layer split by output rows (weight and bias Shard(0)), run on local tensors."""
+    """A linear layer split by output rows (weight and bias Shard(0)), run on local tensors. With a LoRA adapter
+    (PEFT's wrapper, its forward unchanged): the base and B split so, A (r x in) whole on every rank; A's gradient
+    is then each rank's output rows' share, summed over the ranks by the trainer (`partial_adapter_parameters`)."""
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
-        return _split_linear(module, device_mesh, Shard(0), Shard(0), _ColumnShard)
+        adapter = _adapter(module)
+        if adapter is None:
+            return _split_linear(module, device_mesh, Shard(0), Shard(0), _ColumnShard)
+        base, _, lora_b = adapter
+        for linear in (base, lora_b):
+            _split_linear(linear, device_mesh, Shard(0), Shard(0), _ColumnShard)
+        return module
 
 
 class LocalRowwise(ParallelStyle):
     """A linear layer split by input columns (weight Shard(1), bias Replicate), its outputs summed; with
-    scatter_sequence, summed and split along the sequence (sequence parallelism)."""
+    scatter_sequence, summed and split along the sequence (sequence parallelism). With a LoRA adapter: the base
+    and A split so (A's r outputs summed, or scattered, as the base's are: one more collective, r wide), B
+    (out x r) whole on every rank; under sequence parallelism B's gradient is each rank's tokens' share, summed
+    over the ranks by the trainer."""
 
     def __init__(self, *, scatter_sequence: bool = False) -> None:
         super().__init__()
         self.scatter_sequence = scatter_sequence
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
-        local: Any = _split_linear(module, device_mesh, Shard(1), Replicate(), _RowShard)
-        local.novarl_scatter_sequence = self.scatter_sequence
-        return local
+        adapter = _adapter(module)
+        for linear in (module,) if adapter is None else adapter[:2]:  # the base and A
+            local: Any = _split_linear(linear, device_mesh, Shard(1), Replicate(), _RowShard)
+            local.novarl_scatter_sequence = self.scatter_sequence
+        return module
+
+
+def _adapter(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module] | None:
+    """A PEFT LoRA wrapper's base layer and its adapter's A and B (novarl's one adapter), or None for a plain
+    layer."""
+    from novarl.models.lora import ADAPTER
+
+    base, lora_a, lora_b = (getattr(module, name, None) for name in ("base_layer", "lora_A", "lora_B"))
+    if (isinstance(base, torch.nn.Module) and isinstance(lora_a, torch.nn.ModuleDict)
+            and isinstance(lora_b, torch.nn.ModuleDict) and ADAPTER in lora_a):
+        return base, lora_a[ADAPTER], lora_b[ADAPTER]
+    return None
+
+
+def partial_adapter_parameters(layer: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The LoRA parameters of a decoder layer split by the local plans whose gradient each rank holds a share of,
+    whole on every rank: A of a column-split layer; B of a row-split one under sequence parallelism."""
+    partial: list[torch.nn.Parameter] = []
+    for module in layer.modules():
+        adapter = _adapter(module)
+        if adapter is None:
+            continue
+        base, lora_a, lora_b = adapter
+        if isinstance(base, _ColumnShard):
+            partial.extend(lora_a.parameters())
+        elif isinstance(base, _RowShard) and base.novarl_scatter_sequence:
+            partial.extend(lora_b.parameters())
+    return [param for param in partial if param.requires_grad]
 
 
 class BlockInput(ParallelStyle):
@@ -266,4 +308,4 @@ LOCAL_LAYER_PLAN_SP: dict[str, ParallelStyle] = {
 }
 """parallelize.LLAMA_LAYER_PLAN_SP's split, on local tensors: the residual stream and the norms on each rank's
 share of the sequence (the norms' weights whole on every rank, their gradients summed over the ranks by the
-trainer: parallelize.sequence_split_parameters)."""
+trainer: parallelize.partial_parameters)."""

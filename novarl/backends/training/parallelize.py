@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 # Llama / Qwen2 / Mistral decoder layers: q/k/v and gate/up split by output
 # columns (heads), o/down by input rows, so each layer needs one all-reduce
 # after attention and one after the MLP. Keys are module names inside a layer.
+# These two run on torch's DTensor styles, for a custom_parallel_plan to name
+# or build on; the default plans are the same splits on local tensors
+# (local_tp.LOCAL_LAYER_PLAN and LOCAL_LAYER_PLAN_SP: they compile).
 LLAMA_LAYER_PLAN: dict[str, ParallelStyle] = {
     "self_attn.q_proj": ColwiseParallel(),
     "self_attn.k_proj": ColwiseParallel(),
@@ -106,23 +109,21 @@ def check_splittable(model: torch.nn.Module, size: int, *, default_plan: bool) -
                             "data-parallel ranks), or a custom_parallel_plan that keeps the attention whole.")
 
 
-def runs_on_local_tensors(model: torch.nn.Module, cfg: DTensorConfig) -> bool:
-    """Whether apply_tp splits the decoder layers on local tensors (local_tp.py): the default plans, without LoRA
-    adapters in the layers."""
-    return not cfg.custom_parallel_plan and not any(hasattr(module, "lora_A") for module in model.modules())
-
-
 def partial_parameters(model: torch.nn.Module, cfg: DTensorConfig) -> list[torch.nn.Parameter]:
     """The trainable parameters whose gradient each tensor-parallel rank holds a share of, whole on every rank
-    (HEAD_SPLIT; with sequence parallelism on local tensors, SEQUENCE_SPLIT too). None under a custom plan (it
-    places the layers as it says) or without tensor parallelism."""
+    under the default plans (local_tp.py): HEAD_SPLIT, LoRA's (local_tp.partial_adapter_parameters), and with
+    sequence parallelism SEQUENCE_SPLIT. None under a custom plan (it places the layers as it says) or without
+    tensor parallelism."""
     if cfg.tensor_parallel_size == 1 or cfg.custom_parallel_plan:
         return []
-    names = set(HEAD_SPLIT)
-    if cfg.sequence_parallel and runs_on_local_tensors(model, cfg):
-        names.update(SEQUENCE_SPLIT)
-    return [param for layer in decoder_layers(model) for name, param in layer.named_parameters()
-            if name in names and param.requires_grad]
+    from novarl.backends.training.local_tp import partial_adapter_parameters
+
+    names = set(HEAD_SPLIT) | (set(SEQUENCE_SPLIT) if cfg.sequence_parallel else set())
+    partial = []
+    for layer in decoder_layers(model):
+        partial += [param for name, param in layer.named_parameters() if name in names and param.requires_grad]
+        partial += partial_adapter_parameters(layer)
+    return partial
 
 
 def sum_partial_gradients(parameters: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
@@ -196,19 +197,16 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) -> str:
-    """Tensor parallelism with the default Llama-family plan or `custom_parallel_plan`. The default plans without
-    LoRA adapters run on local tensors (local_tp.py: they compile); with them, on torch's DTensor styles. With
-    the default plan, the embeddings and the output head are split over the vocabulary (models/vocab_parallel.py).
-    What became of them, for the log."""
+    """Tensor parallelism with the default Llama-family plan or `custom_parallel_plan`. The default plans (LoRA
+    adapters included) run on local tensors (local_tp.py: they compile); a custom plan on torch's DTensor styles.
+    With the default plan, the embeddings and the output head are split over the vocabulary
+    (models/vocab_parallel.py). What became of them, for the log."""
     size = tp_mesh.size()
     check_splittable(model, size, default_plan=not cfg.custom_parallel_plan)
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
-    local = runs_on_local_tensors(model, cfg)
-    default = LLAMA_LAYER_PLAN_SP if cfg.sequence_parallel else LLAMA_LAYER_PLAN
-    if local:  # the same split on local tensors: it compiles (local_tp.py)
-        from novarl.backends.training import local_tp
+    from novarl.backends.training import local_tp
 
-        default = local_tp.LOCAL_LAYER_PLAN_SP if cfg.sequence_parallel else local_tp.LOCAL_LAYER_PLAN
+    default = local_tp.LOCAL_LAYER_PLAN_SP if cfg.sequence_parallel else local_tp.LOCAL_LAYER_PLAN
     plan = load_custom_plan(cfg.custom_parallel_plan) if cfg.custom_parallel_plan else default
     if callable(plan):
         if any(hasattr(module, "lora_A") for module in model.modules()):
@@ -219,7 +217,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) ->
     else:
         apply_plan(model, tp_mesh, plan)
     if cfg.sequence_parallel and not cfg.custom_parallel_plan:
-        apply_sequence_parallel_ends(model, tp_mesh, local=local)
+        apply_sequence_parallel_ends(model, tp_mesh)
     vocabulary = ("the input embeddings and the output head stay whole on every tensor-parallel rank: "
                   "policy.dtensor_cfg.custom_parallel_plan places the model's layers")
     if not cfg.custom_parallel_plan:  # the embeddings and the picking head over the vocabulary
@@ -275,14 +273,17 @@ def with_lora_adapters(layer: torch.nn.Module, plan: dict[str, ParallelStyle]) -
     - column-wise (output split): A (r x in) whole on every rank, B (out x r) split by rows
       like the base;
     - row-wise (input split): A split by columns like the base (its r outputs reduced the way
-      the base's are), B whole on every rank, reading A's output in the base's output layout."""
+      the base's are), B whole on every rank, reading A's output in the base's output layout.
+    local_tp's styles (the default plans) split a wrapped layer's adapter themselves, the same way."""
+    from novarl.backends.training.local_tp import LocalColwise, LocalRowwise
     from novarl.models.lora import ADAPTER
 
     expanded: dict[str, ParallelStyle] = {}
     for name, style in plan.items():
         module = layer.get_submodule(name)
         lora_a = getattr(module, "lora_A", None)
-        if not (isinstance(lora_a, torch.nn.ModuleDict) and ADAPTER in lora_a):
+        if not (isinstance(lora_a, torch.nn.ModuleDict) and ADAPTER in lora_a) or isinstance(
+                style, (LocalColwise, LocalRowwise)):
             expanded[name] = style
             continue
         a, b = f"{name}.lora_A.{ADAPTER}", f"{name}.lora_B.{ADAPTER}"
@@ -302,18 +303,13 @@ def with_lora_adapters(layer: torch.nn.Module, plan: dict[str, ParallelStyle]) -
     return expanded
 
 
-def apply_sequence_parallel_ends(model: PreTrainedModel, tp_mesh: DeviceMesh, *, local: bool) -> None:
-    """Split the embeddings' output along the sequence before the first layer (local: by local_tp.SplitSequence,
-    inside the first layer's compiled graph where it compiles), run the final norm on each rank's tokens, and
-    gather the sequence again before the head."""
-    layers = decoder_layers(model)
-    if local:
-        from novarl.backends.training.local_tp import SplitSequence
+def apply_sequence_parallel_ends(model: PreTrainedModel, tp_mesh: DeviceMesh) -> None:
+    """Split the embeddings' output along the sequence before the first layer (local_tp.SplitSequence, inside the
+    first layer's compiled graph where it compiles), run the final norm on each rank's tokens, and gather the
+    sequence again before the head."""
+    from novarl.backends.training.local_tp import SplitSequence
 
-        parallelize_module(layers[0], tp_mesh, SplitSequence())
-    else:
-        parallelize_module(layers[0], tp_mesh, PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+    parallelize_module(decoder_layers(model)[0], tp_mesh, SplitSequence())
     parallelize_module(model.model.norm, tp_mesh, SequenceParallel())
     parallelize_module(model.get_output_embeddings(), tp_mesh, PrepareModuleInput(
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
