@@ -201,11 +201,11 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) ->
     adapters included) run on local tensors (local_tp.py: they compile); a custom plan on torch's DTensor styles.
     With the default plan, the embeddings and the output head are split over the vocabulary
     (models/vocab_parallel.py). What became of them, for the log."""
+    from novarl.backends.training import local_tp
+
     size = tp_mesh.size()
     check_splittable(model, size, default_plan=not cfg.custom_parallel_plan)
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
-    from novarl.backends.training import local_tp
-
     default = local_tp.LOCAL_LAYER_PLAN_SP if cfg.sequence_parallel else local_tp.LOCAL_LAYER_PLAN
     plan = load_custom_plan(cfg.custom_parallel_plan) if cfg.custom_parallel_plan else default
     if callable(plan):
