@@ -54,14 +54,19 @@ def assert_same_training(got: dict, expected: dict) -> None:
         assert got[step]["logprob_mismatch"] < 1e-3  # the engines got the merged, trained weights
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_lora_with_tensor_and_sequence_parallelism_matches_one_rank(tmp_path, model, one_rank, sequence_parallel):
-    """The adapters split with their layers (backends/training/local_tp.py): a column-split layer's A and, under
-    sequence parallelism, a row-split layer's B whole on every rank, their gradients summed over the ranks."""
+TORCH_STYLES = "policy.dtensor_cfg.custom_parallel_plan=novarl.backends.training.parallelize:LLAMA_LAYER_PLAN"
+
+
+@pytest.mark.parametrize("layout", [[], ["policy.dtensor_cfg.sequence_parallel=true"], [TORCH_STYLES]],
+                         ids=["tp", "tp+sp", "tp-custom-plan"])
+def test_lora_with_tensor_and_sequence_parallelism_matches_one_rank(tmp_path, model, one_rank, layout):
+    """The adapters split with their layers: on the default plans (backends/training/local_tp.py) a column-split
+    layer's A and, under sequence parallelism, a row-split layer's B whole on every rank, their gradients summed
+    over the ranks; under a custom plan of torch's styles, as parallelize.with_lora_adapters places them."""
     from safetensors.torch import load_file
 
     result, got = run(tmp_path, model, STEPS, "cluster.gpus_per_node=2", "policy.dtensor_cfg.tensor_parallel_size=2",
-                      f"policy.dtensor_cfg.sequence_parallel={str(sequence_parallel).lower()}")
+                      *layout)
     assert_same_training(got, one_rank)
     # Only the adapters trained: the norms (which sequence parallelism's styles re-register) are the base's.
     base, trained = load_file(str(model / "model.safetensors")), load_file(str(result.model_dir / "model.safetensors"))
