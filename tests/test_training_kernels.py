@@ -163,6 +163,21 @@ def test_the_optimizer_is_fused_on_cuda_and_the_cpu_unless_the_config_chooses():
     assert not build_optimizer(chosen, param, torch.device("cpu")).defaults.get("fused")
     rmsprop = OptimizerConfig(name="torch.optim.RMSprop", kwargs={"lr": 1e-3})  # no fused kernel
     assert "fused" not in build_optimizer(rmsprop, param, torch.device("cpu")).defaults
+    # on DTensors (FSDP2's) SGD steps unfused: DTensor has no rule for its fused kernel (it raised), Adam's fuse
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from novarl.distributed.local import ensure_single_process_group
+
+    ensure_single_process_group()
+    sharded = [torch.nn.Parameter(distribute_tensor(torch.ones(3), init_device_mesh("cpu", (1,))))]
+    sharded[0].grad = distribute_tensor(torch.ones(3), sharded[0].device_mesh)
+    sgd = build_optimizer(OptimizerConfig(name="torch.optim.SGD", kwargs={"lr": 0.5}), sharded, torch.device("cpu"))
+    assert not sgd.defaults.get("fused") and build_optimizer(OptimizerConfig(name="torch.optim.SGD", kwargs={
+        "lr": 0.5}), param, torch.device("cpu")).defaults["fused"] is True
+    sgd.step()
+    assert torch.equal(sharded[0].full_tensor(), torch.full((3,), 0.5))
+    assert build_optimizer(adamw, sharded, torch.device("cpu")).defaults["fused"] is True
     if torch.cuda.is_available():
         on_gpu = [torch.nn.Parameter(torch.zeros(3, device="cuda"))]
         assert build_optimizer(adamw, on_gpu, torch.device("cuda")).defaults["fused"] is True
@@ -735,6 +750,37 @@ def test_one_device_trains_like_fsdp2_on_one_rank(monkeypatch, device, precision
         after = [measure(lambda method, *args: getattr(p, method)(*args), batch) for p in (plain, policies[False])]
     torch.testing.assert_close(after[0]["logprobs"], after[1]["logprobs"], **tolerance)
     assert after[0]["loss"] == pytest.approx(after[1]["loss"], rel=tolerance["rtol"], abs=tolerance["atol"])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_cpu_offload_trains_as_fsdp2_on_the_device(monkeypatch, device):
+    """Under CPU offload FSDP2 keeps the parameters, their gradients and the optimizer on the host while the
+    passes run on the device: on a GPU the gradient norm (a DTensor on the host) is reduced on the mesh's GPU,
+    where NCCL takes it (parallelize.clip_grad_norm), and two clipped steps give the device-held model's
+    numbers."""
+    from novarl.backends.training import dtensor
+    from novarl.config import load_config
+    from novarl.distributed.local import ensure_single_process_group
+    from novarl.models.loading import resolve_model_path
+    from tests.helpers.packing import measure, mixed_batch
+
+    ensure_single_process_group()
+    monkeypatch.setattr(dtensor, "one_device", lambda *args: False)  # FSDP2 on the one rank, offloaded or not
+    batch, runs = mixed_batch(rows=9).to(torch.device(device)), {}
+    for offload in (False, True):
+        cfg = load_config(None, overrides=["policy.train_micro_batch_size=3", "policy.logprob_batch_size=4",
+                                           "policy.scheduler=[]", "policy.optimizer.kwargs={lr: 0.01}",
+                                           "policy.precision=float32", "policy.max_grad_norm=0.5",
+                                           f"policy.dtensor_cfg.cpu_offload={str(offload).lower()}"])
+        policy = dtensor.DTensorPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device(device),
+                                       total_steps=4)
+        assert {p.device.type for p in policy.model.parameters()} == {"cpu" if offload else device}
+        call = lambda method, *args, policy=policy: getattr(policy, method)(*args)  # noqa: E731
+        runs[offload] = [measure(call, batch), measure(call, batch)]
+    for got, want in zip(runs[True], runs[False]):
+        torch.testing.assert_close(got["logprobs"].cpu(), want["logprobs"].cpu(), rtol=1e-4, atol=1e-4)
+        for name in ("loss", "grad_norm"):
+            assert got[name] == pytest.approx(want[name], rel=1e-4, abs=1e-6), name
 
 
 def test_one_device_copies_share_tied_weights_cast_a_layers_inputs_and_train_the_float32_weights():

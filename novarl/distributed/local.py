@@ -7,8 +7,13 @@ paths are the same ones the multi-rank workers run.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def default_device() -> torch.device:
@@ -20,6 +25,14 @@ def collective_device(group=None) -> torch.device:
     current GPU under NCCL, else the CPU (gloo)."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
         else torch.device("cpu")
+
+
+def whole(tensor: DTensor) -> torch.Tensor:
+    """A DTensor made whole on every rank of its mesh (a collective), gathered on the mesh's devices: under CPU
+    offload FSDP2's shards live on the host, and NCCL takes GPU tensors."""
+    if tensor.device.type != tensor.device_mesh.device_type:
+        tensor = cast("DTensor", tensor.to(tensor.device_mesh.device_type))
+    return tensor.full_tensor()
 
 
 def ensure_single_process_group() -> None:

@@ -35,12 +35,11 @@ import json
 import socket
 import threading
 from collections.abc import Iterable, Iterator
-from typing import cast
 
 import torch
 import torch.distributed as dist
 
-from novarl.distributed.local import collective_device, default_device
+from novarl.distributed.local import collective_device, default_device, whole
 from novarl.errors import NotAvailableYet, RunFailed
 
 BUCKET_BYTES = 512 * 2**20
@@ -240,9 +239,7 @@ def full_weights(state: Iterable[tuple[str, torch.Tensor]], keep: bool, dtype: t
 
     for name, tensor in state:
         if isinstance(tensor, DTensor):
-            if tensor.device.type != tensor.device_mesh.device_type:  # shards offloaded to the CPU
-                tensor = cast(DTensor, tensor.to(tensor.device_mesh.device_type))
-            tensor = tensor.full_tensor()
+            tensor = whole(tensor)
         if keep:
             yield name, in_dtype(tensor.detach(), dtype)
 

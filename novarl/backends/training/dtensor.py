@@ -189,8 +189,9 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         self.optimizer = build_optimizer(policy.optimizer, [p for p in self.model.parameters() if p.requires_grad],
                                          self.device)
         self.scheduler = build_scheduler(policy.scheduler, self.optimizer, total_steps)
-        # whole on every tensor-parallel rank, each rank's gradient a share (Qwen3's query/key norms; the norms
-        # under sequence parallelism on local tensors)
+        # whole on every tensor-parallel rank, each rank's gradient a share (parallelize.partial_parameters:
+        # Qwen3's query/key norms; on the default plans LoRA's A of column-split layers, and under sequence
+        # parallelism the norms, o's and down's biases and LoRA's B of row-split layers)
         self.partial = partial_parameters(self.model, policy.dtensor_cfg)
 
     def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:

@@ -4,9 +4,10 @@ sequence parallelism), in a form torch.compile traces whatever the sequence leng
 torch's ColwiseParallel and RowwiseParallel run each linear on DTensors: the input made a Replicate DTensor, the
 output made local again. Compiled, such a layer failed to trace its training pass once a micro-batch's length
 differed from the first one's (torch 2.13, two CPU ranks: the backward's view of the split activations recursed
-without end). Here the same weights (DTensors, split as torch's styles split them: q/k/v, gate and up by output
-rows, o and down by input columns; checkpoints, exports and weight syncs read them as before) are read as their
-local shards inside the layer, and the two collectives of a layer are explicit (Megatron-LM's form):
+without end). Here the layers' weights are the same DTensors (split as torch's styles split them: q/k/v, gate
+and up by output rows, o and down by input columns; checkpoints, exports and weight syncs read them as before),
+read as their local shards inside the layer, and the two collectives of a layer are explicit (Megatron-LM's
+form):
 
 - at the attention's and the MLP's input, the activations are the same on every tensor-parallel rank; the
   backward sums their gradients over the ranks (`_SumGradients`: one all-reduce per block, where torch's styles
@@ -22,8 +23,14 @@ over the ranks (parallelize.partial_parameters, as megatron-core does for its se
 
 Everything in the layer is then plain tensors and functional collectives, which dynamo traces with symbolic
 lengths. The numbers are one rank's up to float rounding (tests/test_distributed.py, test_training_kernels.py,
-test_lora_parallel.py). LoRA adapters are split with their layers (LocalColwise, LocalRowwise); custom plans keep
-torch's styles (parallelize.apply_tp).
+test_lora_parallel.py). LoRA adapters are split with their layers (LocalColwise, LocalRowwise): the matrix on
+the split side a DTensor split as the base is, the other (A of a column-split layer, B of a row-split one) a plain
+tensor whole on every rank, FSDP2's alone (torch's styles made it a Replicate DTensor; such checkpoints resume),
+whose gradient the trainer sums over the ranks where each holds a share (partial_adapter_parameters).
+
+These styles are parts of the default plans, not styles to compose (a block's input gradient is summed by its
+BlockInput, the partial gradients by the trainer for this layout alone): a custom plan that names them is refused
+(parallelize.refuse_local_styles); custom plans run on torch's styles.
 """
 
 from __future__ import annotations

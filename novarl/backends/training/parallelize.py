@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 
 from novarl.backends.contract.model_shape import layers_per_kept_unit
 from novarl.config.schema import DTensorConfig
+from novarl.distributed.local import collective_device, whole
 from novarl.errors import UserError
 from novarl.models.vocab_parallel import split_vocabulary
 
@@ -110,20 +111,36 @@ def check_splittable(model: torch.nn.Module, size: int, *, default_plan: bool) -
 
 
 def partial_parameters(model: torch.nn.Module, cfg: DTensorConfig) -> list[torch.nn.Parameter]:
-    """The trainable parameters whose gradient each tensor-parallel rank holds a share of, whole on every rank
-    under the default plans (local_tp.py): HEAD_SPLIT, LoRA's (local_tp.partial_adapter_parameters), and with
-    sequence parallelism SEQUENCE_SPLIT. None under a custom plan (it places the layers as it says) or without
-    tensor parallelism."""
-    if cfg.tensor_parallel_size == 1 or cfg.custom_parallel_plan:
+    """The trainable parameters whose gradient each tensor-parallel rank holds a share of, whole on every rank:
+    HEAD_SPLIT behind query and key projections split by heads (the default plans, or a custom plan that leaves
+    the norms whole), LoRA's (local_tp.partial_adapter_parameters: the default plans'), and with sequence
+    parallelism on the default plan SEQUENCE_SPLIT. None without tensor parallelism."""
+    if cfg.tensor_parallel_size == 1:
         return []
     from novarl.backends.training.local_tp import partial_adapter_parameters
 
-    names = set(HEAD_SPLIT) | (set(SEQUENCE_SPLIT) if cfg.sequence_parallel else set())
+    sequence_split = set(SEQUENCE_SPLIT) if cfg.sequence_parallel and not cfg.custom_parallel_plan else set()
     partial = []
     for layer in decoder_layers(model):
-        partial += [param for name, param in layer.named_parameters() if name in names and param.requires_grad]
+        heads_split = splits_heads(layer)
+        partial += [param for name, param in layer.named_parameters() if param.requires_grad and (
+            name in sequence_split or (name in HEAD_SPLIT and heads_split and not on_tensor_parallel_mesh(param)))]
         partial += partial_adapter_parameters(layer)
     return partial
+
+
+def splits_heads(layer: torch.nn.Module) -> bool:
+    """Whether a decoder layer's query projection (a LoRA wrapper's base) is split over the tensor-parallel
+    ranks: each rank's attention then runs on its heads alone."""
+    params = dict(layer.named_parameters())
+    weight = params.get("self_attn.q_proj.weight", params.get("self_attn.q_proj.base_layer.weight"))
+    return weight is not None and on_tensor_parallel_mesh(weight)
+
+
+def on_tensor_parallel_mesh(param: torch.Tensor) -> bool:
+    """Whether a parameter is placed over the tensor-parallel ranks (split or replicated by a plan); FSDP2 puts
+    the others on the data-parallel mesh alone."""
+    return isinstance(param, DTensor) and "tp" in (param.device_mesh.mesh_dim_names or ())
 
 
 def sum_partial_gradients(parameters: list[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
@@ -133,7 +150,8 @@ def sum_partial_gradients(parameters: list[torch.nn.Parameter], group: dist.Proc
     if not grads:
         return
     local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
-    flat = torch.cat([tensor.reshape(-1) for tensor in local])
+    # on the group's device: under CPU offload FSDP2 leaves the gradients on the CPU, and NCCL takes GPU tensors
+    flat = torch.cat([tensor.reshape(-1) for tensor in local]).to(collective_device(group))
     dist.all_reduce(flat, group=group)
     for tensor, summed in zip(local, flat.split([tensor.numel() for tensor in local]), strict=True):
         tensor.copy_(summed.view_as(tensor))
@@ -208,6 +226,8 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) ->
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     default = local_tp.LOCAL_LAYER_PLAN_SP if cfg.sequence_parallel else local_tp.LOCAL_LAYER_PLAN
     plan = load_custom_plan(cfg.custom_parallel_plan) if cfg.custom_parallel_plan else default
+    if cfg.custom_parallel_plan and not callable(plan):
+        refuse_local_styles(plan, cfg.custom_parallel_plan)
     if callable(plan):
         if any(hasattr(module, "lora_A") for module in model.modules()):
             raise UserError(f"policy.dtensor_cfg.custom_parallel_plan='{cfg.custom_parallel_plan}' is a function, "
@@ -228,6 +248,23 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) ->
     # DTensor warns that (dp, tp) norms take two all-reduces; on these sizes that is fine.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     return vocabulary
+
+
+def refuse_local_styles(plan: dict[str, ParallelStyle], spec: str) -> None:
+    """local_tp's styles are parts of the default plans, not styles to compose: a block's input gradient is summed
+    by its BlockInput, the adapters' and the norms' by the trainer for the default plans' layout. In a custom
+    plan they would train on a rank's share of those gradients; refused, naming the keys."""
+    from novarl.backends.training import local_tp
+
+    local = (local_tp.LocalColwise, local_tp.LocalRowwise, local_tp.BlockInput, local_tp.SplitSequence)
+    keys = [key for key, style in plan.items() if isinstance(style, local)]
+    if keys:
+        raise UserError(f"policy.dtensor_cfg.custom_parallel_plan='{spec}' gives {keys} novarl's local-tensor "
+                        "styles (backends/training/local_tp.py), which run only as the default plans: leave "
+                        "custom_parallel_plan unset for them (with sequence_parallel: true for the "
+                        "sequence-parallel one), or write the plan with torch's styles (ColwiseParallel, "
+                        "RowwiseParallel; novarl.backends.training.parallelize:LLAMA_LAYER_PLAN is the default "
+                        "split so).")
 
 
 def apply_plan(model: torch.nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
@@ -435,7 +472,9 @@ def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float | None)
     squares: torch.Tensor | None = None
     for pairs in groups.values():
         norm = torch.nn.utils.get_total_norm([grad for _, grad in pairs])
-        norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2
+        if isinstance(norm, DTensor):  # (under CPU offload on the host: summed on the mesh's devices)
+            norm = whole(norm)
+        norm = norm.float() ** 2
         squares = norm if squares is None else squares + norm.to(squares.device)
     if squares is None:
         return torch.zeros((), dtype=torch.float32)
