@@ -92,11 +92,25 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without the host waiting for the device: on CUDA through pinned memory
     and a non-blocking copy (a blocking copy, or one from pageable memory, can wait for every kernel
     queued before it, and the GPU then idles while the host queues the next ones); elsewhere `.to`."""
-    if tensor.device == device:
+    if on_device(tensor, device):
         return tensor
     if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
+        return pinned(tensor).to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor's copy in pinned memory, dense: torch pins a copy with the source's strides, which for an
+    expanded tensor (a stride of 0: lay_out's positions) overlaps itself, and the copy into it raises."""
+    return tensor.contiguous().pin_memory()
+
+
+def on_device(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether `tensor` is on `device`, a CUDA device given without an index being the current one (a tensor's
+    device always has one: torch.device("cuda") != torch.device("cuda", 0))."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return tensor.device == device
 
 
 @dataclass
@@ -209,7 +223,7 @@ class TrainBatch:
         return self.select(range(start, min(stop, len(self))))
 
     def to(self, device: torch.device) -> "TrainBatch":
-        if self.input_ids.device == device:
+        if on_device(self.input_ids, device):  # (moved again it would lose its host copy)
             return self
         moved = {k: to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
         moved["host"] = self if self.input_ids.device.type == "cpu" else None

@@ -331,3 +331,26 @@ def test_the_advisor_sizes_activations_by_the_packed_row():
     assert activations(**micro_batch_shape(policy)) == pytest.approx(activations(sequence_length=8192))
     # (4x the layers' activations; the output head's one chunk of float32 logits is the same in both)
     assert activations(**micro_batch_shape(policy)) > 2.5 * activations(sequence_length=1024, micro_batch_size=2)
+
+
+def test_host_tensors_are_pinned_dense_and_a_batch_on_its_device_keeps_its_host_copy(monkeypatch):
+    """torch pins a host tensor into a copy with its strides: lay_out's positions (an expanded arange, stride 0)
+    made a copy that overlaps itself, and every padded micro-batch moved to a GPU raised (emulated here on the
+    CPU as ATen's _pin_memory does it; types.pinned copies it dense first). A batch already on its CUDA device,
+    named without an index, is not moved again (that dropped its host copy: reads back to the host each
+    micro-batch after)."""
+    from novarl.types import on_device, pinned
+
+    def pin_as_aten(self):  # ATen's _pin_memory: a buffer with the source's sizes and strides, then copy_
+        return torch.empty_strided(self.size(), self.stride(), dtype=self.dtype).copy_(self)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_as_aten)
+    positions = torch.arange(6).expand(3, 6)
+    with pytest.raises(RuntimeError, match="more than one element"):
+        positions.pin_memory()
+    assert torch.equal(pinned(positions), positions)
+    assert on_device(positions, torch.device("cpu"))
+    if torch.cuda.is_available():
+        batch = mixed_batch(rows=4).to(torch.device("cuda", torch.cuda.current_device()))
+        assert on_device(batch.input_ids, torch.device("cuda"))
+        assert batch.to(torch.device("cuda")) is batch and batch.host is not None

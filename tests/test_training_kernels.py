@@ -752,6 +752,52 @@ def test_one_device_trains_like_fsdp2_on_one_rank(monkeypatch, device, precision
     assert after[0]["loss"] == pytest.approx(after[1]["loss"], rel=tolerance["rtol"], abs=tolerance["atol"])
 
 
+def grad_norm_reduced_once_on_the_mesh() -> None:
+    """clip_grad_norm on two ranks over gradients on a (dp 1, tp 2) mesh (split and replicated) and on none."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from novarl.backends.training import parallelize
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    full = [torch.randn(8, 4, generator=torch.Generator().manual_seed(seed)) for seed in range(4)]
+    placements = [[Replicate(), Shard(0)], [Replicate(), Shard(1)], [Replicate(), Replicate()]]
+    params = [torch.nn.Parameter(distribute_tensor(torch.zeros(8, 4), mesh, placement)) for placement in placements]
+    params.append(torch.nn.Parameter(torch.zeros(8, 4)))
+    for param, grad, placement in zip(params, full, [*placements, None]):
+        param.grad = grad.clone() if placement is None else distribute_tensor(grad.clone(), mesh, placement)
+    counts_on_entry, whole = [], parallelize.whole
+
+    def counted(tensor):
+        counts_on_entry.append(comm.get_total_counts())
+        return whole(tensor)
+
+    parallelize.whole = counted
+    try:
+        with CommDebugMode() as comm:
+            norm = parallelize.clip_grad_norm(params, max_norm=1.0)
+    finally:
+        parallelize.whole = whole
+    expected = torch.linalg.vector_norm(torch.cat([grad.reshape(-1) for grad in full]))
+    torch.testing.assert_close(norm, expected)
+    assert counts_on_entry == [0]  # nothing reduced before the move to the mesh's devices
+    clipped = [param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad for param in params]
+    torch.testing.assert_close(torch.linalg.vector_norm(torch.cat([grad.reshape(-1) for grad in clipped])),
+                               torch.tensor(1.0), rtol=1e-5, atol=1e-5)
+
+
+def test_the_gradient_norm_is_reduced_once_on_the_meshs_devices():
+    """The gradient norm over a mesh is reduced once, in `whole` (on the mesh's devices): under CPU offload the
+    gradients are on the host, and NCCL refuses host tensors. torch's get_total_norm, which it used before,
+    reduced the per-gradient norms where they were (one collective inside it on a mesh of 2 ranks; on one rank
+    none, so one GPU would not have shown it)."""
+    from tests.helpers.spawn import checked_rank, spawned
+
+    for outcome in spawned(checked_rank, 2, "gloo", grad_norm_reduced_once_on_the_mesh):
+        assert outcome is None, outcome
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 def test_cpu_offload_trains_as_fsdp2_on_the_device(monkeypatch, device):
     """Under CPU offload FSDP2 keeps the parameters, their gradients and the optimizer on the host while the

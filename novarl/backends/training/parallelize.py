@@ -15,7 +15,7 @@ import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -470,10 +470,13 @@ def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float | None)
         if p.grad is not None:
             groups.setdefault(getattr(p.grad, "device_mesh", None), []).append((p, p.grad))
     squares: torch.Tensor | None = None
-    for pairs in groups.values():
-        norm = torch.nn.utils.get_total_norm([grad for _, grad in pairs])
-        if isinstance(norm, DTensor):  # (under CPU offload on the host: summed on the mesh's devices)
-            norm = whole(norm)
+    for mesh, pairs in groups.items():
+        grads = [grad for _, grad in pairs]
+        if mesh is None:
+            norm = torch.nn.utils.get_total_norm(grads)
+        else:  # each gradient's norm, partial over the mesh (torch's get_total_norm would reduce it where it is,
+            # on the host under CPU offload, which NCCL refuses): reduced once, on the mesh's devices
+            norm = torch.linalg.vector_norm(whole(cast(DTensor, torch.stack(torch._foreach_norm(grads, 2.0)))))
         norm = norm.float() ** 2
         squares = norm if squares is None else squares + norm.to(squares.device)
     if squares is None:
