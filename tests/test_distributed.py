@@ -197,6 +197,20 @@ def test_custom_parallel_plan_errors_name_the_key():
         load_custom_plan("tests.helpers.plans:CALLS")
 
 
+def test_a_sequence_parallel_custom_plan_must_return_the_split_sequence():
+    """Under sequence_parallel a dict plan's layers return the residual stream split along the sequence (novarl
+    adds the split after the embeddings and the gather before the head); one whose layers return it whole is
+    refused, naming the plan (it failed in the first layer's rotary embedding, 80 positions against 40)."""
+    from novarl.backends.training.parallelize import (LLAMA_LAYER_PLAN, LLAMA_LAYER_PLAN_SP,
+                                                      check_returns_split_sequence)
+    from tests.helpers.plans import SP_PLAIN_NORMS
+
+    with pytest.raises(UserError, match=r"custom_parallel_plan='my.plans:TP' with sequence_parallel: true"):
+        check_returns_split_sequence(LLAMA_LAYER_PLAN, "my.plans:TP")
+    for plan in (LLAMA_LAYER_PLAN_SP, SP_PLAIN_NORMS):
+        check_returns_split_sequence(plan, "my.plans:SP")
+
+
 def qwen3_steps(model: str, world: int, *overrides: str) -> dict:
     """Two training steps of a DTensor policy with tensor_parallel_size=world: losses, and the query norms'
     weights after them (whole)."""
@@ -229,7 +243,13 @@ def qwen3_rank(rank: int, world: int, rendezvous: str, results, model: str) -> N
 
 QWEN3_PLANS = {"default": [],
                "torch styles": ["policy.dtensor_cfg.custom_parallel_plan=novarl.backends.training.parallelize:"
-                                "LLAMA_LAYER_PLAN"]}
+                                "LLAMA_LAYER_PLAN"],
+               "torch styles, sequence parallel": ["policy.dtensor_cfg.custom_parallel_plan=novarl.backends.training."
+                                                   "parallelize:LLAMA_LAYER_PLAN_SP",
+                                                   "policy.dtensor_cfg.sequence_parallel=true"],
+               "torch styles, sequence parallel, plain norms": [
+                   "policy.dtensor_cfg.custom_parallel_plan=tests.helpers.plans:SP_PLAIN_NORMS",
+                   "policy.dtensor_cfg.sequence_parallel=true"]}
 
 
 def test_tensor_parallel_qwen3_query_key_norms_train_as_on_one_rank(tmp_path):

@@ -34,3 +34,14 @@ def torch_styles_sp(model, tp_mesh):
     parallelize_module(model.get_output_embeddings(), tp_mesh, PrepareModuleInput(
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
     split_vocabulary(model, tp_mesh)
+
+
+def _sequence_parallel_plain_norms():
+    """LLAMA_LAYER_PLAN_SP with the norms left plain modules (no SequenceParallel style): they run on each rank's
+    share of the sequence with their weights whole, so each rank's gradient is its tokens' share."""
+    from novarl.backends.training.parallelize import LLAMA_LAYER_PLAN_SP
+
+    return {key: style for key, style in LLAMA_LAYER_PLAN_SP.items() if not key.endswith("layernorm")}
+
+
+SP_PLAIN_NORMS = _sequence_parallel_plain_norms()

@@ -114,17 +114,23 @@ def partial_parameters(model: torch.nn.Module, cfg: DTensorConfig) -> list[torch
     """The trainable parameters whose gradient each tensor-parallel rank holds a share of, whole on every rank:
     HEAD_SPLIT behind query and key projections split by heads (the default plans, or a custom plan that leaves
     the norms whole), LoRA's (local_tp.partial_adapter_parameters: the default plans'), and with sequence
-    parallelism on the default plan SEQUENCE_SPLIT. None without tensor parallelism."""
+    parallelism SEQUENCE_SPLIT (the default plan's; a dict plan's norms that it leaves plain modules). A function
+    plan's are its own. None without tensor parallelism."""
     if cfg.tensor_parallel_size == 1:
         return []
     from novarl.backends.training.local_tp import partial_adapter_parameters
 
-    sequence_split = set(SEQUENCE_SPLIT) if cfg.sequence_parallel and not cfg.custom_parallel_plan else set()
+    custom = cfg.custom_parallel_plan
+    sequence_split = set(SEQUENCE_SPLIT) if cfg.sequence_parallel and not (custom and callable(
+        load_custom_plan(custom))) else set()
     partial = []
     for layer in decoder_layers(model):
         heads_split = splits_heads(layer)
-        partial += [param for name, param in layer.named_parameters() if param.requires_grad and (
-            name in sequence_split or (name in HEAD_SPLIT and heads_split and not on_tensor_parallel_mesh(param)))]
+        for name, param in layer.named_parameters():
+            whole = not on_tensor_parallel_mesh(param)  # the default plan's split biases: Replicate DTensors
+            if param.requires_grad and ((name in sequence_split and (whole or not custom))
+                                        or (name in HEAD_SPLIT and heads_split and whole)):
+                partial.append(param)
         partial += partial_adapter_parameters(layer)
     return partial
 
@@ -218,7 +224,9 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) ->
     """Tensor parallelism with the default Llama-family plan or `custom_parallel_plan`. The default plans (LoRA
     adapters included) run on local tensors (local_tp.py: they compile); a custom plan on torch's DTensor styles.
     With the default plan, the embeddings and the output head are split over the vocabulary
-    (models/vocab_parallel.py). What became of them, for the log."""
+    (models/vocab_parallel.py). Under sequence parallelism a dict plan's layers get the default's ends (the
+    sequence split after the embeddings, gathered before the head); a function plan places its own. What became
+    of the embeddings and the head, for the log."""
     from novarl.backends.training import local_tp
 
     size = tp_mesh.size()
@@ -228,6 +236,8 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) ->
     plan = load_custom_plan(cfg.custom_parallel_plan) if cfg.custom_parallel_plan else default
     if cfg.custom_parallel_plan and not callable(plan):
         refuse_local_styles(plan, cfg.custom_parallel_plan)
+        if cfg.sequence_parallel:
+            check_returns_split_sequence(plan, cfg.custom_parallel_plan)
     if callable(plan):
         if any(hasattr(module, "lora_A") for module in model.modules()):
             raise UserError(f"policy.dtensor_cfg.custom_parallel_plan='{cfg.custom_parallel_plan}' is a function, "
@@ -236,7 +246,7 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, cfg: DTensorConfig) ->
         plan(model, tp_mesh)
     else:
         apply_plan(model, tp_mesh, plan)
-    if cfg.sequence_parallel and not cfg.custom_parallel_plan:
+    if cfg.sequence_parallel and not callable(plan):  # a function plan places the whole model, ends included
         apply_sequence_parallel_ends(model, tp_mesh)
     vocabulary = ("the input embeddings and the output head stay whole on every tensor-parallel rank: "
                   "policy.dtensor_cfg.custom_parallel_plan places the model's layers")
@@ -265,6 +275,20 @@ def refuse_local_styles(plan: dict[str, ParallelStyle], spec: str) -> None:
                         "sequence-parallel one), or write the plan with torch's styles (ColwiseParallel, "
                         "RowwiseParallel; novarl.backends.training.parallelize:LLAMA_LAYER_PLAN is the default "
                         "split so).")
+
+
+def check_returns_split_sequence(plan: dict[str, ParallelStyle], spec: str) -> None:
+    """Under sequence parallelism a dict plan's layers take and return the residual stream split along the
+    sequence, as LLAMA_LAYER_PLAN_SP's do (novarl splits it after the embeddings and gathers it before the head):
+    some RowwiseParallel of the plan reduce-scatters to Shard(1). One that returns the whole sequence is refused
+    here rather than failing in the first layer's attention."""
+    if not any(isinstance(style, RowwiseParallel) and Shard(1) in style.output_layouts for style in plan.values()):
+        raise UserError(f"policy.dtensor_cfg.custom_parallel_plan='{spec}' with sequence_parallel: true: its layers "
+                        "must return the residual stream split along the sequence, as "
+                        "novarl.backends.training.parallelize:LLAMA_LAYER_PLAN_SP's do (RowwiseParallel("
+                        "output_layouts=Shard(1)) for o_proj and down_proj, SequenceParallel for the norms, "
+                        "PrepareModuleInput from Shard(1) to Replicate() for the attention and the MLP); no style "
+                        "of it returns Shard(1). Set sequence_parallel: false for this plan, or write it so.")
 
 
 def apply_plan(model: torch.nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
