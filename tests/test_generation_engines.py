@@ -65,38 +65,22 @@ def test_placement_that_cannot_be_satisfied_is_refused_with_the_arithmetic(overr
         layout("policy.generation.colocated.enabled=false", *overrides)
 
 
-def test_colocated_engines_span_ranks_by_tensor_parallelism_and_dedicated_ones_need_gpus():
+def test_colocated_engines_span_ranks_by_tensor_parallelism_and_dedicated_ones_hold_their_devices():
     from novarl.backends.generation.layout import layout_missing
 
     tp2 = layout("policy.generation.vllm_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=4")
     assert (tp2.engines, tp2.ranks_per_engine) == (2, 2)  # ranks 0-1 and 2-3
-    assert layout_missing(tp2, on_gpu=False) == layout_missing(tp2, on_gpu=True) == []
+    assert layout_missing(tp2) == []
     assert "each spanning 2 of them" in tp2.describe()
     pp2 = layout("policy.generation.vllm_cfg.pipeline_parallel_size=2", "cluster.gpus_per_node=2")
-    assert "tensor parallelism only" in layout_missing(pp2, on_gpu=True)[0]
+    assert "tensor parallelism only" in layout_missing(pp2)[0]
     dedicated = layout("policy.generation.vllm_cfg.tensor_parallel_size=2", "cluster.gpus_per_node=4",
-                       "policy.generation.colocated.enabled=false", "policy.generation.colocated.resources.gpus_per_node=2")
-    assert dedicated.ranks_per_engine == 1  # an engine actor holds all of its devices
-    assert layout_missing(dedicated, on_gpu=True) == []
-    assert "this host has none" in layout_missing(dedicated, on_gpu=False)[0]
+                       "policy.generation.colocated.enabled=false",
+                       "policy.generation.colocated.resources.gpus_per_node=2")
+    assert dedicated.ranks_per_engine == 1  # an engine actor holds all of its devices, a vLLM worker on each
+    assert layout_missing(dedicated) == []
     with pytest.raises(ConfigError, match="would span nodes of cluster.gpus_per_node=2"):
         layout("policy.generation.vllm_cfg.tensor_parallel_size=4", "cluster.gpus_per_node=2", "cluster.num_nodes=2")
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has GPUs")
-def test_validate_says_what_the_generation_layout_needs_of_a_gpu_host(capsys):
-    from novarl.cli import main
-
-    # Valid for a GPU host, in one line; train refuses to start here.
-    dedicated = ["policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=2",
-                 "cluster.gpus_per_node=4", "policy.generation.colocated.enabled=false",
-                 "policy.generation.colocated.resources.gpus_per_node=2"]
-    assert main(["validate", *dedicated]) == 0
-    out = capsys.readouterr().out
-    (line,) = [line for line in out.splitlines() if "valid for a GPU host" in line]
-    assert "dedicated engines of tensor_parallel_size x pipeline_parallel_size = 2 devices" in line
-    assert main(["train", *dedicated]) == 2
-    assert "this host lacks GPUs, for dedicated engines of tensor_parallel_size" in capsys.readouterr().err
 
 
 def test_validate_refuses_dedicated_resources_that_leave_devices_idle(capsys):

@@ -68,7 +68,7 @@ def test_middle_branch_on_one_node_writes_colocated_vllm_spanning_the_gpus(tmp_p
     assert choice.generation == "vllm" and any("10B-70B single node" in line for line in why)
     assert cfg.policy.generation.colocated.enabled and cfg.policy.generation.vllm_cfg.tensor_parallel_size == 8
     layout = generation_layout(cfg, "vllm")
-    assert layout.ranks_per_engine == 8 and layout_missing(layout, on_gpu=True) == []
+    assert layout.ranks_per_engine == 8 and layout_missing(layout) == []
     available = check_available(cfg, choice)
     assert set(available.missing) <= set(available.gpu_only)  # valid for a GPU host
 

@@ -338,6 +338,33 @@ def test_dedicated_generation_on_its_own_ray_actor_matches_colocated(tmp_path, o
         assert two["logprob_mismatch"] < 1e-3
 
 
+def test_a_dedicated_engine_of_two_devices_takes_the_weights_into_its_workers(tmp_path, one_process_run):
+    """A dedicated engine of tensor_parallel_size 2 (on 2 CPU "devices"): vLLM's multiprocessing executor runs a
+    worker process per device on the engine actor, and each worker joins the weight bridge and loads its shard
+    of every tensor rank 0 broadcasts (backends/generation/vllm_workers.py). The same samples and updates as
+    the one-process run, and the engine's logprobs agree with the trainer's after every sync (workers that keep
+    their first weights sample otherwise from the second step: reward 0.121 against 0.117). Then asynchronous
+    GRPO on it: the queued update reaches both workers once they say they are there (a wait keyed by the
+    bridge's ranks), so the engine's version advances and the trajectories stay within the bound of 2 steps."""
+    layout = ["policy.generation.colocated.enabled=false", "cluster.gpus_per_node=3",
+              "policy.generation.colocated.resources.gpus_per_node=2",
+              "policy.generation.vllm_cfg.tensor_parallel_size=2"]
+    trainers: list = []
+    spanning = on_ray(grpo_steps, tmp_path / "sync", *layout, trainer_out=trainers)
+    generator = trainers[0].roles.generator
+    assert (generator.layout.engines, generator.layout.devices_per_engine) == (1, 2)
+    for one, two in zip(one_process_run, spanning, strict=True):
+        assert two["weight_sync_mb"] == pytest.approx(WEIGHT_BYTES / 1e6)  # broadcast once to both workers
+        assert two["reward_mean"] == one["reward_mean"]
+        assert two["loss"] == pytest.approx(one["loss"], abs=1e-6)
+        assert two["logprob_mismatch"] < 1e-3
+    queued = on_ray(grpo_steps, tmp_path / "async", *layout, "grpo.async_grpo.enabled=true",
+                    "loss_fn.use_importance_sampling_correction=true", "grpo.async_grpo.max_trajectory_age_steps=2")
+    assert [r["trajectory_age_max"] for r in queued] == [0, 1, 2, 2]
+    # one update queued in 4 steps (after step 2, for the round of step 4), through the host copy and the thread
+    assert [r.get("weight_sync_mb") for r in queued] == [None, pytest.approx(WEIGHT_BYTES / 1e6), None, None]
+
+
 class RoutedTurns(RecordingTurns):
     """RecordingTurns over a RemoteContinuous that also keeps the engine each turn went to."""
 

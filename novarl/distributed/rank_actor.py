@@ -5,6 +5,7 @@ runs the driver's calls on it, and serves the weight bridge to dedicated generat
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
@@ -25,6 +26,8 @@ class RankActor:
         self.listener: socket.socket | None = None
         self.sender: Any = None
         """Rank 0's thread sending queued weights over the bridge (queue_weights)."""
+        self.arena: Any = None
+        """Rank 0's host memory for the queued weights (weight_sync.HostArena), kept from one update to the next."""
         self.free_since: float | None = None
         """When this rank's engine finished its last work (generate_share, receive_weights)."""
         self.streams: dict[str | None, Any] = {}
@@ -121,10 +124,19 @@ class RankActor:
     def call_role(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.others[name], method)(*args, **kwargs)
 
+    def bridge_ranks(self) -> int:
+        """The weight bridge's ranks this process's role takes: an engine's worker processes' where they receive
+        the weights themselves (a dedicated vLLM engine of several devices), else this process's one."""
+        return getattr(self.role, "bridge_ranks", 1)
+
     def join_weight_bridge(self, host: str, port: int, rank: int, world_size: int) -> None:
-        """Join the weight-transfer group (policy rank 0 + the dedicated engines)."""
+        """Join the weight-transfer group (policy rank 0 + the dedicated engines): as `rank`, or through the
+        role's workers as ranks rank .. rank + bridge_ranks() - 1."""
         from novarl.distributed.weight_sync import WeightBridge
 
+        if rank > 0 and self.bridge_ranks() > 1:
+            self.role.join_bridge(host, port, rank, world_size)
+            return
         self.bridge = WeightBridge(host, port, rank, world_size, self._take_listener() if rank == 0 else None)
 
     def generate_share(self, role: str | None, prompts: list, sampling) -> dict[str, Any]:
@@ -191,14 +203,15 @@ class RankActor:
         come to receive it (their receive_weights(version, queued=True), behind the rounds they
         have), while this rank trains on. The driver waits for the engines to take the previous
         copy before it calls this (DedicatedEngines.queue_weights). Bytes queued (0 on other ranks)."""
-        from novarl.distributed.weight_sync import drain, host_copy
+        from novarl.distributed.weight_sync import HostArena, drain
 
         self.wait_weights_taken()
         buckets = self.role.weight_buckets(bucket_bytes, everywhere=False, dtype=dtype)
         if self.bridge is None:
             drain(buckets)
             return 0
-        held = [host_copy(bucket) for bucket in buckets]
+        self.arena = self.arena or HostArena()
+        held = self.arena.hold(buckets)
         self.sender = _Sender(self.bridge, held, version)
         return sum(t.numel() * t.element_size() for bucket in held for _, t in bucket)
 
@@ -213,11 +226,14 @@ class RankActor:
         says it is here)."""
         from novarl.distributed.weight_sync import drain
 
-        if queued:
-            self.bridge.mark_ready(version)
-        stream = self.bridge.receive()
-        self.role.update_weights(stream, version)
-        drain(stream)
+        if self.bridge is None:  # the role's workers are on the bridge
+            self.role.receive_weights(version, queued)
+        else:
+            if queued:
+                self.bridge.mark_ready(version)
+            stream = self.bridge.receive()
+            self.role.update_weights(stream, version)
+            drain(stream)
         self.free_since = time.perf_counter()
 
     def shutdown(self) -> None:
@@ -245,7 +261,9 @@ class RankActor:
         os.environ.update(self.environment)
         if self.listener is not None:
             self.listener.close()
-        self.role, self.others, self.bridge, self.listener, self.sender = None, {}, None, None, None
+        if self.arena is not None:
+            self.arena.release()
+        self.role, self.others, self.bridge, self.listener, self.sender, self.arena = None, {}, None, None, None, None
         self.free_since, self.streams = None, {}
         self.__dict__.pop("memory_at_reset", None)
         try:  # DTensor's random-number tracker belongs to the destroyed process group's meshes
@@ -282,8 +300,8 @@ class _Sender:
         try:
             if not bridge.wait_ready(version, self.stopped):
                 return
-            stream = torch.cuda.stream(torch.cuda.Stream()) if bridge.device.type == "cuda" else contextlib.nullcontext()
-            with stream:
+            on_gpu = bridge.device.type == "cuda"
+            with torch.cuda.stream(_side_stream(bridge.device)) if on_gpu else contextlib.nullcontext():
                 bridge.send(buckets)
         except BaseException as err:  # raised in the caller's thread by wait()
             self.error = err
@@ -296,6 +314,15 @@ class _Sender:
     def stop(self) -> None:
         self.stopped.set()
         self.thread.join(timeout=5)
+
+
+@functools.cache
+def _side_stream(device):
+    """The CUDA stream queued weights go out on, one a process: the caching allocator reuses a block only on the
+    stream that freed it, so a new stream each update would strand each one's bucket-sized blocks."""
+    import torch
+
+    return torch.cuda.Stream(device)
 
 
 def pin_collectives_to_loopback() -> None:

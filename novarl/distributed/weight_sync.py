@@ -14,8 +14,9 @@ shards (`policy.generation.weight_sync_bucket_mb`, see `bucket_bytes`).
   object store.
 
 Each bucket goes over a group as a header (JSON: its dtype, and the names and
-shapes of its tensors), then one flat tensor of that dtype; an empty header ends
-the update. A receiver checks the header before it allocates anything: a dtype
+shapes of its tensors), then its tensors end to end as one flat tensor of bytes
+(NCCL carries no unsigned integers wider than a byte); an empty header ends the
+update. A receiver checks the header before it allocates anything: a dtype
 outside `DTYPES`, a shape that is not a list of non-negative ints, or bytes that
 are not such JSON raise `MalformedHeader` -- what arrives is data, never code.
 
@@ -32,9 +33,11 @@ from __future__ import annotations
 import abc
 import datetime
 import json
+import mmap
 import socket
 import threading
 from collections.abc import Iterable, Iterator
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -96,8 +99,8 @@ class Channel(abc.ABC):
                 continue
             header: Header = [(_dtype_name(bucket), [(n, tuple(t.shape)) for n, t in bucket])]
             self._broadcast_bytes(json.dumps(header).encode())
-            flat = torch.cat([t.detach().reshape(-1).to(self.device) for _, t in bucket])
-            self._broadcast(flat)
+            flat = flat_on(bucket, self.device)
+            self._broadcast(flat.view(torch.uint8))
             sent += flat.numel() * flat.element_size()
         self._broadcast_bytes(b"[]")
         return sent
@@ -110,9 +113,11 @@ class Channel(abc.ABC):
             if not header:
                 return
             for dtype, entries in header:
-                flat = torch.empty(sum(_numel(shape) for _, shape in entries), dtype=getattr(torch, dtype),
-                                   device=self.device)
-                self._broadcast(flat)
+                kind = getattr(torch, dtype)
+                raw = torch.empty(sum(_numel(shape) for _, shape in entries) * kind.itemsize, dtype=torch.uint8,
+                                  device=self.device)
+                self._broadcast(raw)
+                flat = raw.view(kind)
                 offset = 0
                 for name, shape in entries:
                     yield name, flat[offset:offset + _numel(shape)].view(shape)
@@ -158,6 +163,9 @@ class WeightBridge(Channel):
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = TIMEOUT
             self.group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+            # connected now, while every member joins, not at the first update: under asynchronous GRPO that is
+            # a thread of rank 0's while its training collectives run, and a network fault would surface mid-run
+            self.group.eager_connect_single_device(self.device)
         else:
             self.group = dist.ProcessGroupGloo(store, rank, world_size, TIMEOUT)
 
@@ -238,22 +246,91 @@ def full_weights(state: Iterable[tuple[str, torch.Tensor]], keep: bool, dtype: t
     from torch.distributed.tensor import DTensor
 
     for name, tensor in state:
-        if isinstance(tensor, DTensor):
-            tensor = whole(tensor)
+        if isinstance(tensor, DTensor):  # cast first: the shards, not the gathered whole (half the bytes for bf16)
+            tensor = whole(cast(DTensor, in_dtype(tensor.detach(), dtype)))
         if keep:
             yield name, in_dtype(tensor.detach(), dtype)
 
 
-def host_copy(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """A bucket's tensors copied into host memory of their own (pinned where there is a GPU), to
-    send later while the originals change (asynchronous GRPO's queued weights)."""
-    pin = torch.cuda.is_available()
-    copies = []
-    for name, tensor in bucket:
-        copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-        copy.copy_(tensor.detach())
-        copies.append((name, copy))
-    return copies
+def flat_on(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """A bucket's tensors (one dtype) end to end in one tensor on `device`: allocated once, each tensor copied
+    into its place (asynchronously from pinned host memory), never a device copy of each and then their
+    concatenation (twice the bucket on the device)."""
+    tensors = [tensor.detach().reshape(-1) for _, tensor in bucket]
+    if all(tensor.device == device for tensor in tensors):
+        return torch.cat(tensors)
+    flat = torch.empty(sum(tensor.numel() for tensor in tensors), dtype=tensors[0].dtype, device=device)
+    offset = 0
+    for tensor in tensors:
+        flat[offset:offset + tensor.numel()].copy_(tensor, non_blocking=True)
+        offset += tensor.numel()
+    return flat
+
+
+class HostArena:
+    """Host memory that holds queued weights (asynchronous GRPO's) while training changes the originals, kept
+    from one update to the next: a buffer per bucket of exactly its bytes, page-locked once where there is a GPU
+    (cudaHostRegister), the tensors views into it. (torch's pinned allocator rounds each allocation up to a power
+    of two and keeps it cached: pinned tensor by tensor, a 7B model's bf16 weights held ~1.9x their bytes on
+    rank 0's host for the rest of the run.) `release` unpins and drops the buffers."""
+
+    def __init__(self, pin: bool | None = None) -> None:
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.buffers: list[torch.Tensor] = []
+        self.pinned: set[int] = set()
+        """data_ptr of the buffers cudaHostRegister took."""
+
+    def hold(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> list[list[tuple[str, torch.Tensor]]]:
+        """Copies of `buckets`' tensors (as they come, each bucket gathered when its turn comes) in the arena,
+        in buckets as they came."""
+        held = []
+        for index, bucket in enumerate(buckets):
+            buffer = self._buffer(index, sum(tensor.numel() * tensor.element_size() for _, tensor in bucket))
+            copies, offset = [], 0
+            for name, tensor in bucket:
+                nbytes = tensor.numel() * tensor.element_size()
+                copy = buffer[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+                copy.copy_(tensor.detach())
+                copies.append((name, copy))
+                offset += nbytes
+            held.append(copies)
+        for buffer in self.buffers[len(held):]:
+            self._unpin(buffer)
+        del self.buffers[len(held):]
+        return held
+
+    def _buffer(self, index: int, nbytes: int) -> torch.Tensor:
+        if index < len(self.buffers) and self.buffers[index].numel() == nbytes:
+            return self.buffers[index]
+        # page-aligned (an anonymous mapping), as cudaHostRegister pins whole pages
+        buffer = (torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8) if nbytes
+                  else torch.empty(0, dtype=torch.uint8))
+        if self.pin and nbytes:
+            status = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+            if status == 0:
+                self.pinned.add(buffer.data_ptr())
+            else:  # a low `ulimit -l`, say: pageable copies are slower, not wrong
+                from novarl.logging.console import info
+
+                info(f"could not page-lock {nbytes} bytes of host memory for the queued weights (CUDA error "
+                     f"{status}): they go to the engines from pageable memory")
+                self.pin = False
+        if index < len(self.buffers):
+            self._unpin(self.buffers[index])
+            self.buffers[index] = buffer
+        else:
+            self.buffers.append(buffer)
+        return buffer
+
+    def _unpin(self, buffer: torch.Tensor) -> None:
+        if buffer.data_ptr() in self.pinned:
+            self.pinned.discard(buffer.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+    def release(self) -> None:
+        for buffer in self.buffers:
+            self._unpin(buffer)
+        self.buffers = []
 
 
 def in_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -146,9 +146,7 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     except ConfigError:
         layout = None  # the device arithmetic does not fit: plan_batches says how
     else:
-        needs = layout_missing(layout, on_gpu=host.has_cuda())
-        missing.extend(needs)
-        gpu_only.extend(needs if not host.has_cuda() else [])
+        missing.extend(layout_missing(layout))
     ranks = layout.training_ranks if layout else max(cfg.cluster.gpus_per_node, 1) * cfg.cluster.num_nodes
     if ranks > 1 and not installed("ray"):
         missing.append(f"Ray, to run {ranks} ranks (cluster: {cfg.cluster.num_nodes} node(s) x "

@@ -260,10 +260,12 @@ class DedicatedEngines(GenerationBackend, QueuedWeights, StreamsRequests):
         self.bucket_bytes, self.dtype = bucket_bytes, dtype
         sender = policy_group.actors[0]  # it hosts the group's rendezvous
         host, port = policy_group.collect([sender.address.remote()])[0]
-        world = 1 + engine_group.world_size
+        sizes = engine_group.call_all_actors("bridge_ranks")  # an engine's workers may each take a rank
+        firsts = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        world = 1 + sum(sizes)
         wait_groups([(policy_group, [sender.join_weight_bridge.remote(host, port, 0, world)]),
-                     (engine_group, [a.join_weight_bridge.remote(host, port, 1 + i, world)
-                                     for i, a in enumerate(engine_group.actors)])])
+                     (engine_group, [a.join_weight_bridge.remote(host, port, first, world)
+                                     for first, a in zip(firsts, engine_group.actors, strict=True)])])
         self.receiving: list = []
         """The engines' queued weight update (queue_weights), until weights_taken."""
 

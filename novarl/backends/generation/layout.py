@@ -181,8 +181,8 @@ def training_devices(cfg: NovaRLConfig) -> tuple[int, int, int]:
     return per_node * (num_nodes - res.num_nodes), res.num_nodes, per_node
 
 
-def layout_missing(layout: GenerationLayout, *, on_gpu: bool) -> list[str]:
-    """What a layout needs that this host or novarl does not have (refused before the start)."""
+def layout_missing(layout: GenerationLayout) -> list[str]:
+    """What a layout needs that novarl does not have (refused before the start)."""
     size = layout.devices_per_engine
     if size == 1:
         return []
@@ -193,8 +193,4 @@ def layout_missing(layout: GenerationLayout, *, on_gpu: bool) -> list[str]:
                     f"Use tensor_parallel_size={size} with pipeline_parallel_size=1, or dedicated generation "
                     "(policy.generation.colocated.enabled=false)"]
         return []  # one tensor-parallel shard in each of its ranks' processes (vLLM's external launcher)
-    if not on_gpu:
-        return [f"GPUs, for dedicated engines of tensor_parallel_size x pipeline_parallel_size = {size} devices "
-                "(policy.generation.vllm_cfg); this host has none: set both to 1, or colocate the engines "
-                "(policy.generation.colocated.enabled=true), which spans the policy's CPU ranks"]
-    return []
+    return []  # an engine actor with all its devices, a worker process on each (backends/generation/vllm_workers.py)

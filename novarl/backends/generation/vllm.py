@@ -8,7 +8,9 @@ bridge, go through vLLM's public `collective_rpc("reload_weights")` (no private
 hook), then the prefix cache is dropped so no stale KV survives the update.
 vLLM's own weight-transfer engines (vllm.distributed.weight_transfer) serve a
 trainer outside the engine's process; here the receiver is the engine's own
-process, so they are not needed. Logprobs are
+process, so they are not needed. A dedicated engine of several devices is the
+exception: its workers are processes of their own, and they take the weights
+from the bridge themselves (vllm_workers.py). Logprobs are
 vLLM's processed logprobs: at the sampling temperature, like the trainer's.
 
 vLLM is imported here only. On CUDA hosts install `vllm`; on CPU-only hosts
@@ -110,7 +112,9 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
         """`lora`: the engine takes adapters at each sync (lora_sync 'adapter') and generates
         with them through vLLM's LoRA support, over the base weights of `model_path`."""
         v = cfg.vllm_cfg
-        spans_ranks = cfg.colocated.enabled and v.tensor_parallel_size * v.pipeline_parallel_size > 1
+        size = v.tensor_parallel_size * v.pipeline_parallel_size
+        spans_ranks = cfg.colocated.enabled and size > 1
+        spans_devices = not cfg.colocated.enabled and size > 1  # a dedicated engine's workers: vllm_workers.py
         if spans_ranks:  # vLLM's external launcher runs only in-process (its engines must stay in lockstep)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             for name, value in SPANNING_ENVIRONMENT.items():
@@ -149,7 +153,14 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
         engine_args.update(fp8_args)
         if spans_ranks:
             engine_args.update(spanning_engine_args())
+        if spans_devices:
+            engine_args.update(dedicated_spanning_engine_args(size))
         self.adapters = AdapterFolders(lora, model_path) if lora is not None else None
+        self.worker_processes = spans_devices
+        self.bridge_ranks = size if spans_devices and self.adapters is None else 1
+        """The weight bridge's ranks this engine takes: its workers' (they receive the full weights themselves),
+        or the engine's process alone (one device; or the adapters, which it writes where every worker loads
+        them)."""
         if self.adapters is not None:
             engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=self.adapters.max_rank)
         engine_args.update(cfg.vllm_kwargs)
@@ -263,6 +274,18 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
         self.llm.reset_prefix_cache()
         self.version = version
 
+    def join_bridge(self, host: str, port: int, first_rank: int, world_size: int) -> None:
+        """The engine's workers join the weight bridge as ranks first_rank .. first_rank + bridge_ranks - 1."""
+        self.llm.collective_rpc("novarl_join_bridge", args=(host, port, first_rank, world_size))
+
+    def receive_weights(self, version: int, queued: bool = False) -> None:
+        """update_weights from the weight bridge, which the engine's workers receive themselves (join_bridge)."""
+        self._finish_running()
+        self._wake("weights")
+        self.llm.collective_rpc("novarl_receive_weights", args=(version, queued))
+        self.llm.reset_prefix_cache()
+        self.version = version
+
     def offload(self) -> None:
         """Release the engine's GPU memory while training runs: weights to CPU, KV cache
         dropped (vLLM sleep level 1). A no-op on CPU hosts and when dedicated."""
@@ -281,8 +304,11 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
             self.sleeping -= set(asleep)
 
     def shutdown(self) -> None:
-        """Drop the engine (and its KV cache) and its adapter folders; safe to call twice."""
-        self.__dict__.pop("llm", None)
+        """Drop the engine (and its KV cache; its worker processes end) and its adapter folders; safe to call
+        twice."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None and self.worker_processes:  # ended now, not when the actor's process exits
+            llm.llm_engine.engine_core.shutdown()
         if self.adapters is not None:
             self.adapters.remove()
 
@@ -324,6 +350,29 @@ def _mapped_shm_names(folder: Path) -> set[str]:
             continue
         names.update(Path(line.split(maxsplit=5)[-1]).name for line in lines if f" {folder}/" in line)
     return names
+
+
+def dedicated_spanning_engine_args(size: int) -> dict:
+    """A dedicated engine of `size` devices: vLLM's multiprocessing executor, a worker process per device on the
+    engine actor's devices (Ray's executor would want a placement-group bundle of one device per worker, inside
+    the actor's bundle of `size`), with novarl's methods (vllm_workers.py). The workers start by spawning (the
+    actor's threads and CUDA state do not fork); on a CPU host each is bound to its share of the actor's cores
+    (vLLM binds by NUMA node otherwise, and refuses more workers than nodes). Values the user set win."""
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_shares(sorted(os.sched_getaffinity(0)), size))
+    from novarl.backends.generation.vllm_workers import WORKER_EXTENSION
+
+    return dict(distributed_executor_backend="mp", worker_extension_cls=WORKER_EXTENSION)
+
+
+def cpu_shares(cores: list[int], workers: int) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND for `workers` worker processes over `cores`: consecutive equal shares
+    ("0,1|2,3"), or no binding ("nobind") where there are fewer cores than workers."""
+    if len(cores) < workers:
+        return "nobind"
+    share = len(cores) // workers
+    return "|".join(",".join(map(str, cores[i * share:(i + 1) * share])) for i in range(workers))
 
 
 def spanning_engine_args() -> dict:

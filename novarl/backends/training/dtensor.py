@@ -289,7 +289,8 @@ class DTensorPolicy(TrainableShardedModel, BaseModelLogprobs, TrainingBackend, W
         if self.adapter_sync:  # the adapters alone: the engines hold the frozen base already
             full = full_weights(((n, t) for n, t in state.items() if is_adapter(n)), keep)
         else:
-            full = hf_weights(full_weights(state.items(), keep), self.lora)  # LoRA merged in float32, then cast
+            # cast before the gathers, where no LoRA is merged (merged in float32, then cast)
+            full = hf_weights(full_weights(state.items(), keep, None if self.lora else dtype), self.lora)
         yield from bucketed(((name, in_dtype(t, dtype)) for name, t in full), bucket_bytes)
 
     def save_hf(self, path: Path, tokenizer, fmt: ExportFormat | None = None) -> None:
