@@ -67,7 +67,9 @@ def test_hostile_programs_are_contained_and_leave_nothing_behind(tmp_path, liste
     writes = "".join(f"try:\n    open({str(p)!r}, 'w').write('x')\nexcept OSError:\n    pass\n" for p in outside)
     hostile = {
         "fork bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
-        "memory": "blocks = []\nwhile True:\n    blocks.append(bytearray(1 << 26))\n",
+        # past the 256 MB at its first block: filling 64 MB blocks up to it took longer than the time limit
+        # beside the fork bomb on a loaded 2-core host (status 'timeout')
+        "memory": "blocks = []\nwhile True:\n    blocks.append(bytearray(1 << 28))\n",
         "loop": "while True:\n    pass\n",
         "output": "while True:\n    print('x' * 10000)\n",
         "files": writes + "open('mine.txt', 'w').write('ok')\nprint(open('mine.txt').read())\n",
