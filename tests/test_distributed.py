@@ -205,15 +205,19 @@ def test_a_sequence_parallel_custom_plan_must_return_the_split_sequence():
                                                       check_returns_split_sequence)
     from tests.helpers.plans import SP_PLAIN_NORMS
 
-    with pytest.raises(UserError, match=r"custom_parallel_plan='my.plans:TP' with sequence_parallel: true"):
-        check_returns_split_sequence(LLAMA_LAYER_PLAN, "my.plans:TP")
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    half = {**LLAMA_LAYER_PLAN_SP, "mlp.down_proj": RowwiseParallel()}  # the MLP would return the whole sequence
+    for plan in (LLAMA_LAYER_PLAN, half):
+        with pytest.raises(UserError, match=r"custom_parallel_plan='my.plans:TP' with sequence_parallel: true"):
+            check_returns_split_sequence(plan, "my.plans:TP")
     for plan in (LLAMA_LAYER_PLAN_SP, SP_PLAIN_NORMS):
         check_returns_split_sequence(plan, "my.plans:SP")
 
 
-def qwen3_steps(model: str, world: int, *overrides: str) -> dict:
-    """Two training steps of a DTensor policy with tensor_parallel_size=world: losses, and the query norms'
-    weights after them (whole)."""
+def norm_steps(model: str, world: int, *overrides: str) -> dict:
+    """Two training steps of a DTensor policy with tensor_parallel_size=world: losses, and the decoder layers'
+    norms' weights after them (whole)."""
     import torch
 
     from novarl.backends.training.dtensor import DTensorPolicy
@@ -228,53 +232,60 @@ def qwen3_steps(model: str, world: int, *overrides: str) -> dict:
     call = lambda method, *args: getattr(policy, method)(*args)  # noqa: E731
     losses = [measure(call, mixed_batch(rows=6, seed=seed))["loss"] for seed in range(2)]
     norms = {name: (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().clone()
-             for name, param in policy.model.named_parameters() if ".q_norm." in name}
+             for name, param in policy.model.named_parameters() if ".layers." in name and "norm" in name}
     return {"losses": losses, "norms": norms}
 
 
-def qwen3_rank(rank: int, world: int, rendezvous: str, results, model: str) -> None:
+def norms_rank(rank: int, world: int, rendezvous: str, results, models: dict[str, str]) -> None:
     import torch.distributed as dist
 
     from tests.helpers.spawn import send
 
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
-    send(results, rank, {name: qwen3_steps(model, world, *overrides) for name, overrides in QWEN3_PLANS.items()})
+    send(results, rank, {(kind, plan): norm_steps(models[kind], world, *overrides)
+                         for kind, plan, overrides in NORM_CASES})
 
 
-QWEN3_PLANS = {"default": [],
-               "torch styles": ["policy.dtensor_cfg.custom_parallel_plan=novarl.backends.training.parallelize:"
-                                "LLAMA_LAYER_PLAN"],
-               "torch styles, sequence parallel": ["policy.dtensor_cfg.custom_parallel_plan=novarl.backends.training."
-                                                   "parallelize:LLAMA_LAYER_PLAN_SP",
-                                                   "policy.dtensor_cfg.sequence_parallel=true"],
-               "torch styles, sequence parallel, plain norms": [
-                   "policy.dtensor_cfg.custom_parallel_plan=tests.helpers.plans:SP_PLAIN_NORMS",
-                   "policy.dtensor_cfg.sequence_parallel=true"]}
+SP = "policy.dtensor_cfg.sequence_parallel=true"
+TORCH_PLAN = "policy.dtensor_cfg.custom_parallel_plan=novarl.backends.training.parallelize:LLAMA_LAYER_PLAN"
+NORM_CASES = [("qwen3", "default", []), ("qwen3", "torch styles", [TORCH_PLAN]),
+              ("qwen3", "torch styles, sequence parallel", [f"{TORCH_PLAN}_SP", SP]),
+              ("qwen3", "torch styles, sequence parallel, plain norms",
+               ["policy.dtensor_cfg.custom_parallel_plan=tests.helpers.plans:SP_PLAIN_NORMS", SP]),
+              ("gemma2", "default, sequence parallel", [SP]),
+              ("gemma2", "torch styles, sequence parallel, plain norms",
+               ["policy.dtensor_cfg.custom_parallel_plan=tests.helpers.plans:SP_PLAIN_NORMS", SP])]
+"""(model, plan, overrides): Qwen3's query/key norms see a rank's heads; under sequence parallelism every norm
+outside the attention and the MLP sees a rank's tokens (Gemma 2 has four a layer)."""
 
 
-def test_tensor_parallel_qwen3_query_key_norms_train_as_on_one_rank(tmp_path):
-    """Qwen3's query/key norms run on each tensor-parallel rank's heads alone, their weights whole on every rank:
-    their gradients are summed over the ranks (parallelize.sum_partial_gradients), under the default plan and
-    under a custom plan of torch's styles that leaves the norms whole. Without it each rank stepped its norms
-    with its heads' share: the ranks' weights parted (by ~0.1 after two steps) and the second loss was off one
-    rank's (0.6448 vs 0.6432)."""
+def test_tensor_parallel_norms_train_as_on_one_rank(tmp_path):
+    """Norms whose weights are whole on every tensor-parallel rank but see a rank's share train as on one rank:
+    their gradients are summed over the ranks (parallelize.partial_parameters, sum_partial_gradients), under
+    the default plans and custom plans of torch's styles. Qwen3's query/key norms see a rank's heads: without
+    the sum each rank stepped them with its heads' share, the ranks' weights parted (by ~0.1 after two steps)
+    and the second loss was off one rank's (0.6448 vs 0.6432). Under sequence parallelism every norm outside
+    the attention and the MLP sees a rank's tokens: Gemma 2's pre- and post-feedforward norms were left out of
+    the sum (second loss 0.4600 vs 0.4632, the ranks' weights 0.19 apart)."""
     import torch
 
     from novarl.distributed.local import ensure_single_process_group
-    from tests.helpers.models import tiny_qwen3
+    from tests.helpers.models import tiny_gemma2, tiny_qwen3
     from tests.helpers.spawn import spawned
 
-    model = str(tiny_qwen3(tmp_path / "qwen3"))
-    ranks = spawned(qwen3_rank, 2, model)
+    models = {"qwen3": str(tiny_qwen3(tmp_path / "qwen3")), "gemma2": str(tiny_gemma2(tmp_path / "gemma2"))}
+    ranks = spawned(norms_rank, 2, models)
     ensure_single_process_group()
-    alone = qwen3_steps(model, 1)
-    for layout, got in ((layout, got) for rank in ranks for layout, got in rank.items()):
-        assert got["losses"] == pytest.approx(alone["losses"], rel=1e-5), layout
-        assert got["norms"].keys() == alone["norms"].keys() and len(got["norms"]) == 2
-        for name, weight in alone["norms"].items():
-            # (Adam's step of a gradient near 0 magnifies rounding: torch's styles left one value 2e-5 off)
-            torch.testing.assert_close(got["norms"][name], weight, rtol=1e-5, atol=1e-4,
-                                       msg=lambda text: f"{layout}, {name}: {text}")
+    alone = {kind: norm_steps(model, 1) for kind, model in models.items()}
+    for (kind, plan), got in ((case, got) for rank in ranks for case, got in rank.items()):
+        want = alone[kind]
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), (kind, plan)
+        assert got["norms"].keys() == want["norms"].keys() and len(got["norms"]) == {"qwen3": 8, "gemma2": 8}[kind]
+        for name, weight in want["norms"].items():
+            # (Adam's step of a gradient near 0 magnifies rounding: one of Gemma 2's values came 1.03e-4 off; a
+            # share left unsummed parts them by ~0.1)
+            torch.testing.assert_close(got["norms"][name], weight, rtol=1e-5, atol=1e-3,
+                                       msg=lambda text: f"{kind}, {plan}, {name}: {text}")
 
 
 def sp_resume_steps(model: str, folder: str) -> dict:

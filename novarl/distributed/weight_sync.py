@@ -15,7 +15,7 @@ shards (`policy.generation.weight_sync_bucket_mb`, see `bucket_bytes`).
 
 Each bucket goes over a group as a header (JSON: its dtype, and the names and
 shapes of its tensors), then its tensors end to end as one flat tensor of bytes
-(NCCL carries no unsigned integers wider than a byte); an empty header ends the
+(torch's NCCL process group takes no uint16/32/64); an empty header ends the
 update. A receiver checks the header before it allocates anything: a dtype
 outside `DTYPES`, a shape that is not a list of non-negative ints, or bytes that
 are not such JSON raise `MalformedHeader` -- what arrives is data, never code.
@@ -303,18 +303,17 @@ class HostArena:
         if index < len(self.buffers) and self.buffers[index].numel() == nbytes:
             return self.buffers[index]
         # page-aligned (an anonymous mapping), as cudaHostRegister pins whole pages
-        buffer = (torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8) if nbytes
+        buffer = (torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=torch.uint8) if nbytes
                   else torch.empty(0, dtype=torch.uint8))
         if self.pin and nbytes:
+            # (a failure stays the CUDA runtime's last error, which a later kernel launch check would raise:
+            # stopped here, naming it, as torch's own pinning does)
             status = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
-            if status == 0:
-                self.pinned.add(buffer.data_ptr())
-            else:  # a low `ulimit -l`, say: pageable copies are slower, not wrong
-                from novarl.logging.console import info
-
-                info(f"could not page-lock {nbytes} bytes of host memory for the queued weights (CUDA error "
-                     f"{status}): they go to the engines from pageable memory")
-                self.pin = False
+            if status != 0:
+                raise RunFailed(f"Asynchronous GRPO holds the queued weights in page-locked host memory on the "
+                                f"policy's rank 0, and CUDA refused to page-lock {nbytes / 2**20:.0f} MiB more "
+                                f"(cudaHostRegister error {status}): free host memory, or run synchronous GRPO.")
+            self.pinned.add(buffer.data_ptr())
         if index < len(self.buffers):
             self._unpin(self.buffers[index])
             self.buffers[index] = buffer

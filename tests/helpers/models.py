@@ -58,15 +58,28 @@ def tiny_moe(model_type: str, **overrides):
 def tiny_qwen3(folder: Path) -> Path:
     """A random 2-layer Qwen3 (query/key norms of head_dim, 4 heads, 2 key/value heads: tensor parallelism
     splits it) of the bundled vocabulary, its norms' weights away from 1, saved in `folder`."""
+    from transformers import Qwen3Config
+
+    return _with_uneven_norms(folder, Qwen3Config)
+
+
+def tiny_gemma2(folder: Path) -> Path:
+    """The same shape as a Gemma 2 (four norms a layer: before and after the attention and the MLP)."""
+    from transformers import Gemma2Config
+
+    return _with_uneven_norms(folder, Gemma2Config)
+
+
+def _with_uneven_norms(folder: Path, config_class) -> Path:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from novarl.models.loading import resolve_model_path
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=19, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = config_class(vocab_size=19, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():

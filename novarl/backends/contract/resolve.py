@@ -146,7 +146,9 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     except ConfigError:
         layout = None  # the device arithmetic does not fit: plan_batches says how
     else:
-        missing.extend(layout_missing(layout))
+        from novarl.models.lora import sends_adapter
+
+        missing.extend(layout_missing(layout, adapters=sends_adapter(policy)))
     ranks = layout.training_ranks if layout else max(cfg.cluster.gpus_per_node, 1) * cfg.cluster.num_nodes
     if ranks > 1 and not installed("ray"):
         missing.append(f"Ray, to run {ranks} ranks (cluster: {cfg.cluster.num_nodes} node(s) x "

@@ -181,8 +181,9 @@ def training_devices(cfg: NovaRLConfig) -> tuple[int, int, int]:
     return per_node * (num_nodes - res.num_nodes), res.num_nodes, per_node
 
 
-def layout_missing(layout: GenerationLayout) -> list[str]:
-    """What a layout needs that novarl does not have (refused before the start)."""
+def layout_missing(layout: GenerationLayout, *, adapters: bool = False) -> list[str]:
+    """What a layout needs that novarl does not have (refused before the start); `adapters`: the syncs carry
+    LoRA adapters alone (policy.generation.lora_sync: adapter)."""
     size = layout.devices_per_engine
     if size == 1:
         return []
@@ -193,4 +194,8 @@ def layout_missing(layout: GenerationLayout) -> list[str]:
                     f"Use tensor_parallel_size={size} with pipeline_parallel_size=1, or dedicated generation "
                     "(policy.generation.colocated.enabled=false)"]
         return []  # one tensor-parallel shard in each of its ranks' processes (vLLM's external launcher)
+    if adapters:
+        return [f"LoRA adapters alone (policy.generation.lora_sync: adapter) to dedicated engines of "
+                f"tensor_parallel_size x pipeline_parallel_size = {size} devices: their workers take the full "
+                "weights only; set lora_sync: merged"]
     return []  # an engine actor with all its devices, a worker process on each (backends/generation/vllm_workers.py)

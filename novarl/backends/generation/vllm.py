@@ -156,11 +156,9 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
         if spans_devices:
             engine_args.update(dedicated_spanning_engine_args(size))
         self.adapters = AdapterFolders(lora, model_path) if lora is not None else None
-        self.worker_processes = spans_devices
-        self.bridge_ranks = size if spans_devices and self.adapters is None else 1
-        """The weight bridge's ranks this engine takes: its workers' (they receive the full weights themselves),
-        or the engine's process alone (one device; or the adapters, which it writes where every worker loads
-        them)."""
+        self.bridge_ranks = size if spans_devices else 1
+        """The weight bridge's ranks this engine takes: its workers' (they receive the weights themselves; not
+        adapters alone: layout.layout_missing), or its process's."""
         if self.adapters is not None:
             engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=self.adapters.max_rank)
         engine_args.update(cfg.vllm_kwargs)
@@ -304,11 +302,8 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
             self.sleeping -= set(asleep)
 
     def shutdown(self) -> None:
-        """Drop the engine (and its KV cache; its worker processes end) and its adapter folders; safe to call
-        twice."""
-        llm = self.__dict__.pop("llm", None)
-        if llm is not None and self.worker_processes:  # ended now, not when the actor's process exits
-            llm.llm_engine.engine_core.shutdown()
+        """Drop the engine (and its KV cache) and its adapter folders; safe to call twice."""
+        self.__dict__.pop("llm", None)
         if self.adapters is not None:
             self.adapters.remove()
 

@@ -80,11 +80,13 @@ HEAD_SPLIT = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 the rank's attention heads alone (Qwen3's query and key norms): each rank's gradient is its heads' share, which
 `sum_partial_gradients` adds up over the ranks (as megatron-core all-reduces its qk-layernorm gradients)."""
 
-SEQUENCE_SPLIT = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.bias",
-                  "mlp.down_proj.bias")
-"""The same for sequence parallelism on local tensors (local_tp.LOCAL_LAYER_PLAN_SP): the norms, and the biases
-added after o's and down's reduce-scatter, act on the rank's share of the sequence (torch's SequenceParallel
-style makes the norms' weights DTensors whose gradients DTensor reduces instead)."""
+SPLIT_BIASES = ("self_attn.o_proj.bias", "mlp.down_proj.bias")
+"""Sequence parallelism runs a decoder layer's attention and MLP on the whole sequence (gathered at their input,
+reduce-scattered at their output) and its norms -- the modules of the layer named *norm*, however many (Llama's
+two, Gemma 2's four) -- on the rank's share of it, as it adds these biases after o's and down's reduce-scatter
+on local tensors (the default plan): each rank's gradient of such a weight, whole on every rank, is its tokens'
+share, summed over the ranks (torch's SequenceParallel style makes a norm's weight a DTensor whose gradient
+DTensor reduces instead)."""
 
 
 def check_splittable(model: torch.nn.Module, size: int, *, default_plan: bool) -> None:
@@ -114,21 +116,21 @@ def partial_parameters(model: torch.nn.Module, cfg: DTensorConfig) -> list[torch
     """The trainable parameters whose gradient each tensor-parallel rank holds a share of, whole on every rank:
     HEAD_SPLIT behind query and key projections split by heads (the default plans, or a custom plan that leaves
     the norms whole), LoRA's (local_tp.partial_adapter_parameters: the default plans'), and with sequence
-    parallelism SEQUENCE_SPLIT (the default plan's; a dict plan's norms that it leaves plain modules). A function
-    plan's are its own. None without tensor parallelism."""
+    parallelism the layers' norms (a dict plan's where it leaves them plain modules) and, on the default plan,
+    SPLIT_BIASES. A function plan's are its own. None without tensor parallelism."""
     if cfg.tensor_parallel_size == 1:
         return []
     from novarl.backends.training.local_tp import partial_adapter_parameters
 
     custom = cfg.custom_parallel_plan
-    sequence_split = set(SEQUENCE_SPLIT) if cfg.sequence_parallel and not (custom and callable(
-        load_custom_plan(custom))) else set()
+    sequence_split = cfg.sequence_parallel and not (custom and callable(load_custom_plan(custom)))
     partial = []
     for layer in decoder_layers(model):
         heads_split = splits_heads(layer)
         for name, param in layer.named_parameters():
             whole = not on_tensor_parallel_mesh(param)  # the default plan's split biases: Replicate DTensors
-            if param.requires_grad and ((name in sequence_split and (whole or not custom))
+            on_tokens = "norm" in name.split(".")[0] or (not custom and name in SPLIT_BIASES)
+            if param.requires_grad and ((sequence_split and on_tokens and (whole or not custom))
                                         or (name in HEAD_SPLIT and heads_split and whole)):
                 partial.append(param)
         partial += partial_adapter_parameters(layer)
@@ -280,15 +282,17 @@ def refuse_local_styles(plan: dict[str, ParallelStyle], spec: str) -> None:
 def check_returns_split_sequence(plan: dict[str, ParallelStyle], spec: str) -> None:
     """Under sequence parallelism a dict plan's layers take and return the residual stream split along the
     sequence, as LLAMA_LAYER_PLAN_SP's do (novarl splits it after the embeddings and gathers it before the head):
-    some RowwiseParallel of the plan reduce-scatters to Shard(1). One that returns the whole sequence is refused
-    here rather than failing in the first layer's attention."""
-    if not any(isinstance(style, RowwiseParallel) and Shard(1) in style.output_layouts for style in plan.values()):
+    every RowwiseParallel of the plan reduce-scatters to Shard(1). One that returns the whole sequence from either
+    block is refused here rather than failing in the next layer."""
+    rowwise = [style for style in plan.values() if isinstance(style, RowwiseParallel)]
+    if not rowwise or not all(Shard(1) in style.output_layouts for style in rowwise):
         raise UserError(f"policy.dtensor_cfg.custom_parallel_plan='{spec}' with sequence_parallel: true: its layers "
                         "must return the residual stream split along the sequence, as "
                         "novarl.backends.training.parallelize:LLAMA_LAYER_PLAN_SP's do (RowwiseParallel("
                         "output_layouts=Shard(1)) for o_proj and down_proj, SequenceParallel for the norms, "
-                        "PrepareModuleInput from Shard(1) to Replicate() for the attention and the MLP); no style "
-                        "of it returns Shard(1). Set sequence_parallel: false for this plan, or write it so.")
+                        "PrepareModuleInput from Shard(1) to Replicate() for the attention and the MLP); not every "
+                        "RowwiseParallel of it returns Shard(1). Set sequence_parallel: false for this plan, or "
+                        "write it so.")
 
 
 def apply_plan(model: torch.nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
