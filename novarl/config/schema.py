@@ -172,6 +172,12 @@ class PolicyConfig(Section):
     """None: a constant learning rate (Megatron: megatron_cfg.scheduler)."""
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
 
+    @property
+    def sends_adapter(self) -> bool:
+        """Whether the weight syncs carry the LoRA adapters alone (generation.lora_sync: adapter, with LoRA on):
+        see WeightSender in backends/protocols.py."""
+        return self.dtensor_cfg.lora_cfg.enabled and self.generation.lora_sync == "adapter"
+
     @model_validator(mode="after")
     def _optimizer_given(self) -> "PolicyConfig":
         if self.optimizer is None and not self.megatron_cfg.enabled:

@@ -132,12 +132,6 @@ def hf_weights(items: Iterable[tuple[str, torch.Tensor]], cfg: LoraConfig | None
     return iter(items) if cfg is None else merged(items, scaling(cfg))
 
 
-def sends_adapter(policy) -> bool:
-    """Whether a policy's weight syncs carry its adapters alone (policy.generation.lora_sync:
-    adapter, with LoRA on): see WeightSender in backends/protocols.py."""
-    return policy.dtensor_cfg.lora_cfg.enabled and policy.generation.lora_sync == "adapter"
-
-
 def vllm_max_lora_rank(cfg: LoraConfig) -> int:
     fitting = [rank for rank in VLLM_LORA_RANKS if rank >= cfg.dim]
     if not fitting:

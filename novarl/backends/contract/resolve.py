@@ -146,9 +146,7 @@ def check_available(cfg: NovaRLConfig, choice: BackendChoice) -> Availability:
     except ConfigError:
         layout = None  # the device arithmetic does not fit: plan_batches says how
     else:
-        from novarl.models.lora import sends_adapter
-
-        missing.extend(layout_missing(layout, adapters=sends_adapter(policy)))
+        missing.extend(layout_missing(layout, adapters=policy.sends_adapter))
     ranks = layout.training_ranks if layout else max(cfg.cluster.gpus_per_node, 1) * cfg.cluster.num_nodes
     if ranks > 1 and not installed("ray"):
         missing.append(f"Ray, to run {ranks} ranks (cluster: {cfg.cluster.num_nodes} node(s) x "

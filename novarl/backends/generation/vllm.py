@@ -99,12 +99,10 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
     @staticmethod
     def engine_kwargs(cfg, *, model_path: str, tokenizer, precision: str) -> dict:
         """The constructor's arguments for a run's config (built where the engine runs)."""
-        from novarl.models.lora import sends_adapter
-
         return dict(model_path=model_path, tokenizer=tokenizer, cfg=cfg.policy.generation, precision=precision,
                     max_seq_length=cfg.policy.max_seq_length, seed=cfg.grpo.seed,
                     trust_remote_code=cfg.policy.trust_remote_code,
-                    lora=cfg.policy.dtensor_cfg.lora_cfg if sends_adapter(cfg.policy) else None)
+                    lora=cfg.policy.dtensor_cfg.lora_cfg if cfg.policy.sends_adapter else None)
 
     def __init__(self, model_path: str, tokenizer, cfg: GenerationConfig, *, precision: str,
                  max_seq_length: int, seed: int = 0, trust_remote_code: bool = False,

@@ -52,7 +52,7 @@ from novarl.models.attention import use_varlen_attention
 from novarl.models.logprob_head import use_picking_head
 from novarl.models.loading import ExportFormat, load_causal_lm, parameters_in
 from novarl.models.scores import training_precision
-from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf, sends_adapter
+from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf
 
 
 def deepspeed_config(policy: PolicyConfig, *, world_size: int, accumulation_steps: int, on_gpu: bool,
@@ -149,7 +149,7 @@ class DeepSpeedModel(DataParallelRows):
             add_value_head(model)
         lora = policy.dtensor_cfg.lora_cfg
         self.lora = lora if trainable and lora.enabled and not value_head else None
-        self.adapter_sync = trainable and sends_adapter(policy)
+        self.adapter_sync = trainable and policy.sends_adapter
         if self.lora is not None:  # adapters in place, before the engine: the optimizer gets them alone
             from novarl.models.lora import inject, trainable_summary
 

@@ -61,7 +61,7 @@ from novarl.models.loading import DTYPES, ExportFormat, load_causal_lm, paramete
 from novarl.models.logprob_head import use_picking_head
 from novarl.models.scores import Head, training_precision
 from novarl.types import TrainBatch
-from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf, sends_adapter
+from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf
 
 
 class ShardedModel(DataParallelRows):
@@ -112,7 +112,7 @@ class ShardedModel(DataParallelRows):
 
             add_value_head(model)
         self.lora = dt.lora_cfg if trainable and dt.lora_cfg.enabled and not value_head else None
-        self.adapter_sync = trainable and sends_adapter(policy)
+        self.adapter_sync = trainable and policy.sends_adapter
         if self.lora is not None:  # adapters in place, before sharding: the layers keep their paths
             from novarl.models.lora import inject, trainable_summary
 
