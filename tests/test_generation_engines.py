@@ -364,3 +364,13 @@ def test_vllm_engines_on_gpus_take_bf16_weights(ray_cluster, tmp_path, extra):
     steps = train_steps(GRPOTrainer(cfg).train().output_dir)
     assert all(r["weight_sync_mb"] == pytest.approx(2 * (297_984 + 19 * 128) / 1e6) for r in steps.values())
     assert max(r["logprob_mismatch"] for r in steps.values()) < 0.05  # bf16 on both sides
+
+
+def test_a_dedicated_engines_cpu_workers_take_equal_shares_of_the_cores():
+    """vLLM binds each CPU worker of a multi-device engine to the cores named for it (VLLM_CPU_OMP_THREADS_BIND);
+    its own NUMA-node binding refuses more workers than nodes."""
+    from novarl.backends.generation.vllm import cpu_shares
+
+    assert cpu_shares([0, 1], 2) == "0|1"
+    assert cpu_shares([2, 3, 4, 5, 6], 2) == "2,3|4,5"  # the odd core left out
+    assert cpu_shares([0], 2) == "nobind"  # fewer cores than workers: no binding
