@@ -374,3 +374,29 @@ def test_a_dedicated_engines_cpu_workers_take_equal_shares_of_the_cores():
     assert cpu_shares([0, 1], 2) == "0|1"
     assert cpu_shares([2, 3, 4, 5, 6], 2) == "2,3|4,5"  # the odd core left out
     assert cpu_shares([0], 2) == "nobind"  # fewer cores than workers: no binding
+
+
+def test_a_colocated_vllm_engine_sleeps_again_after_a_sync_woke_its_weights_alone():
+    """On a GPU a colocated engine sleeps while training runs; a weight sync wakes its weights alone (the KV cache
+    waits for the next generate). Released then, before it generates, it must put the weights back to sleep: it
+    kept them on the device through training (its guard read 'something sleeps'). vLLM is stood in for by a
+    recorder of its sleep and wake calls (no sleep mode on a CPU host)."""
+    from novarl.backends.generation.vllm import VllmGeneration
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        def sleep(self, level: int) -> None:
+            self.calls.append(("sleep", level))
+
+        def wake_up(self, tags: list[str]) -> None:
+            self.calls.append(("wake", *tags))
+
+    engine = object.__new__(VllmGeneration)  # the sleep bookkeeping alone, without an engine behind it
+    engine.llm, engine.sleep_mode, engine.sleeping, engine.running, engine.finished = Recorder(), True, set(), {}, []
+    engine.offload()  # training: all of it asleep
+    engine._wake("weights")  # a sync
+    engine.offload()  # training again
+    engine.onload()  # generation
+    assert engine.llm.calls == [("sleep", 1), ("wake", "weights"), ("sleep", 1), ("wake", "weights", "kv_cache")]

@@ -134,11 +134,9 @@ def _round(cfg: NovaRLConfig, inputs, roles, step: int, round_index: int, prompt
     if inputs.episodes is None:
         with timer("generation"):
             completions = roles.generator.submit(prompts, sampling).result()
-            roles.release_generator()
         return (completions, *score_round(cfg, inputs, completions))
     with timer("generation"):  # the environment's steps included
         completions, rewards = inputs.episodes.play(roles.generator, prompts, sampling)
-        roles.release_generator()
     return (completions, *episode_rewards(cfg, inputs, completions, rewards, step))
 
 

@@ -165,6 +165,9 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, stages: list[S
     # before grpo.policy_training_start_step: the critic's warm-up
     work = StepWork(batch, rollouts.rewards, policy_trains=step > grpo.policy_training_start_step,
                     weights=rollouts.weights, episodes=episodes)
+    # a colocated engine's memory back for training, once the step's rounds are done (not between dynamic
+    # sampling's rounds); also after an evaluation, or when no round of an asynchronous pipeline released it
+    roles.release_generator()
     for stage in stages:
         with timer(stage.phase):
             stage(work)

@@ -151,23 +151,25 @@ def _decode(model, prompts: list[list[int]], sampling: SamplingConfig, stop_ids:
     chunk = config.block_size_tokens if chunked else position
     for begin in range(0, position, chunk):  # the prefix every row has
         logits = _forward_stage(model, tokens, begin, min(begin + chunk, position), context)
-    while position < total and not bool(finished.all()):
+    stops = torch.tensor(sorted(stop_ids), device=device)
+    while position < total:  # one wait for the device a token: whether every row has finished
         chosen, chosen_logprobs = _sample(model, logits, sampling, generator, rows)
         in_prompt = position < lengths
         active = ~in_prompt & ~finished & (position < limit)
         tokens[:, position] = torch.where(in_prompt, tokens[:, position], torch.where(active, chosen, 0))
         logprobs[:, position] = torch.where(active, chosen_logprobs, 0.0)
-        stopped = torch.isin(chosen, torch.tensor(sorted(stop_ids), device=device))
-        finished |= (active & stopped) | (~in_prompt & (position + 1 >= limit))
+        finished |= (active & torch.isin(chosen, stops)) | (~in_prompt & (position + 1 >= limit))
         position += 1
-        if position < total and not bool(finished.all()):
-            logits = _forward_stage(model, tokens, position - 1, position, context)
+        if position >= total or bool(finished.all()):
+            break
+        logits = _forward_stage(model, tokens, position - 1, position, context)
     out = []
+    all_tokens, all_logprobs, limits = tokens.tolist(), logprobs.tolist(), limit.tolist()  # one copy each
     for row in range(rows):
-        first, end = len(prompts[row]), int(limit[row])
-        generated = tokens[row, first:end].tolist()
+        first, end = len(prompts[row]), int(limits[row])
+        generated = all_tokens[row][first:end]
         cut = next((i + 1 for i, t in enumerate(generated) if t in stop_ids), len(generated))
-        out.append((generated[:cut], logprobs[row, first:first + cut].tolist()))
+        out.append((generated[:cut], all_logprobs[row][first:first + cut]))
     return out
 
 

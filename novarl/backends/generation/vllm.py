@@ -160,6 +160,7 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
         if self.adapters is not None:
             engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=self.adapters.max_rank)
         engine_args.update(cfg.vllm_kwargs)
+        self.sleep_mode = bool(engine_args["enable_sleep_mode"])  # vllm_kwargs may turn it off
         try:
             self.llm = vllm.LLM(**engine_args)
         except (ValueError, TypeError) as err:
@@ -285,7 +286,8 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
     def offload(self) -> None:
         """Release the engine's GPU memory while training runs: weights to CPU, KV cache
         dropped (vLLM sleep level 1). A no-op on CPU hosts and when dedicated."""
-        if self.sleep_mode and not self.sleeping:
+        if self.sleep_mode and self.sleeping != {"weights", "kv_cache"}:  # after a sync the weights alone woke
+            self._finish_running()  # vLLM's sleep would abort them, and a paused engine never finishes them
             self.llm.sleep(level=1)
             self.sleeping = {"weights", "kv_cache"}
 
