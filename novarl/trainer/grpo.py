@@ -167,7 +167,8 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, stages: list[S
                     weights=rollouts.weights, episodes=episodes)
     # a colocated engine's memory back for training, once the step's rounds are done (not between dynamic
     # sampling's rounds); also after an evaluation, or when no round of an asynchronous pipeline released it
-    roles.release_generator()
+    with timer("generation" if pipeline is None else None):  # (asynchronous: the engines' own seconds)
+        roles.release_generator()
     for stage in stages:
         with timer(stage.phase):
             stage(work)
