@@ -166,7 +166,7 @@ def _decode(model, prompts: list[list[int]], sampling: SamplingConfig, stop_ids:
     out = []
     all_tokens, all_logprobs, limits = tokens.tolist(), logprobs.tolist(), limit.tolist()  # one copy each
     for row in range(rows):
-        first, end = len(prompts[row]), int(limits[row])
+        first, end = len(prompts[row]), limits[row]
         generated = all_tokens[row][first:end]
         cut = next((i + 1 for i, t in enumerate(generated) if t in stop_ids), len(generated))
         out.append((generated[:cut], all_logprobs[row][first:first + cut]))

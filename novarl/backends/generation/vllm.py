@@ -130,7 +130,6 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
 
         check_vllm_version(vllm.__version__)
         # Colocated on GPUs: sleep (weights to CPU, KV cache freed) while the trainer runs.
-        self.sleep_mode = cfg.colocated.enabled and torch.cuda.is_available()
         self.sleeping: set[str] = set()
         """What sleeps now: "weights" (on the CPU) and "kv_cache" (freed)."""
         engine_args: dict[str, Any] = dict(
@@ -141,7 +140,7 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
             trust_remote_code=trust_remote_code, logprobs_mode="processed_logprobs",
             # The tokenizer is initialised (vLLM's start-up warm-up renders a chat with it and logs a
             # traceback without one); prompts still go in as token ids, and detokenize=False below.
-            enable_sleep_mode=self.sleep_mode, use_tqdm_on_load=False,
+            enable_sleep_mode=cfg.colocated.enabled and torch.cuda.is_available(), use_tqdm_on_load=False,
         )
         if not torch.cuda.is_available():
             # vLLM's CPU runner fails a seeded request whose prompt the scheduler splits over two steps (it
@@ -160,7 +159,7 @@ class VllmGeneration(Engine, Offloadable, Stoppable):
         if self.adapters is not None:
             engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=self.adapters.max_rank)
         engine_args.update(cfg.vllm_kwargs)
-        self.sleep_mode = bool(engine_args["enable_sleep_mode"])  # vllm_kwargs may turn it off
+        self.sleep_mode = bool(engine_args["enable_sleep_mode"])  # (vllm_kwargs may have turned it off)
         try:
             self.llm = vllm.LLM(**engine_args)
         except (ValueError, TypeError) as err:
