@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from novarl.algorithms.losses import LossFn
-from novarl.distributed.lifecycle import Offloadable, Stoppable  # noqa: F401 (re-exported)
+from novarl.distributed.lifecycle import Offloadable, Parkable, Stoppable  # noqa: F401 (re-exported)
 from novarl.models.scores import Head
 from novarl.types import Completion, Prompt, SamplingConfig, TrainBatch
 

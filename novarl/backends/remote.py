@@ -15,17 +15,21 @@ from pathlib import Path
 import torch
 
 from novarl.algorithms.losses import LossFn
-from novarl.backends.protocols import ReferenceBackend, Stoppable, TrainingBackend
+from novarl.backends.protocols import Parkable, ReferenceBackend, Stoppable, TrainingBackend
 from novarl.distributed.ray_group import RayWorkerGroup
 from novarl.models.scores import Head
 from novarl.types import TrainBatch
 
 
-class RemotePolicy(TrainingBackend, Stoppable):
+class RemotePolicy(TrainingBackend, Parkable, Stoppable):
     """TrainingBackend over a RayWorkerGroup of policy ranks (any training backend)."""
 
     def __init__(self, group: RayWorkerGroup) -> None:
         self.group = group
+
+    def park(self, group: str) -> int:
+        """Each rank's role parks `group` where it parks (rank 0's bytes)."""
+        return self.group.call_all_actors("park_role", None, group)[0]
 
     def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:
         return self.group.call("forward_backward", batch, loss, head)
@@ -61,7 +65,7 @@ class RemotePolicy(TrainingBackend, Stoppable):
         self.group.shutdown()
 
 
-class RemoteReference(ReferenceBackend, Stoppable):
+class RemoteReference(ReferenceBackend, Parkable, Stoppable):
     """The frozen reference, built beside the policy on the policy group's ranks (same
     processes and devices, as NeMo RL keeps it in the policy's workers)."""
 
@@ -73,11 +77,14 @@ class RemoteReference(ReferenceBackend, Stoppable):
     def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
         return self.group.call_role(self.ROLE, "forward", batch, head)
 
+    def park(self, group: str) -> int:
+        return self.group.call_all_actors("park_role", self.ROLE, group)[0]
+
     def shutdown(self) -> None:
         """Nothing of its own: the policy's group stops its processes."""
 
 
-class RemoteCritic(TrainingBackend, Stoppable):
+class RemoteCritic(TrainingBackend, Parkable, Stoppable):
     """PPO's critic, built beside the policy on the policy group's ranks (as NeMo RL's value
     workers share the training GPUs); its head is Values() (models/scores.py)."""
 
@@ -106,6 +113,9 @@ class RemoteCritic(TrainingBackend, Stoppable):
 
     def save_hf(self, path: Path, tokenizer, fmt=None) -> None:
         self.group.call_role(self.ROLE, "save_hf", path, tokenizer, fmt)
+
+    def park(self, group: str) -> int:
+        return self.group.call_all_actors("park_role", self.ROLE, group)[0]
 
     def shutdown(self) -> None:
         """Nothing of its own: the policy's group stops its processes."""

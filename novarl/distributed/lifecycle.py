@@ -16,6 +16,16 @@ class Offloadable(Protocol):
 
 
 @runtime_checkable
+class Parkable(Protocol):
+    """What a training role does beside colocated engines: its optimizer's state or its weights to host memory
+    while they generate (distributed/parking.py); they come back when the role next needs them."""
+
+    def park(self, group: str) -> int:
+        """Park `group` ("optimizer" or "weights"); bytes freed on this rank's device."""
+        ...
+
+
+@runtime_checkable
 class Stoppable(Protocol):
     """A role with processes or engines of its own to stop (Ray ranks, engine actors)."""
 

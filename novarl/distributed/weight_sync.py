@@ -274,8 +274,12 @@ class HostArena:
     of two and keeps it cached: pinned tensor by tensor, a 7B model's bf16 weights held ~1.9x their bytes on
     rank 0's host for the rest of the run.) `release` unpins and drops the buffers."""
 
-    def __init__(self, pin: bool | None = None) -> None:
+    def __init__(self, pin: bool | None = None, *,
+                 holding: str = "Asynchronous GRPO holds the queued weights in page-locked host memory on the policy's "
+                                "rank 0", remedy: str = "run synchronous GRPO") -> None:
+        """holding, remedy: what a failure to page-lock says the memory was for, and what the user can do."""
         self.pin = torch.cuda.is_available() if pin is None else pin
+        self.holding, self.remedy = holding, remedy
         self.buffers: list[torch.Tensor] = []
         self.pinned: set[int] = set()
         """data_ptr of the buffers cudaHostRegister took."""
@@ -310,9 +314,8 @@ class HostArena:
             # stopped here, naming it, as torch's own pinning does)
             status = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
             if status != 0:
-                raise RunFailed(f"Asynchronous GRPO holds the queued weights in page-locked host memory on the "
-                                f"policy's rank 0, and CUDA refused to page-lock {nbytes / 2**20:.0f} MiB more "
-                                f"(cudaHostRegister error {status}): free host memory, or run synchronous GRPO.")
+                raise RunFailed(f"{self.holding}, and CUDA refused to page-lock {nbytes / 2**20:.0f} MiB more "
+                                f"(cudaHostRegister error {status}): free host memory, or {self.remedy}.")
             self.pinned.add(buffer.data_ptr())
         if index < len(self.buffers):
             self._unpin(self.buffers[index])

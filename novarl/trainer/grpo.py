@@ -71,6 +71,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         if checkpointer and saved != step and checkpointer.due(step, last=last):
             checkpointer.save(step, roles.policy, trainer_state(inputs, summary, pipeline), metrics=sink.path,
                               critic=roles.critic, rollouts=pipeline.state() if pipeline is not None else None)
+            roles.park_training()  # the save woke them; the next generation comes first
             saved = step
 
     def validate(step: int) -> None:
@@ -177,6 +178,8 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, stages: list[S
     else:
         with timer("weight_sync"):  # the engines hold these weights already during the critic's warm-up
             sync_metrics = roles.sync_weights(step) if work.policy_trains else {}
+        if not work.policy_trains:
+            roles.park_training()  # (the sync parks them)
     mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None else {}  # else the loss measured it
     gpus = roles.policy.gpu_stats() if cfg.logger.monitor_gpus else {}
     played = inputs.episodes.take_metrics() if inputs.episodes is not None else {}  # the environment's counts

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from novarl.backends.protocols import (Engine, GenerationBackend, Offloadable, QueuedWeights, ReferenceBackend,
+from novarl.backends.protocols import (Engine, GenerationBackend, Offloadable, Parkable, QueuedWeights, ReferenceBackend,
                                        Stoppable, TrainingBackend)
 from novarl.config.files import show_value
 from novarl.config.schema import NovaRLConfig, ValueConfig
 from novarl.data.arithmetic import Example
+from novarl.distributed.parking import GROUPS
 from novarl.data.datasets import PromptSampler, load_examples, read_prompt_template, to_prompts
 from novarl.errors import NotAvailableYet, UserError
 from novarl.logging.console import info
@@ -366,6 +367,16 @@ class Roles:
     generator: GenerationBackend
     critic: TrainingBackend | None = None
     """PPO's value model (grpo.adv_estimator.name: gae): its head is Values() (models/scores.py)."""
+    parks: bool = False
+    """Engines of their own generate on the training GPUs: the training roles wait in host memory meanwhile
+    (park_training)."""
+
+    def park_training(self) -> None:
+        """Where the roles park: their optimizer states and weights to host memory until they next need them
+        (distributed/parking.py), e.g. after a checkpoint woke them."""
+        if self.parks:
+            for group in GROUPS:
+                park_roles(group, self.policy, self.reference, self.critic)
 
     def release_generator(self) -> None:
         """Free colocated engines' accelerator memory for training (vLLM sleep on GPU); they
@@ -376,8 +387,9 @@ class Roles:
     def sync_weights(self, version: int) -> dict[str, float]:
         """The policy's current weights into every engine (see backends/generation/engines.py);
         metrics: weight_sync_mb, the MB each engine took (none when the generator samples
-        with the policy's own model)."""
-        return self.generator.sync_weights(version)
+        with the policy's own model). Where the roles park, the optimizer states go to host memory before (the
+        engines' weights wake into their room) and the weights after (offloaded_gb: park_training)."""
+        return self._parked_around(lambda: self.generator.sync_weights(version))
 
     def queue_weights(self, version: int) -> dict[str, float]:
         """Asynchronous GRPO's weight update: the policy's weights go to the engines behind the
@@ -385,11 +397,35 @@ class Roles:
         if not isinstance(self.generator, QueuedWeights):
             raise NotAvailableYet(f"asynchronous GRPO on {type(self.generator).__name__}: its engines do not "
                                   "queue weights")
-        return self.generator.queue_weights(version)
+        generator = self.generator
+        return self._parked_around(lambda: generator.queue_weights(version))
+
+    def _parked_around(self, send: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """`send`'s metrics (a weight update's), where the roles park with the optimizer states parked before
+        it and the weights after (offloaded_gb: both, on the policy's first rank)."""
+        if not self.parks:
+            return send()
+        freed = park_roles("optimizer", self.policy, self.reference, self.critic)
+        metrics = send()
+        freed += park_roles("weights", self.policy, self.reference, self.critic)
+        return {**metrics, "offloaded_gb": freed / 1e9}
 
     def shutdown(self) -> None:
         """Stop remote workers (in-process roles need nothing); safe to call twice."""
         stop(self.generator, self.critic, self.reference, self.policy)
+
+
+def park_roles(group: str, *roles: object) -> int:
+    """Park `group` of each role that parks (Parkable); the bytes freed on the first rank."""
+    return sum(role.park(group) for role in roles if isinstance(role, Parkable))
+
+
+def parks_beside_engines(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> bool:
+    """Whether the training roles wait in host memory while the engines generate: engines of their own (vLLM's,
+    or Hugging Face's copy) on the policy's GPUs. (Megatron generation runs on the training weights themselves;
+    dedicated engines have GPUs of their own; a CPU host has no device memory to free.)"""
+    return (device.type == "cuda" and generation_spec(inputs.choice.generation).engine_class is not None
+            and generation_layout(cfg, inputs.choice.generation).colocated)
 
 
 def stop(*roles: object) -> None:
@@ -446,13 +482,18 @@ def build_roles(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> R
     engines. If one role fails to start, the ones already started are shut down."""
     check_capacity(cfg, inputs, device)
     policy, reference, critic = build_trainers(cfg, inputs, device)  # stops its Ray ranks if one fails
+    parks = parks_beside_engines(cfg, inputs, device)
     try:
+        if parks:  # before the engines start: vLLM claims its share of the GPU's memory then
+            freed = park_roles("weights", policy, reference, critic)
+            info(f"colocated generation: the training roles' optimizer states and weights wait in host memory "
+                 f"while the engines generate ({freed / 1e9:.1f} GB of the policy's first GPU now)")
         generator = build_generator(cfg, inputs, device, policy)
     except BaseException:
         stop(critic, reference, policy)
         raise
     info(generator.describe())
-    return Roles(policy, reference, generator, critic)
+    return Roles(policy, reference, generator, critic, parks)
 
 
 def check_capacity(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> None:

@@ -54,6 +54,7 @@ from novarl.backends.training.parallelize import (
 )
 from novarl.config.schema import PolicyConfig
 from novarl.errors import UserError
+from novarl.distributed.parking import Parking, gradients, module_tensors, optimizer_tensors, wakes
 from novarl.distributed.weight_sync import bucketed, full_weights, in_dtype
 from novarl.models.attention import use_varlen_attention
 from novarl.models.context_parallel import use_context_parallel_attention
@@ -135,8 +136,15 @@ class ShardedModel(DataParallelRows):
         if self.lora is None:
             model.requires_grad_(trainable)
         self.model = model
+        self.parking = Parking()
+
+    def park(self, group: str) -> int:
+        """Implements Parkable (distributed/parking.py): the weights (parameters and buffers) to host memory;
+        a frozen model has no optimizer state."""
+        return self.parking.park(group, module_tensors(self.model)) if group == "weights" else 0
 
     @torch.no_grad()
+    @wakes("weights")
     def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
         """DataParallelRows.forward, the gathered weights freed at its end: FSDP2 keeps the root's (and
         with keep_gathered every layer's) after a forward, for a backward that a no-grad pass never runs;
@@ -194,6 +202,14 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         # parallelism the norms, o's and down's biases and LoRA's B of row-split layers)
         self.partial = partial_parameters(self.model, policy.dtensor_cfg)
 
+    def park(self, group: str) -> int:
+        """Implements Parkable: the optimizer's state (the gradients, none between steps, freed) or the weights
+        to host memory."""
+        if group == "optimizer":
+            return self.parking.park(group, optimizer_tensors(self.optimizer), gradients(self.model))
+        return super().park(group)
+
+    @wakes("weights")
     def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:
         """AccumulatingRows.forward_backward, the gathered weights freed at its end (FSDP2's last backward
         has freed them already; on one device the copies made for the pass, their gradients added to the
@@ -220,6 +236,7 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
 
         return gpu_stats()
 
+    @wakes("weights", "optimizer")
     def optim_step(self) -> dict[str, float]:
         """Clip, step the optimizer and scheduler, zero the gradients. The gradient norm is read last: on a
         GPU the host queues the whole step before it waits for the norm."""
@@ -232,6 +249,7 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float(grad_norm), "lr": lr}
 
+    @wakes("weights")
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the full CPU tensors, the others {}."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -246,6 +264,7 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         is a frozen weight that torch's state dict still lists)."""
         return model_state if self.lora is None else {k: v for k, v in model_state.items() if ".lora_" in k}
 
+    @wakes("weights", "optimizer")
     def save(self, path: Path) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
         model_state = self._checkpointed(model_state)
@@ -254,6 +273,7 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
             torch.save(self.scheduler.state_dict(), Path(path) / "scheduler.pt")
         dist.barrier()
 
+    @wakes("weights", "optimizer")
     def load(self, path: Path) -> None:
         """Load a checkpoint written by `save` with any number of ranks (DCP reshards). Nothing is
         unpickled with weights_only=False (DCP's `.metadata` pickle is checked before: see
@@ -266,6 +286,7 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
                        optim_state_dict=state["optim"], options=options)
         self.scheduler.load_state_dict(torch.load(Path(path) / "scheduler.pt", weights_only=True))
 
+    @wakes("weights")
     def load_weights(self, path: Path) -> None:
         """The model weights of a checkpoint written by `save`, and nothing else (no optimizer
         state is read): what `novarl convert` needs."""
@@ -278,6 +299,7 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
 class DTensorPolicy(TrainableShardedModel, BaseModelLogprobs, TrainingBackend, WeightSender):
     """The trainable policy on the DTensor backend (implements TrainingBackend)."""
 
+    @wakes("weights")
     def weight_buckets(self, bucket_bytes: int, *, everywhere: bool, dtype: torch.dtype | None = None
                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Implements WeightSender. Collective over the training ranks: full tensors under their
