@@ -101,6 +101,37 @@ def test_a_killed_rank_stops_the_call_and_names_it(tmp_path):
     assert ray.available_resources().get("CPU", 0) == 2
 
 
+def test_roles_on_ray_ranks_park_and_wake_on_their_ranks():
+    """RemotePolicy and RemoteReference park on every rank (tests/test_parking.py parks host storages on a CPU
+    host, as here); a forward wakes them with the same weights."""
+    import torch
+
+    from novarl.backends.remote import RemotePolicy, RemoteReference
+    from novarl.backends.training.dtensor import DTensorPolicy, DTensorReference
+    from novarl.distributed.parking import Parking
+    from novarl.distributed.ray_group import RayWorkerGroup
+    from novarl.models.loading import resolve_model_path
+    from novarl.models.scores import Logprobs
+    from tests.helpers.packing import mixed_batch
+
+    cfg = load_config(BUNDLED_RECIPE, overrides=["cluster.gpus_per_node=2"])
+    path = resolve_model_path("tiny-arith")
+    group = RayWorkerGroup(DTensorPolicy, dict(policy=cfg.policy, model_path=path, total_steps=10), world_size=2)
+    try:
+        group.add_role(RemoteReference.ROLE, DTensorReference, dict(policy=cfg.policy, model_path=path))
+        group.call_all("__setattr__", "parking", Parking(host_too=True))
+        group.call_all_actors("call_role", RemoteReference.ROLE, "__setattr__", "parking", Parking(host_too=True))
+        policy, reference = RemotePolicy(group), RemoteReference(group)
+        batch = mixed_batch(rows=4)
+        before = policy.forward(batch, Logprobs()), reference.forward(batch, Logprobs())
+        assert policy.park("weights") > 0 and reference.park("weights") > 0
+        assert policy.park("optimizer") == 0  # no optimizer step yet: no state
+        assert all(torch.equal(a, b) for a, b in zip(before, (policy.forward(batch, Logprobs()),
+                                                              reference.forward(batch, Logprobs()))))
+    finally:
+        group.shutdown()
+
+
 def test_kept_ranks_serve_the_next_group_of_their_shape_only(monkeypatch):
     """NOVARL_REUSE_RANKS (on in this suite): a group's rank processes serve the next group of the
     same shape, rank for rank, unless a role they hosted is not process_reusable; a group of

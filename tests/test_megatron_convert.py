@@ -381,6 +381,19 @@ def test_compiled_layers_train_as_the_eager_ones(one_megatron_rank, monkeypatch)
     assert not model.compiles_layers(mc)
 
 
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_a_parked_megatron_policy_trains_on_as_one_never_parked(one_megatron_rank, precision):
+    """Megatron's training states parked in host memory while colocated engines generate (distributed/parking.py):
+    the weights with their gradient buffers, then the fp32 masters and Adam's moments (in float32 the optimizer
+    steps the weights themselves: they stay in the weights' group); the next step, which wakes them, is the never
+    parked policy's, bit for bit."""
+    found = one_megatron_rank["parked"][precision]
+    assert found["freed"]["weights"] > 0 and found["freed"]["optimizer"] > 0
+    assert found["emptied"]
+    assert found["steps"]["parked"] == found["steps"]["plain"]
+    assert found["same_weights"]
+
+
 def test_a_packed_row_of_alike_pieces_runs_as_padded_rows_side_by_side(one_megatron_rank):
     """A packed row whose pieces all hold 16 tokens runs through megatron-core as padded rows [4, 16] (causal
     SDPA over rows, megatron-core's own rotary positions), not as a packed thd row (novarl's varlen path and
@@ -410,7 +423,53 @@ def stepping_rank(rank: int, world: int, rendezvous: str, results, folder: str) 
     measured = {"alike": alike_pieces(eager), "fp32 layout": eager._layout()}
     measured["compile"] = (eager_step, one_step(folder, compile_layers=True)[1])
     measured["bf16"] = bf16_measures(folder)
+    measured["parked"] = {precision: parked_against_plain(folder, precision) for precision in ("float32", "bfloat16")}
     send(results, rank, measured)
+
+
+def parked_against_plain(folder: str, precision: str) -> dict:
+    """Two Megatron policies on the same weights, one of them parked (distributed/parking.py: host storages
+    too, on this CPU rank) after its first step: whether that emptied its weights, fp32 masters, Adam's moments
+    and gradient buffers, and both policies' second steps and weights."""
+    import os
+
+    from megatron.core import parallel_state
+
+    from novarl.algorithms.losses import make_loss
+    from novarl.backends.training.megatron import MegatronPolicy
+    from novarl.config import load_config
+    from novarl.distributed.parking import GROUPS, Parking, module_tensors
+    from novarl.models.loading import resolve_model_path
+    from tests.helpers.packing import HEAD, LOSS, mixed_batch
+
+    os.environ.update(NOVARL_MEGATRON_ON_CPU="1", NOVARL_MEGATRON_CHECKPOINT_DIR=folder)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    cfg = load_config(None, overrides=[
+        "policy.megatron_cfg.enabled=true", f"policy.precision={precision}", "policy.train_micro_batch_size=6",
+        "policy.megatron_cfg.optimizer.lr=1.0e-3", "policy.megatron_cfg.scheduler.lr_warmup_iters=0",
+        "policy.megatron_cfg.scheduler.lr_decay_style=constant"])
+    plain, parked = (MegatronPolicy(cfg.policy, resolve_model_path("tiny-arith"), total_steps=3, emulate_cuda=True)
+                     for _ in range(2))
+    parked.parking = Parking(host_too=True)
+    steps: dict[str, list] = {"plain": [], "parked": []}
+    for step in range(2):
+        for name, policy in (("plain", plain), ("parked", parked)):
+            batch = mixed_batch(rows=6, longest=24, seed=step).with_own_counts()
+            batch.old_logprobs = batch.generator_logprobs
+            metrics = policy.forward_backward(batch, make_loss(LOSS), HEAD)
+            steps[name].append({**metrics, **policy.optim_step()})
+        if step == 0:
+            freed = {group: parked.park(group) for group in GROUPS}
+            weights = [t for module in parked.modules for t in module_tensors(module)]
+            held = [*weights, *(p.main_grad for p in weights if getattr(p, "main_grad", None) is not None),
+                    *(t for o in parked._optimizers() for g in o.optimizer.param_groups for t in g["params"]),
+                    *(t for o in parked._optimizers() for state in o.optimizer.state.values()
+                      for t in state.values() if isinstance(t, torch.Tensor))]
+            emptied = all(t.untyped_storage().nbytes() == 0 for t in held)
+    plain_weights, parked_weights = plain.full_state_dict(), parked.full_state_dict()
+    return {"freed": freed, "emptied": emptied, "steps": steps,
+            "same_weights": all(torch.equal(parked_weights[k], t) for k, t in plain_weights.items())}
 
 
 def alike_pieces(policy) -> dict:

@@ -56,13 +56,16 @@ class Parking:
         self.arenas: dict[str, HostArena] = {}
         self.parked: dict[str, list[_Parked]] = {}
 
-    def park(self, group: str, keep: Iterable[torch.Tensor], drop: Iterable[torch.Tensor] = ()) -> int:
+    def park(self, group: str, keep: Iterable[torch.Tensor], drop: Iterable[torch.Tensor] = (),
+             besides: Iterable[torch.Tensor] = ()) -> int:
         """Move `keep`'s storages to host memory and free `drop`'s (contents that need not survive) on the
-        device, as group `group` (parked once: a second call before `wake` does nothing). Bytes freed."""
+        device, as group `group` (parked once: a second call before `wake` does nothing), except the storages
+        behind `besides` (another group's: an optimizer that steps the weights themselves). Bytes freed."""
         if group in self.parked:
             return 0
-        kept = self._storages(keep)
-        dropped = [s for ptr, s in self._storages(drop).items() if ptr not in kept]
+        other = self._storages(besides)
+        kept = {ptr: s for ptr, s in self._storages(keep).items() if ptr not in other}
+        dropped = [s for ptr, s in self._storages(drop).items() if ptr not in kept and ptr not in other]
         arena = self.arenas.get(group)
         if arena is None:
             arena = self.arenas[group] = HostArena(
@@ -110,7 +113,7 @@ class Parking:
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """A storage's whole bytes as a flat uint8 tensor."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)  # type: ignore[call-overload]
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _buckets(storages: list[torch.UntypedStorage]) -> list[list[tuple[str, torch.Tensor]]]:

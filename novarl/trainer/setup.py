@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from novarl.backends.protocols import (Engine, GenerationBackend, Offloadable, Parkable, QueuedWeights, ReferenceBackend,
-                                       Stoppable, TrainingBackend)
+from novarl.backends.protocols import (Engine, GenerationBackend, Offloadable, Parkable, QueuedWeights,
+                                       ReferenceBackend, Stoppable, TrainingBackend)
 from novarl.config.files import show_value
 from novarl.config.schema import NovaRLConfig, ValueConfig
 from novarl.data.arithmetic import Example

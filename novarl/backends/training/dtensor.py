@@ -203,11 +203,11 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         self.partial = partial_parameters(self.model, policy.dtensor_cfg)
 
     def park(self, group: str) -> int:
-        """Implements Parkable: the optimizer's state (the gradients, none between steps, freed) or the weights
-        to host memory."""
+        """Implements Parkable: the optimizer's state, or the weights (any gradient, none between steps, freed
+        with them), to host memory."""
         if group == "optimizer":
-            return self.parking.park(group, optimizer_tensors(self.optimizer), gradients(self.model))
-        return super().park(group)
+            return self.parking.park(group, optimizer_tensors(self.optimizer))
+        return self.parking.park(group, module_tensors(self.model), gradients(self.model))
 
     @wakes("weights")
     def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:

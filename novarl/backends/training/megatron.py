@@ -56,6 +56,7 @@ from novarl.backends.training.megatron_optim import (  # noqa: F401 (ddp_config:
 from novarl.backends.training.megatron_checkpoint import CHECKPOINT_DIR, LAYOUT_FILE
 from novarl.backends.training.rows import accumulate, all_reduce_metrics
 from novarl.config.schema import PolicyConfig
+from novarl.distributed.parking import module_tensors, optimizer_tensors, wakes
 from novarl.errors import UserError
 from novarl.logging.console import info
 from novarl.models.scores import Head
@@ -99,6 +100,20 @@ class MegatronPolicy(MegatronModel, TrainingBackend, WeightSender):
                  f"optimizer, {self.config.recompute_granularity or 'no'} recomputation"
                  + (", logprobs from the output layer chunk by chunk" if self.picks_logprobs else ""))
 
+    def park(self, group: str) -> int:
+        """Implements Parkable: the optimizers' state and fp32 master weights, or the weights (the gradient
+        buffers, zero between steps, freed with them: they come back zeroed), to host memory."""
+        weights = [t for module in self.modules for t in module_tensors(module)]
+        if group == "weights":
+            grads = [g for p in weights for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+            return self.parking.park(group, weights, grads)
+        inner = [o.optimizer for o in self._optimizers() if getattr(o, "optimizer", None) is not None]
+        masters = [p for o in inner for g in o.param_groups for p in g["params"]]
+        # an fp32 run's optimizer steps the weights themselves: those stay with the weights
+        return self.parking.park(group, [*masters, *(t for o in inner for t in optimizer_tensors(o))],
+                                 besides=weights)
+
+    @wakes("weights")
     def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:
         """Accumulate gradients of `loss` (of the head's scores) over this rank's rows in
         micro-batches (through the pipeline), reduced over data-parallel ranks after the last.
@@ -127,6 +142,7 @@ class MegatronPolicy(MegatronModel, TrainingBackend, WeightSender):
 
         return gpu_stats()
 
+    @wakes("weights", "optimizer")
     def optim_step(self) -> dict[str, float]:
         """Clip (optimizer.clip_grad), step the optimizer and the schedule, zero the gradients."""
         lr = self.optimizer.param_groups[0]["lr"]
@@ -143,6 +159,7 @@ class MegatronPolicy(MegatronModel, TrainingBackend, WeightSender):
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
+    @wakes("weights")
     def weight_buckets(self, bucket_bytes: int, *, everywhere: bool, dtype: torch.dtype | None = None
                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Implements WeightSender. Collective over the ranks: full tensors (Hugging Face names) in
@@ -170,6 +187,7 @@ class MegatronPolicy(MegatronModel, TrainingBackend, WeightSender):
             yield bucket
 
     # ---------------------------------------------------------- checkpoints
+    @wakes("weights", "optimizer")
     def save(self, path: Path) -> None:
         """The model shards (one file per tensor-parallel rank and pipeline stage, global layer
         numbers: `novarl convert` reads them offline), each rank's optimizer state and fp32
@@ -191,6 +209,7 @@ class MegatronPolicy(MegatronModel, TrainingBackend, WeightSender):
         dist.barrier(group=self.cpu_group)
 
     @torch.no_grad()
+    @wakes("weights", "optimizer")
     def load(self, path: Path) -> None:
         folder = Path(path) / CHECKPOINT_DIR
         saved = json.loads((folder / LAYOUT_FILE).read_text())

@@ -38,6 +38,7 @@ from novarl.backends.training.batching import (
 )
 from novarl.backends.training.rows import per_token
 from novarl.config.schema import PolicyConfig
+from novarl.distributed.parking import Parking, module_tensors, wakes
 from novarl.logging.console import info
 from novarl.models.attention import say_attention_path
 from novarl.models.context_parallel import ContextShard
@@ -134,6 +135,14 @@ class MegatronModel:
         self.train_batching = MicroBatching.from_policy(policy, training=True, sequence_multiple=multiple)
         self.logprob_batching = MicroBatching.from_policy(policy, training=False, sequence_multiple=multiple)
         self.empty_unused_memory_level = policy.megatron_cfg.empty_unused_memory_level
+        self.parking = Parking()
+
+    def park(self, group: str) -> int:
+        """Implements Parkable (distributed/parking.py): the weights (every chunk's parameters and buffers) to
+        host memory; a frozen model has no optimizer state."""
+        if group != "weights":
+            return 0
+        return self.parking.park(group, [t for module in self.modules for t in module_tensors(module)])
 
     def _compile(self, mc) -> None:
         """megatron_cfg.torch_compile: the local spec's layers compiled; over Transformer Engine's, said once."""
@@ -433,6 +442,7 @@ class MegatronModel:
                 for mb, i, (rows, width) in zip(micro, inputs, shapes.tolist())]
 
     @torch.no_grad()
+    @wakes("weights")
     def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
         """[N] the head's score of each of batch.input_ids (0 at each sequence's first token), on
         every rank: computed on each data-parallel share's last stage, sent to the other stages,
@@ -453,6 +463,7 @@ class MegatronModel:
         self._empty_cache(level=1)
         return out
 
+    @wakes("weights")
     def sample_tokens(self, prompts: list[list[int]], sampling, stop_ids: list[int], max_seq_length: int,
                       config) -> list[tuple[list[int], list[float]]]:
         """Megatron generation on this model's ranks (backends/generation/megatron.py)."""
@@ -486,6 +497,7 @@ class MegatronModel:
                                         num_experts=self.shape.num_experts)
         return {name: tensor for name, tensor in state.items() if EXPERTS not in name}, experts
 
+    @wakes("weights")
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the full CPU tensors under Hugging Face
         names, the others {}. The ranks holding a copy of each weight send it over a gloo group
