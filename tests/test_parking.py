@@ -145,6 +145,47 @@ def test_a_parked_policy_trains_on_as_one_never_parked_on_two_ranks(tmp_path):
             assert_trains_as_plain(layout)
 
 
+def deepspeed_parked_against_plain(stages: list[int]) -> None:
+    """For each ZeRO stage, two DeepSpeed policies on the same weights, one parked after its first step
+    (everything its engine holds, with the weights): emptied, and its second step and weights the plain one's."""
+    from novarl.backends.training.deepspeed import DeepSpeedPolicy
+    from novarl.config import load_config
+    from novarl.distributed.parking import held_tensors
+    from novarl.models.loading import resolve_model_path
+
+    for stage in stages:
+        precision = "float32" if stage == 0 else "bfloat16"  # stage 0: the plain torch optimizer; else ZeRO's
+        cfg = load_config(None, overrides=[*BF16, f"policy.precision={precision}", "policy.deepspeed_cfg.enabled=true",
+                                           f"policy.deepspeed_cfg.zero_stage={stage}"])
+        plain, parked = (DeepSpeedPolicy(cfg.policy, resolve_model_path("tiny-arith"), torch.device("cpu"),
+                                         total_steps=3) for _ in range(2))
+        parked.parking = Parking(host_too=True)
+        if stage == 0:  # (above it, the weights are views of ZeRO's flat buffers already)
+            own_storages(parked.engine.module)
+        for policy in (plain, parked):
+            measure(lambda method, *args: getattr(policy, method)(*args), mixed_batch(rows=6))
+        assert parked.park("optimizer") == 0 and parked.park("weights") > 0, stage
+        held = [t for t in held_tensors(parked.engine, parked.engine.optimizer)
+                if not local(t).is_meta and local(t).untyped_storage().resizable()]  # (ZeRO keeps meta shapes)
+        assert held and storage_bytes(held) == 0, stage
+        second = [measure(lambda method, *args: getattr(policy, method)(*args), mixed_batch(rows=6, seed=1))
+                  for policy in (plain, parked)]
+        assert torch.equal(second[1]["logprobs"], second[0]["logprobs"]), stage
+        assert all(second[1][name] == second[0][name] for name in ("loss", "grad_norm")), stage
+        assert plain.full_state_dict().keys() == parked.full_state_dict().keys()
+        assert all(torch.equal(a, b) for a, b in zip(plain.full_state_dict().values(),
+                                                     parked.full_state_dict().values(), strict=True)), stage
+
+
+def test_a_parked_deepspeed_policy_trains_on_as_one_never_parked():
+    """ZeRO stages 0 (float32: the torch optimizer), 2 and 3 (bf16: ZeRO's flat buffers and partitions), in a
+    process of their own (DeepSpeed keeps process-wide state)."""
+    pytest.importorskip("deepspeed")
+    from tests.helpers.spawn import in_a_fresh_process
+
+    in_a_fresh_process(deepspeed_parked_against_plain, [0, 2, 3])
+
+
 def test_roles_park_the_optimizer_before_a_weight_sync_and_the_weights_after(tmp_path):
     """In-process roles beside an engine of their own: the sync reads the weights (not parked yet), the
     optimizer's state waits on the host meanwhile; after it both wait, a checkpoint wakes them and the

@@ -28,6 +28,7 @@ weights may be) are left alone.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
@@ -63,6 +64,8 @@ class Parking:
         behind `besides` (another group's: an optimizer that steps the weights themselves). Bytes freed."""
         if group in self.parked:
             return 0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # no stream of the role's (a gradient reduction's) still at these storages
         other = self._storages(besides)
         kept = {ptr: s for ptr, s in self._storages(keep).items() if ptr not in other}
         dropped = [s for ptr, s in self._storages(drop).items() if ptr not in kept and ptr not in other]
@@ -142,6 +145,39 @@ def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
 
 def gradients(module: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in module.parameters() if p.grad is not None]
+
+
+def held_tensors(*roots: object) -> list[torch.Tensor]:
+    """Every tensor reachable from `roots` through attributes, lists, tuples, sets and dicts (keys and values):
+    what an object of a library's own layout holds (DeepSpeed's ZeRO optimizers: flat buffers, partitions,
+    gradient buckets). A module gives its parameters and buffers and is not entered further; Python modules,
+    classes and functions are not entered."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    todo = list(roots)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, torch.nn.Module):
+            found += module_tensors(obj)
+        elif isinstance(obj, dict):
+            todo += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo += list(obj)
+        elif not isinstance(obj, _NOT_ENTERED):
+            try:
+                todo += list(vars(obj).values())
+            except TypeError:  # no __dict__: a number, a string, a native object
+                pass
+    return found
+
+
+_NOT_ENTERED = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                functools.partial)
 
 
 class HasParking(Protocol):

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from novarl.algorithms.losses import LossFn
 from novarl.backends.protocols import ReferenceBackend, TrainingBackend, WeightSender
 from novarl.backends.training.optim import build_optimizer, build_scheduler
 from novarl.backends.training.batching import MicroBatching
@@ -46,13 +47,15 @@ from novarl.backends.training.deepspeed_checkpoint import CHECKPOINT_TAG  # <rol
 from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing
 from novarl.backends.training.parallelize import apply_activation_checkpointing, apply_compile
 from novarl.config.schema import PolicyConfig
+from novarl.distributed.parking import Parking, held_tensors, wakes
 from novarl.distributed.weight_sync import bucketed, in_dtype
 from novarl.errors import ConfigError
 from novarl.models.attention import use_varlen_attention
 from novarl.models.logprob_head import use_picking_head
 from novarl.models.loading import ExportFormat, load_causal_lm, parameters_in
-from novarl.models.scores import training_precision
+from novarl.models.scores import Head, training_precision
 from novarl.models.lora import BaseModelLogprobs, hf_weights, is_adapter, save_hf
+from novarl.types import TrainBatch
 
 
 def deepspeed_config(policy: PolicyConfig, *, world_size: int, accumulation_steps: int, on_gpu: bool,
@@ -129,6 +132,7 @@ class DeepSpeedModel(DataParallelRows):
         from novarl.distributed.local import default_device
 
         self.device = device or default_device()
+        self.parking = Parking()
         deepspeed = join_deepspeed(self.device)
         self.value_head = value_head
         self.dp_group = dist.group.WORLD
@@ -184,6 +188,21 @@ class DeepSpeedModel(DataParallelRows):
         if self.lora is not None:
             _drop_every_frozen_name(self.engine)
 
+    def park(self, group: str) -> int:
+        """Implements Parkable (distributed/parking.py): everything the engine holds (the module's weights; the
+        ZeRO optimizer's partitions, flat buffers, gradient buckets and state) to host memory with the weights.
+        The optimizer's state does not wait apart: DeepSpeed keeps the gradient buffers that a pass fills among
+        its optimizer's own, so a pass wakes the optimizer's side too."""
+        if group != "weights":
+            return 0
+        roots = (self.model,) if self.engine is None else (self.engine, self.engine.optimizer)
+        return self.parking.park(group, held_tensors(*roots))
+
+    @wakes()
+    def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
+        return super().forward(batch, head)
+
+    @wakes()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the full CPU tensors (Hugging Face
         names), the others {}. Stage 3 gathers each partitioned parameter in turn."""
@@ -225,6 +244,10 @@ class TrainableDeepSpeedModel(DeepSpeedModel, AccumulatingRows):
                          accumulation_steps=accumulation_steps, total_steps=total_steps, seed=seed,
                          value_head=value_head)
 
+    @wakes()
+    def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:
+        return super().forward_backward(batch, loss, head)
+
     def accumulation_boundary(self, last: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last)
 
@@ -238,6 +261,7 @@ class TrainableDeepSpeedModel(DeepSpeedModel, AccumulatingRows):
 
         return gpu_stats()
 
+    @wakes()
     def optim_step(self) -> dict[str, float]:
         """Clip (gradient_clipping), step the optimizer and the schedule, zero the gradients.
         grad_norm: the norm of the step's reduced gradients before clipping."""
@@ -255,6 +279,7 @@ class TrainableDeepSpeedModel(DeepSpeedModel, AccumulatingRows):
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
+    @wakes()
     def save(self, path: Path) -> None:
         """The engine's partitioned state (weights, optimizer, schedule) under path/deepspeed/;
         with LoRA the adapters alone (the frozen base comes from the model folder). Resuming
@@ -263,6 +288,7 @@ class TrainableDeepSpeedModel(DeepSpeedModel, AccumulatingRows):
                                     exclude_frozen_parameters=self.lora is not None)
         dist.barrier()
 
+    @wakes()
     def load(self, path: Path) -> None:
         load_path, _ = self.engine.load_checkpoint(str(path), tag=CHECKPOINT_TAG, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True,
@@ -274,6 +300,7 @@ class TrainableDeepSpeedModel(DeepSpeedModel, AccumulatingRows):
 class DeepSpeedPolicy(TrainableDeepSpeedModel, BaseModelLogprobs, TrainingBackend, WeightSender):
     """The trainable policy on DeepSpeed ZeRO (implements TrainingBackend)."""
 
+    @wakes()
     def weight_buckets(self, bucket_bytes: int, *, everywhere: bool, dtype: torch.dtype | None = None
                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Implements WeightSender. Collective over the ranks: full tensors (Hugging Face names)
