@@ -22,7 +22,9 @@ of one full sequence. Activations are first taken without recomputation; a
 layout that only fits with full activation checkpointing is listed with it.
 Peak memory by placement:
     colocated vLLM      max(training, generation): vLLM sleeps while training
-                        runs (novarl's vLLM backend does), and takes
+                        runs (novarl's vLLM backend does), the training roles'
+                        states wait in host memory while it generates
+                        (distributed/parking.py), and it takes
                         COLOCATED_VLLM_UTILIZATION (0.6, the seeds' default) of
                         the GPU when it generates.
     dedicated vLLM      training only; the generator gets its own GPUs (the last

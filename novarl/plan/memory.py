@@ -75,8 +75,9 @@ def gb(num_bytes: float) -> float:
 @dataclass(frozen=True, kw_only=True)
 class MemoryBreakdown:
     """Bytes on one GPU. `total` is everything resident at once; a colocated
-    generator that frees its memory while training runs (vLLM sleep mode) peaks
-    at max(`training`, `generation`) instead."""
+    generator that frees its memory while training runs (vLLM sleep mode), beside
+    training roles that wait in host memory while it generates
+    (distributed/parking.py), peaks at max(`training`, `generation`) instead."""
 
     params: float
     """Resident training weights (this rank's shard)."""
