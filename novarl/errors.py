@@ -32,6 +32,20 @@ class RunFailed(Exception):
     exit_code = 1
 
 
+OUT_OF_MEMORY_ADVICE = (
+    "lower policy.train_micro_batch_size or policy.logprob_batch_size (with sequence packing, "
+    "policy.sequence_packing.train_mb_tokens or logprob_mb_tokens), turn on "
+    "policy.dtensor_cfg.activation_checkpointing, give colocated vLLM a smaller share "
+    "(policy.generation.vllm_cfg.gpu_memory_utilization), or ask `novarl plan` for a layout that fits")
+"""What a user can change when a run's step does not fit its GPU's memory."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's CUDA out-of-memory error (torch.OutOfMemoryError), told apart without importing torch."""
+    return any(kind.__name__ == "OutOfMemoryError" and kind.__module__.startswith("torch")
+               for kind in type(error).__mro__)
+
+
 class CheckpointLoadFailed(RunFailed):
     """A checkpoint that passed its checks could not be loaded into the roles (torch, the
     backend or the data position refused it). The trainer falls back to an older one."""

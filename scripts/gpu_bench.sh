@@ -3,7 +3,8 @@
 # in one call that fits a session's device time (15 min, the machine's start included):
 # benchmarks/bench_train_gpu.py over BENCH_CASES (default: its default cases, most wanted first) within
 # BENCH_SECONDS (cases that would not fit are listed as not run), then the tests only a GPU runs for the
-# training kernels and Megatron-core, and the frozen reference's on one GPU, in the time left of TOTAL_SECONDS. The table goes to
+# training kernels and Megatron-core, the frozen reference's and the parked policy's on one GPU, in the time left of
+# TOTAL_SECONDS. The table goes to
 # OUT_DIR/train_gpu*.md as each case ends, the runs' JSON to $OUT/train_gpu.json, the profiled steps of
 # fixed-compile, packed-compile and megatron-packed-compile as gzipped Chrome traces ($OUT/trace_*.json.gz; with
 # the breakdown's plot train_gpu.png, 8 files in all, as many as the device tool brings back; the machine, the
@@ -34,7 +35,8 @@ if [ -z "${SKIP_TESTS:-}" ] && [ "$left" -gt 30 ]; then
         -k "not learns_the_bundled_task and not generation_on_the_gpu and not context_parallelism and not \
             one_data_parallel_shard and not optimizer_step_is_queued and not (one_device and cpu) and not \
             lora_and_activation_checkpointing and not (deepspeed_compiled and cpu) and not two_ranks" \
-        tests/test_training_kernels.py tests/test_megatron_gpu.py tests/test_frozen_reference.py 2>&1 | tail -n 60 \
+        tests/test_training_kernels.py tests/test_megatron_gpu.py tests/test_frozen_reference.py \
+        tests/test_parking.py::test_parking_frees_the_gpu_memory_of_a_policy_and_it_trains_on 2>&1 | tail -n 60 \
         | tee "$out/gpu_tests.log"
 else
     echo "GPU tests not run: ${left} s left" | tee "$out/gpu_tests.log"

@@ -1,7 +1,8 @@
 """The command line on bad input: exit code 2, a short message naming what is
 wrong and where, no traceback, and no run folder; `validate` refuses what `train`
 refuses (the same preflight). Plus the reward scorer's checks on what a user's
-reward function returns. Nothing is trained."""
+reward function returns, and a step out of GPU memory (exit 1, what to change). Nothing
+else is trained."""
 
 from __future__ import annotations
 
@@ -452,3 +453,31 @@ def test_a_rank_that_fails_in_torch_compile_is_reported_by_what_failed_not_by_to
     assert what_failed(ValueError("the cause\n  the last line  ")) == "the last line"
     long = what_failed(ValueError("x" * 300 + "the end"), limit=60)
     assert long.startswith("x" * 20 + " ... ") and long.endswith("the end") and len(long) < 80
+
+
+def test_a_step_out_of_gpu_memory_says_what_to_change_and_keeps_the_checkpoints(capsys, tmp_path, monkeypatch):
+    """torch's CUDA out-of-memory error (raised here by the optimizer's second step, as a GPU would raise it):
+    exit 1, one message with torch's figures and what to change, no traceback; step 1's checkpoint intact."""
+    from novarl.trainer.checkpoint import check_checkpoint
+
+    step = torch.optim.AdamW.step
+    calls = []
+
+    def out_of_memory(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                         "capacity of 79.19 GiB of which 1.06 GiB is free.")
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", out_of_memory)
+    ckpt = tmp_path / "ckpt"
+    code, _, err = run_cli(capsys, "train", f"logger.log_dir={tmp_path / 'logs'}", "grpo.max_num_steps=2",
+                           "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.enabled=true",
+                           f"checkpointing.checkpoint_dir={ckpt}", "checkpointing.save_period=1")
+    assert code == 1 and "Traceback" not in err
+    assert error_line(err).startswith("novarl: error: out of GPU memory (CUDA out of memory. Tried to allocate "
+                                      "2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is "
+                                      "free). To fit: lower policy.train_micro_batch_size")
+    assert check_checkpoint(ckpt / "step_1") is None
+    assert not (ckpt / "step_2").exists()

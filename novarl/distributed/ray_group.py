@@ -33,7 +33,7 @@ from typing import Any
 
 from novarl.distributed.kept_ranks import keep, kill, reusing_ranks, take_kept
 from novarl.distributed.rank_actor import RankActor
-from novarl.errors import RunFailed, UserError
+from novarl.errors import OUT_OF_MEMORY_ADVICE, RunFailed, UserError, is_out_of_memory
 
 
 RELEASE_WAIT_S = 10.0
@@ -246,8 +246,9 @@ class RayWorkerGroup:
             rank = refs.index(first) if isinstance(err, RayActorError) else dead[0]
             return WorkerDied(f"{self.name} rank {first_rank + rank} died; the worker group was shut down.")
         cause = getattr(err, "cause", None) or err
+        advice = f" To fit: {OUT_OF_MEMORY_ADVICE}." if is_out_of_memory(cause) else ""
         return WorkerDied(f"{self.name} rank {first_rank + refs.index(first)} failed: {type(cause).__name__}: "
-                          f"{what_failed(cause)}")
+                          f"{what_failed(cause)}{advice}")
 
     def shutdown(self) -> None:
         """Stop every rank: their processes end, or with NOVARL_REUSE_RANKS are kept for the next group
