@@ -69,3 +69,16 @@ def stop_cluster(temp_dir: str) -> None:
                 pass
     psutil.wait_procs(own, timeout=30)
     shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_each_rank_takes_the_gpu_ray_assigned_it():
+    """A rank's device: index 0 where Ray set CUDA_VISIBLE_DEVICES to the actor's GPU (its default); the assigned
+    id's place in the list where RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES left the list whole (every rank on
+    GPU 0 before); the id itself with no list."""
+    from novarl.distributed.rank_actor import gpu_index
+
+    assert gpu_index(["3"], "3") == 0
+    assert gpu_index(["2"], "0,1,2,3") == 2
+    assert gpu_index([2], "4, 5, 2") == 2
+    assert gpu_index(["5"], None) == 5 and gpu_index(["5"], "") == 5
+    assert gpu_index([], "0,1") == 0

@@ -70,7 +70,9 @@ class RankActor:
         timeout = datetime.timedelta(minutes=10)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(0)  # Ray shows each actor only its own GPU
+            import ray
+
+            torch.cuda.set_device(gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
         store = tcp_store(host, port, self.world_size, self._take_listener() if self.rank == 0 else None, timeout)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         return self.rank
@@ -322,6 +324,19 @@ class _Sender:
     def stop(self) -> None:
         self.stopped.set()
         self.thread.join(timeout=5)
+
+
+def gpu_index(gpu_ids: list, visible: str | None) -> int:
+    """This actor's GPU among those its process sees: Ray's assignment (ray.get_gpu_ids()) in CUDA_VISIBLE_DEVICES,
+    which Ray sets to the assignment alone (index 0), or leaves whole under RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES
+    (the assigned id's place in it; with no list at all, the id itself)."""
+    if not gpu_ids:
+        return 0
+    assigned = str(gpu_ids[0])
+    listed = [device.strip() for device in (visible or "").split(",") if device.strip()]
+    if not listed:
+        return int(assigned)
+    return listed.index(assigned) if assigned in listed else 0
 
 
 @functools.cache
