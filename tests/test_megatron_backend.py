@@ -253,6 +253,45 @@ def tiny_mixtral(tmp_path_factory):
     return folder
 
 
+def test_megatron_generation_with_experts_across_replicas_decodes_in_lockstep(tiny_mixtral):
+    """Expert parallelism over the 2 data-parallel replicas (ep 2, dp 2): every forward's tokens meet in the
+    experts' all-to-all, so the replicas decode in lockstep (as many batches and positions each, until both are
+    done) where each stopped on its own share before and the other waited in the all-to-all for ever. Greedy
+    completions of prompts of unlike lengths and counts (7 over 2 replicas) equal transformers' (a replica that
+    finishes early, or has the shorter share, decodes on)."""
+    import threading
+
+    from novarl.backends.generation.hf import HFGeneration
+    from novarl.backends.generation.megatron import MegatronGeneration
+    from novarl.backends.training.megatron import MegatronPolicy
+    from novarl.backends.remote import RemotePolicy
+    from novarl.distributed.ray_group import RayWorkerGroup
+    from novarl.models.loading import load_tokenizer
+    from novarl.types import Prompt, SamplingConfig
+    from tests.helpers.packing import FROZEN
+
+    tokenizer = load_tokenizer(str(tiny_mixtral))
+    prompts = [Prompt(text, tokenizer(text)["input_ids"]) for text in
+               ("12+34=", "5+7=", "99+99=", "1+2=", "40+60=", "8+75=", "123+456=")]
+    greedy = SamplingConfig(max_new_tokens=5, temperature=0.0)
+    expected = [c.text for c in HFGeneration(str(tiny_mixtral), tokenizer, max_seq_length=24).generate(prompts, greedy)]
+    cfg = load_config(None, overrides=[*FROZEN, "cluster.gpus_per_node=2", *PACKING_MEGATRON,
+                                       "policy.megatron_cfg.expert_model_parallel_size=2"])
+    group = RayWorkerGroup(MegatronPolicy, dict(policy=cfg.policy, model_path=str(tiny_mixtral), total_steps=1,
+                                                emulate_cuda=True), world_size=2)
+    got: list = []
+    try:
+        generator = MegatronGeneration(RemotePolicy(group), tokenizer, max_seq_length=24,
+                                       config=cfg.policy.generation.mcore_generation_config)
+        decoding = threading.Thread(target=lambda: got.append(generator.generate(prompts, greedy)), daemon=True)
+        decoding.start()
+        decoding.join(timeout=120)
+        assert not decoding.is_alive(), "the replicas hung in the experts' all-to-all"
+        assert [c.text for c in got[0]] == expected
+    finally:
+        group.shutdown()
+
+
 def test_frozen_router_and_expert_checkpoints(tmp_path, tiny_mixtral):
     """2 experts per expert-parallel rank: the generator's weights (every expert, gathered from both
     ranks) give back Megatron's logprobs; freeze_moe_router (the default) keeps the router as it

@@ -4,7 +4,10 @@ For models already loaded with Megatron (the seeds' >70B branch), there is no se
 copy of the weights and so nothing to sync: after each optimizer step the generator
 samples from the weights that were just trained. The driver's `MegatronGeneration`
 (GenerationBackend) asks the policy's ranks to run `sample_tokens`; each
-data-parallel replica samples a contiguous share of the prompts.
+data-parallel replica samples a contiguous share of the prompts. Where expert
+parallelism spans the replicas (their tokens meet in every MoE layer's
+all-to-all), the replicas decode in lockstep: as many batches (a shorter share
+padded with copies, dropped), the same positions, until every replica is done.
 
 Decoding uses megatron-core's static KV cache (StaticInferenceContext): rows
 advance together one position at a time; a row whose prompt is longer than the
@@ -82,11 +85,17 @@ class MegatronGeneration(GenerationBackend):
 def sample_tokens(model, prompts: list[list[int]], sampling: SamplingConfig, stop_ids: list[int],
                   max_seq_length: int, config: McoreGenerationConfig) -> list[Sampled]:
     """Collective over every rank of a MegatronModel: rank 0 returns every prompt's sample,
-    the others []. Each data-parallel replica decodes a contiguous share."""
+    the others []. Each data-parallel replica decodes a contiguous share; where experts span the
+    replicas, in lockstep (`lockstep_group`)."""
     share = -(-len(prompts) // model.dp_size)
     start = model.dp_rank * share
     mine = prompts[start:start + share]
-    batch = max_batch(model, config, _cache_length(mine, sampling, max_seq_length, config)) if mine else 1
+    real = len(mine)
+    group = lockstep_group(model)
+    if group is not None and prompts:
+        mine = mine + [prompts[0]] * (share - real)  # as many batches on every replica: copies, decoded and dropped
+    cache = _cache_length(mine, sampling, max_seq_length, config, group) if mine else 0
+    batch = max_batch(model, config, cache) if mine else 1
     out: list[Sampled] = []
     training = model.module.training
     model.module.eval()  # no recomputation while decoding
@@ -96,9 +105,10 @@ def sample_tokens(model, prompts: list[list[int]], sampling: SamplingConfig, sto
             if sampling.seeds is not None:  # the prompts' own: a batch draws from its first one's
                 seed = sampling.seeds[start + first]
             out.extend(_decode(model, mine[first:first + batch], sampling, set(stop_ids), max_seq_length, config,
-                               seed))
+                               seed, cache, group))
     finally:
         model.module.train(training)
+    out = out[:real]
     keep = out if model.tp_rank == 0 and model.pp_rank == 0 else None
     parts: list = [None] * dist.get_world_size()
     dist.gather_object((model.dp_rank, keep), parts if dist.get_rank() == 0 else None, dst=0, group=model.cpu_group)
@@ -121,30 +131,57 @@ def max_batch(model, config: McoreGenerationConfig, cache_length: int) -> int:
     return max(1, int(config.buffer_size_gb * 1e9 // per_sequence))
 
 
+def lockstep_group(model) -> dist.ProcessGroup | None:
+    """The data-parallel group whose replicas must decode in lockstep, where the experts span them (their
+    tokens meet in each MoE layer's all-to-all: every replica must run every forward, or the others wait in
+    it); None where each replica decodes on its own."""
+    return model.dp_group if model.experts_span_data and model.dp_size > 1 else None
+
+
+def _agreed(value: int, group: dist.ProcessGroup | None, op) -> int:
+    """`value` reduced with `op` over the lockstep group (the value itself without one)."""
+    if group is None:
+        return value
+    box = torch.tensor([value], dtype=torch.int64, device=_group_device(group))
+    dist.all_reduce(box, op=op, group=group)
+    return int(box.item())
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    from novarl.distributed.local import collective_device
+
+    return collective_device(group)
+
+
 def _cache_length(prompts: list[list[int]], sampling: SamplingConfig, max_seq_length: int,
-                  config: McoreGenerationConfig) -> int:
+                  config: McoreGenerationConfig, group: dist.ProcessGroup | None = None) -> int:
+    """The KV cache's length for these prompts (the longest over the lockstep group's replicas)."""
     longest = min(max(len(p) for p in prompts) + sampling.max_new_tokens, max_seq_length)
+    longest = _agreed(longest, group, dist.ReduceOp.MAX)
     return -(-longest // config.block_size_tokens) * config.block_size_tokens
 
 
 def _decode(model, prompts: list[list[int]], sampling: SamplingConfig, stop_ids: set[int], max_seq_length: int,
-            config: McoreGenerationConfig, seed: int | None) -> list[Sampled]:
+            config: McoreGenerationConfig, seed: int | None, cache: int,
+            group: dist.ProcessGroup | None = None) -> list[Sampled]:
+    """One batch's samples. With a lockstep group, every replica runs as many forwards over the same positions:
+    the prefix every row of every replica has, then one position at a time until every replica is done."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
     rows, device = len(prompts), model.device
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     limit = torch.clamp(lengths + sampling.max_new_tokens, max=max_seq_length)
-    total = int(limit.max())
+    total = _agreed(int(limit.max()), group, dist.ReduceOp.MAX)
     tokens = torch.zeros(rows, total, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = torch.tensor(prompt[:total], device=device)
     logprobs = torch.zeros(rows, total, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
-    context = StaticInferenceContext(rows, _cache_length(prompts, sampling, max_seq_length, config))
+    context = StaticInferenceContext(rows, cache)
     generator = torch.Generator(device=device)
     if seed is not None:
         generator.manual_seed(seed)
-    position = int(lengths.min())
+    position = _agreed(int(lengths.min()), group, dist.ReduceOp.MIN)
     # Transformer Engine's attention drops the explicit mask once the cache holds keys, so a chunk
     # after the first would see its own later tokens: with it, the prefix goes in one pass.
     chunked = config.enable_chunked_prefill and not model.fused_norms
@@ -160,7 +197,7 @@ def _decode(model, prompts: list[list[int]], sampling: SamplingConfig, stop_ids:
         logprobs[:, position] = torch.where(active, chosen_logprobs, 0.0)
         finished |= (active & torch.isin(chosen, stops)) | (~in_prompt & (position + 1 >= limit))
         position += 1
-        if position >= total or bool(finished.all()):
+        if position >= total or _agreed(int(finished.all()), group, dist.ReduceOp.MIN):
             break
         logits = _forward_stage(model, tokens, position - 1, position, context)
     out = []
