@@ -31,15 +31,22 @@ def run(tmp_path, *overrides, recipe=BUNDLED_RECIPE):
     return result, [r for r in read_jsonl(result.output_dir / "metrics.jsonl") if r["kind"] == "train"]
 
 
-def test_fsdp2_on_two_ranks_matches_one_rank(tmp_path):
+def test_fsdp2_on_two_ranks_matches_one_rank(tmp_path, monkeypatch):
     """The shipped 2-rank recipe, through Ray, against the same recipe on one in-process rank;
-    with a KL penalty, so the frozen reference runs beside the policy on its 2 rank processes."""
+    with a KL penalty, so the frozen reference runs beside the policy on its 2 rank processes.
+    The 2 ranks' policy and reference wait in host memory while their engines generate
+    (distributed/parking.py, parked on this CPU host as on a GPU's: tests/test_parking.py), the
+    checkpoints and the export waking them: the numbers are the same."""
     import torch
+
+    from novarl.distributed.parking import PARK_ON_CPU_VARIABLE
 
     ckpt = f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}"
     kl = "loss_fn.reference_policy_kl_penalty=0.05"
     _, single = run(tmp_path / "one", "cluster.gpus_per_node=1", ckpt, kl, recipe=FSDP2X2_RECIPE)
+    monkeypatch.setenv(PARK_ON_CPU_VARIABLE, "1")
     result, double = run(tmp_path / "two", ckpt + "2", kl, recipe=FSDP2X2_RECIPE)
+    assert all(record["offloaded_gb"] > 0 for record in double) and "offloaded_gb" not in single[0]
     assert double[-1]["kl_to_reference"] > 0  # the policy has moved away from the reference
     assert len(single) == len(double) == 4
     for one, two in zip(single, double):
@@ -108,7 +115,6 @@ def test_roles_on_ray_ranks_park_and_wake_on_their_ranks():
 
     from novarl.backends.remote import RemotePolicy, RemoteReference
     from novarl.backends.training.dtensor import DTensorPolicy, DTensorReference
-    from novarl.distributed.parking import Parking
     from novarl.distributed.ray_group import RayWorkerGroup
     from novarl.models.loading import resolve_model_path
     from novarl.models.scores import Logprobs
@@ -119,13 +125,12 @@ def test_roles_on_ray_ranks_park_and_wake_on_their_ranks():
     group = RayWorkerGroup(DTensorPolicy, dict(policy=cfg.policy, model_path=path, total_steps=10), world_size=2)
     try:
         group.add_role(RemoteReference.ROLE, DTensorReference, dict(policy=cfg.policy, model_path=path))
-        group.call_all("__setattr__", "parking", Parking(host_too=True))
-        group.call_all_actors("call_role", RemoteReference.ROLE, "__setattr__", "parking", Parking(host_too=True))
         policy, reference = RemotePolicy(group), RemoteReference(group)
         batch = mixed_batch(rows=4)
         before = policy.forward(batch, Logprobs()), reference.forward(batch, Logprobs())
-        assert policy.park("weights") > 0 and reference.park("weights") > 0
-        assert policy.park("optimizer") == 0  # no optimizer step yet: no state
+        assert all(freed > 0 for freed in group.call_all_actors("park_role", None, "weights", True))  # every rank's
+        assert reference.park("weights", True) > 0 and policy.park("weights", True) == 0  # (parked once)
+        assert policy.park("optimizer", True) == 0  # no optimizer step yet: no state
         assert all(torch.equal(a, b) for a, b in zip(before, (policy.forward(batch, Logprobs()),
                                                               reference.forward(batch, Logprobs()))))
     finally:

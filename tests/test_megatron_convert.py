@@ -438,7 +438,7 @@ def parked_against_plain(folder: str, precision: str) -> dict:
     from novarl.algorithms.losses import make_loss
     from novarl.backends.training.megatron import MegatronPolicy
     from novarl.config import load_config
-    from novarl.distributed.parking import GROUPS, Parking, module_tensors
+    from novarl.distributed.parking import GROUPS, module_tensors
     from novarl.models.loading import resolve_model_path
     from tests.helpers.packing import HEAD, LOSS, mixed_batch
 
@@ -451,7 +451,6 @@ def parked_against_plain(folder: str, precision: str) -> dict:
         "policy.megatron_cfg.scheduler.lr_decay_style=constant"])
     plain, parked = (MegatronPolicy(cfg.policy, resolve_model_path("tiny-arith"), total_steps=3, emulate_cuda=True)
                      for _ in range(2))
-    parked.parking = Parking(host_too=True)
     steps: dict[str, list] = {"plain": [], "parked": []}
     for step in range(2):
         for name, policy in (("plain", plain), ("parked", parked)):
@@ -460,7 +459,7 @@ def parked_against_plain(folder: str, precision: str) -> dict:
             metrics = policy.forward_backward(batch, make_loss(LOSS), HEAD)
             steps[name].append({**metrics, **policy.optim_step()})
         if step == 0:
-            freed = {group: parked.park(group) for group in GROUPS}
+            freed = {group: parked.park(group, host_too=True) for group in GROUPS}
             weights = [t for module in parked.modules for t in module_tensors(module)]
             held = [*weights, *(p.main_grad for p in weights if getattr(p, "main_grad", None) is not None),
                     *(t for o in parked._optimizers() for g in o.optimizer.param_groups for t in g["params"]),

@@ -27,9 +27,9 @@ class RemotePolicy(TrainingBackend, Parkable, Stoppable):
     def __init__(self, group: RayWorkerGroup) -> None:
         self.group = group
 
-    def park(self, group: str) -> int:
+    def park(self, group: str, host_too: bool = False) -> int:
         """Each rank's role parks `group` where it parks (rank 0's bytes)."""
-        return self.group.call_all_actors("park_role", None, group)[0]
+        return self.group.call_all_actors("park_role", None, group, host_too)[0]
 
     def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:
         return self.group.call("forward_backward", batch, loss, head)
@@ -77,8 +77,8 @@ class RemoteReference(ReferenceBackend, Parkable, Stoppable):
     def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
         return self.group.call_role(self.ROLE, "forward", batch, head)
 
-    def park(self, group: str) -> int:
-        return self.group.call_all_actors("park_role", self.ROLE, group)[0]
+    def park(self, group: str, host_too: bool = False) -> int:
+        return self.group.call_all_actors("park_role", self.ROLE, group, host_too)[0]
 
     def shutdown(self) -> None:
         """Nothing of its own: the policy's group stops its processes."""
@@ -114,8 +114,8 @@ class RemoteCritic(TrainingBackend, Parkable, Stoppable):
     def save_hf(self, path: Path, tokenizer, fmt=None) -> None:
         self.group.call_role(self.ROLE, "save_hf", path, tokenizer, fmt)
 
-    def park(self, group: str) -> int:
-        return self.group.call_all_actors("park_role", self.ROLE, group)[0]
+    def park(self, group: str, host_too: bool = False) -> int:
+        return self.group.call_all_actors("park_role", self.ROLE, group, host_too)[0]
 
     def shutdown(self) -> None:
         """Nothing of its own: the policy's group stops its processes."""

@@ -20,8 +20,9 @@ class Parkable(Protocol):
     """What a training role does beside colocated engines: its optimizer's state or its weights to host memory
     while they generate (distributed/parking.py); they come back when the role next needs them."""
 
-    def park(self, group: str) -> int:
-        """Park `group` ("optimizer" or "weights"); bytes freed on this rank's device."""
+    def park(self, group: str, host_too: bool = False) -> int:
+        """Park `group` ("optimizer" or "weights"); bytes freed on this rank's device. host_too: host storages
+        as well (parking.PARK_ON_CPU_VARIABLE: the tests' colocated flow on a CPU host)."""
         ...
 
 

@@ -28,6 +28,7 @@ weights may be) are left alone.
 from __future__ import annotations
 
 import functools
+import os
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -38,6 +39,13 @@ import torch
 from novarl.distributed.weight_sync import BUCKET_BYTES, HostArena
 
 GROUPS = ("optimizer", "weights")
+PARK_ON_CPU_VARIABLE = "NOVARL_PARK_ON_CPU"
+"""1: colocated roles park on a CPU host too, host storages into host buffers (nothing is saved): how the tests
+run the colocated flow with parking without a GPU."""
+
+
+def parks_on_cpu() -> bool:
+    return os.environ.get(PARK_ON_CPU_VARIABLE) == "1"
 
 
 @dataclass
@@ -51,24 +59,24 @@ class _Parked:
 class Parking:
     """The parked storages of one role, by group."""
 
-    def __init__(self, *, host_too: bool = False) -> None:
-        """host_too: park host storages as well (a CPU host's test of the mechanism; nothing is freed there)."""
-        self.host_too = host_too
+    def __init__(self) -> None:
         self.arenas: dict[str, HostArena] = {}
         self.parked: dict[str, list[_Parked]] = {}
 
     def park(self, group: str, keep: Iterable[torch.Tensor], drop: Iterable[torch.Tensor] = (),
-             besides: Iterable[torch.Tensor] = ()) -> int:
+             besides: Iterable[torch.Tensor] = (), *, host_too: bool = False) -> int:
         """Move `keep`'s storages to host memory and free `drop`'s (contents that need not survive) on the
         device, as group `group` (parked once: a second call before `wake` does nothing), except the storages
-        behind `besides` (another group's: an optimizer that steps the weights themselves). Bytes freed."""
+        behind `besides` (another group's: an optimizer that steps the weights themselves). host_too: host
+        storages as well (a CPU host's test of the mechanism: PARK_ON_CPU_VARIABLE; nothing is freed there).
+        Bytes freed."""
         if group in self.parked:
             return 0
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # no stream of the role's (a gradient reduction's) still at these storages
-        other = self._storages(besides)
-        kept = {ptr: s for ptr, s in self._storages(keep).items() if ptr not in other}
-        dropped = [s for ptr, s in self._storages(drop).items() if ptr not in kept and ptr not in other]
+        other = _storages(besides, host_too)
+        kept = {ptr: s for ptr, s in _storages(keep, host_too).items() if ptr not in other}
+        dropped = [s for ptr, s in _storages(drop, host_too).items() if ptr not in kept and ptr not in other]
         arena = self.arenas.get(group)
         if arena is None:
             arena = self.arenas[group] = HostArena(
@@ -88,30 +96,45 @@ class Parking:
         return sum(entry.nbytes for entry in parked)
 
     def wake(self, *groups: str) -> None:
-        """The groups' storages back on the device with their bytes (every group when none is named)."""
+        """The groups' storages back on the device with their bytes (every group when none is named), the copies
+        done before it returns: a library may read them on a stream of its own (ZeRO-3's all-gather stream does,
+        without waiting for the current one). A storage that fails to come back (out of memory) stays recorded
+        with those after it, for the next wake."""
+        woke = False
         for group in groups or list(self.parked):
-            for entry in self.parked.pop(group, []):
-                entry.storage.resize_(entry.nbytes)
-                whole = _bytes_of(entry.storage)
-                if entry.copy is None:
-                    whole.zero_()
-                else:  # ordered before the role's kernels on the stream; the arena is next written after them
-                    whole.copy_(entry.copy, non_blocking=True)
+            entries, done = self.parked.get(group, []), 0
+            try:
+                for entry in entries:
+                    entry.storage.resize_(entry.nbytes)
+                    whole = _bytes_of(entry.storage)
+                    if entry.copy is None:
+                        whole.zero_()
+                    else:
+                        whole.copy_(entry.copy, non_blocking=True)
+                    done += 1
+            finally:
+                del entries[:done]
+                woke = woke or done > 0
+            self.parked.pop(group, None)
+        if woke and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
 
     def is_parked(self, group: str) -> bool:
         return group in self.parked
 
-    def _storages(self, tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
-        """The distinct non-empty storages behind `tensors` that this parking moves, by address."""
-        found: dict[int, torch.UntypedStorage] = {}
-        for tensor in tensors:
-            local = getattr(tensor, "_local_tensor", tensor)  # a DTensor: its shard holds the storage
-            if local.is_meta or (local.device.type == "cpu" and not self.host_too):
-                continue
-            storage = local.untyped_storage()
-            if storage.nbytes() > 0 and storage.resizable():
-                found.setdefault(storage.data_ptr(), storage)
-        return found
+
+def _storages(tensors: Iterable[torch.Tensor], host_too: bool) -> dict[int, torch.UntypedStorage]:
+    """The distinct non-empty storages behind `tensors` that parking moves (on a device, or anywhere with
+    host_too), by address."""
+    found: dict[int, torch.UntypedStorage] = {}
+    for tensor in tensors:
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor: its shard holds the storage
+        if local.is_meta or (local.device.type == "cpu" and not host_too):
+            continue
+        storage = local.untyped_storage()
+        if storage.nbytes() > 0 and storage.resizable():
+            found.setdefault(storage.data_ptr(), storage)
+    return found
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

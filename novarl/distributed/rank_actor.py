@@ -181,13 +181,13 @@ class RankActor:
         drain(stream)  # an engine that skipped a tensor still takes part in every gather
         return loaded[0]
 
-    def park_role(self, role: str | None, group: str) -> int:
+    def park_role(self, role: str | None, group: str, host_too: bool = False) -> int:
         """Park `group` of this process's role (or of the added role `role`) where it parks (Parkable); bytes
         freed on this rank's device."""
         from novarl.distributed.lifecycle import Parkable
 
         target = self.others[role] if role else self.role
-        return target.park(group) if isinstance(target, Parkable) else 0
+        return target.park(group, host_too) if isinstance(target, Parkable) else 0
 
     def offload_role(self, role: str) -> None:
         from novarl.distributed.lifecycle import Offloadable

@@ -36,6 +36,7 @@ import json
 import mmap
 import socket
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import cast
 
@@ -283,6 +284,8 @@ class HostArena:
         self.buffers: list[torch.Tensor] = []
         self.pinned: set[int] = set()
         """data_ptr of the buffers cudaHostRegister took."""
+        # an arena dropped without release (its role's process reused) unpins its buffers before their memory goes
+        weakref.finalize(self, _unpin_all, self.buffers, self.pinned)
 
     def hold(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> list[list[tuple[str, torch.Tensor]]]:
         """Copies of `buckets`' tensors (as they come, each bucket gathered when its turn comes) in the arena,
@@ -330,9 +333,16 @@ class HostArena:
             torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
     def release(self) -> None:
-        for buffer in self.buffers:
-            self._unpin(buffer)
-        self.buffers = []
+        _unpin_all(self.buffers, self.pinned)
+
+
+def _unpin_all(buffers: list[torch.Tensor], pinned: set[int]) -> None:
+    """Unregister the pinned ones among `buffers` and drop them all (in place: the arena's own list and set)."""
+    for buffer in buffers:
+        if buffer.data_ptr() in pinned:
+            pinned.discard(buffer.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    buffers.clear()
 
 
 def in_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -179,6 +179,7 @@ class GRPOTrainer:
                 summary = run_grpo(without_done_evaluation(cfg, start), inputs, roles, sink, checkpointer, start)
                 fmt = export_format(cfg.policy.precision, cfg.checkpointing.model_save_format,
                                     on_gpu=default_device().type == "cuda")
+                roles.release_generator()  # a colocated engine's memory back before the export wakes the weights
                 save_atomically(model_dir, lambda tmp: roles.policy.save_hf(tmp, inputs.tokenizer, fmt))
                 return summary
             except CheckpointLoadFailed as err:

@@ -20,7 +20,7 @@ import torch
 
 from novarl.algorithms.losses import make_loss
 from novarl.config.schema import NovaRLConfig
-from novarl.errors import CheckpointLoadFailed, UserError
+from novarl.errors import CheckpointLoadFailed, UserError, is_out_of_memory
 from novarl.logging.console import Progress, info
 from novarl.logging.metrics import JsonlSink
 from novarl.logging.samples import write_samples
@@ -69,6 +69,7 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
     def checkpoint(step: int, *, last: bool) -> None:
         nonlocal saved
         if checkpointer and saved != step and checkpointer.due(step, last=last):
+            roles.release_generator()  # a colocated engine's memory back before the save wakes the training states
             checkpointer.save(step, roles.policy, trainer_state(inputs, summary, pipeline), metrics=sink.path,
                               critic=roles.critic, rollouts=pipeline.state() if pipeline is not None else None)
             roles.park_training()  # the save woke them; the next generation comes first
@@ -230,6 +231,7 @@ def resume_from(resume: Checkpoint, inputs: RunInputs, roles: Roles, sink: Jsonl
     sink.write_history(resume.history())
     sink.write({"kind": "resume", "step": resume.step, "checkpoint": str(resume.path)})
     try:
+        roles.release_generator()  # a colocated engine starts awake: its memory back before the states load
         roles.policy.load(resume.path / POLICY_DIR)
         if roles.critic is not None:
             if not (resume.path / CRITIC_DIR).is_dir():
@@ -241,8 +243,8 @@ def resume_from(resume: Checkpoint, inputs: RunInputs, roles: Roles, sink: Jsonl
         restore_rng(resume.state)
         roles.sync_weights(resume.step)
     except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is a BaseException
-        if isinstance(err, (KeyboardInterrupt, SystemExit, UserError)):
-            raise  # an interrupt, or a checkpoint of another layout: not a damaged file
+        if isinstance(err, (KeyboardInterrupt, SystemExit, UserError)) or is_out_of_memory(err):
+            raise  # an interrupt, a checkpoint of another layout or a GPU out of memory: not a damaged file
         raise CheckpointLoadFailed(resume.path, err) from err
     info(f"resumed from {resume.path} (step {resume.step})")
     return resume.step

@@ -20,7 +20,7 @@ from novarl.backends.protocols import (Engine, GenerationBackend, Offloadable, P
 from novarl.config.files import show_value
 from novarl.config.schema import NovaRLConfig, ValueConfig
 from novarl.data.arithmetic import Example
-from novarl.distributed.parking import GROUPS
+from novarl.distributed.parking import GROUPS, parks_on_cpu
 from novarl.data.datasets import PromptSampler, load_examples, read_prompt_template, to_prompts
 from novarl.errors import NotAvailableYet, UserError
 from novarl.logging.console import info
@@ -417,15 +417,16 @@ class Roles:
 
 def park_roles(group: str, *roles: object) -> int:
     """Park `group` of each role that parks (Parkable); the bytes freed on the first rank."""
-    return sum(role.park(group) for role in roles if isinstance(role, Parkable))
+    return sum(role.park(group, parks_on_cpu()) for role in roles if isinstance(role, Parkable))
 
 
 def parks_beside_engines(cfg: NovaRLConfig, inputs: RunInputs, device: torch.device) -> bool:
     """Whether the training roles wait in host memory while the engines generate: engines of their own (vLLM's,
     or Hugging Face's copy) on the policy's GPUs. (Megatron generation runs on the training weights themselves;
-    dedicated engines have GPUs of their own; a CPU host has no device memory to free.)"""
-    return (device.type == "cuda" and generation_spec(inputs.choice.generation).engine_class is not None
-            and generation_layout(cfg, inputs.choice.generation).colocated)
+    dedicated engines have GPUs of their own; a CPU host has no device memory to free, and parks only for tests:
+    parking.PARK_ON_CPU_VARIABLE.)"""
+    return ((device.type == "cuda" or parks_on_cpu()) and generation_spec(inputs.choice.generation).engine_class
+            is not None and generation_layout(cfg, inputs.choice.generation).colocated)
 
 
 def stop(*roles: object) -> None:

@@ -47,7 +47,7 @@ from novarl.backends.training.deepspeed_checkpoint import CHECKPOINT_TAG  # <rol
 from novarl.backends.training.rows import AccumulatingRows, DataParallelRows, check_packing
 from novarl.backends.training.parallelize import apply_activation_checkpointing, apply_compile
 from novarl.config.schema import PolicyConfig
-from novarl.distributed.parking import Parking, held_tensors, wakes
+from novarl.distributed.parking import Parking, held_tensors, module_tensors, wakes
 from novarl.distributed.weight_sync import bucketed, in_dtype
 from novarl.errors import ConfigError
 from novarl.models.attention import use_varlen_attention
@@ -188,21 +188,25 @@ class DeepSpeedModel(DataParallelRows):
         if self.lora is not None:
             _drop_every_frozen_name(self.engine)
 
-    def park(self, group: str) -> int:
-        """Implements Parkable (distributed/parking.py): everything the engine holds (the module's weights; the
-        ZeRO optimizer's partitions, flat buffers, gradient buckets and state) to host memory with the weights.
-        The optimizer's state does not wait apart: DeepSpeed keeps the gradient buffers that a pass fills among
-        its optimizer's own, so a pass wakes the optimizer's side too."""
-        if group != "weights":
+    def park(self, group: str, host_too: bool = False) -> int:
+        """Implements Parkable (distributed/parking.py): the weights (the module's parameters and buffers, under
+        ZeRO-3 each parameter's partitions), or everything else the engine's optimizer holds (ZeRO's fp32
+        partitions, flat buffers, gradient buckets and state, found by held_tensors), to host memory. DeepSpeed
+        keeps the gradient buckets that a pass fills among its optimizer's own, so a pass wakes both groups; the
+        weight sync wakes the weights alone."""
+        module = self.model if self.engine is None else self.engine.module
+        weights = [*module_tensors(module), *zero3_partitions(module)]
+        if group == "weights":
+            return self.parking.park(group, weights, host_too=host_too)
+        if self.engine is None:
             return 0
-        roots = (self.model,) if self.engine is None else (self.engine, self.engine.optimizer)
-        return self.parking.park(group, held_tensors(*roots))
+        return self.parking.park(group, held_tensors(self.engine.optimizer), besides=weights, host_too=host_too)
 
     @wakes()
     def forward(self, batch: TrainBatch, head: Head) -> torch.Tensor:
         return super().forward(batch, head)
 
-    @wakes()
+    @wakes("weights")
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the full CPU tensors (Hugging Face
         names), the others {}. Stage 3 gathers each partitioned parameter in turn."""
@@ -300,7 +304,7 @@ class TrainableDeepSpeedModel(DeepSpeedModel, AccumulatingRows):
 class DeepSpeedPolicy(TrainableDeepSpeedModel, BaseModelLogprobs, TrainingBackend, WeightSender):
     """The trainable policy on DeepSpeed ZeRO (implements TrainingBackend)."""
 
-    @wakes()
+    @wakes("weights")
     def weight_buckets(self, bucket_bytes: int, *, everywhere: bool, dtype: torch.dtype | None = None
                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Implements WeightSender. Collective over the ranks: full tensors (Hugging Face names)
@@ -375,6 +379,14 @@ class DeepSpeedReference(DeepSpeedModel, ReferenceBackend):
 
     def __init__(self, policy: PolicyConfig, model_path: str, device: torch.device | None = None) -> None:
         super().__init__(policy, model_path, device, trainable=False)
+
+
+def zero3_partitions(module: torch.nn.Module) -> list[torch.Tensor]:
+    """ZeRO-3's partitions of the module's parameters (ds_tensor, and ds_secondary_tensor where ZeRO++ keeps
+    one): where a partitioned parameter's weights are, its own storage empty. None below stage 3."""
+    return [part for param in module.parameters()
+            for part in (getattr(param, "ds_tensor", None), getattr(param, "ds_secondary_tensor", None))
+            if isinstance(part, torch.Tensor)]
 
 
 _deepspeeds_world: list[Any] = []

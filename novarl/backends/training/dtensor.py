@@ -138,10 +138,10 @@ class ShardedModel(DataParallelRows):
         self.model = model
         self.parking = Parking()
 
-    def park(self, group: str) -> int:
+    def park(self, group: str, host_too: bool = False) -> int:
         """Implements Parkable (distributed/parking.py): the weights (parameters and buffers) to host memory;
         a frozen model has no optimizer state."""
-        return self.parking.park(group, module_tensors(self.model)) if group == "weights" else 0
+        return self.parking.park(group, module_tensors(self.model), host_too=host_too) if group == "weights" else 0
 
     @torch.no_grad()
     @wakes("weights")
@@ -202,12 +202,12 @@ class TrainableShardedModel(ShardedModel, AccumulatingRows):
         # parallelism the norms, o's and down's biases and LoRA's B of row-split layers)
         self.partial = partial_parameters(self.model, policy.dtensor_cfg)
 
-    def park(self, group: str) -> int:
+    def park(self, group: str, host_too: bool = False) -> int:
         """Implements Parkable: the optimizer's state, or the weights (any gradient, none between steps, freed
         with them), to host memory."""
         if group == "optimizer":
-            return self.parking.park(group, optimizer_tensors(self.optimizer))
-        return self.parking.park(group, module_tensors(self.model), gradients(self.model))
+            return self.parking.park(group, optimizer_tensors(self.optimizer), host_too=host_too)
+        return self.parking.park(group, module_tensors(self.model), gradients(self.model), host_too=host_too)
 
     @wakes("weights")
     def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:

@@ -100,18 +100,18 @@ class MegatronPolicy(MegatronModel, TrainingBackend, WeightSender):
                  f"optimizer, {self.config.recompute_granularity or 'no'} recomputation"
                  + (", logprobs from the output layer chunk by chunk" if self.picks_logprobs else ""))
 
-    def park(self, group: str) -> int:
+    def park(self, group: str, host_too: bool = False) -> int:
         """Implements Parkable: the optimizers' state and fp32 master weights, or the weights (the gradient
         buffers, zero between steps, freed with them: they come back zeroed), to host memory."""
         weights = [t for module in self.modules for t in module_tensors(module)]
         if group == "weights":
             grads = [g for p in weights for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
-            return self.parking.park(group, weights, grads)
+            return self.parking.park(group, weights, grads, host_too=host_too)
         inner = [o.optimizer for o in self._optimizers() if getattr(o, "optimizer", None) is not None]
         masters = [p for o in inner for g in o.param_groups for p in g["params"]]
         # an fp32 run's optimizer steps the weights themselves: those stay with the weights
         return self.parking.park(group, [*masters, *(t for o in inner for t in optimizer_tensors(o))],
-                                 besides=weights)
+                                 besides=weights, host_too=host_too)
 
     @wakes("weights")
     def forward_backward(self, batch: TrainBatch, loss: LossFn, head: Head) -> dict[str, float]:

@@ -137,12 +137,13 @@ class MegatronModel:
         self.empty_unused_memory_level = policy.megatron_cfg.empty_unused_memory_level
         self.parking = Parking()
 
-    def park(self, group: str) -> int:
+    def park(self, group: str, host_too: bool = False) -> int:
         """Implements Parkable (distributed/parking.py): the weights (every chunk's parameters and buffers) to
         host memory; a frozen model has no optimizer state."""
         if group != "weights":
             return 0
-        return self.parking.park(group, [t for module in self.modules for t in module_tensors(module)])
+        return self.parking.park(group, [t for module in self.modules for t in module_tensors(module)],
+                                 host_too=host_too)
 
     def _compile(self, mc) -> None:
         """megatron_cfg.torch_compile: the local spec's layers compiled; over Transformer Engine's, said once."""
