@@ -36,7 +36,8 @@ if [ -z "${SKIP_TESTS:-}" ] && [ "$left" -gt 30 ]; then
             one_data_parallel_shard and not optimizer_step_is_queued and not (one_device and cpu) and not \
             lora_and_activation_checkpointing and not (deepspeed_compiled and cpu) and not two_ranks" \
         tests/test_training_kernels.py tests/test_megatron_gpu.py tests/test_frozen_reference.py \
-        tests/test_parking.py::test_parking_frees_the_gpu_memory_of_a_policy_and_it_trains_on 2>&1 | tail -n 60 \
+        tests/test_parking.py::test_parking_frees_the_gpu_memory_of_a_policy_and_it_trains_on \
+        tests/test_weight_sync.py::test_the_host_arena_pins_its_buffers_on_a_gpu_host 2>&1 | tail -n 60 \
         | tee "$out/gpu_tests.log"
 else
     echo "GPU tests not run: ${left} s left" | tee "$out/gpu_tests.log"

@@ -100,3 +100,13 @@ def test_the_host_arena_pins_its_buffers_on_a_gpu_host():
     assert torch.equal(flat.cpu(), torch.cat([t.reshape(-1) for _, t in first]))
     arena.release()
     assert not arena.pinned
+    # one dropped without release (its role's process reused) unpins its buffers as it goes
+    dropped = weight_sync.HostArena()
+    pinned, buffers = dropped.pinned, dropped.buffers
+    dropped.hold(weight_sync.bucketed([(n, t.cuda()) for n, t in weights(1)], 2000))
+    assert pinned and buffers
+    del dropped
+    import gc
+
+    gc.collect()
+    assert not pinned and not buffers
