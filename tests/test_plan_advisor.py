@@ -62,6 +62,11 @@ def test_medium_model_on_one_node_is_dtensor_and_vllm_tp8():
     assert (best.strategy, best.tensor_parallel_size, best.data_parallel_size) == ("dtensor fsdp2+tp", 4, 2)
     assert best.memory_gb["model_states"] == pytest.approx(65.5, abs=0.1)
     assert "overrides" in advice.explanation[1] and "keeps the tree's backends" in advice.explanation[2]
+    # while vLLM generates, the training states are parked on the host (distributed/parking.py): weights and
+    # Adam's states, 12 of the 16 bytes (the gradients are freed), on each of the node's 8 GPUs
+    parked = 65.5 * 12 / 16
+    assert advice.explanation[-1] == (f"While the engines generate, the training states wait in page-locked host "
+                                      f"memory: {parked:.1f} GB a GPU, {parked * 8:.0f} GB a node.")
     # on 141 GB GPUs the tree's plain layout fits and is confirmed
     roomy = advise(QWEN_32B, gpus_per_node=8, num_nodes=1, gpu_memory_gb=141, sequence_length=SEQ)
     assert roomy.recommended is roomy.tree_pick and roomy.recommended.strategy == "dtensor fsdp2"

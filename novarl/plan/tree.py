@@ -106,8 +106,14 @@ def explain(context: Context, pick: Candidate, recommended: Candidate | None,
         lines.append(f"novarl does not have {missing} yet"
                      + (f"; the fastest built layout that fits is {built.describe()} ({built.peak_gb:.1f} GB)."
                         if built else "; no built layout fits."))
+    on_weights = generation_spec(recommended.generation_backend).on_training_weights
     lines.append(f"Placement {recommended.placement}: "
                  + (f"{recommended.generation_backend.capitalize()} generation runs on the training weights."
-                    if generation_spec(recommended.generation_backend).on_training_weights
-                    else "the rule is colocated below 10B parameters or on one node, dedicated otherwise."))
+                    if on_weights else "the rule is colocated below 10B parameters or on one node, dedicated otherwise."))
+    if recommended.placement == "colocated" and not on_weights:
+        memory = recommended.memory_gb  # weights and optimizer states (gradients are freed), the critic's alike
+        own = memory["params"] + memory["optimizer"]
+        parked = own * (2 if memory["critic_states"] else 1) + memory["reference_weights"]
+        lines.append(f"While the engines generate, the training states wait in page-locked host memory: "
+                     f"{parked:.1f} GB a GPU, {parked * context.gpus_per_node:.0f} GB a node.")
     return lines
