@@ -9,11 +9,12 @@ the same around its refit (the optimizer's state offloaded before it, the weight
 training); the planner counts a colocated layout's peak as max(training, generation) for this reason
 (plan/advisor.py).
 
-Two groups, parked separately: "optimizer" (the optimizer's state; the gradients, empty between steps, freed
-without a copy) before a weight sync, so that the engine's weights wake into its room, and "weights" (the
-parameters and buffers) once the engines hold the new ones. A role wakes a group when a method needs it (the
-`wakes` decorator): a pass needs the weights, an optimizer step or a checkpoint both, so the optimizer's state
-stays on the host through the step's forward and backward passes too.
+Two groups, parked separately: "optimizer" (the optimizer's state and fp32 master weights) before a weight
+sync, so that the engine's weights wake into its room, and "weights" (the parameters and buffers; the
+gradients, none or zero between steps, freed without a copy and back zeroed) once the engines hold the new
+ones. A role wakes a group when a method needs it (the `wakes` decorator): a pass needs the weights, an
+optimizer step or a checkpoint both, so the optimizer's state stays on the host through the step's forward
+and backward passes too (DeepSpeed's excepted: its gradient buckets are its optimizer's, so a pass wakes both).
 
 Storages, not tensors: each distinct storage behind the given tensors (a DTensor's local shard; FSDP2's padded
 shard, of which its parameter is a view; a tied weight once) is copied into a HostArena (page-locked where there

@@ -20,8 +20,8 @@ from novarl.backends.protocols import (Engine, GenerationBackend, Offloadable, P
 from novarl.config.files import show_value
 from novarl.config.schema import NovaRLConfig, ValueConfig
 from novarl.data.arithmetic import Example
-from novarl.distributed.parking import GROUPS, parks_on_cpu
 from novarl.data.datasets import PromptSampler, load_examples, read_prompt_template, to_prompts
+from novarl.distributed.parking import GROUPS, parks_on_cpu
 from novarl.errors import NotAvailableYet, UserError
 from novarl.logging.console import info
 from novarl.models.loading import check_model_folder, load_tokenizer, resolve_model_path
@@ -388,7 +388,7 @@ class Roles:
         """The policy's current weights into every engine (see backends/generation/engines.py);
         metrics: weight_sync_mb, the MB each engine took (none when the generator samples
         with the policy's own model). Where the roles park, the optimizer states go to host memory before (the
-        engines' weights wake into their room) and the weights after (offloaded_gb: park_training)."""
+        engines' weights wake into their room) and the weights after (metric offloaded_gb)."""
         return self._parked_around(lambda: self.generator.sync_weights(version))
 
     def queue_weights(self, version: int) -> dict[str, float]:
