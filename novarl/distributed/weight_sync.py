@@ -284,8 +284,9 @@ class HostArena:
         self.buffers: list[torch.Tensor] = []
         self.pinned: set[int] = set()
         """data_ptr of the buffers cudaHostRegister took."""
-        # an arena dropped without release (its role's process reused) unpins its buffers before their memory goes
-        weakref.finalize(self, _unpin_all, self.buffers, self.pinned)
+        # an arena dropped without release (its role's process reused) unpins its buffers before their memory goes;
+        # not at the process's exit, where CUDA may be gone first and the memory goes with the process
+        weakref.finalize(self, _unpin_all, self.buffers, self.pinned).atexit = False
 
     def hold(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> list[list[tuple[str, torch.Tensor]]]:
         """Copies of `buckets`' tensors (as they come, each bucket gathered when its turn comes) in the arena,
