@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from novarl.config.loading import BUNDLED_RECIPE
-from novarl.errors import OUT_OF_MEMORY_ADVICE, RunFailed, UserError, is_out_of_memory
+from novarl.errors import RunFailed, UserError, is_out_of_memory, out_of_memory_message
 from novarl.logging.quiet import quiet_third_party
 
 
@@ -38,10 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if not is_out_of_memory(err):
             raise
-        from novarl.distributed.ray_group import what_failed
-
-        print(f"novarl: error: out of GPU memory ({what_failed(err).rstrip('.')}). To fit: {OUT_OF_MEMORY_ADVICE}. "
-              "Checkpoints already written are kept.", file=sys.stderr)
+        print(f"novarl: error: {out_of_memory_message(err)}", file=sys.stderr)
         return RunFailed.exit_code
     except KeyboardInterrupt:
         print("novarl: interrupted", file=sys.stderr)

@@ -33,17 +33,58 @@ class RunFailed(Exception):
 
 
 OUT_OF_MEMORY_ADVICE = (
-    "lower policy.train_micro_batch_size or policy.logprob_batch_size (with sequence packing, "
-    "policy.sequence_packing.train_mb_tokens or logprob_mb_tokens), turn on "
-    "policy.dtensor_cfg.activation_checkpointing, give colocated vLLM a smaller share "
-    "(policy.generation.vllm_cfg.gpu_memory_utilization), or ask `novarl plan` for a layout that fits")
+    "lower policy.train_micro_batch_size or policy.logprob_batch_size (with sequence packing or dynamic batching, "
+    "their train_mb_tokens or logprob_mb_tokens), turn on activation checkpointing "
+    "(policy.dtensor_cfg, megatron_cfg or deepspeed_cfg.activation_checkpointing), give colocated vLLM a smaller "
+    "share (policy.generation.vllm_cfg.gpu_memory_utilization) or Megatron generation a smaller KV buffer "
+    "(policy.generation.mcore_generation_config.buffer_size_gb), or ask `novarl plan` for a layout that fits")
 """What a user can change when a run's step does not fit its GPU's memory."""
 
 
+def out_of_memory_error(error: BaseException) -> BaseException | None:
+    """The GPU out-of-memory error in `error`, however it came: torch's OutOfMemoryError, a CUDA or NCCL runtime
+    error saying "out of memory", or one of these behind a wrapper (a raise-from, Ray's RayTaskError `.cause`,
+    torch.distributed.checkpoint's CheckpointException `.failures`, a rank's WorkerDied marked `out_of_memory`);
+    None if there is none. Told apart without importing torch."""
+    seen: set[int] = set()
+    todo: list[object] = [error]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, tuple):  # CheckpointException.failures: (the exception, its traceback)
+            todo += list(item)
+            continue
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        text = str(item).lower()
+        if (getattr(item, "out_of_memory", False) is True
+                or any(kind.__name__ == "OutOfMemoryError" and kind.__module__.startswith("torch")
+                       for kind in type(item).__mro__)
+                or isinstance(item, RuntimeError) and "out of memory" in text and ("cuda" in text or "nccl" in text)):
+            return item
+        todo += [item.__cause__, item.__context__, getattr(item, "cause", None)]
+        failures = getattr(item, "failures", None)
+        if isinstance(failures, dict):
+            todo += list(failures.values())
+    return None
+
+
 def is_out_of_memory(error: BaseException) -> bool:
-    """torch's CUDA out-of-memory error (torch.OutOfMemoryError), told apart without importing torch."""
-    return any(kind.__name__ == "OutOfMemoryError" and kind.__module__.startswith("torch")
-               for kind in type(error).__mro__)
+    return out_of_memory_error(error) is not None
+
+
+def out_of_memory_message(error: BaseException, limit: int = 300) -> str:
+    """One paragraph for a run out of GPU memory: torch's figures (its message's first sentences, up to about
+    `limit` characters) and what to change."""
+    found = out_of_memory_error(error) or error
+    lines = [line.strip() for line in str(found).splitlines() if line.strip()]
+    said = ""
+    for sentence in (lines[0] if lines else type(found).__name__).split(". "):
+        if said and len(said) + len(sentence) > limit:
+            break
+        said = f"{said}. {sentence}" if said else sentence
+    return (f"out of GPU memory ({said.rstrip('.')}). To fit: {OUT_OF_MEMORY_ADVICE}. Files already written "
+            "(checkpoints, logs) are kept.")
 
 
 class CheckpointLoadFailed(RunFailed):

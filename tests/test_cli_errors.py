@@ -481,3 +481,67 @@ def test_a_step_out_of_gpu_memory_says_what_to_change_and_keeps_the_checkpoints(
                                       "free). To fit: lower policy.train_micro_batch_size")
     assert check_checkpoint(ckpt / "step_1") is None
     assert not (ckpt / "step_2").exists()
+
+
+def test_a_gpu_out_of_memory_is_found_behind_its_wrappers():
+    """However torch's out-of-memory error reaches the driver: itself, a CUDA runtime error saying so, raised
+    from, behind Ray's RayTaskError, inside torch.distributed.checkpoint's CheckpointException, or as a rank's
+    WorkerDied marked so; and nothing else."""
+    import traceback
+
+    from ray.exceptions import RayTaskError
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from novarl.distributed.ray_group import WorkerDied
+    from novarl.errors import is_out_of_memory, out_of_memory_message
+
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                 "79.19 GiB of which 1.06 GiB is free. " + "Including non-PyTorch memory. " * 20)
+    try:
+        try:
+            raise oom
+        except torch.OutOfMemoryError as err:
+            raise RuntimeError("the step failed") from err
+    except RuntimeError as err:
+        chained = err
+    died = WorkerDied("policy rank 1 failed: OutOfMemoryError: CUDA out of memory.")
+    died.out_of_memory = True
+    found = [oom, RuntimeError("CUDA error: out of memory"), chained, RayTaskError("forward", "tb", oom),
+             CheckpointException("load", {1: (oom, traceback.StackSummary())}), died]
+    assert all(is_out_of_memory(error) for error in found)
+    assert not any(is_out_of_memory(error) for error in (RuntimeError("the step failed"), MemoryError(),
+                                                          RuntimeError("out of memory in a dict"),
+                                                          WorkerDied("policy rank 1 died")))
+    message = out_of_memory_message(CheckpointException("load", {0: (oom, traceback.StackSummary())}))
+    assert message.startswith("out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                              "capacity of 79.19 GiB of which 1.06 GiB is free. Including non-PyTorch memory")
+    assert len(message) < 1000 and message.endswith("Files already written (checkpoints, logs) are kept.")
+
+
+def test_a_resume_out_of_gpu_memory_is_not_taken_for_a_damaged_checkpoint(capsys, tmp_path, monkeypatch):
+    """The checkpoint's load runs out of GPU memory (torch.distributed.checkpoint wraps it, as it wraps every
+    rank's error): exit 1 with what to change, and no older checkpoint tried in its place (whose next save would
+    write over the newer one) nor any deleted."""
+    import traceback
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from novarl.trainer.checkpoint import check_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    common = [f"logger.log_dir={tmp_path / 'logs'}", "grpo.val_at_start=false", "grpo.val_at_end=false",
+              "checkpointing.enabled=true", f"checkpointing.checkpoint_dir={ckpt}", "checkpointing.save_period=1"]
+    assert run_cli(capsys, "train", "grpo.max_num_steps=2", *common)[0] == 0
+
+    def out_of_memory(*args, **kwargs):
+        oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB.")
+        raise CheckpointException("load", {0: (oom, traceback.StackSummary())})
+
+    monkeypatch.setattr(dcp, "load", out_of_memory)
+    code, _, err = run_cli(capsys, "train", "grpo.max_num_steps=3", *common)
+    assert code == 1 and "Traceback" not in err and "trying an older one" not in err
+    assert error_line(err).startswith("novarl: error: out of GPU memory (CUDA out of memory. Tried to allocate "
+                                      "512.00 MiB). To fit: lower policy.train_micro_batch_size")
+    assert [check_checkpoint(ckpt / f"step_{step}") for step in (1, 2)] == [None, None]
+    assert not (ckpt / "step_3").exists()

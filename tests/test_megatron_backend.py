@@ -259,6 +259,7 @@ def test_megatron_generation_with_experts_across_replicas_decodes_in_lockstep(ti
     done) where each stopped on its own share before and the other waited in the all-to-all for ever. Greedy
     completions of prompts of unlike lengths and counts (7 over 2 replicas) equal transformers' (a replica that
     finishes early, or has the shorter share, decodes on)."""
+    import dataclasses
     import threading
 
     from novarl.backends.generation.hf import HFGeneration
@@ -283,11 +284,24 @@ def test_megatron_generation_with_experts_across_replicas_decodes_in_lockstep(ti
     try:
         generator = MegatronGeneration(RemotePolicy(group), tokenizer, max_seq_length=24,
                                        config=cfg.policy.generation.mcore_generation_config)
-        decoding = threading.Thread(target=lambda: got.append(generator.generate(prompts, greedy)), daemon=True)
+        # a batch of one (buffer_size_gb): several batches a replica; the prompts' own seeds, fewer prompts than
+        # replicas (the other replica decodes a copy): each sample is its seed's, wherever its prompt went
+        one = MegatronGeneration(RemotePolicy(group), tokenizer, max_seq_length=24,
+                                 config=cfg.policy.generation.mcore_generation_config.model_copy(
+                                     update={"buffer_size_gb": 1e-6}))
+        seeded = SamplingConfig(max_new_tokens=5, temperature=1.0, seeds=(11, 12, 13))
+
+        def decode():
+            got.append(generator.generate(prompts, greedy))
+            got.append(one.generate(prompts[:3], seeded))
+            got.append(one.generate(prompts[1:2], dataclasses.replace(seeded, seeds=(12,))))
+
+        decoding = threading.Thread(target=decode, daemon=True)
         decoding.start()
-        decoding.join(timeout=120)
+        decoding.join(timeout=180)
         assert not decoding.is_alive(), "the replicas hung in the experts' all-to-all"
         assert [c.text for c in got[0]] == expected
+        assert len(got[1]) == 3 and [c.token_ids for c in got[2]] == [got[1][1].token_ids]
     finally:
         group.shutdown()
 

@@ -71,14 +71,13 @@ def stop_cluster(temp_dir: str) -> None:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_each_rank_takes_the_gpu_ray_assigned_it():
-    """A rank's device: index 0 where Ray set CUDA_VISIBLE_DEVICES to the actor's GPU (its default); the assigned
-    id's place in the list where RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES left the list whole (every rank on
-    GPU 0 before); the id itself with no list."""
-    from novarl.distributed.rank_actor import gpu_index
+def test_each_rank_sees_only_the_gpus_ray_assigned_it():
+    """Ray sets a rank's CUDA_VISIBLE_DEVICES to its GPU (device 0 is then its own); where
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES left every GPU visible (every rank on GPU 0 before, DeepSpeed's and
+    vLLM's too), the rank narrows it to its assignment, as the node's list names them (ids with Ray's spaces)."""
+    from novarl.distributed.rank_actor import own_visible_devices
 
-    assert gpu_index(["3"], "3") == 0
-    assert gpu_index(["2"], "0,1,2,3") == 2
-    assert gpu_index([2], "4, 5, 2") == 2
-    assert gpu_index(["5"], None) == 5 and gpu_index(["5"], "") == 5
-    assert gpu_index([], "0,1") == 0
+    assert own_visible_devices(["3"], None) is None and own_visible_devices(["3"], "0") is None
+    assert own_visible_devices([" 5"], "1") == "5" and own_visible_devices([2], "true") == "2"
+    assert own_visible_devices(["GPU-1a2b", "GPU-3c4d"], "True") == "GPU-1a2b,GPU-3c4d"
+    assert own_visible_devices([], "1") is None

@@ -34,6 +34,10 @@ class RankActor:
         """Each engine's EngineStreams (continue_requests), by role."""
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0"})
         import ray
+
+        own = own_visible_devices(ray.get_gpu_ids(), os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"))
+        if own is not None:  # before CUDA starts in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = own
         import torch
 
         from novarl.logging.quiet import filter_library_warnings
@@ -70,9 +74,7 @@ class RankActor:
         timeout = datetime.timedelta(minutes=10)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
-            import ray
-
-            torch.cuda.set_device(gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
+            torch.cuda.set_device(0)  # Ray shows each actor only its own GPU (own_visible_devices under NOSET)
         store = tcp_store(host, port, self.world_size, self._take_listener() if self.rank == 0 else None, timeout)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         return self.rank
@@ -326,17 +328,14 @@ class _Sender:
         self.thread.join(timeout=5)
 
 
-def gpu_index(gpu_ids: list, visible: str | None) -> int:
-    """This actor's GPU among those its process sees: Ray's assignment (ray.get_gpu_ids()) in CUDA_VISIBLE_DEVICES,
-    which Ray sets to the assignment alone (index 0), or leaves whole under RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES
-    (the assigned id's place in it; with no list at all, the id itself)."""
-    if not gpu_ids:
-        return 0
-    assigned = str(gpu_ids[0])
-    listed = [device.strip() for device in (visible or "").split(",") if device.strip()]
-    if not listed:
-        return int(assigned)
-    return listed.index(assigned) if assigned in listed else 0
+def own_visible_devices(gpu_ids: list, noset: str | None) -> str | None:
+    """CUDA_VISIBLE_DEVICES for a rank that Ray left seeing every GPU (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES
+    true, `noset`): the GPUs Ray assigned it (ray.get_gpu_ids(), as the node's list names them), so that device 0
+    is its own for every library in the process (torch's current device, DeepSpeed's LOCAL_RANK, vLLM's engine).
+    None where Ray set the list to them already (its default) or assigned none."""
+    if (noset or "").strip().lower() not in ("1", "true") or not gpu_ids:
+        return None
+    return ",".join(str(device).strip() for device in gpu_ids)
 
 
 @functools.cache

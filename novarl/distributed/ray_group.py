@@ -42,6 +42,9 @@ RELEASE_WAIT_S = 10.0
 class WorkerDied(RunFailed):
     """A rank's actor died (killed, out of memory, crashed) during a call."""
 
+    out_of_memory = False
+    """Its rank ran out of GPU memory (errors.is_out_of_memory reads it: the rank's error is not kept)."""
+
 
 def require_capacity(needs: dict[str, float], what: str) -> None:
     """Refuse, before any worker starts, a run whose roles together need more than the Ray
@@ -247,8 +250,10 @@ class RayWorkerGroup:
             return WorkerDied(f"{self.name} rank {first_rank + rank} died; the worker group was shut down.")
         cause = getattr(err, "cause", None) or err
         advice = f" To fit: {OUT_OF_MEMORY_ADVICE}." if is_out_of_memory(cause) else ""
-        return WorkerDied(f"{self.name} rank {first_rank + refs.index(first)} failed: {type(cause).__name__}: "
-                          f"{what_failed(cause)}{advice}")
+        failed = WorkerDied(f"{self.name} rank {first_rank + refs.index(first)} failed: {type(cause).__name__}: "
+                            f"{what_failed(cause)}{advice}")
+        failed.out_of_memory = bool(advice)
+        return failed
 
     def shutdown(self) -> None:
         """Stop every rank: their processes end, or with NOVARL_REUSE_RANKS are kept for the next group

@@ -20,7 +20,7 @@ import torch
 
 from novarl.algorithms.losses import make_loss
 from novarl.config.schema import NovaRLConfig
-from novarl.errors import CheckpointLoadFailed, UserError, is_out_of_memory
+from novarl.errors import CheckpointLoadFailed, RunFailed, UserError, is_out_of_memory, out_of_memory_message
 from novarl.logging.console import Progress, info
 from novarl.logging.metrics import JsonlSink
 from novarl.logging.samples import write_samples
@@ -243,8 +243,12 @@ def resume_from(resume: Checkpoint, inputs: RunInputs, roles: Roles, sink: Jsonl
         restore_rng(resume.state)
         roles.sync_weights(resume.step)
     except BaseException as err:  # torch.distributed.checkpoint's CheckpointException is a BaseException
-        if isinstance(err, (KeyboardInterrupt, SystemExit, UserError)) or is_out_of_memory(err):
-            raise  # an interrupt, a checkpoint of another layout or a GPU out of memory: not a damaged file
+        if isinstance(err, (KeyboardInterrupt, SystemExit, UserError)):
+            raise  # an interrupt, or a checkpoint of another layout: not a damaged file
+        if is_out_of_memory(err):  # nor is a GPU out of memory
+            if isinstance(err, RunFailed):  # a rank's, which says so already
+                raise
+            raise RunFailed(out_of_memory_message(err)) from err
         raise CheckpointLoadFailed(resume.path, err) from err
     info(f"resumed from {resume.path} (step {resume.step})")
     return resume.step

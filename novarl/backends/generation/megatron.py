@@ -90,10 +90,13 @@ def sample_tokens(model, prompts: list[list[int]], sampling: SamplingConfig, sto
     share = -(-len(prompts) // model.dp_size)
     start = model.dp_rank * share
     mine = prompts[start:start + share]
+    seeds = None if sampling.seeds is None else list(sampling.seeds[start:start + share])
     real = len(mine)
     group = lockstep_group(model)
-    if group is not None and prompts:
-        mine = mine + [prompts[0]] * (share - real)  # as many batches on every replica: copies, decoded and dropped
+    if group is not None and prompts:  # as many batches on every replica: copies, finished from the start, dropped
+        mine = mine + [prompts[0]] * (share - real)
+        if seeds is not None and sampling.seeds:
+            seeds += [sampling.seeds[0]] * (share - real)
     cache = _cache_length(mine, sampling, max_seq_length, config, group) if mine else 0
     batch = max_batch(model, config, cache) if mine else 1
     out: list[Sampled] = []
@@ -102,10 +105,12 @@ def sample_tokens(model, prompts: list[list[int]], sampling: SamplingConfig, sto
     try:
         for index, first in enumerate(range(0, len(mine), batch)):
             seed = None if sampling.seed is None else sampling.seed * 1_000_003 + start + index
-            if sampling.seeds is not None:  # the prompts' own: a batch draws from its first one's
-                seed = sampling.seeds[start + first]
-            out.extend(_decode(model, mine[first:first + batch], sampling, set(stop_ids), max_seq_length, config,
-                               seed, cache, group))
+            if seeds is not None:  # the prompts' own: a batch draws from its first one's
+                seed = seeds[first]
+            rows = mine[first:first + batch]
+            copies = len(rows) - max(0, min(real - first, len(rows)))
+            out.extend(_decode(model, rows, sampling, set(stop_ids), max_seq_length, config, seed,
+                               cache if group is not None else None, group, copies))
     finally:
         model.module.train(training)
     out = out[:real]
@@ -162,10 +167,11 @@ def _cache_length(prompts: list[list[int]], sampling: SamplingConfig, max_seq_le
 
 
 def _decode(model, prompts: list[list[int]], sampling: SamplingConfig, stop_ids: set[int], max_seq_length: int,
-            config: McoreGenerationConfig, seed: int | None, cache: int,
-            group: dist.ProcessGroup | None = None) -> list[Sampled]:
-    """One batch's samples. With a lockstep group, every replica runs as many forwards over the same positions:
-    the prefix every row of every replica has, then one position at a time until every replica is done."""
+            config: McoreGenerationConfig, seed: int | None, cache: int | None = None,
+            group: dist.ProcessGroup | None = None, copies: int = 0) -> list[Sampled]:
+    """One batch's samples. cache: the KV cache's length (None: the batch's own). With a lockstep group, every
+    replica runs as many forwards over the same positions: the prefix every row of every replica has, then one
+    position at a time until every replica is done; its last `copies` rows are padding, finished from the start."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
     rows, device = len(prompts), model.device
@@ -177,7 +183,9 @@ def _decode(model, prompts: list[list[int]], sampling: SamplingConfig, stop_ids:
         tokens[row, :len(prompt)] = torch.tensor(prompt[:total], device=device)
     logprobs = torch.zeros(rows, total, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
-    context = StaticInferenceContext(rows, cache)
+    if copies:
+        finished[rows - copies:] = True
+    context = StaticInferenceContext(rows, cache or _cache_length(prompts, sampling, max_seq_length, config))
     generator = torch.Generator(device=device)
     if seed is not None:
         generator.manual_seed(seed)
