@@ -4,7 +4,8 @@
 # benchmarks/bench_train_gpu.py over BENCH_CASES (default: its default cases, most wanted first) within
 # BENCH_SECONDS (cases that would not fit are listed as not run), then the tests only a GPU runs for the
 # training kernels and Megatron-core, the frozen reference's and the parked policy's on one GPU, in the time left of
-# TOTAL_SECONDS. The table goes to
+# TOTAL_SECONDS, and last, where 90 s are left, what parking costs beside a step (benchmarks/bench_parking.py,
+# its table in bench.log). The table goes to
 # OUT_DIR/train_gpu*.md as each case ends, the runs' JSON to $OUT/train_gpu.json, the profiled steps of
 # fixed-compile, packed-compile and megatron-packed-compile as gzipped Chrome traces ($OUT/trace_*.json.gz; with
 # the breakdown's plot train_gpu.png, 8 files in all, as many as the device tool brings back; the machine, the
@@ -41,4 +42,12 @@ if [ -z "${SKIP_TESTS:-}" ] && [ "$left" -gt 30 ]; then
         | tee "$out/gpu_tests.log"
 else
     echo "GPU tests not run: ${left} s left" | tee "$out/gpu_tests.log"
+fi
+# what parking costs beside a training step (benchmarks/bench_parking.py), when a minute and a half is left
+left=$((total - SECONDS - 5))
+if [ -z "${SKIP_PARKING:-}" ] && [ "$left" -gt 90 ]; then
+    # (its table into bench.log: the device tool brings 8 files back, and the run writes 8 already)
+    timeout -s INT -k 10 "$left" python3 benchmarks/bench_parking.py 2>&1 | tail -n 12 | tee -a "$out/bench.log"
+else
+    echo "parking not measured: ${left} s left" | tee -a "$out/bench.log"
 fi
