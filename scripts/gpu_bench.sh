@@ -47,7 +47,9 @@ fi
 left=$((total - SECONDS - 5))
 if [ -z "${SKIP_PARKING:-}" ] && [ "$left" -gt 90 ]; then
     # (its table into bench.log: the device tool brings 8 files back, and the run writes 8 already)
-    timeout -s INT -k 10 "$left" python3 benchmarks/bench_parking.py 2>&1 | tail -n 12 | tee -a "$out/bench.log"
+    case "${BENCH_ARGS:-}" in *--tiny*) parking_args=--tiny ;; *) parking_args= ;; esac  # (the dry run's)
+    timeout -s INT -k 10 "$left" python3 benchmarks/bench_parking.py $parking_args 2>&1 | tail -n 12 \
+        | tee -a "$out/bench.log"
 else
     echo "parking not measured: ${left} s left" | tee -a "$out/bench.log"
 fi
