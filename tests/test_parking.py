@@ -275,8 +275,11 @@ NOT_COMPARED = ("offloaded_gb",)
 
 
 def flow_run(folder, extra: list[str], steps: int, parked: bool, monkeypatch, *, resume: bool = False) -> dict:
-    """A run of the bundled recipe (its engine in this process), every role parked between weight syncs and
-    generations (PARK_ON_CPU_VARIABLE) or never; its train records by step (a resumed run's own)."""
+    """A run of the bundled recipe (its engine in this process), its roles parked between weight syncs and
+    generations (PARK_ON_CPU_VARIABLE) or never; its train records by step (a resumed run's own). (On this CPU
+    host the one-device policy's and critic's weights that are the model file's mapping stay: no allocator
+    resizes those. Their optimizer states, the reference and the critic's new head park; parked weights are the
+    tests above's.)"""
     from novarl.config import load_config
     from novarl.distributed.parking import PARK_ON_CPU_VARIABLE
     from novarl.cli import BUNDLED_RECIPE
@@ -303,7 +306,7 @@ def assert_same_run(parked: dict, plain: dict) -> None:
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_a_parked_run_trains_as_the_never_parked_one(tmp_path, monkeypatch, variant):
-    """The trainer's flow with every role parked while its engine generates: evaluations, checkpoints (which wake
+    """The trainer's flow with the roles parked while its engine generates: evaluations, checkpoints (which wake
     the states and park them again), the KL reference, asynchronous GRPO's queued weights, PPO's critic and its
     warm-up (no weight sync: the roles park all the same); the metrics the never-parked run's, bit for bit, and
     each sync parked something. A resume from step 2, parked, trains step 3 as the uninterrupted run did."""

@@ -38,6 +38,7 @@ from novarl.backends.generation.hf import make_completion
 from novarl.config.schema import McoreGenerationConfig
 from novarl.backends.generation.engines import Ready
 from novarl.backends.protocols import GenerationBackend
+from novarl.distributed.local import collective_device
 from novarl.types import Completion, Prompt, SamplingConfig
 
 Sampled = tuple[list[int], list[float]]
@@ -147,15 +148,9 @@ def _agreed(value: int, group: dist.ProcessGroup | None, op) -> int:
     """`value` reduced with `op` over the lockstep group (the value itself without one)."""
     if group is None:
         return value
-    box = torch.tensor([value], dtype=torch.int64, device=_group_device(group))
+    box = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(box, op=op, group=group)
     return int(box.item())
-
-
-def _group_device(group: dist.ProcessGroup) -> torch.device:
-    from novarl.distributed.local import collective_device
-
-    return collective_device(group)
 
 
 def _cache_length(prompts: list[list[int]], sampling: SamplingConfig, max_seq_length: int,
