@@ -37,6 +37,12 @@ ALGORITHMS: dict[str, list[str]] = {
              "grpo.batch_multiplier=1.5"],
     # a critic with the policy's settings (value: {}), NeMo RL's GAE defaults (gamma 1, lambda 0.95, whitened)
     "PPO (critic, GAE)": ["grpo.adv_estimator.name=gae", "value={}"],
+    # CISPO differs from GRPO only where the ratio moves away from 1: with several optimizer steps per batch,
+    # beside GRPO in the same setting
+    "GRPO (4 updates a batch)": ["policy.train_global_batch_size=128", "policy.train_micro_batch_size=128"],
+    "CISPO (4 updates a batch)": ["loss_fn.use_cispo=true", "policy.train_global_batch_size=128",
+                                  "policy.train_micro_batch_size=128"],
+    "GRPO + VAPO's NLL": ["loss_fn.positive_example_nll_weight=0.1"],
 }
 
 
@@ -66,8 +72,9 @@ def main() -> None:
             print(f"{name}: {r['before']:.1%} -> {r['after']:.1%} ({100 * (r['after'] - r['before']):+.1f} points) "
                   f"in {r['seconds']:.0f} s", flush=True)
     if args.append and args.out.exists():
-        table = args.out.read_text().rstrip("\n").splitlines()
-        args.out.write_text("\n".join([*table, *(row_line(r) for r in rows), ""]))
+        lines = args.out.read_text().rstrip("\n").splitlines()
+        end = max(i for i, line in enumerate(lines) if line.startswith("| ")) + 1  # after the table's last row
+        args.out.write_text("\n".join([*lines[:end], *(row_line(r) for r in rows), *lines[end:], ""]))
         print(f"added {len(rows)} row(s) to {args.out}")
         return
     lines = [f"# Algorithms on the bundled task ({date.today()}, {cpu_name()}, {os.cpu_count()} cores)", "",

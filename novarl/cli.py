@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--critic", action="store_true",
                    help="export PPO's critic (a token-classification folder with one label) instead of the policy")
     p.set_defaults(run=cmd_convert)
-    p = sub.add_parser("eval", help="held-out greedy accuracy of a model folder")
+    p = sub.add_parser("eval", help="held-out accuracy of a model folder (greedy, or the config's "
+                                   "grpo.val_num_generations_per_prompt samples a prompt)")
     p.add_argument("model", help="model folder, hub id, or bundled name")
     p.add_argument("-c", "--config", type=Path, default=None,
                    help="config giving data and reward (default: RUN/config.yaml for a RUN/policy folder, "
@@ -142,11 +143,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _config(args)  # first: a config's errors are said before torch loads (~1-2 s)
     from novarl.trainer.api import GRPOTrainer
 
+    from novarl.trainer.evaluate import evaluation_sampling
+
     result = GRPOTrainer(cfg).train(resume=args.resume)
     before, after = result.initial_accuracy, result.final_accuracy
     steps = f"{result.steps} steps" if not result.stopped_early else \
-        f"{result.steps} of {cfg.grpo.max_num_steps} steps: stopped on grpo.max_train_seconds"
-    print(f"{result.accuracy_source} greedy accuracy: before {_pct(before)} -> after {_pct(after)} ({steps})")
+        f"{result.steps} of {cfg.grpo.max_num_steps} steps: stopped on {result.stopped_by}"
+    how = evaluation_sampling(cfg)
+    accuracy = "greedy accuracy" if how.num_generations_per_prompt == 1 else f"accuracy ({how.label})"
+    print(f"{result.accuracy_source} {accuracy}: before {_pct(before)} -> after {_pct(after)} ({steps})")
     print(f"output folder: {result.output_dir}")
     print(f"policy (Hugging Face folder): {result.model_dir}")
     return 0
@@ -270,7 +275,8 @@ def _layout_advice(args: argparse.Namespace, cfg):
         try:
             shape = ModelShape.from_parameter_count(parse_parameter_count(name))
         except UserError:  # not a count: a bundled name, a folder or a cached hub id
-            shape = ModelShape.from_name(resolve_model_path(name, download=False))
+            shape = ModelShape.from_name(resolve_model_path(name, download=False),
+                                         overrides=None if args.model else cfg.policy.hf_config_overrides)
     except UserError as err:
         if args.model is not None:
             raise
@@ -296,19 +302,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from novarl.distributed.local import default_device
-    from novarl.trainer.evaluate import evaluate
+    from novarl.trainer.evaluate import evaluate, evaluation_sampling
     from novarl.trainer.setup import prepare_eval
 
     refuse_checkpoint_as_model(args.model)
     cfg = eval_config(args)
     inputs = prepare_eval(cfg, args.model, default_device())
-    result = evaluate(inputs.generator, inputs.prompts, inputs.scorer, cfg.policy.generation.max_new_tokens,
-                      batch_size=cfg.grpo.val_batch_size, episodes=inputs.episodes,
-                      stop_strings=tuple(cfg.policy.generation.stop_strings or ()))
-    which = "held-out greedy accuracy" if inputs.val_source == "held-out" else \
-        "greedy accuracy (on training prompts: the data has no held-out split)"
+    how = evaluation_sampling(cfg)  # the config's grpo.val_num_generations_per_prompt: greedy for 1
+    result = evaluate(inputs.generator, inputs.prompts, inputs.scorer, how, batch_size=cfg.grpo.val_batch_size,
+                      episodes=inputs.episodes)
+    k = how.num_generations_per_prompt
+    accuracy = "greedy accuracy" if k == 1 else f"accuracy ({how.label})"
+    which = f"held-out {accuracy}" if inputs.val_source == "held-out" else \
+        f"{accuracy} (on training prompts: the data has no held-out split)"
+    pass_k = f", pass@{k} {_pct(result['pass_k'])}" if k > 1 else ""
     episodes = f", {result['episode_turns_mean']:.1f} turns an episode" if inputs.episodes is not None else ""
-    print(f"{which} of {args.model}: {_pct(result['accuracy'])} on {int(result['num_samples'])} prompts{episodes}")
+    print(f"{which} of {args.model}: {_pct(result['accuracy'])}{pass_k} on {len(inputs.prompts)} prompts{episodes}")
     return 0
 
 

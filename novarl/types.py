@@ -143,6 +143,11 @@ class TrainBatch:
     """Loss-mask tokens in the whole step (all micro-batches, all ranks): the loss divides by it."""
     global_valid_sequences: int = 0
     """Sequences with at least one loss token in the whole step."""
+    positive: torch.Tensor | None = None
+    """[S] bool: the samples VAPO's NLL term trains on (task reward > 0; loss_fn.positive_example_nll_weight),
+    or None (no such term)."""
+    global_positive_tokens: int = 0
+    """Loss-mask tokens of the `positive` sequences in the whole step: the NLL term divides by it."""
     returns: torch.Tensor | None = None
     """[N] float32 PPO's GAE returns, the critic's regression targets (None: no critic)."""
     old_values: torch.Tensor | None = None
@@ -214,7 +219,8 @@ class TrainBatch:
             generator_logprobs=self.generator_logprobs[index], old_logprobs=cut(self.old_logprobs),
             reference_logprobs=cut(self.reference_logprobs), prompt_lengths=per_sequence(self.prompt_lengths),
             group_ids=per_sequence(self.group_ids), global_valid_tokens=self.global_valid_tokens,
-            global_valid_sequences=self.global_valid_sequences,
+            global_valid_sequences=self.global_valid_sequences, positive=per_sequence(self.positive),
+            global_positive_tokens=self.global_positive_tokens,
             returns=cut(self.returns), old_values=cut(self.old_values), host=host,
         )
 
@@ -259,5 +265,14 @@ class TrainBatch:
     def with_own_counts(self) -> "TrainBatch":
         """Set the token/sequence counts the loss divides by to this batch's own totals."""
         self.global_valid_tokens = int(self.loss_mask.sum())
-        self.global_valid_sequences = int((self.sequence_sum(self.loss_mask.long()) > 0).sum())
+        per_sequence = self.sequence_sum(self.loss_mask.long())
+        self.global_valid_sequences = int((per_sequence > 0).sum())
+        if self.positive is not None:
+            self.global_positive_tokens = int(per_sequence[self.positive.to(per_sequence.device)].sum())
         return self
+
+    def positive_mask(self) -> torch.Tensor:
+        """[N] bool: the loss tokens of the `positive` sequences (all False without them)."""
+        if self.positive is None:
+            return torch.zeros_like(self.loss_mask)
+        return self.loss_mask & self.positive.to(self.loss_mask.device)[self.sequence_index.to(self.loss_mask.device)]

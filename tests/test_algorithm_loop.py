@@ -1,6 +1,7 @@
 """The GRPO family through the real loop (one in-process rank, Hugging Face generation): DAPO's
 dynamic sampling trains on groups with a signal only and stops after its cap with a clear
-message; every estimator and loss setting runs a step; reward shaping reaches the advantages."""
+message; every estimator and loss setting runs a step (CISPO and VAPO's NLL among them);
+sequences are masked by their logprob error; reward shaping reaches the advantages."""
 
 from __future__ import annotations
 
@@ -62,8 +63,10 @@ def grpo_run(tmp_path_factory):
      "grpo.reward_shaping.enabled=true", "grpo.reward_shaping.stop_properly_penalty_coef=0.5"],
     ["grpo.adv_estimator.name=reinforce_plus_plus", "loss_fn.use_kl_in_reward=true",
      "loss_fn.reference_policy_kl_penalty=0.1"],
+    ["loss_fn.use_cispo=true", "loss_fn.ratio_clip_max=0.28"],
+    ["loss_fn.positive_example_nll_weight=0.1"],
 ], ids=["reinforce++", "reinforce++-no-baseline", "reinforce-rloo", "dr-grpo", "gspo-token-sum", "scaled-shaped",
-        "reinforce++-kl-in-reward"])
+        "reinforce++-kl-in-reward", "cispo", "vapo-nll"])
 def test_every_estimator_and_aggregation_trains_a_step(tmp_path, overrides, grpo_run):
     first, step = run(tmp_path, 2, *overrides).values()
     assert step["grad_norm"] > 0 and step["loss"] == step["loss"]  # a gradient, and a finite loss
@@ -77,6 +80,19 @@ def test_every_estimator_and_aggregation_trains_a_step(tmp_path, overrides, grpo
     if "loss_fn.use_kl_in_reward=true" in overrides:  # the first step's policy is the reference, then it moves
         assert first["kl_to_reference"] == pytest.approx(0, abs=1e-6) and step["kl_to_reference"] > 1e-6
         assert step["logprob_mismatch"] < 1e-3
+    if "loss_fn.positive_example_nll_weight=0.1" in overrides:  # some sums right: their tokens' NLL
+        assert first["nll_loss"] > 0 and step["nll_loss"] > 0
+
+
+def test_sequences_over_the_logprob_error_threshold_are_masked_in_the_loop(tmp_path, grpo_run):
+    """At the lowest threshold, 1, every sequence whose engine logprobs differ at all from the
+    trainer's forward (here by ~1e-7) is masked: what is left has no error, the rest is counted."""
+    (step,) = run(tmp_path, 1, "grpo.seq_logprob_error_threshold=1").values()
+    assert step["min_seq_mult_prob_error"] >= 1 and step["max_seq_mult_prob_error_after_mask"] <= 1
+    assert (step["num_masked_seqs_by_logprob_error"] > 0) == (step["max_seq_mult_prob_error"] > 1)
+    assert step["reward_mean"] == grpo_run[1]["reward_mean"]
+    if step["num_masked_seqs_by_logprob_error"]:  # fewer tokens in the loss: another update
+        assert step["loss"] != pytest.approx(grpo_run[1]["loss"], rel=1e-4)
 
 
 def test_settings_that_would_train_nothing_are_refused_and_unread_ones_said():

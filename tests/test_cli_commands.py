@@ -13,6 +13,7 @@ import pytest
 from novarl.cli import BUNDLED_RECIPE, main
 from novarl.config import dump_config, load_config
 from novarl.data.arithmetic import Example
+from novarl.errors import UserError
 from novarl.models.bundled import resolve_bundled
 from novarl.trainer.setup import prepare_inputs, preflight
 from tests.helpers import HF
@@ -75,6 +76,19 @@ def test_split_validation_size_holds_out_part_of_the_file(tmp_path):
     again = preflight(file_config(tmp_path, "data.split_validation_size=0.25", "grpo.seed=3"))
     assert [p.answer for p in again.val_prompts] == [p.answer for p in inputs.val_prompts]  # the same on every run
     assert inputs.warnings == () and "9 train / 3 held-out prompts" in inputs.summary
+
+
+def test_split_validation_size_beside_a_held_out_file_evaluates_on_both(tmp_path):
+    """NeMo RL merges a training source's held-out fraction with the validation sources (its DAPO
+    recipe holds 5 % of DAPOMath17K out beside AIME 2024): the fraction first, then the file."""
+    val = data_file(tmp_path / "val.jsonl", 3)
+    inputs = preflight(file_config(tmp_path, "data.split_validation_size=0.25", "grpo.seed=3",
+                                   f"data.val_data_path={val}"))
+    alone = preflight(file_config(tmp_path, "data.split_validation_size=0.25", "grpo.seed=3"))
+    assert [p.answer for p in inputs.val_prompts] == [p.answer for p in alone.val_prompts] + ["20", "22", "24"]
+    assert len(inputs.sampler.prompts) == 9 and "9 train / 6 held-out prompts" in inputs.summary
+    with pytest.raises(UserError, match="the bundled task 'arithmetic' has a held-out split of its own"):
+        preflight(load_config(BUNDLED_RECIPE, overrides=[HF, "data.split_validation_size=0.1"]))
 
 
 def test_max_num_epochs_ends_the_run(tmp_path, capsys):

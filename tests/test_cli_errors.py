@@ -257,7 +257,7 @@ def test_unknown_dataset_name(capsys, log_dir, command):
      "module 'novarl.rewards.verifiers' has no function 'no_such_function'"),
     ("no_such_module_for_novarl_tests:score", "importing module 'no_such_module_for_novarl_tests' failed: ModuleNotFoundError"),
     ("exact_mtch", "neither a registered reward (exact_match, math_verify, boxed_match, last_number, boxed_format, "
-                   "crossthinkqa, crossthinkqa_loose, crossthinkqa_strict, ifeval, code_tests, code_pass_rate, "
+                   "crossthinkqa, crossthinkqa_loose, crossthinkqa_strict, ifeval, dapo_math_verify, code_tests, code_pass_rate, "
                    "reward_model, llm_judge) nor an import path 'module:function' or 'path/to/file.py:function': did you mean "
                    "'exact_match'?"),
 ])

@@ -139,31 +139,35 @@ def test_every_rule_names_a_key_the_schema_does_not_hold():
 def test_feature_switches_are_refused_when_on_and_accepted_when_off():
     off = load_config({"loss_fn": {"use_cispo": False, "truncated_importance_sampling_type": None},
                        "grpo": {"reward_shaping": {"enabled": False, "overlong_buffer_length": 128},
-                                "use_dynamic_sampling": False, "dynamic_sampling_max_gen_batches": 10},
+                                "use_dynamic_sampling": False, "dynamic_sampling_max_gen_batches": 10,
+                                "invalid_tool_call_advantage": None, "malformed_thinking_advantage": None},
                        "policy": {"dtensor_cfg": {"lora_cfg": {"enabled": False, "dim": 8}}}})
     assert off.load_warnings == ()  # off is what novarl does: nothing to warn about
-    msg = error_of({"loss_fn": {"use_cispo": True, "positive_example_nll_weight": 0.1},
-                    "grpo": {"seq_logprob_error_threshold": 0.5, "stop_at_validation_metric": "val:accuracy"},
-                    "policy": {"precision": "float64"}})
+    msg = error_of({"grpo": {"malformed_thinking_advantage": -5.0, "stop_at_validation_threshold": 0.5},
+                    "on_policy_distillation": {"enabled": True},
+                    "policy": {"precision": "float64", "router_replay": {"enabled": True}}})
     lines = msg.splitlines()
-    assert lines[0] == "Invalid config (the config): 5 problem(s):"  # with the schema's own error, all at once
-    assert "  - 'loss_fn.use_cispo' = true: CISPO is not built; remove it or turn it off." in lines
-    assert any(line.startswith("  - 'grpo.seq_logprob_error_threshold' = 0.5: masking") for line in lines)
-    assert any(line.startswith("  - 'grpo.stop_at_validation_metric' = 'val:accuracy': stopping") for line in lines)
-    assert any(line.startswith("  - 'loss_fn.positive_example_nll_weight' = 0.1: VAPO's NLL") for line in lines)
+    assert lines[0] == "Invalid config (the config): 5 problem(s):"  # with the schema's own errors, all at once
+    assert "  - 'on_policy_distillation' = {'enabled': True}: on-policy distillation is not built; remove it or " \
+           "turn it off." in lines
+    assert any(line.startswith("  - 'grpo.malformed_thinking_advantage' = -5.0: <think>-tag") for line in lines)
+    assert any(line.startswith("  - 'policy.router_replay' = {'enabled': True}: MoE router") for line in lines)
+    assert any("stop_at_validation_threshold=0.5 is set without grpo.stop_at_validation_metric" in line
+               for line in lines)
     assert any(line.startswith("  - 'policy.precision' = 'float64'") for line in lines)
 
 
 def test_operational_keys_are_accepted_with_one_warning():
     cfg = load_config({"cluster": {"master_port_range_low": 1400, "master_port_range_high": 1999},
-                       "policy": {"generation": {"port_range_low": 3000, "val_temperature": 1.0},
+                       "checkpointing": {"save_optimizer": False},
+                       "policy": {"generation": {"port_range_low": 3000},
                                   # an inactive backend's operational keys are not worth a word
                                   "megatron_cfg": {"enabled": False, "cuda_graph_impl": "none"}}})
     (warning,) = cfg.load_warnings
     assert warning.startswith("4 NeMo RL setting(s) about ports, servers, logging, kernels or offloading are "
                               "accepted and not used by novarl: cluster.{master_port_range_low, "
-                              "master_port_range_high}; policy.generation.{port_range_low, val_temperature "
-                              "(novarl evaluates greedily)}")
+                              "master_port_range_high}; checkpointing.save_optimizer (novarl always saves the "
+                              "optimizer state, so that a resume is exact); policy.generation.port_range_low")
     assert "cuda_graph_impl" not in warning
 
 

@@ -24,6 +24,8 @@ NEMO_RL = Path(__file__).parent / "data" / "nemo_rl"
 LAYOUTS = {
     "2026-08/grpo_math_1B.yaml": "1 training rank(s) of 1 node(s) x 1 = dtensor dp 1 x tp 1 x cp 1; generation: 1 vllm "
                                  "engine(s) x tp=1, in this process beside the policy",
+    "2026-08/ppo_math_1B.yaml": "1 training rank(s) of 1 node(s) x 1 = dtensor dp 1 x tp 1 x cp 1; generation: 1 vllm "
+                                "engine(s) x tp=1, in this process beside the policy",
     "2026-08/grpo_math_8B.yaml": "8 training rank(s) of 1 node(s) x 8 = dtensor dp 8 x tp 1 x cp 1; generation: 8 vllm "
                                  "engine(s) x tp=1, colocated with policy ranks 0-7",
     "2026-08/grpo_math_1B_megatron.yaml": "1 training rank(s) of 1 node(s) x 1 = megatron dp 1 x tp 1 x pp 1 x cp 1; "
@@ -52,6 +54,10 @@ LAYOUTS = {
     "2026-08/recipes/llm/grpo-gemma3-27b-it-8n8g-fsdp2tp8-actckpt-long.yaml":
         "64 training rank(s) of 8 node(s) x 8 = dtensor dp 8 x tp 8 x cp 1; generation: 16 vllm engine(s) x tp=4, "
         "colocated with policy ranks 0-63",
+    # DAPO: dynamic sampling, reward scaling and shaping, its answer checker, hf_config_overrides
+    "2026-08/recipes/llm/dapo-qwen2.5-7b.v2.yaml":
+        "128 training rank(s) of 16 node(s) x 8 = dtensor dp 32 x tp 1 x cp 4; generation: 64 vllm engine(s) x tp=2, "
+        "colocated with policy ranks 0-127",
     "2026-08/recipes/llm/grpo-llama3.2-1b-instruct-1n8g-megatron_generation.yaml":
         "8 training rank(s) of 1 node(s) x 8 = megatron dp 8 x tp 1 x pp 1 x cp 1; generation: megatron on the "
         "policy's 8 rank(s) (the policy's own model, no weight sync)",
@@ -94,11 +100,6 @@ LAYOUTS = {name: _spanning(layout) for name, layout in LAYOUTS.items()}
 # file -> the refusals (one line each) of features novarl does not build.
 REFUSED = {
     "2026-08/grpo_math_1B_sglang.yaml": ["'policy.generation.backend' = 'sglang': SGLang generation is not built"],
-    "2026-08/ppo_math_1B.yaml": [  # its ppo, value and value_loss_fn sections are read (PPO with a critic)
-        "'env.math.math_verify_impl' = 'dapo_math_verify'"],
-    "2026-08/recipes/llm/dapo-qwen2.5-7b.v2.yaml": [  # dynamic sampling, reward scaling and shaping are read
-        "'policy.hf_config_overrides' = {'max_position_embeddings': 16384}",
-        "'env.math.math_verify_impl' = 'dapo_math_verify': DAPO's answer checker is not built"],
 }
 
 
@@ -132,6 +133,16 @@ def test_nemo_rl_files_load_as_written_and_plan_prints_their_layout(capsys, name
     assert layout == [LAYOUTS[name]], out
 
 
+def test_nemo_rl_dapo_recipe_loads_with_what_it_asks():
+    cfg = load_config(NEMO_RL / "2026-08/recipes/llm/dapo-qwen2.5-7b.v2.yaml")
+    assert cfg.policy.hf_config_overrides == {"max_position_embeddings": 16384}
+    assert cfg.reward.function == "dapo_math_verify" and cfg.grpo.use_dynamic_sampling
+    assert cfg.grpo.reward_shaping.enabled and cfg.grpo.reward_scaling.target_min == -1.0
+    assert (cfg.loss_fn.ratio_clip_max, cfg.loss_fn.ratio_clip_c) == (0.28, 10)
+    # 5 % of DAPOMath17K held out (from grpo_math_1B.yaml) beside AIME 2024, evaluated together as NeMo RL does
+    assert cfg.data.split_validation_size == 0.05 and cfg.data.val_dataset_name == "DAPOMathAIME2024"
+
+
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_nemo_rl_features_novarl_does_not_build_are_refused_one_line_each(capsys, name):
     code, _, err = run(capsys, "validate", str(NEMO_RL / name))
@@ -140,13 +151,6 @@ def test_nemo_rl_features_novarl_does_not_build_are_refused_one_line_each(capsys
     assert lines[0].startswith(f"novarl: error: Invalid config ({NEMO_RL / name}): {len(REFUSED[name])} problem(s):")
     for expected in REFUSED[name]:
         assert sum(line.startswith(f"  - {expected}") for line in lines) == 1, (expected, err)
-    if name.endswith("ppo_math_1B.yaml"):  # with NeMo RL's other answer checker, it loads as PPO with a critic
-        cfg = load_config(NEMO_RL / name, overrides=["env.math.math_verify_impl=hf_math_verify"])
-        estimator = cfg.grpo.adv_estimator
-        assert (estimator.name, estimator.gae_lambda, estimator.gae_gamma, cfg.grpo.ppo_epochs) == ("gae", 0.95, 1, 4)
-        assert (cfg.value_loss_fn.scale, cfg.value_loss_fn.cliprange) == (0.4, 0.2)
-        assert cfg.value.model_name == cfg.policy.model_name and cfg.value.optimizer.kwargs["lr"] == 1e-5
-        assert cfg.policy.optimizer.kwargs["lr"] == 1e-6 and cfg.value.precision == "bfloat16"
 
 
 # NeMo RL's performance switches: loss_fn.force_on_policy_ratio (recipes/llm/performance, added from

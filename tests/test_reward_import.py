@@ -145,7 +145,7 @@ def test_file_imports_the_files_beside_it(workdir):
     ({"rewards.py": "score = 1.0\n"}, "rewards.py:score",
      "'score' in file '{root}/rewards.py' is not a function (its type is float)."),
     ({}, "rewards.py:", "is neither a registered reward (exact_match, math_verify, boxed_match, last_number, "
-                        "boxed_format, crossthinkqa, crossthinkqa_loose, crossthinkqa_strict, ifeval, code_tests, "
+                        "boxed_format, crossthinkqa, crossthinkqa_loose, crossthinkqa_strict, ifeval, dapo_math_verify, code_tests, "
                         "code_pass_rate, reward_model, llm_judge) nor an import path 'module:function' or 'path/to/file.py:function'."),
 ], ids=["missing", "missing-absolute", "folder-as-module", "folder-as-file", "syntax-error", "raises-on-import",
         "no-such-function", "not-callable", "no-function-named"])

@@ -52,6 +52,10 @@ class ClippedPGSettings:
     kl_output_clamp_value: float | None = None
     force_on_policy_ratio: bool = False
     """NeMo RL's: the ratio is 1 in value and the gradient of log p, never clipped (see policy_ratios)."""
+    use_cispo: bool = False
+    """CISPO: -sg(clipped ratio) A log p per token (see clipped_pg_loss)."""
+    positive_example_nll_weight: float = 0.0
+    """VAPO's mu: the weight of the correct samples' mean NLL (see positive_example_nll)."""
 
 
 @POLICY_LOSSES.register("clipped_pg")
@@ -69,8 +73,11 @@ def clipped_pg_loss(
     With force_on_policy_ratio (NeMo RL's key) loss_t = -r A with r forced to 1 (see
     policy_ratios): the gradient is -A grad log p_t, unclipped, whatever disable_ppo_ratio and
     sequence_level_importance_ratios say; the importance weights then use this forward's
-    logprobs as pi_old.
-    Aggregated over the step as `settings.aggregation` says (see `_reduce`).
+    logprobs as pi_old. With use_cispo (CISPO, MiniMax-M1) loss_t = -sg(clip(r, ...)) A log p_t: the
+    clipped ratio, detached, weighs the REINFORCE gradient, so clipped tokens keep theirs.
+    Aggregated over the step as `settings.aggregation` says (see `_reduce`); with
+    positive_example_nll_weight mu (VAPO), plus mu x the correct samples' mean NLL
+    (`positive_example_nll`, over their tokens whatever the aggregation, as NeMo RL's).
     """
     mask = batch.loss_mask.float()
     # None: the policy has not changed since generation and this is the batch's only optimizer
@@ -82,6 +89,8 @@ def clipped_pg_loss(
     log_ratio, ratio, clipped = policy_ratios(logprobs, old_logprobs, batch, settings)
     if settings.force_on_policy_ratio:
         token_loss = -ratio * advantages
+    elif settings.use_cispo:
+        token_loss = -advantages * clipped.detach() * logprobs
     elif settings.disable_ppo_ratio:
         token_loss = -advantages * logprobs
     else:
@@ -120,8 +129,21 @@ def clipped_pg_loss(
             metrics.update(mismatch_metrics(old_logprobs, batch))
         metrics.update(is_metrics)
     loss = reduce(token_loss)
+    if settings.positive_example_nll_weight > 0:
+        nll = positive_example_nll(logprobs, batch)
+        metrics["nll_loss"] = nll.detach()
+        loss = loss + settings.positive_example_nll_weight * nll
     metrics["loss"] = loss.detach()
     return loss, metrics
+
+
+def positive_example_nll(logprobs: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """VAPO's positive-example NLL: this micro-batch's share of the mean of -log p over the loss
+    tokens of the step's correct samples (batch.positive), which divides by their count in the
+    whole step (batch.global_positive_tokens; NeMo RL divides by the micro-batch's own count, so
+    its term grows with the number of micro-batches). 0 (with a gradient of 0) without any."""
+    positive = batch.positive_mask().float()
+    return -(logprobs * positive).sum() / max(batch.global_positive_tokens, 1)
 
 
 def policy_ratios(logprobs: torch.Tensor, old_logprobs: torch.Tensor, batch: TrainBatch,
@@ -269,6 +291,8 @@ def make_loss(loss_cfg, max_new_tokens: int = 1) -> LossFn:
         kl_input_clamp_value=loss_cfg.kl_input_clamp_value,
         kl_output_clamp_value=loss_cfg.kl_output_clamp_value,
         force_on_policy_ratio=loss_cfg.force_on_policy_ratio,
+        use_cispo=loss_cfg.use_cispo,
+        positive_example_nll_weight=loss_cfg.positive_example_nll_weight,
     )
     return partial(POLICY_LOSSES.get(loss_cfg.loss), settings=settings)
 

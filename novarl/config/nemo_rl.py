@@ -95,20 +95,14 @@ RULES: tuple[Rule, ...] = (
     off("grpo.async_grpo.max_generation_failures", _is(0), f"tolerated generation failures are {ISSUE_ASYNC}"),
     off("grpo.async_grpo.recompute_kv_cache_after_weight_updates", _is(False),
         f"KV-cache recomputation is {ISSUE_ASYNC}"),
-    *governed("grpo.stop_at_validation_threshold",
-              "data.num_prompts_per_dataloader", "data.custom_dataloader",
+    *governed("data.num_prompts_per_dataloader", "data.custom_dataloader",
               "policy.megatron_cfg.optimizer.optimizer_offload_fraction",
               "policy.megatron_cfg.optimizer.overlap_cpu_optimizer_d2h_h2d", "policy.generation.sglang_cfg",
               "policy.generation.trtllm_cfg", "policy.generation.trtllm_kwargs", "policy.generation.dynamo_cfg",
               "policy.megatron_cfg.fused_linear_logprobs_chunk_size"),
-    off("grpo.seq_logprob_error_threshold", _is(None), "masking sequences by logprob error is not built"),
-    off("grpo.invalid_tool_call_advantage", _is(None), "tool calls are not built (single-turn rollouts)"),
+    off("grpo.invalid_tool_call_advantage", _is(None), "overwriting the advantages of invalid tool calls is not built "
+        "(a call the tools cannot parse is answered with an error observation)"),
     off("grpo.malformed_thinking_advantage", _is(None), "<think>-tag checks are not built"),
-    off("grpo.stop_at_validation_metric", _is(None), "stopping on a validation metric is not built"),
-    off("grpo.val_num_generations_per_prompt", _is(1), "pass@k evaluation is not built (novarl evaluates one "
-        "greedy completion per prompt)"),
-    off("grpo.val_start_at", lambda v, t: v is None or isinstance(v, int) and v <= 0,
-        "delaying periodic evaluation is not built"),
     off("grpo.skip_reference_policy_logprobs_calculation", _no_kl,
         "a KL penalty without reference logprobs cannot be computed (novarl skips them when "
         "loss_fn.reference_policy_kl_penalty is 0)"),
@@ -120,12 +114,9 @@ RULES: tuple[Rule, ...] = (
     off("on_policy_distillation", _disabled, "on-policy distillation is not built"),
     off("reward_penalties", _all_off, "NeMo-Gym reward penalties are not built"),
     # ---------------------------------------------------------------- loss
-    off("loss_fn.positive_example_nll_weight", _is(0, 0.0), "VAPO's NLL term is not built"),
-    off("loss_fn.use_cispo", _is(False), "CISPO is not built"),
     # ---------------------------------------------------------------- policy
     off("policy.draft", _disabled, "draft models (speculative decoding heads) are not built"),
     off("policy.router_replay", _disabled, "MoE router replay is not built"),
-    off("policy.hf_config_overrides", _empty, "overriding the model's config.json is not built"),
     off("policy.dtensor_cfg.expert_parallel_size", _is(1, None), "expert parallelism on DTensor is not built "
         "(use megatron_cfg.expert_model_parallel_size)"),
     off("policy.megatron_cfg.peft", _disabled, "LoRA on Megatron is not built yet (DTensor and DeepSpeed have it: "
@@ -175,7 +166,6 @@ RULES: tuple[Rule, ...] = (
         "policy.generation.port_range_low", "policy.generation.port_range_high",
         "policy.generation.real_quant_export_cpu_offload", "policy.generation.refit_cfg",
         "policy.generation.refit_transport",
-        "policy.generation.val_temperature", "policy.generation.val_top_p", "policy.generation.val_top_k",
         "policy.generation.mcore_generation_config.*",
         "policy.generation.vllm_cfg.enable_vllm_metrics_logger",
         "policy.generation.vllm_cfg.vllm_metrics_logger_interval",
@@ -201,9 +191,6 @@ novarl's schema has (buffer_size_gb, ...) stay in it: a '*' rule takes only the 
 schema does not hold."""
 
 OPERATIONAL_NOTES = {
-    "policy.generation.val_temperature": "novarl evaluates greedily",
-    "policy.generation.val_top_p": "novarl evaluates greedily",
-    "policy.generation.val_top_k": "novarl evaluates greedily",
     "checkpointing.save_optimizer": "novarl always saves the optimizer state, so that a resume is exact",
     "policy.megatron_cfg.optimizer.optimizer_cpu_offload": "the optimizer stays on the GPU",
     "policy.megatron_cfg.fine_grained_activation_offloading": "activations stay on the GPU",

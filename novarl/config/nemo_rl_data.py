@@ -168,7 +168,7 @@ each runs MathEnvironment on its own block)."""
 
 def environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
     """NeMo RL's environments: novarl scores with reward.function. The math environment (env.math
-    or env.math_default) is reward.function 'math_verify' (said once in a warning); NeMo RL's
+    or env.math_default) is reward.function 'math_verify' or 'dapo_math_verify' (said once in a warning); NeMo RL's
     others are not built; a name NeMo RL does not have is refused, with the closest one it does."""
     import difflib
 
@@ -192,7 +192,8 @@ def environments(tree: dict[str, Any], warnings: list[str]) -> list[str]:
         elif name not in NEMO_RL_ENVIRONMENTS:
             close = difflib.get_close_matches(name, NEMO_RL_ENVIRONMENTS, n=1, cutoff=0.6)
             refused.append(f"unknown key 'env.{name}'" + (f" (did you mean '{close[0]}'?)" if close else "")
-                           + ": env holds NeMo RL's environments (math is built: reward.function math_verify) "
+                           + ": env holds NeMo RL's environments (math is built: reward.function math_verify or "
+                           "dapo_math_verify) "
                            "and yours, each naming its class in env.<name>.actor_class_fqn; novarl scores "
                            "completions with reward.function otherwise.")
         elif name in used:
@@ -250,21 +251,22 @@ def _reward_model_environment(tree: dict[str, Any], block: dict[str, Any], warni
     return refused
 
 
+MATH_VERIFY_IMPLS = {"hf_math_verify": ("math_verify", "math-verify"),
+                     "dapo_math_verify": ("dapo_math_verify", "the 'Answer:' line, Minerva-normalised")}
+"""NeMo RL's math environment's checkers (env.<name>.math_verify_impl) -> (novarl's reward.function
+that scores as it does, what the warning says it checks)."""
+
+
 def _math_environment(tree: dict[str, Any], blocks: dict[str, Any], warnings: list[str]) -> list[str]:
-    """NeMo RL's math environment (`blocks`: its block under each name given) scores with
-    math-verify (hf_math_verify): novarl's reward function 'math_verify', unless the config names
-    a reward function of its own."""
+    """NeMo RL's math environment (`blocks`: its block under each name given) scores with its
+    math_verify_impl: hf_math_verify (the default) is novarl's reward function 'math_verify',
+    dapo_math_verify is 'dapo_math_verify' (MATH_VERIFY_IMPLS), unless the config names a reward
+    function of its own."""
     blocks = {name: block if isinstance(block, dict) else {} for name, block in blocks.items()}
-    refused = []
-    for name, block in blocks.items():
-        impl = block.get("math_verify_impl", "hf_math_verify")
-        if impl not in (None, "hf_math_verify"):
-            what = "DAPO's answer checker" if impl == "dapo_math_verify" else "that checker"
-            refused.append(f"'env.{name}.math_verify_impl' = {show_value(impl)}: {what} is not built; "
-                           "'hf_math_verify' (reward.function: math_verify) is.")
+    reward = tree.setdefault("reward", {}) if isinstance(tree.get("reward", {}), dict) else {}
+    impl, refused = _math_checker(blocks, chooses_reward="function" not in reward)
     if refused:
         return refused
-    reward = tree.setdefault("reward", {}) if isinstance(tree.get("reward", {}), dict) else {}
     given = " and ".join(f"env.{name}" for name in blocks)
     counts = [(f"env.{name}." if len(blocks) > 1 else "") + f"num_workers={block['num_workers']}"
               for name, block in blocks.items() if block.get("num_workers", 1) != 1]
@@ -274,7 +276,29 @@ def _math_environment(tree: dict[str, Any], blocks: dict[str, Any], warnings: li
         warnings.append(f"{given} {'is' if len(blocks) == 1 else 'are'} not used: reward.function="
                         f"{show_value(reward['function'])} scores the completions")
     else:
-        reward["function"] = "math_verify"
-        warnings.append(f"{given}: completions are scored by reward.function='math_verify' (math-verify, as NeMo "
-                        f"RL's hf_math_verify){workers}")
+        reward["function"], checks = MATH_VERIFY_IMPLS[impl]
+        warnings.append(f"{given}: completions are scored by reward.function={show_value(reward['function'])} "
+                        f"({checks}, as NeMo RL's {impl}){workers}")
     return []
+
+
+def _math_checker(blocks: dict[str, dict[str, Any]], chooses_reward: bool) -> tuple[str, list[str]]:
+    """(the checker the math blocks name, a MATH_VERIFY_IMPLS key; the refusals, a line each): a
+    checker not built is refused (and its key removed: the schema would say it again), and so are
+    blocks that name different checkers when they choose the reward (one reward.function scores
+    every math example)."""
+    impls, refused = {}, []
+    for name, block in blocks.items():
+        impl = block.get("math_verify_impl", "hf_math_verify")
+        if impl is None or (isinstance(impl, str) and impl in MATH_VERIFY_IMPLS):
+            impls[name] = impl or "hf_math_verify"
+            continue
+        del block["math_verify_impl"]
+        built = " and ".join(f"{show_value(key)} (reward.function: {function})"
+                             for key, (function, _) in MATH_VERIFY_IMPLS.items())
+        refused.append(f"'env.{name}.math_verify_impl' = {show_value(impl)}: that checker is not built; {built} are.")
+    if chooses_reward and len(set(impls.values())) > 1:
+        named = " and ".join(f"'env.{name}.math_verify_impl' = {show_value(impl)}" for name, impl in impls.items())
+        refused.append(f"{named}: novarl scores every math example with one reward.function; give the blocks the "
+                       "same checker, or name reward.function.")
+    return next(iter(impls.values()), "hf_math_verify"), refused

@@ -143,6 +143,11 @@ class PolicyConfig(Section):
     the flags decide (megatron > deepspeed > dtensor)."""
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     trust_remote_code: bool = False
+    hf_config_overrides: dict[str, Any] = {}
+    """Keys of the model's config.json replaced for the whole run (NeMo RL's key; as transformers'
+    from_pretrained(path, **overrides) replaces them), e.g. {max_position_embeddings: 16384}: training,
+    generation, Megatron's conversion and the exported folder all read the overridden config
+    (models/config_overrides.py)."""
     train_global_batch_size: int | None = Field(None, ge=1)
     """Samples per optimizer step; None: all samples of a GRPO step."""
     train_micro_batch_size: int = Field(4, ge=1)
@@ -303,7 +308,7 @@ class NovaRLConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     env: dict[str, EnvConfig] = {}
-    """NeMo RL's environments: env.math (scored by reward.function math_verify), and the
+    """NeMo RL's environments: env.math (scored by reward.function math_verify, or dapo_math_verify), and the
     environments that play episodes (actor_class_fqn, or an agent): several in a run, each example
     in the one its data names (data.*.env_name; rollout/routing.py); an agent plays a run alone."""
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)

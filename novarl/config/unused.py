@@ -96,6 +96,7 @@ def check_settings(config: NovaRLConfig) -> list[str]:
                             "gradients are summed in the collective, since each micro-batch's loss is already its "
                             "share of the step's mean (the same update)")
     warnings.extend(_reward_warnings(config))
+    warnings.extend(_evaluation_sampling_warnings(config))
     generation = config.policy.generation
     if generation.vllm_cfg.async_engine and not any(block.plays_episodes for block in config.env.values()):
         warnings.append("'policy.generation.vllm_cfg.async_engine' = True: it plays each episode's turns on its own "
@@ -133,6 +134,18 @@ def _computes_logits_whole(policy) -> bool:
     head picks on every layout of theirs (under DTensor's tensor and context parallelism too; only a custom
     plan function that splits the head, unseen here, keeps it plain: models/logprob_head.py)."""
     return policy.megatron_cfg.enabled and policy.megatron_cfg.context_parallel_size > 1
+
+
+def _evaluation_sampling_warnings(config: NovaRLConfig) -> list[str]:
+    """policy.generation.val_temperature / val_top_p / val_top_k set where the evaluation is greedy (NeMo
+    RL's files set them to the training sampling's)."""
+    generation = config.policy.generation
+    given = [key for key in ("val_temperature", "val_top_p", "val_top_k") if getattr(generation, key) is not None]
+    if not given or config.grpo.val_num_generations_per_prompt > 1:
+        return []
+    keys = given[0] if len(given) == 1 else f"{{{', '.join(given)}}}"
+    return [f"'policy.generation.{keys}': the evaluation is greedy, one completion per prompt; the evaluation's "
+            "sampling settings apply with grpo.val_num_generations_per_prompt > 1"]
 
 
 def _reward_warnings(config: NovaRLConfig) -> list[str]:

@@ -46,11 +46,11 @@ def _data_problems(data: DataConfig) -> tuple[list[UserError], list[str]]:
     from novarl.data.named import NAMED_DATASETS, prompt_file
 
     kind = dataset_kind(data)
-    held_out = (f"the bundled task '{kind}'" if kind in BUNDLED_TASKS else "data.val_data_path" if data.val_data_path
-                else "data.val_dataset_name" if data.val_dataset_name else None)
-    if data.split_validation_size and held_out:
+    # beside a held-out dataset (val_dataset_name, val_data_path) the fraction joins it, as NeMo RL merges them
+    if data.split_validation_size and kind in BUNDLED_TASKS:
         raise UserError(f"data.split_validation_size={data.split_validation_size} holds out part of the training "
-                        f"data for evaluation, but the data already has a held-out split ({held_out}): set one.")
+                        f"data for evaluation, but the bundled task '{kind}' has a held-out split of its own: "
+                        "remove it.")
     for key in ("dataset_name", "val_dataset_name"):
         name = getattr(data, key)
         if name is not None and name not in (*BUNDLED_TASKS, "ResponseDataset", *NAMED_DATASETS):

@@ -34,21 +34,24 @@ class Progress:
         if step % self.print_every == 0 or step == 1:
             info(step_line(step, metrics))
 
-    def evaluated(self, step: int, accuracy: float, *, source: str = "held-out") -> None:
+    def evaluated(self, step: int, accuracy: float, result: str) -> None:
+        """An evaluation's accuracy on the bar, and its result in words (`result`: how it sampled
+        included, e.g. "held-out accuracy 35.0% (greedy)") in a line."""
         self.accuracy = accuracy
         self._postfix(refresh=True)
-        info(f"step {step}: {source} greedy accuracy {100 * accuracy:.1f}%")
+        info(f"step {step}: {result}")
 
     def _postfix(self, *, refresh: bool) -> None:
         postfix = {}
         if self.reward is not None:
             postfix["reward"] = f"{self.reward:.3f}"
         if self.accuracy is not None:
-            postfix["greedy acc"] = f"{100 * self.accuracy:.1f}%"
+            postfix["acc"] = f"{100 * self.accuracy:.1f}%"
         self.bar.set_postfix(postfix, refresh=refresh)
 
     def stopped_early(self, why: str) -> None:
-        """The run ends before its last step (a time budget): the bar and the log say so."""
+        """The run ends before its last step (a time budget, an evaluation metric reached): the bar and
+        the log say so."""
         self.bar.set_description_str("GRPO (stopped early)", refresh=True)
         info(why)
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 REWARD_LABEL = "sampled reward (mean over the step's samples)"
 ACCURACY_LABEL = "held-out greedy accuracy"
+"""The accuracy curve's label when every evaluation was greedy (see `accuracy_label`)."""
 MAIN_YLABEL = "reward / accuracy (0-1)"
 
 
@@ -39,7 +40,9 @@ class CurveSeries:
     average_window: int
     """Logged steps per moving average (about 1/25 of the run, at least 1)."""
     accuracy: Series
-    """Held-out greedy accuracy in [0, 1] of each eval record."""
+    """Held-out accuracy in [0, 1] of each eval record: the share of its samples that were correct."""
+    accuracy_label: str
+    """What `accuracy` is: greedy, or sampled (see `accuracy_label`)."""
     loss: Series
     kl_to_reference: Series
     """Empty when the run logged no KL to a reference, or only zeros (no KL penalty)."""
@@ -71,12 +74,24 @@ def curve_series(records: list[dict[str, Any]]) -> CurveSeries:
         reward_average=Series(reward.steps, _trailing_mean(reward.values, window)),
         average_window=window,
         accuracy=_series(evals, "accuracy"),
+        accuracy_label=accuracy_label(evals),
         loss=_series(train, "loss"),
         kl_to_reference=kl if any(v != 0 for v in kl.values) else Series(),
         completion_length=_series(train, "completion_length_mean"),
         entropy=_series(train, "approx_entropy"),
         resumed_at=sorted(latest["resume"]),
     )
+
+
+def accuracy_label(evals: list[dict[str, Any]]) -> str:
+    """ACCURACY_LABEL when the eval records are greedy ones; else how they sampled, e.g. "held-out
+    accuracy (4 samples a prompt)" (a sampled evaluation's record has num_prompts beside num_samples)."""
+    sampled = sorted({round(r["num_samples"] / r["num_prompts"]) for r in evals
+                      if _finite(r.get("num_prompts")) and r["num_prompts"] > 0 and _finite(r.get("num_samples"))})
+    if not sampled:
+        return ACCURACY_LABEL
+    greedy = ["greedy"] if any(not _finite(r.get("num_prompts")) for r in evals) else []  # a resume changed it
+    return f"held-out accuracy ({' or '.join(greedy + [f'{k} samples a prompt' for k in sampled])})"
 
 
 def main_axis_limits(curves: CurveSeries) -> tuple[float, float]:
@@ -164,7 +179,7 @@ def _draw_main_panel(ax: Axes, curves: CurveSeries) -> None:
                     label=f"sampled reward, {curves.average_window}-step moving average")
     if curves.accuracy.steps:
         ax.plot(curves.accuracy.steps, curves.accuracy.values, "o-", color="tab:red", lw=1.5, ms=5,
-                label=ACCURACY_LABEL)
+                label=curves.accuracy_label)
     low, high = main_axis_limits(curves)
     ax.set_ylim(low, high)
     ax.set_ylabel(main_axis_label(curves))

@@ -11,6 +11,8 @@ Registered names (reward.function):
   normalisation (or as numbers), else 0.0. No dependency.
 - ``last_number``: 1.0 when the completion's last number equals the answer's number.
 - ``boxed_format``: a format reward, 1.0 when the completion puts an answer in ``\\boxed{}``.
+- ``dapo_math_verify``: NeMo RL's other checker (`math_verify_impl: dapo_math_verify`), the last
+  ``Answer:`` line compared as Minerva-normalised text: novarl/rewards/dapo_math.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``reward.function`` is one of (or a list of them: novarl/rewards/scorer.py)
 - a registered name: ``exact_match``, ``math_verify``, ``boxed_match``, ``last_number``,
-  ``boxed_format`` (novarl/rewards/math.py);
+  ``boxed_format`` (novarl/rewards/math.py), ``dapo_math_verify`` (novarl/rewards/dapo_math.py);
 - ``module:function``: ``module`` is imported from sys.path, else from the working
   directory (``myreward.py`` or a package folder there), which the ``novarl``
   console script does not put on sys.path; the folder is then appended to
@@ -53,6 +53,7 @@ from types import ModuleType
 from typing import Any
 
 from novarl.errors import UserError
+from novarl.rewards.dapo_math import dapo_math_verify
 from novarl.rewards.ifeval import ifeval
 from novarl.rewards.math import boxed_format, boxed_match, last_number_match, math_verify
 from novarl.rewards.verifiers import crossthinkqa, crossthinkqa_loose, crossthinkqa_strict, exact_match
@@ -60,7 +61,8 @@ from novarl.rewards.verifiers import crossthinkqa, crossthinkqa_loose, crossthin
 REWARD_FUNCTIONS: dict[str, Callable[..., float]] = {
     "exact_match": exact_match, "math_verify": math_verify, "boxed_match": boxed_match,
     "last_number": last_number_match, "boxed_format": boxed_format, "crossthinkqa": crossthinkqa,
-    "crossthinkqa_loose": crossthinkqa_loose, "crossthinkqa_strict": crossthinkqa_strict, "ifeval": ifeval}
+    "crossthinkqa_loose": crossthinkqa_loose, "crossthinkqa_strict": crossthinkqa_strict, "ifeval": ifeval,
+    "dapo_math_verify": dapo_math_verify}
 
 REWARD_FACTORIES: dict[str, str] = {"code_tests": "novarl.rewards.code:code_tests",
                                     "code_pass_rate": "novarl.rewards.code:code_pass_rate",

@@ -11,13 +11,15 @@ from novarl.types import Completion, TrainBatch
 
 
 def build_train_batch(completions: Sequence[Completion], advantages: torch.Tensor, *,
-                      overlong_filtering: bool = False, trained: torch.Tensor | None = None) -> TrainBatch:
+                      overlong_filtering: bool = False, trained: torch.Tensor | None = None,
+                      positive: torch.Tensor | None = None) -> TrainBatch:
     """Prompt + completion sequences end to end; loss on the tokens the engine sampled only (a
     multi-turn episode's observations have none: Completion.observed). `advantages`: [S] one per
     sequence (repeated over its tokens) or [N] one per token.
 
     With `overlong_filtering`, completions cut by max_new_tokens get no loss; a failed episode
-    (Completion.failed) gets none either, nor a sample `trained` marks False.
+    (Completion.failed) gets none either, nor a sample `trained` marks False. `positive`: [S] bool,
+    the samples VAPO's NLL term trains on (TrainBatch.positive).
     """
     prompt_lengths = torch.tensor([len(c.prompt.token_ids) for c in completions])
     completion_lengths = torch.tensor([len(c.token_ids) for c in completions])
@@ -47,7 +49,7 @@ def build_train_batch(completions: Sequence[Completion], advantages: torch.Tenso
     batch = TrainBatch(input_ids=input_ids, cu_seqlens=cu_seqlens, position_ids=positions,
                        loss_mask=sampled & trained[sequence], advantages=advantages,
                        generator_logprobs=generator_logprobs, prompt_lengths=prompt_lengths,
-                       group_ids=prompt_groups(completions))
+                       group_ids=prompt_groups(completions), positive=positive)
     return batch.with_own_counts()
 
 

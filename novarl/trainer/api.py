@@ -40,7 +40,10 @@ class TrainResult:
     accuracy_source: str = "held-out"
     """Where the evaluation prompts came from: "held-out", or "training-set" when the data has no held-out split."""
     stopped_early: bool = False
-    """True when grpo.max_train_seconds ended the run before grpo.max_num_steps."""
+    """True when the run ended before grpo.max_num_steps: on grpo.max_train_seconds, or once an evaluation
+    reached grpo.stop_at_validation_threshold (`stopped_by` says which)."""
+    stopped_by: str | None = None
+    """The key that ended the run early: "grpo.max_train_seconds" or "grpo.stop_at_validation_metric"."""
     extras: dict[str, Any] = field(default_factory=dict)
 
 
@@ -146,11 +149,13 @@ class GRPOTrainer:
         if checkpointer is not None:
             finish_checkpoints(checkpointer, int(summary.get("steps", 0)), run_dir=run_dir, model_dir=model_dir)
         info(f"saved the policy to {model_dir} and the reward curve to {plot}")
+        stopped_by = "grpo.max_train_seconds" if summary.get("stopped_on_time_budget") else \
+            "grpo.stop_at_validation_metric" if summary.get("stopped_on_validation_metric") else None
         return TrainResult(metrics=summary, output_dir=run_dir, model_dir=model_dir,
                            initial_accuracy=summary.get("initial_accuracy"),
                            final_accuracy=summary.get("val_accuracy"), steps=int(summary.get("steps", 0)),
                            accuracy_source=inputs.val_source,
-                           stopped_early=bool(summary.get("stopped_on_time_budget")))
+                           stopped_early=stopped_by is not None, stopped_by=stopped_by)
 
     def _train_and_export(self, cfg: NovaRLConfig, inputs, sink: JsonlSink, checkpointer: Checkpointer | None,
                           start: Checkpoint | None, model_dir: Path) -> dict[str, float]:
@@ -280,6 +285,13 @@ def check_resumable(latest: Checkpoint, config: NovaRLConfig) -> None:
         raise UserError(f"{where} holds a checkpoint of another run ({shown}). Give another checkpoint_dir, "
                         "or delete that folder to start over.")
     finished = finished_record(latest.path)
+    stop = (config.grpo.stop_at_validation_metric, config.grpo.stop_at_validation_threshold)
+    if finished and latest.state.get("summary", {}).get("stopped_on_validation_metric") \
+            and (saved.grpo.stop_at_validation_metric, saved.grpo.stop_at_validation_threshold) == stop:
+        raise UserError(f"{where} is at step {latest.step}, where the run that wrote it stopped: its evaluation's "
+                        f"{stop[0]} reached grpo.stop_at_validation_threshold={stop[1]:g} (its policy is in "
+                        f"{finished.get('model_dir')}). Raise the threshold (or unset grpo.stop_at_validation_metric) "
+                        "to go on, or give another checkpoint_dir.")
     if latest.step > config.grpo.max_num_steps or (latest.step == config.grpo.max_num_steps and finished):
         ended = (f" (the run that reached it ended: its policy is in {finished.get('model_dir')})"
                  if finished and latest.step == config.grpo.max_num_steps else "")

@@ -13,19 +13,19 @@ as `logprob_mismatch`, a check on the weight sync.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 
 from novarl.algorithms.losses import make_loss
-from novarl.config.schema import NovaRLConfig
+from novarl.config.schema import GRPOConfig, NovaRLConfig
 from novarl.errors import CheckpointLoadFailed, RunFailed, UserError, is_out_of_memory, out_of_memory_message
 from novarl.logging.console import Progress, info
 from novarl.logging.metrics import JsonlSink
 from novarl.logging.samples import write_samples
 from novarl.trainer.checkpoint import CRITIC_DIR, POLICY_DIR, Checkpoint, Checkpointer, restore_rng
-from novarl.trainer.evaluate import evaluate
+from novarl.trainer.evaluate import describe, evaluate, evaluation_sampling
 from novarl.rollout.collect import collect
 from novarl.rollout.batch import (MISMATCH_WARNING, build_train_batch, logprob_mismatch, mismatch_advice,
                                   with_segments)
@@ -49,8 +49,9 @@ class StepTimer:
 
 def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink,
              checkpointer: Checkpointer | None = None, resume: Checkpoint | None = None) -> dict[str, float]:
-    """Train for grpo.max_num_steps (fewer when grpo.max_num_epochs ends first, or on
-    max_train_seconds); returns the last metrics, evals included.
+    """Train for grpo.max_num_steps (fewer when grpo.max_num_epochs ends first, on
+    max_train_seconds, or once an evaluation reaches grpo.stop_at_validation_metric's threshold);
+    returns the last metrics, evals included.
 
     With `resume`, the policy, data position and step count come from that checkpoint
     and the loop continues as the uninterrupted run would have.
@@ -64,7 +65,9 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
                         print_every=cfg.logger.print_every_n_steps, initial=step)
     summary: dict[str, float] = dict(resume.state.get("summary", {})) if resume else {}
     summary.pop("stopped_on_time_budget", None)  # this run's own ending decides
+    summary.pop("stopped_on_validation_metric", None)  # likewise
     saved = step
+    how = evaluation_sampling(cfg)
 
     def checkpoint(step: int, *, last: bool) -> None:
         nonlocal saved
@@ -75,19 +78,28 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
             roles.park_training()  # the save woke them; the next generation comes first
             saved = step
 
-    def validate(step: int) -> None:
+    def validate(step: int) -> dict[str, float]:
         if pipeline is not None:  # the engines evaluate the newest weights
             pipeline.sync(step)
-        result = evaluate(roles.generator, inputs.val_prompts, inputs.scorer, gen.max_new_tokens,
+        result = evaluate(roles.generator, inputs.val_prompts, inputs.scorer, how,
                           batch_size=grpo.val_batch_size, samples_to_print=cfg.logger.num_val_samples_to_print,
-                          episodes=inputs.episodes, stop_strings=tuple(gen.stop_strings or ()),
+                          episodes=inputs.episodes,
                           keep=lambda samples, rewards: write_samples(sink.path.parent, step, samples, rewards,
                                                                       inputs.tokenizer,
                                                                       cfg.logger.num_val_samples_to_print))
         sink.write({"kind": "eval", "step": step, **result})
-        progress.evaluated(step, result["accuracy"], source=inputs.val_source)
+        progress.evaluated(step, result["accuracy"], describe(result, how, source=inputs.val_source))
         summary.update({f"val_{k}": v for k, v in result.items()}, val_step=step)
         summary.setdefault("initial_accuracy", result["accuracy"])
+        return result
+
+    def stops_after(step: int, result: dict[str, float]) -> bool:
+        """Whether the run ends after this evaluation (grpo.stop_at_validation_metric reached); said if so."""
+        reached = validation_stop(grpo, step, result)
+        if reached is not None:
+            progress.stopped_early(reached)
+            summary["stopped_on_validation_metric"] = 1.0
+        return reached is not None
 
     info(old_logprobs_source(cfg, inputs))
     if roles.critic is not None:
@@ -96,35 +108,61 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         info("samples with an advantage of 0 (GRPO groups whose rewards are all equal) are left out of the update: "
              "without a KL penalty their loss and gradient are 0 (the loss still divides by every token)")
     try:
-        if grpo.val_at_start and step == 0:
-            validate(0)
+        stop = grpo.val_at_start and step == 0 and stops_after(0, validate(0))  # a resumed run's start was evaluated
         started = time.perf_counter()
-        while step < max_steps:
+        while step < max_steps and not stop:
             if grpo.max_train_seconds and time.perf_counter() - started > grpo.max_train_seconds:
                 progress.stopped_early(time_budget_message(step, max_steps, grpo.max_train_seconds))
                 summary["stopped_on_time_budget"] = 1.0
                 break
             step += 1
             metrics = grpo_step(cfg, inputs, roles, stages, step, pipeline)
-            # asynchronous: the generator's weights lag by a step, so the gap is not a sync problem
-            if metrics["logprob_mismatch"] > MISMATCH_WARNING and not summary.get("mismatch_warned") and not pipeline:
-                info(f"warning at step {step}: {mismatch_advice(metrics['logprob_mismatch'])}")
-                summary["mismatch_warned"] = 1.0
+            warn_of_mismatch(step, metrics, summary, asynchronous=pipeline is not None)
             sink.write({"kind": "train", "step": step, **metrics})
             progress.step(step, metrics)
             summary.update(metrics)
-            if grpo.val_period and step % grpo.val_period == 0 and not (grpo.val_at_end and step == max_steps):
-                validate(step)
+            if periodic_validation_due(grpo, step, max_steps):
+                stop = stops_after(step, validate(step))
             checkpoint(step, last=False)
         summary["steps"] = step
-        if grpo.val_at_end:
+        if grpo.val_at_end and not stop:
             validate(step)
-        checkpoint(step, last=True)
+        checkpoint(step, last=True)  # an early stop's step included
         if pipeline is not None:
             pipeline.finish()
     finally:
         progress.close()  # before any error is printed: it must not land inside the bar
     return summary
+
+
+def periodic_validation_due(grpo: GRPOConfig, step: int, max_steps: int) -> bool:
+    """Whether `step` evaluates on grpo.val_period (NeMo RL's rule: from step grpo.val_start_at on);
+    the last step leaves it to val_at_end."""
+    return (grpo.val_period > 0 and step >= grpo.val_start_at and step % grpo.val_period == 0
+            and not (grpo.val_at_end and step == max_steps))
+
+
+def validation_stop(grpo: GRPOConfig, step: int, result: Mapping[str, float]) -> str | None:
+    """Why the run ends after the evaluation of `step` (its grpo.stop_at_validation_metric at or above
+    stop_at_validation_threshold), or None. A metric the evaluation did not report is the user's error."""
+    metric, threshold = grpo.stop_at_validation_metric, grpo.stop_at_validation_threshold
+    if metric is None or threshold is None:
+        return None
+    if metric not in result:
+        raise UserError(f"grpo.stop_at_validation_metric={metric!r}: the evaluation at step {step} reports no such "
+                        f"metric; it reports {', '.join(sorted(result))}. Name one of them.")
+    if result[metric] < threshold:
+        return None
+    return (f"step {step}: validation {metric} reached the early-stop threshold ({result[metric]:.4f} >= "
+            f"{threshold:g}, grpo.stop_at_validation_threshold); stopping training")
+
+
+def warn_of_mismatch(step: int, metrics: dict[str, float], summary: dict[str, float], *, asynchronous: bool) -> None:
+    """Once a run: the generator's logprobs far from the trainer's (a weight-sync problem, said with
+    advice). Not for asynchronous GRPO, whose generator's weights lag by a step on purpose."""
+    if metrics["logprob_mismatch"] > MISMATCH_WARNING and not summary.get("mismatch_warned") and not asynchronous:
+        info(f"warning at step {step}: {mismatch_advice(metrics['logprob_mismatch'])}")
+        summary["mismatch_warned"] = 1.0
 
 
 def start_async_rollouts(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, max_steps: int,
@@ -161,9 +199,10 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, stages: list[S
         pipeline_metrics.update(queued)
     sequences, episodes = with_segments(rollouts.completions) if trains_segments(cfg) else \
         (rollouts.completions, None)  # an agent's rewritten history: a sequence per segment
-    trained = rollouts.trained if rollouts.trained is None or episodes is None else rollouts.trained[episodes]
+    trained, positive = (per_sample if per_sample is None or episodes is None else per_sample[episodes]
+                         for per_sample in (rollouts.trained, rollouts.positive))
     batch = build_train_batch(sequences, torch.zeros(len(sequences)), overlong_filtering=grpo.overlong_filtering,
-                              trained=trained)
+                              trained=trained, positive=positive)
     # before grpo.policy_training_start_step: the critic's warm-up
     work = StepWork(batch, rollouts.rewards, policy_trains=step > grpo.policy_training_start_step,
                     weights=rollouts.weights, episodes=episodes)

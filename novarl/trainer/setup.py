@@ -25,6 +25,7 @@ from novarl.distributed.parking import GROUPS, parks_on_cpu
 from novarl.errors import NotAvailableYet, UserError
 from novarl.logging.console import info
 from novarl.models.loading import check_model_folder, load_tokenizer, resolve_model_path
+from novarl.models.config_overrides import read_config, with_overrides
 from novarl.models.locate import download_snapshot
 from novarl.models.scores import training_precision
 from novarl.backends.generation.layout import generation_layout
@@ -92,6 +93,8 @@ def preflight(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = 
         if model_path and report.choice is not None and training_spec(report.choice.training).reads_model_files \
                 and not Path(model_path).is_dir():  # the ranks read (convert) the files: fetch them here, first
             model_path = report.attempt(download_snapshot, model_path)
+    if model_path and cfg.policy.hf_config_overrides:  # every role and engine reads this folder's config
+        model_path = report.attempt(overridden_model, model_path, cfg.policy.hf_config_overrides)
     inputs = inspect_inputs(cfg, report, model_path, reward_fn, train_examples) if model_path else None
     error = one_error([*report.problems, *(NotAvailableYet(f"this host lacks {g}") for g in report.gpu_only)])
     if error is not None:
@@ -111,7 +114,9 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
     notes, warnings = list(report.notes), list(report.warnings)
     attempt = report.attempt
     before = len(report.problems)
-    attempt(check_model_folder, model_path, trust_remote_code=cfg.policy.trust_remote_code)
+    attempt(check_model_folder, model_path, trust_remote_code=cfg.policy.trust_remote_code,
+            key=f"policy.hf_config_overrides={cfg.policy.hf_config_overrides} applied to policy.model_name"
+            if cfg.policy.hf_config_overrides else "policy.model_name")
     folder_ok = len(report.problems) == before
     if report.choice is not None:
         attempt(check_sequence_length, cfg, model_path, report.choice, warnings)
@@ -167,13 +172,25 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
                      episodes=episodes)
 
 
+def overridden_model(path: str, overrides: dict, key: str = "policy.hf_config_overrides") -> str:
+    """The folder of `path`'s model with its config.json overridden (models/config_overrides.py): a
+    hub id's files downloaded first, since the overridden folder links to them."""
+    if not Path(path).is_dir():
+        path = download_snapshot(path)
+    return with_overrides(path, overrides, key=key)
+
+
 def critic_model_path(cfg: NovaRLConfig, policy_path: str, tokenizer) -> str:
-    """The folder of PPO's critic (value.model_name; the policy's own when the same). A critic of
-    another model must read the policy's token ids: its tokenizer must have the same vocabulary."""
+    """The folder of PPO's critic (value.model_name, with value.hf_config_overrides; the policy's own
+    when the same). A critic of another model must read the policy's token ids: its tokenizer must
+    have the same vocabulary."""
     value = value_section(cfg)
-    if value.model_name == cfg.policy.model_name and value.tokenizer.name == cfg.policy.tokenizer.name:
+    if value.model_name == cfg.policy.model_name and value.tokenizer.name == cfg.policy.tokenizer.name \
+            and value.hf_config_overrides == cfg.policy.hf_config_overrides:
         return policy_path
     path = resolve_model_path(value.model_name)
+    if value.hf_config_overrides:
+        path = overridden_model(path, value.hf_config_overrides, key="value.hf_config_overrides")
     check_model_folder(path, trust_remote_code=value.trust_remote_code)
     theirs = load_tokenizer(value.tokenizer.name or path, trust_remote_code=value.trust_remote_code)
     if theirs.get_vocab() != tokenizer.get_vocab():
@@ -264,19 +281,19 @@ def check_stop_token_ids(cfg: NovaRLConfig, tokenizer) -> None:
 
 def check_sequence_length(cfg: NovaRLConfig, model_path: str, choice: BackendChoice, warnings: list[str]) -> None:
     """policy.max_seq_length against the model's max_position_embeddings (read from a local
-    config.json): vLLM refuses a longer engine, so that is refused here; other backends run
-    past it with degraded positions, so that is a warning."""
-    import json
+    config.json, with policy.hf_config_overrides): vLLM refuses a longer engine, so that is refused
+    here; other backends run past it with degraded positions, so that is a warning."""
     import os
-    from pathlib import Path
 
     try:
-        limit = json.loads((Path(model_path) / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
+        limit = read_config(model_path, cfg.policy.hf_config_overrides).get("max_position_embeddings")
+    except (OSError, ValueError):
         return  # a hub id, or a config.json that the loader reports on
     if not isinstance(limit, int):
         return
-    where = f"longer than the model's max_position_embeddings={limit} ({model_path}/config.json)"
+    source = "policy.hf_config_overrides" if "max_position_embeddings" in cfg.policy.hf_config_overrides \
+        else f"{model_path}/config.json"
+    where = f"longer than the model's max_position_embeddings={limit} ({source})"
     engine_length = cfg.policy.generation.vllm_cfg.max_model_len  # vLLM's own length, when set
     key, length = (("policy.generation.vllm_cfg.max_model_len", engine_length) if engine_length is not None
                    else ("policy.max_seq_length", cfg.policy.max_seq_length))

@@ -95,9 +95,10 @@ def one_forward_fewer(cfg: NovaRLConfig, inputs: RunInputs) -> bool:
     """The old logprobs come from the training forward (detached) when the generated batch gets
     exactly one optimizer step: the policy has not changed since it generated (synchronous
     GRPO), so a separate forward before training would compute the same numbers. Not where the
-    advantages need them first (the KL in the reward, PPO)."""
+    advantages need them first (the KL in the reward, PPO), nor where sequences are masked by them
+    before training (grpo.seq_logprob_error_threshold)."""
     return inputs.batches.optimizer_steps_per_step == 1 and cfg.grpo.ppo_epochs == 1 \
-        and not cfg.loss_fn.use_kl_in_reward and cfg.value is None
+        and not cfg.loss_fn.use_kl_in_reward and cfg.value is None and cfg.grpo.seq_logprob_error_threshold is None
 
 
 # ------------------------------------------------------------------ the forwards
@@ -114,6 +115,46 @@ class OldLogprobs:
     def __call__(self, work: StepWork) -> None:
         if not self.from_training_forward or not work.policy_trains:
             work.batch.old_logprobs = self.policy.forward(work.batch, self.head)
+
+
+@dataclass
+class LogprobErrorMask:
+    """NeMo RL's grpo.seq_logprob_error_threshold: a sequence whose mean over its loss tokens of
+    exp(|log p_generator - log p_old|) (the engine's logprobs against the trainer's before the update)
+    exceeds the threshold gets no loss this step, and the step's counts leave it out. Metrics (NeMo RL's
+    names): that error's max, mean and min over the sequences with loss tokens, before and after the
+    masking, how many were masked, and the share of those that were correct (reward >= 1)."""
+
+    threshold: float
+    phase: str | None = None
+
+    def __call__(self, work: StepWork) -> None:
+        batch = work.batch
+        assert batch.old_logprobs is not None  # OldLogprobs ran its forward (one_forward_fewer is False)
+        mask = batch.loss_mask
+        error = torch.exp((batch.generator_logprobs - batch.old_logprobs).abs()) * mask
+        tokens = batch.sequence_sum(mask.float())
+        valid = tokens > 0
+        per_sequence = batch.sequence_sum(error.float()) / tokens.clamp(min=1)
+        masked = valid & (per_sequence > self.threshold)
+        kept = valid & ~masked
+        rewards = work.rewards if work.episodes is None else work.rewards[work.episodes]
+        work.metrics.update(**_spread("seq_mult_prob_error", per_sequence[valid]),
+                            **_spread("seq_mult_prob_error_after_mask", per_sequence[kept]),
+                            num_masked_seqs_by_logprob_error=float(masked.sum()),
+                            masked_correct_pct=float((rewards[masked.cpu()] >= 1).float().mean()) if masked.any()
+                            else 0.0)
+        if masked.any():
+            batch.loss_mask = mask & ~masked.to(mask.device)[batch.sequence_index.to(mask.device)]
+            batch.with_own_counts()
+
+
+def _spread(name: str, values: torch.Tensor) -> dict[str, float]:
+    """max_<name>, mean_<name>, min_<name> of `values` (0 each where there are none)."""
+    if not values.numel():
+        return {f"{kind}_{name}": 0.0 for kind in ("max", "mean", "min")}
+    return {f"max_{name}": float(values.max()), f"mean_{name}": float(values.mean()),
+            f"min_{name}": float(values.min())}
 
 
 @dataclass
@@ -227,6 +268,8 @@ def build_stages(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: Lo
     """The run's stages, in order, each present when its role is."""
     head, estimator, loss = policy_head(cfg), advantage_estimator(cfg), cfg.loss_fn
     stages: list[Stage] = [OldLogprobs(roles.policy, head, one_forward_fewer(cfg, inputs))]
+    if cfg.grpo.seq_logprob_error_threshold is not None:
+        stages.append(LogprobErrorMask(cfg.grpo.seq_logprob_error_threshold))
     if roles.reference is not None:
         stages.append(ReferenceLogprobs(roles.reference, head))
     updates = []
@@ -281,11 +324,11 @@ def sample_chunks(sequences: int, size: int, episodes: torch.Tensor | None = Non
 
 def zero_advantage_trains_nothing(cfg: NovaRLConfig) -> bool:
     """A sample whose every advantage is 0 (a GRPO group whose rewards are all equal) adds 0 to
-    the clipped policy loss and to its gradient, whatever its ratio, unless a KL penalty
-    (which does not depend on the advantage) is part of the loss."""
+    the clipped policy loss and to its gradient, whatever its ratio, unless a KL penalty or VAPO's
+    NLL term (which do not depend on the advantage) is part of the loss."""
     loss = cfg.loss_fn
     return loss.loss == "clipped_pg" and (loss.reference_policy_kl_penalty == 0 or loss.use_kl_in_reward) \
-        and cfg.value is None  # PPO's advantages are per token, rarely 0
+        and cfg.value is None and loss.positive_example_nll_weight == 0  # PPO's advantages are per token, rarely 0
 
 
 def with_signal(chunk: TrainBatch, token_level: bool = True) -> tuple[TrainBatch, float]:

@@ -31,6 +31,7 @@ from novarl.backends.registry import FALLBACK_GENERATION, PREFERRED_GENERATION, 
 from novarl.config.files import _clip, canonical, canonical_path, check_tree
 from novarl.config.loading import BUNDLED_RECIPE, keyword_path, load_config, parse_override, with_warnings
 from novarl.config.schema import NovaRLConfig
+from novarl.models.config_overrides import overridden
 from novarl.errors import ConfigError, UserError
 
 
@@ -110,7 +111,7 @@ def fit_to_host(cfg: NovaRLConfig, given: Mapping[str, Any]) -> tuple[list[str],
     """(dotted overrides, one line each saying why) for what the real-model recipe asks that
     this host or the model cannot give; keys in `given` (the user's) are left as they are."""
     extra, why = [], []
-    model = local_model_config(cfg.policy.model_name)
+    model = overridden(local_model_config(cfg.policy.model_name), cfg.policy.hf_config_overrides)
     on_gpu = cuda_device_count() > 0
     asked = generation_spec(cfg.policy.generation.backend) if cfg.policy.generation.backend else None
     cannot = asked.cannot_run(model, on_gpu=on_gpu) \

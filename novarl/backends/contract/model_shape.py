@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,8 +180,9 @@ class ModelShape:
         )
 
     @classmethod
-    def from_folder(cls, path: str | os.PathLike[str]) -> ModelShape:
-        """From `<path>/config.json` (or `path` itself if it is the file). No weights are read."""
+    def from_folder(cls, path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> ModelShape:
+        """From `<path>/config.json` (or `path` itself if it is the file), with `overrides`' keys replacing
+        its own (policy.hf_config_overrides). No weights are read."""
         path = Path(path)
         file = path if path.is_file() else path / "config.json"
         if not file.is_file():
@@ -190,6 +192,8 @@ class ModelShape:
             config = json.loads(file.read_text(encoding="utf-8"))
         except (OSError, ValueError, RecursionError) as err:  # ValueError: not JSON, or not UTF-8 text
             raise UserError(f"{file}: cannot be read as JSON ({err}).") from None
+        if overrides and isinstance(config, dict):
+            config = {**config, **overrides}
         return cls.from_hf_config(config, source=str(file))
 
     @classmethod
@@ -222,11 +226,13 @@ class ModelShape:
         return shape
 
     @classmethod
-    def from_name(cls, name: str, *, download: bool = False) -> ModelShape:
+    def from_name(cls, name: str, *, download: bool = False, overrides: Mapping[str, Any] | None = None
+                  ) -> ModelShape:
         """A parameter count ("7B"), a local folder, or a Hugging Face id whose
-        config.json is in the local cache (fetched, config.json only, if `download`)."""
+        config.json is in the local cache (fetched, config.json only, if `download`); a
+        config.json's keys replaced by `overrides`."""
         if Path(name).exists():
-            return cls.from_folder(name)
+            return cls.from_folder(name, overrides)
         if _COUNT.match(name):
             return cls.from_parameter_count(name)
         try:
@@ -235,13 +241,13 @@ class ModelShape:
             raise UserError(f"'{name}' is not a folder and huggingface_hub is not installed to look it up.") from None
         cached = try_to_load_from_cache(name, "config.json")
         if isinstance(cached, str):
-            return cls.from_folder(cached)
+            return cls.from_folder(cached, overrides)
         if not download:
             raise UserError(f"'{name}' is neither a parameter count, a local folder, nor a Hugging Face id "
                             "with config.json in the local cache. Download its config.json, or give a "
                             "parameter count such as '7B'.")
         try:
-            return cls.from_folder(hf_hub_download(name, "config.json"))
+            return cls.from_folder(hf_hub_download(name, "config.json"), overrides)
         except Exception as err:  # noqa: BLE001 - any hub failure is the user's id or network
             raise UserError(f"'{name}': cannot fetch config.json from the Hugging Face hub ({err}).") from None
 

@@ -559,13 +559,14 @@ def describe_layout(cfg: NovaRLConfig, training: str) -> str:
 
 
 def _model_shape(cfg: NovaRLConfig) -> ModelShape | None:
-    """The shape in policy.model_name's config.json when the model is bundled or a local
-    folder; None for a hub id (nothing is downloaded) or a config.json that cannot be read."""
+    """The shape in policy.model_name's config.json (with policy.hf_config_overrides) when the model
+    is bundled or a local folder; None for a hub id (nothing is downloaded) or a config.json that
+    cannot be read."""
     name = cfg.policy.model_name
     folder = resolve_bundled(name) or Path(name).expanduser()
     if not (folder / "config.json").is_file():
         return None
     try:
-        return ModelShape.from_folder(folder)
+        return ModelShape.from_folder(folder, cfg.policy.hf_config_overrides)
     except UserError:
         return None

@@ -282,8 +282,9 @@ def micro_batch(batch: TrainBatch, sequences: list[int] | None) -> TrainBatch:
         advantages=torch.zeros_like(one.advantages[index]),
         generator_logprobs=torch.zeros_like(one.generator_logprobs[index]),
         old_logprobs=zeros(one.old_logprobs), reference_logprobs=zeros(one.reference_logprobs),
-        returns=zeros(one.returns), old_values=zeros(one.old_values),
-        global_valid_tokens=batch.global_valid_tokens, global_valid_sequences=batch.global_valid_sequences)
+        returns=zeros(one.returns), old_values=zeros(one.old_values), positive=zeros(one.positive),
+        global_valid_tokens=batch.global_valid_tokens, global_valid_sequences=batch.global_valid_sequences,
+        global_positive_tokens=batch.global_positive_tokens)
     return empty
 
 

@@ -153,11 +153,52 @@ class GRPOConfig(Section):
     """ROLL's: each sample's policy loss weighted by 0.5 + 1.5 x its example's `difficulty` column
     (clamped to [0, 1]), the weights scaled to mean 1 over the step (ROLL scales per micro-batch):
     the advantages are scaled, so a KL penalty in the loss is not weighted (one in the reward is)."""
+    val_start_at: int = -1
+    """The first step a periodic evaluation (val_period) may run at (NeMo RL's key); -1, or any step
+    up to val_period: no delay."""
+    val_num_generations_per_prompt: int = Field(1, ge=1)
+    """Completions per evaluation prompt (NeMo RL's key). 1: one greedy completion each. k > 1: k
+    sampled ones, at policy.generation.val_temperature / val_top_p / val_top_k (unset: the training
+    sampling's); `accuracy` is then over all of them and `pass_k` is the share of prompts with at
+    least one correct (reward >= 1)."""
+    stop_at_validation_metric: str | None = None
+    """End the run once this evaluation metric (accuracy, reward, pass_k, or a reward function's
+    own) reaches stop_at_validation_threshold: after that step's checkpoint, or before the first
+    step for the evaluation at start (NeMo RL's key); None: never."""
+    stop_at_validation_threshold: float | None = None
+    """The value stop_at_validation_metric stops at (>=)."""
     max_val_samples: int | None = Field(256, ge=1)
-    """At most this many evaluation prompts; None: all of the held-out split (NeMo RL's null)."""
+    """At most this many evaluation prompts (each val_num_generations_per_prompt times); None: all
+    of the held-out split (NeMo RL's null)."""
     val_batch_size: int = Field(256, ge=1)
+    seq_logprob_error_threshold: float | None = Field(None, ge=1)
+    """NeMo RL's key: sequences whose mean over their loss tokens of exp(|log p_generator - log p_old|)
+    (the trainer's logprobs before the update against the engine's) exceeds it get no loss this step;
+    the policy's forward before training runs for it. None: no such masking."""
     seed: int = 42
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
+
+    @model_validator(mode="after")
+    def _early_stop(self) -> "GRPOConfig":
+        """NeMo RL's rules for the early stop, and two of novarl's: a threshold is not given alone,
+        and a metric that no evaluation before the end reads is refused."""
+        metric, threshold = self.stop_at_validation_metric, self.stop_at_validation_threshold
+        if metric is None:
+            if threshold is not None:
+                raise ValueError(f"grpo.stop_at_validation_threshold={threshold:g} is set without "
+                                 "grpo.stop_at_validation_metric (the evaluation metric it applies to, e.g. accuracy)")
+            return self
+        if threshold is None:
+            raise ValueError(f"grpo.stop_at_validation_metric={metric!r} needs grpo.stop_at_validation_threshold "
+                             "(the value it stops at)")
+        if metric == "pass_k" and self.val_num_generations_per_prompt <= 1:
+            raise ValueError("grpo.stop_at_validation_metric='pass_k' needs grpo.val_num_generations_per_prompt > 1 "
+                             "(pass@k is over each prompt's k completions)")
+        if not self.val_period and not self.val_at_start:
+            raise ValueError(f"grpo.stop_at_validation_metric={metric!r}: the run evaluates at its end only "
+                             "(grpo.val_period=0, val_at_start=false), so nothing could stop it early; set "
+                             "grpo.val_period")
+        return self
 
 
 class ValueLossConfig(Section):
@@ -187,6 +228,15 @@ class LossConfig(Section):
     use_on_policy_kl_approximation: bool = False
     disable_ppo_ratio: bool = False
     """REINFORCE's surrogate, -A log p per token: no ratio, no clipping (NeMo RL's key)."""
+    use_cispo: bool = False
+    """CISPO (MiniMax-M1; NeMo RL's key): each token's loss is -sg(clip(r, 1 - ratio_clip_min,
+    1 + ratio_clip_max)) A log p: the clipped ratio, detached, weighs the REINFORCE gradient, so a
+    token whose ratio is clipped keeps its gradient (PPO's clip drops it). Not with
+    disable_ppo_ratio, force_on_policy_ratio, sequence_level_importance_ratios or ratio_clip_c
+    (NeMo RL's rules)."""
+    positive_example_nll_weight: float = Field(0.0, ge=0)
+    """VAPO's mu (NeMo RL's key): the loss adds mu x the mean negative log-likelihood of the tokens
+    of the step's correct samples (task reward > 0, before scaling and shaping); 0: off."""
     force_on_policy_ratio: bool = False
     """NeMo RL's key: the ratio pi / pi_old is 1 (exp(log p - log p detached): the gradient of
     log p), never clipped, and pi_old in the importance weights is the training forward's own: the
@@ -229,6 +279,21 @@ class LossConfig(Section):
             raise ValueError("loss_fn.sequence_level_importance_ratios (GSPO) weighs whole sequences: it goes with a "
                              "per-sequence loss (NeMo RL's rule); set loss_fn.token_level_loss=false (or a "
                              "loss_fn.loss_agg_mode of seq-mean-...)")
+        return self
+
+    @model_validator(mode="after")
+    def _cispo(self) -> "LossConfig":
+        """NeMo RL's rules: CISPO weighs by the token's own clipped ratio pi / pi_old."""
+        if not self.use_cispo:
+            return self
+        clashes = {"disable_ppo_ratio": "removes the ratio CISPO clips",
+                   "force_on_policy_ratio": "forces the ratio CISPO clips to 1",
+                   "sequence_level_importance_ratios": "CISPO's ratios are per token",
+                   "ratio_clip_c": "dual clipping is PPO's, of the clipped objective CISPO replaces"}
+        for key, why in clashes.items():
+            if getattr(self, key) not in (False, None):
+                raise ValueError(f"loss_fn.use_cispo does not go with loss_fn.{key}={getattr(self, key)!r} ({why}; "
+                                 "NeMo RL refuses the pair too)")
         return self
 
     @model_validator(mode="after")

@@ -218,8 +218,8 @@ class RewardDomain(Section):
 
 class RewardConfig(Section):
     function: PathText | list[PathText] = "exact_match"
-    """A registered name (exact_match, math_verify, boxed_match, last_number, boxed_format, crossthinkqa,
-    ifeval; code_tests, code_pass_rate: programs run against the example's tests, novarl/rewards/code.py;
+    """A registered name (exact_match, math_verify, dapo_math_verify, boxed_match, last_number, boxed_format,
+    crossthinkqa, ifeval; code_tests, code_pass_rate: programs run against the example's tests, novarl/rewards/code.py;
     reward_model: reward.reward_model's score; llm_judge: reward.judge's verdict), an import
     path 'module:function' (also a module in the working directory), or a file
     'path/to/rewards.py:function' (relative to the working directory); or a list of them, whose
@@ -280,15 +280,17 @@ BUILT_IN_ENVIRONMENTS = {"sliding_puzzle_game": "novarl.rollout.games.sliding_pu
 
 class EnvConfig(Section):
     """An `env.<name>` block (NeMo RL's): the math environment's settings (env.math: novarl scores
-    it with reward.function math_verify), or an environment that plays the episodes
+    it with reward.function math_verify, or dapo_math_verify), or an environment that plays the episodes
     (novarl/rollout/environment.py), a class of the user's named by actor_class_fqn."""
 
     num_workers: int | None = Field(None, ge=1)
     """How many of an environment class's steps run at once (threads beside the engines; a class
     whose steps share state unguarded wants 1), or of an agent's episodes; None: 8 steps, every agent
     of a round. The math environment's is not used."""
-    math_verify_impl: str = "hf_math_verify"
-    """The math environment's."""
+    math_verify_impl: Literal["hf_math_verify", "dapo_math_verify"] = "hf_math_verify"
+    """The math environment's answer checker, by NeMo RL's name; it chooses reward.function when the
+    config names none: hf_math_verify is math_verify, dapo_math_verify is dapo_math_verify (the last
+    'Answer:' line, Minerva-normalised: novarl/rewards/dapo_math.py)."""
     actor_class_fqn: PathText | None = None
     """An environment class, 'package.module:Class' or 'path/to/file.py:Class' (a file relative to
     the working directory), built as Class(cfg); its `step(conversation, metadata)` answers each of

@@ -80,6 +80,13 @@ class GenerationConfig(Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
+    val_temperature: float | None = Field(None, ge=0)
+    """The evaluation's sampling with grpo.val_num_generations_per_prompt > 1 (NeMo RL's key); None:
+    temperature. With one completion per prompt the evaluation is greedy (said when it is set)."""
+    val_top_p: float | None = Field(None, gt=0, le=1)
+    """As val_temperature, for top_p."""
+    val_top_k: int | None = Field(None, ge=1)
+    """As val_temperature, for top_k."""
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     """Token ids that end a completion; each below the tokenizer's vocabulary size (checked by preflight)."""
     stop_strings: list[str] | None = None
