@@ -52,22 +52,25 @@ def test_validate_reads_the_overridden_positions(capsys, tmp_path):
     assert "policy.max_seq_length=128 is longer than the model's max_position_embeddings=64" in capsys.readouterr().err
     assert main(["validate", *common, "policy.generation.backend=vllm", LONGER]) == 0
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("#")]
-    assert said and not any("max_position_embeddings" in line or "hf_config_overrides" in line for line in said)
+    assert said and not any("longer than the model's" in line or "'policy.hf_config_overrides'" in line
+                            for line in said)  # read, so neither warned about nor refused
     assert main(["validate", *common, HF, "policy.hf_config_overrides={max_position_embeddings: 100}"]) == 0
     assert "policy.max_seq_length=128 is longer than the model's max_position_embeddings=100 " \
            "(policy.hf_config_overrides)" in capsys.readouterr().out
 
 
-def test_a_run_trains_and_exports_with_the_overridden_config(tmp_path, cache):
+def test_a_run_trains_and_exports_with_the_overridden_config(tmp_path, cache, capsys):
     cfg = load_config(BUNDLED_RECIPE, overrides=[
         f"logger.log_dir={tmp_path}", "grpo.max_num_steps=1", "logger.progress_bar=false", "grpo.val_at_start=false",
         "grpo.val_at_end=false", "grpo.num_prompts_per_step=4", "policy.train_micro_batch_size=32",
         "policy.max_seq_length=96", HF, LONGER])
     run = GRPOTrainer(cfg).train()
     assert train_steps(run.output_dir)[1]["grad_norm"] > 0
+    (made,) = (cache / "models").iterdir()
+    assert f"model: tiny-arith ({made}, its config.json with policy.hf_config_overrides max_position_embeddings); " \
+        in capsys.readouterr().err
     exported = json.loads((run.output_dir / "policy" / "config.json").read_text())
     assert exported["max_position_embeddings"] == 128
-    (made,) = (cache / "models").iterdir()
     assert json.loads((made / "config.json").read_text())["max_position_embeddings"] == 128
 
 

@@ -538,7 +538,7 @@ def test_colocated_generator_adds_to_the_total():
 
 
 def test_memory_modules_import_nothing_heavy():
-    allowed = {"__future__", "json", "math", "os", "re", "dataclasses", "pathlib", "typing",
+    allowed = {"__future__", "collections.abc", "json", "math", "os", "re", "dataclasses", "pathlib", "typing",
                "novarl.errors", "novarl.backends.contract.model_shape", "novarl.models.architectures"}
     for module in (memory, __import__("novarl.backends.contract.model_shape", fromlist=["x"]),
                    __import__("novarl.models.architectures", fromlist=["x"])):

@@ -164,7 +164,9 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
                         + ("set data.val_data_path to a held-out file" if train_examples is None else
                            "evaluate held-out examples separately (`novarl eval` with data.val_data_path)"))
     reward = describe_episodes(cfg, scorer) if played else f"reward: {scorer.name}"
-    summary = f"model: {cfg.policy.model_name} ({model_path}); {prompts}; {reward}"
+    overridden = f", its config.json with policy.hf_config_overrides {', '.join(cfg.policy.hf_config_overrides)}" \
+        if cfg.policy.hf_config_overrides else ""
+    summary = f"model: {cfg.policy.model_name} ({model_path}{overridden}); {prompts}; {reward}"
     max_steps = steps_in_epochs(cfg, len(train), notes)
     return RunInputs(report.choice, report.batches, model_path, tokenizer, scorer, sampler, val,
                      val_source="held-out" if gap is None else "training-set", summary=summary,
