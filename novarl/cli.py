@@ -142,15 +142,13 @@ def _config(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = _config(args)  # first: a config's errors are said before torch loads (~1-2 s)
     from novarl.trainer.api import GRPOTrainer
-
     from novarl.trainer.evaluate import evaluation_sampling
 
     result = GRPOTrainer(cfg).train(resume=args.resume)
     before, after = result.initial_accuracy, result.final_accuracy
     steps = f"{result.steps} steps" if not result.stopped_early else \
         f"{result.steps} of {cfg.grpo.max_num_steps} steps: stopped on {result.stopped_by}"
-    how = evaluation_sampling(cfg)
-    accuracy = "greedy accuracy" if how.num_generations_per_prompt == 1 else f"accuracy ({how.label})"
+    accuracy = evaluation_sampling(cfg).accuracy_name
     print(f"{result.accuracy_source} {accuracy}: before {_pct(before)} -> after {_pct(after)} ({steps})")
     print(f"output folder: {result.output_dir}")
     print(f"policy (Hugging Face folder): {result.model_dir}")
@@ -312,9 +310,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate(inputs.generator, inputs.prompts, inputs.scorer, how, batch_size=cfg.grpo.val_batch_size,
                       episodes=inputs.episodes)
     k = how.num_generations_per_prompt
-    accuracy = "greedy accuracy" if k == 1 else f"accuracy ({how.label})"
-    which = f"held-out {accuracy}" if inputs.val_source == "held-out" else \
-        f"{accuracy} (on training prompts: the data has no held-out split)"
+    which = f"held-out {how.accuracy_name}" if inputs.val_source == "held-out" else \
+        f"{how.accuracy_name} (on training prompts: the data has no held-out split)"
     pass_k = f", pass@{k} {_pct(result['pass_k'])}" if k > 1 else ""
     episodes = f", {result['episode_turns_mean']:.1f} turns an episode" if inputs.episodes is not None else ""
     print(f"{which} of {args.model}: {_pct(result['accuracy'])}{pass_k} on {len(inputs.prompts)} prompts{episodes}")

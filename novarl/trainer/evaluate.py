@@ -26,6 +26,11 @@ class EvalSampling:
     label: str
     """How, for people: "greedy", or "4 samples a prompt at temperature 0.7"."""
 
+    @property
+    def accuracy_name(self) -> str:
+        """What its accuracy is called: "greedy accuracy", or "accuracy (4 samples a prompt at temperature 0.7)"."""
+        return "greedy accuracy" if self.num_generations_per_prompt == 1 else f"accuracy ({self.label})"
+
 
 def evaluation_sampling(cfg: NovaRLConfig) -> EvalSampling:
     """The run's evaluation sampling: greedy for one completion a prompt; for k > 1, k samples at
