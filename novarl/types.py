@@ -144,7 +144,7 @@ class TrainBatch:
     global_valid_sequences: int = 0
     """Sequences with at least one loss token in the whole step."""
     positive: torch.Tensor | None = None
-    """[S] bool: the samples VAPO's NLL term trains on (task reward > 0; loss_fn.positive_example_nll_weight),
+    """[S] bool: the samples VAPO's NLL term trains on (reward > 0; loss_fn.positive_example_nll_weight),
     or None (no such term)."""
     global_positive_tokens: int = 0
     """Loss-mask tokens of the `positive` sequences in the whole step: the NLL term divides by it."""

@@ -63,7 +63,8 @@ def test_a_run_trains_and_exports_with_the_overridden_config(tmp_path, cache, ca
     cfg = load_config(BUNDLED_RECIPE, overrides=[
         f"logger.log_dir={tmp_path}", "grpo.max_num_steps=1", "logger.progress_bar=false", "grpo.val_at_start=false",
         "grpo.val_at_end=false", "grpo.num_prompts_per_step=4", "policy.train_micro_batch_size=32",
-        "policy.max_seq_length=96", HF, LONGER])
+        "policy.max_seq_length=96", "checkpointing.enabled=true", f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+        HF, LONGER])
     run = GRPOTrainer(cfg).train()
     assert train_steps(run.output_dir)[1]["grad_norm"] > 0
     (made,) = (cache / "models").iterdir()
@@ -71,6 +72,9 @@ def test_a_run_trains_and_exports_with_the_overridden_config(tmp_path, cache, ca
         in capsys.readouterr().err
     exported = json.loads((run.output_dir / "policy" / "config.json").read_text())
     assert exported["max_position_embeddings"] == 128
+    # novarl convert writes the checkpoint with the run's config too
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "converted")]) == 0
+    assert json.loads((tmp_path / "converted" / "config.json").read_text())["max_position_embeddings"] == 128
     assert json.loads((made / "config.json").read_text())["max_position_embeddings"] == 128
 
 

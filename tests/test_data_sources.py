@@ -219,7 +219,7 @@ def test_nemo_rl_multiple_datasets_config_validates_as_written(hub_cache, capsys
     assert cfg.reward.function == "math_verify"
     assert main(["validate", str(recipe)]) == 0
     out = capsys.readouterr().out
-    assert "data.validation[0].repeat=16: novarl evaluates greedily" in out
+    assert "data.validation[0].repeat=16: each example is evaluated once; grpo.val_num_generations_per_prompt" in out
     assert "data.train[1].dataset_name='DeepScaler' (hub dataset 'agentica-org/DeepScaleR-Preview-Dataset'): " \
            "it is in no local cache" in out
 

@@ -15,7 +15,7 @@ from novarl.logging.metrics import read_jsonl
 from novarl.logging.plots import ACCURACY_LABEL, curve_series
 from novarl.rewards.scorer import RewardScorer
 from novarl.trainer.api import GRPOTrainer
-from novarl.trainer.checkpoint import check_checkpoint
+from novarl.trainer.checkpoint import FINISHED_FILE, check_checkpoint
 from novarl.trainer.evaluate import EvalSampling, correct_shares, describe, evaluate, evaluation_sampling
 from novarl.trainer.grpo import periodic_validation_due
 from novarl.types import SamplingConfig
@@ -187,6 +187,13 @@ def test_an_evaluation_at_the_threshold_ends_the_run_after_its_steps_checkpoint(
     err = capsys.readouterr().err
     assert "is at step 4, where the run that wrote it stopped: its evaluation's pass_k reached " \
            "grpo.stop_at_validation_threshold=0" in err and "Traceback" not in err
+    # killed after its stop's save, before it ended (no finished record): the resume ends it, training nothing
+    (tmp_path / "ckpt" / "step_4" / FINISHED_FILE).unlink()
+    assert main([*argv, "grpo.stop_at_validation_threshold=0.0"]) == 0
+    assert "(4 of 6 steps: stopped on grpo.stop_at_validation_metric)" in capsys.readouterr().out
+    records = read_jsonl(sorted((tmp_path / "logs").iterdir())[-1] / "metrics.jsonl")
+    assert [r["kind"] for r in records[records.index(next(r for r in records if r["kind"] == "resume")):]] \
+        == ["resume"]
     assert main([*argv, "grpo.stop_at_validation_threshold=1.5"]) == 0
     out = capsys.readouterr().out
     assert "held-out accuracy (2 samples a prompt at temperature 1): before" in out and "(6 steps)" in out

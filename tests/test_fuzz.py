@@ -239,7 +239,7 @@ def override_cases() -> list[Case]:
            "policy.generation.stop_token_ids=[1.5]", "env.math.num_workers=-1", "env.math=[1]",
            "grpo.max_train_seconds=.inf", "policy.max_grad_norm=.nan", "loss_fn.reference_policy_kl_penalty=.inf",
            "policy.generation.temperature=.inf", "policy.generation.top_p=.nan", "loss_fn.ratio_clip_max=.inf",
-           "policy.generation.temperature=0", "loss_fn.ratio_clip_min=1", "grpo.num_prompts_per_step=0",
+           "policy.generation.temperature=0", "loss_fn.ratio_clip_min=1.5", "grpo.num_prompts_per_step=0",
            "reward.timeout_s=0", "reward.timeout_s=.inf", "reward.function=", "reward.function=:",
            "policy.model_name=" + "m" * 300, "data.train_data_path=" + "d" * 300, "logger.log_dir=" + "l" * 300,
            "policy.model_name=" + "x" * 100_000]

@@ -14,7 +14,7 @@ from novarl.algorithms.losses import ClippedPGSettings, clipped_pg_loss, positiv
 from novarl.backends.training.batching import micro_batch
 from novarl.config import load_config
 from novarl.errors import ConfigError
-from novarl.rollout.batch import build_train_batch
+from novarl.rollout.batch import build_train_batch, logprob_mismatch
 from novarl.trainer.stages import LogprobErrorMask, StepWork, one_forward_fewer, zero_advantage_trains_nothing
 from novarl.types import Completion, Prompt, TrainBatch
 
@@ -73,7 +73,7 @@ def test_cispo_is_weighed_by_the_importance_weights_and_is_reinforce_at_ratio_on
     logprobs = torch.tensor([0.0, -1.0, -1.0, 0.0, -2.0, -0.5], requires_grad=True)
     cispo, _ = clipped_pg_loss(logprobs, batch, ClippedPGSettings(use_cispo=True))
     reinforce, _ = clipped_pg_loss(logprobs, batch, ClippedPGSettings(disable_ppo_ratio=True))
-    assert float(cispo) == pytest.approx(float(reinforce))
+    assert float(cispo.detach()) == pytest.approx(float(reinforce.detach()))
 
 
 @pytest.mark.parametrize("override, says", [
@@ -129,14 +129,15 @@ def test_the_nll_term_is_the_mean_nll_of_the_correct_samples_tokens_over_the_who
     assert float(metrics["nll_loss"]) == pytest.approx(-sum(positive) / 3)
 
 
-def test_vapo_marks_correct_samples_by_the_task_reward_and_keeps_zero_advantage_samples():
+def test_vapo_marks_correct_samples_by_the_shaped_reward_and_keeps_zero_advantage_samples():
     from novarl.rollout.collect import Rollouts
 
     cfg = load_config(None, overrides=["loss_fn.positive_example_nll_weight=0.1", "grpo.num_generations_per_prompt=2",
                                        "grpo.num_prompts_per_step=1"])
     completions = [completion([1], [2]), completion([1], [3])]
-    # the task's 1 and 0, shaped to 0.5 and -0.5: positive is read before scaling and shaping
-    rollouts = Rollouts.of(cfg, completions, torch.tensor([1.0, 0.0]), torch.tensor([0.5, -0.5]), {})
+    # the task's 1 and 0.5 (partial credit) scaled onto [-1, 1]: 1 and 0; positive is read after it, as NeMo
+    # RL's PPO reads its rewards
+    rollouts = Rollouts.of(cfg, completions, torch.tensor([1.0, 0.5]), torch.tensor([1.0, 0.0]), {})
     assert rollouts.positive.tolist() == [True, False]
     assert Rollouts.of(load_config(None), completions, torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]),
                        {}).positive is None
@@ -155,8 +156,12 @@ def test_sequences_whose_logprob_error_exceeds_the_threshold_get_no_loss():
     batch.old_logprobs[batch.token_index([1])[2:]] += torch.tensor([0.1, -0.3])
     batch.old_logprobs[batch.token_index([2])[1:]] -= 0.5
     work = StepWork(batch, rewards=torch.tensor([1.0, 0.0, 1.0]))
+    before = logprob_mismatch(batch)
     LogprobErrorMask(1.5)(work)
     errors = [1.0, (math.exp(0.1) + math.exp(0.3)) / 2, math.exp(0.5)]
+    # the weight sync's check is over every sequence, the masked one too (its largest error: e^0.5 - 1)
+    assert work.metrics["logprob_mismatch"] == pytest.approx(before["logprob_mismatch"])
+    assert work.metrics["logprob_mismatch_max"] == pytest.approx(math.exp(0.5) - 1, rel=1e-5)
     assert batch.sequence_sum(batch.loss_mask.long()).tolist() == [2, 2, 0]
     assert (batch.global_valid_tokens, batch.global_valid_sequences) == (4, 2)
     m = work.metrics

@@ -98,8 +98,10 @@ def _spanning(layout: str) -> str:
 LAYOUTS = {name: _spanning(layout) for name, layout in LAYOUTS.items()}
 
 # file -> the refusals (one line each) of features novarl does not build.
+CISPO_RECIPE = "2026-08/recipes/llm/grpo-cispo-mm1-async-lag1-highoffpolicy-qwen3-30ba3b-3n8g-megatron-cispo.yaml"
 REFUSED = {
     "2026-08/grpo_math_1B_sglang.yaml": ["'policy.generation.backend' = 'sglang': SGLang generation is not built"],
+    CISPO_RECIPE: ["'grpo.async_grpo.in_flight_weight_updates' = true: in-flight weight updates"],  # CISPO is read
 }
 
 
@@ -141,6 +143,13 @@ def test_nemo_rl_dapo_recipe_loads_with_what_it_asks():
     assert (cfg.loss_fn.ratio_clip_max, cfg.loss_fn.ratio_clip_c) == (0.28, 10)
     # 5 % of DAPOMath17K held out (from grpo_math_1B.yaml) beside AIME 2024, evaluated together as NeMo RL does
     assert cfg.data.split_validation_size == 0.05 and cfg.data.val_dataset_name == "DAPOMathAIME2024"
+
+
+def test_nemo_rl_cispo_recipe_loads_without_in_flight_weight_updates():
+    cfg = load_config(NEMO_RL / CISPO_RECIPE, overrides=["grpo.async_grpo.in_flight_weight_updates=false"])
+    loss = cfg.loss_fn
+    assert loss.use_cispo and (loss.ratio_clip_min, loss.ratio_clip_max) == (1.0, 5.0)  # no lower bound
+    assert cfg.grpo.async_grpo.enabled and loss.use_importance_sampling_correction
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

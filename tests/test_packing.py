@@ -164,7 +164,7 @@ def local_call(policy):
 @pytest.mark.parametrize("loss_cfg", [LOSS, LossConfig(token_level_loss=False, sequence_level_importance_ratios=True)],
                          ids=["token-level", "sequence-level"])
 def test_one_rank_packed_and_dynamic_match_padded(one_rank_policy, loss_cfg):
-    batch = mixed_batch()
+    batch = mixed_batch(positive=True)
     results = {}
     for layout in LAYOUTS:
         one_rank_policy.train_batching, one_rank_policy.logprob_batching = batchings(layout)
@@ -257,7 +257,7 @@ def test_every_parameter_is_trained_with_packing(one_rank_policy):
 def test_two_ranks_packed_and_dynamic_match_padded(ray_session, tmp_path, layout):
     from tests.helpers.models import two_kv_head_copy
 
-    batch = mixed_batch(rows=14)
+    batch = mixed_batch(rows=14, positive=True)
     if layout == "zero3-dp2":
         pytest.importorskip("deepspeed")
         from novarl.backends.training.deepspeed import DeepSpeedPolicy

@@ -88,8 +88,8 @@ def _data_block(block: str, values: dict[str, Any], data: dict[str, Any], warnin
         warnings.append(f"'{block}.seed' = {show_value(values['seed'])}: novarl draws the held-out split with "
                         f"grpo.seed ({show_value(grpo_seed)})")
     if values.get("repeat", 1) != 1 and block == "data.validation":
-        warnings.append(f"'{block}.repeat' = {show_value(values['repeat'])}: novarl evaluates greedily, so "
-                        "repeated examples would get the same completion; each is evaluated once")
+        warnings.append(f"'{block}.repeat' = {show_value(values['repeat'])}: each example is evaluated once; "
+                        "grpo.val_num_generations_per_prompt samples several completions of each (pass@k)")
     elif values.get("repeat", 1) != 1:
         refused.append(f"'{block}.repeat' = {show_value(values['repeat'])}: repeating a training dataset is "
                        f"{ISSUE_DATA}.")

@@ -391,6 +391,7 @@ def _validation(validation: Any, out: Translation) -> None:
     elif files:
         out.set("data.val_data_path", files[0])
     if validation.get("generating_args"):
-        out.warnings.append("validation.generating_args: novarl evaluates greedily")
+        out.warnings.append("validation.generating_args: not read (the evaluation is greedy, or samples "
+                            "grpo.val_num_generations_per_prompt completions at policy.generation.val_temperature)")
 
 

@@ -351,9 +351,10 @@ class NovaRLConfig(Section):
                                                                               for name in self.reward.domains]
             raise ValueError(f"env.{agents[0]} names an agent, which plays every episode of its run: it shares a "
                              f"run with no other environment or reward domain yet ({', '.join(others)})")
-        if self.loss_fn.ratio_clip_min >= 1:
-            raise ValueError(f"loss_fn.ratio_clip_min={self.loss_fn.ratio_clip_min} must be < 1 "
-                             "(the ratio is clipped to [1 - min, 1 + max])")
+        if self.loss_fn.ratio_clip_min > 1:
+            raise ValueError(f"loss_fn.ratio_clip_min={self.loss_fn.ratio_clip_min} must be <= 1 "
+                             "(the ratio is clipped to [1 - min, 1 + max]; 1: no lower bound, as NeMo RL's CISPO "
+                             "recipe sets it)")
         return self
 
     def _critic_checks(self) -> None:

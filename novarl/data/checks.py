@@ -61,8 +61,8 @@ def _data_problems(data: DataConfig) -> tuple[list[UserError], list[str]]:
     problems, notes = [], []
     for i, block in enumerate(data.validation or []):
         if block.repeat > 1:
-            notes.append(f"data.validation[{i}].repeat={block.repeat}: novarl evaluates greedily, so repeated examples "
-                         "would get the same completion; each is evaluated once")
+            notes.append(f"data.validation[{i}].repeat={block.repeat}: each example is evaluated once; "
+                         "grpo.val_num_generations_per_prompt samples several completions of each (pass@k)")
     for key in ("prompt_file", "system_prompt_file"):
         given = getattr(data, key)
         path, note = prompt_file(given, f"data.{key}") if given else (None, None)

@@ -41,8 +41,8 @@ def read_config(folder: str | os.PathLike[str], overrides: Mapping[str, Any] | N
 
 def with_overrides(folder: str, overrides: Mapping[str, Any], *, key: str = "policy.hf_config_overrides") -> str:
     """The folder of `folder`'s model with its config.json overridden (`folder` itself without
-    overrides): in novarl's cache, named by the model's folder, its config.json and the overrides,
-    made once (written aside and renamed into place, so concurrent runs agree on it). Its other
+    overrides): in novarl's cache, named by the model's folder, its files' names, its config.json and
+    the overrides, made once (written aside and renamed into place, so concurrent runs agree on it). Its other
     files are links to `folder`'s, which must stay where they are. UserError naming `key` where
     `folder`'s config.json cannot be read."""
     if not overrides:
@@ -55,7 +55,9 @@ def with_overrides(folder: str, overrides: Mapping[str, Any], *, key: str = "pol
         config = read_config(source, overrides)
     except (OSError, ValueError) as err:
         raise UserError(f"{key}: cannot read {source / 'config.json'} to override it ({err}).") from None
-    digest = hashlib.sha256(b"\0".join([str(source).encode(), raw, json.dumps(overrides, sort_keys=True).encode()]))
+    names = "\n".join(sorted(entry.name for entry in source.iterdir())).encode()  # a folder saved again differs
+    given = json.dumps(overrides, sort_keys=True).encode()
+    digest = hashlib.sha256(b"\0".join([str(source).encode(), raw, names, given]))
     target = cache_dir() / FOLDER / f"{source.name}-{digest.hexdigest()[:16]}"
     if (target / "config.json").is_file():
         return str(target)
@@ -68,6 +70,8 @@ def with_overrides(folder: str, overrides: Mapping[str, Any], *, key: str = "pol
     (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     try:
         staging.rename(target)
-    except OSError:  # another process made it first: theirs is the same
+    except OSError as err:  # another process made it first (theirs is the same), or the cache refuses it
         shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise UserError(f"{key}: cannot make the overridden model's folder {target} ({err}).") from None
     return str(target)

@@ -35,18 +35,18 @@ class Rollouts:
     weights: torch.Tensor | None = None
     """[S] float32 each sample's policy-loss weight (grpo.difficulty_loss_weight); None: 1 each."""
     positive: torch.Tensor | None = None
-    """[S] bool the samples whose task reward (before scaling and shaping) is > 0: VAPO's NLL term
-    trains on them (loss_fn.positive_example_nll_weight); None: no such term."""
+    """[S] bool the samples whose reward (scaled and shaped, as NeMo RL's PPO reads it) is > 0: VAPO's
+    NLL term trains on them (loss_fn.positive_example_nll_weight); None: no such term."""
 
     @classmethod
     def of(cls, cfg: NovaRLConfig, completions: list[Completion], raw: torch.Tensor, shaped: torch.Tensor,
            metrics: dict[str, float]) -> "Rollouts":
         """The samples with their shaped rewards; with grpo.difficulty_mask, those whose group's mean
         task reward (`raw`) is outside its thresholds marked untrained (difficulty_mask_ratio: the share kept);
-        with VAPO's NLL term, the correct ones (`raw` > 0) marked positive."""
+        with VAPO's NLL term, the correct ones (`shaped` > 0) marked positive."""
         mask = cfg.grpo.difficulty_mask
         weights = difficulty_weights(completions) if cfg.grpo.difficulty_loss_weight else None
-        positive = raw > 0 if cfg.loss_fn.positive_example_nll_weight > 0 else None
+        positive = shaped > 0 if cfg.loss_fn.positive_example_nll_weight > 0 else None
         if not mask.enabled or cfg.grpo.num_generations_per_prompt <= 1:
             return cls(completions, shaped, metrics, weights=weights, positive=positive)
         trained = difficulty_mask(raw, cfg.grpo.num_generations_per_prompt, mask.low_threshold, mask.high_threshold)

@@ -13,7 +13,7 @@ as `logprob_mismatch`, a check on the weight sync.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -108,7 +108,8 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
         info("samples with an advantage of 0 (GRPO groups whose rewards are all equal) are left out of the update: "
              "without a KL penalty their loss and gradient are 0 (the loss still divides by every token)")
     try:
-        stop = grpo.val_at_start and step == 0 and stops_after(0, validate(0))  # a resumed run's start was evaluated
+        first = start_evaluation(grpo, resume is not None, summary, step, validate)
+        stop = first is not None and stops_after(step, first)
         started = time.perf_counter()
         while step < max_steps and not stop:
             if grpo.max_train_seconds and time.perf_counter() - started > grpo.max_train_seconds:
@@ -138,8 +139,22 @@ def run_grpo(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, sink: JsonlSink
 def periodic_validation_due(grpo: GRPOConfig, step: int, max_steps: int) -> bool:
     """Whether `step` evaluates on grpo.val_period (NeMo RL's rule: from step grpo.val_start_at on);
     the last step leaves it to val_at_end."""
-    return (grpo.val_period > 0 and step >= grpo.val_start_at and step % grpo.val_period == 0
+    return (grpo.val_period > 0 and step >= (grpo.val_start_at or 0) and step % grpo.val_period == 0
             and not (grpo.val_at_end and step == max_steps))
+
+
+def start_evaluation(grpo: GRPOConfig, resumed: bool, summary: Mapping[str, float], step: int,
+                     validate: Callable[[int], dict[str, float]]) -> dict[str, float] | None:
+    """What the early stop reads before the first step: the evaluation at start (val_at_start), or for a
+    resumed run the one at its checkpoint's step, which its summary holds (a run killed after its stop's
+    save, before it ended, ends now as it would have; one whose threshold was raised goes on); None:
+    none."""
+    if not resumed:
+        return validate(0) if grpo.val_at_start else None
+    if summary.get("val_step") != step:
+        return None
+    return {name.removeprefix("val_"): value for name, value in summary.items()
+            if name.startswith("val_") and name != "val_step"}
 
 
 def validation_stop(grpo: GRPOConfig, step: int, result: Mapping[str, float]) -> str | None:
@@ -151,7 +166,7 @@ def validation_stop(grpo: GRPOConfig, step: int, result: Mapping[str, float]) ->
     if metric not in result:
         raise UserError(f"grpo.stop_at_validation_metric={metric!r}: the evaluation at step {step} reports no such "
                         f"metric; it reports {', '.join(sorted(result))}. Name one of them.")
-    if result[metric] < threshold:
+    if not result[metric] >= threshold:  # below it, or not a number (nan): training goes on
         return None
     return (f"step {step}: validation {metric} reached the early-stop threshold ({result[metric]:.4f} >= "
             f"{threshold:g}, grpo.stop_at_validation_threshold); stopping training")
@@ -220,7 +235,9 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, stages: list[S
             sync_metrics = roles.sync_weights(step) if work.policy_trains else {}
         if not work.policy_trains:
             roles.park_training()  # (the sync parks them)
-    mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None else {}  # else the loss measured it
+    # else the loss measured it, or a stage did before it masked sequences (LogprobErrorMask)
+    mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None and "logprob_mismatch" not in work.metrics \
+        else {}
     gpus = roles.policy.gpu_stats() if cfg.logger.monitor_gpus else {}
     played = inputs.episodes.take_metrics() if inputs.episodes is not None else {}  # the environment's counts
     return {**rollouts.metrics, **inputs.scorer.take_metrics(), **played, **work.metrics, **gpus,

@@ -193,7 +193,7 @@ def critic_model_path(cfg: NovaRLConfig, policy_path: str, tokenizer) -> str:
     path = resolve_model_path(value.model_name)
     if value.hf_config_overrides:
         path = overridden_model(path, value.hf_config_overrides, key="value.hf_config_overrides")
-    check_model_folder(path, trust_remote_code=value.trust_remote_code)
+    check_model_folder(path, trust_remote_code=value.trust_remote_code, key="value.model_name")
     theirs = load_tokenizer(value.tokenizer.name or path, trust_remote_code=value.trust_remote_code)
     if theirs.get_vocab() != tokenizer.get_vocab():
         raise UserError(f"value.model_name={show_value(value.model_name)}: its tokenizer "
@@ -349,7 +349,8 @@ class EvalInputs:
     val_source: str
     """"held-out", or "training-set" when the data has no held-out split (see RunInputs.val_source)."""
     episodes: PlaysEpisodes | None = None
-    """With an environment (env.<name>.actor_class_fqn): greedy episodes, rewarded by it."""
+    """With an environment (env.<name>.actor_class_fqn): its episodes (played as the evaluation samples),
+    rewarded by it."""
 
 
 def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInputs:
@@ -359,6 +360,8 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
     from novarl.backends.generation.engines import LocalGeneration
 
     model_path = resolve_model_path(model)
+    if cfg.policy.hf_config_overrides:  # the config's model as its runs read it (a run's policy/ has them already)
+        model_path = overridden_model(model_path, cfg.policy.hf_config_overrides)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.policy.trust_remote_code)
     scorer = run_scorer(cfg)
     played = episode_environment(cfg)

@@ -23,6 +23,7 @@ from novarl.algorithms.losses import ClippedPGSettings, LossFn, ValueLossSetting
 from novarl.backends.protocols import ReferenceBackend, TrainingBackend
 from novarl.config.schema import NovaRLConfig
 from novarl.models.scores import Head, Logprobs, Values
+from novarl.rollout.batch import logprob_mismatch
 from novarl.trainer.setup import Roles, RunInputs, critic_global_batch_size
 from novarl.types import TrainBatch
 
@@ -123,7 +124,9 @@ class LogprobErrorMask:
     exp(|log p_generator - log p_old|) (the engine's logprobs against the trainer's before the update)
     exceeds the threshold gets no loss this step, and the step's counts leave it out. Metrics (NeMo RL's
     names): that error's max, mean and min over the sequences with loss tokens, before and after the
-    masking, how many were masked, and the share of those that were correct (reward >= 1)."""
+    masking, how many were masked, and the share of those that were correct (reward >= 1); and the
+    weight sync's check, logprob_mismatch, over every sequence (after the masking it would see only the
+    sequences kept, those that agree best)."""
 
     threshold: float
     phase: str | None = None
@@ -139,7 +142,7 @@ class LogprobErrorMask:
         masked = valid & (per_sequence > self.threshold)
         kept = valid & ~masked
         rewards = work.rewards if work.episodes is None else work.rewards[work.episodes]
-        work.metrics.update(**_spread("seq_mult_prob_error", per_sequence[valid]),
+        work.metrics.update(**logprob_mismatch(batch), **_spread("seq_mult_prob_error", per_sequence[valid]),
                             **_spread("seq_mult_prob_error_after_mask", per_sequence[kept]),
                             num_masked_seqs_by_logprob_error=float(masked.sum()),
                             masked_correct_pct=float((rewards[masked.cpu()] >= 1).float().mean()) if masked.any()

@@ -27,10 +27,11 @@ FROZEN = ["policy.train_micro_batch_size=3", "policy.logprob_batch_size=4", "pol
 measured under every layout in turn."""
 
 
-def mixed_batch(rows: int = 12, longest: int = 40, seed: int = 0) -> TrainBatch:
+def mixed_batch(rows: int = 12, longest: int = 40, seed: int = 0, *, positive: bool = False) -> TrainBatch:
     """Sequences of 5 to `longest` tokens (a 4-token prompt, then a completion), random tokens of
-    the bundled vocabulary, advantages, generator and reference logprobs; in groups of 1 to 3
-    consecutive sequences that share their prompt (as a GRPO group's samples do)."""
+    the bundled vocabulary, advantages, generator and reference logprobs (with `positive`, about
+    half of them VAPO's positive examples); in groups of 1 to 3 consecutive sequences that share their prompt (as a
+    GRPO group's samples do)."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(5, longest + 1, (rows,), generator=gen)
     lengths[0] = longest
@@ -44,7 +45,9 @@ def mixed_batch(rows: int = 12, longest: int = 40, seed: int = 0) -> TrainBatch:
                                  -torch.rand(rows, longest, generator=gen) * loss_mask)
     batch.reference_logprobs = -torch.rand(batch.num_tokens, generator=gen)
     batch.prompt_lengths, batch.group_ids = torch.full((rows,), 4), group_ids
-    return batch
+    if positive:  # VAPO's NLL term (LOSS) trains on these
+        batch.positive = torch.rand(rows, generator=gen) < 0.5
+    return batch.with_own_counts()
 
 
 def batchings(layout: str, sequence_multiple: int = 1) -> tuple[MicroBatching, MicroBatching]:
@@ -55,7 +58,8 @@ def batchings(layout: str, sequence_multiple: int = 1) -> tuple[MicroBatching, M
             MicroBatching.from_policy(policy, training=False, sequence_multiple=sequence_multiple))
 
 
-LOSS = LossConfig(reference_policy_kl_penalty=0.05, use_importance_sampling_correction=True)
+LOSS = LossConfig(reference_policy_kl_penalty=0.05, use_importance_sampling_correction=True,
+                  positive_example_nll_weight=0.1)
 HEAD = Logprobs(0.7)
 """The policy's head in these tests: logprobs at a sampling temperature other than 1."""
 
@@ -71,8 +75,9 @@ def measure(call, batch: TrainBatch, loss_cfg: LossConfig = LOSS) -> dict:
 
 def assert_same(got: dict, expected: dict) -> None:
     torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=1e-5, atol=1e-5)
-    for name in ("loss", "grad_norm", "kl_to_reference", "logprob_mismatch"):
-        assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+    for name in ("loss", "grad_norm", "kl_to_reference", "logprob_mismatch", "nll_loss"):
+        if name in expected:
+            assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
 
 
 def group_results(factory, model_path, overrides, batch, *, sequence_multiple: int = 1) -> dict:

@@ -153,9 +153,9 @@ class GRPOConfig(Section):
     """ROLL's: each sample's policy loss weighted by 0.5 + 1.5 x its example's `difficulty` column
     (clamped to [0, 1]), the weights scaled to mean 1 over the step (ROLL scales per micro-batch):
     the advantages are scaled, so a KL penalty in the loss is not weighted (one in the reward is)."""
-    val_start_at: int = -1
-    """The first step a periodic evaluation (val_period) may run at (NeMo RL's key); -1, or any step
-    up to val_period: no delay."""
+    val_start_at: int | None = -1
+    """The first step a periodic evaluation (val_period) may run at (NeMo RL's key); -1 (or null), or
+    any step up to val_period: no delay."""
     val_num_generations_per_prompt: int = Field(1, ge=1)
     """Completions per evaluation prompt (NeMo RL's key). 1: one greedy completion each. k > 1: k
     sampled ones, at policy.generation.val_temperature / val_top_p / val_top_k (unset: the training
@@ -236,7 +236,8 @@ class LossConfig(Section):
     (NeMo RL's rules)."""
     positive_example_nll_weight: float = Field(0.0, ge=0)
     """VAPO's mu (NeMo RL's key): the loss adds mu x the mean negative log-likelihood of the tokens
-    of the step's correct samples (task reward > 0, before scaling and shaping); 0: off."""
+    of the step's correct samples (reward > 0, after grpo.reward_scaling and reward_shaping, as NeMo
+    RL's PPO marks them; its GRPO loop never does, so there the key has no effect); 0: off."""
     force_on_policy_ratio: bool = False
     """NeMo RL's key: the ratio pi / pi_old is 1 (exp(log p - log p detached): the gradient of
     log p), never clipped, and pi_old in the importance weights is the training forward's own: the
@@ -283,7 +284,8 @@ class LossConfig(Section):
 
     @model_validator(mode="after")
     def _cispo(self) -> "LossConfig":
-        """NeMo RL's rules: CISPO weighs by the token's own clipped ratio pi / pi_old."""
+        """NeMo RL's rules: CISPO weighs by the token's own clipped ratio pi / pi_old (unlike NeMo RL,
+        any loss_agg_mode: its token-level requirement is a choice of aggregation, not of the maths)."""
         if not self.use_cispo:
             return self
         clashes = {"disable_ppo_ratio": "removes the ratio CISPO clips",
