@@ -138,6 +138,10 @@ def test_resume_refuses_another_run_or_a_finished_one(tmp_path, two_step_run):
     other_model = overrides(tmp_path, 4, f"policy.model_name={tmp_path / 'logs' / 'exp_001' / 'policy'}")
     with pytest.raises(UserError, match=r"holds a checkpoint of another run \(policy.model_name: 'tiny-arith' there"):
         GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=other_model)).train()
+    other_config = overrides(tmp_path, 4, "policy.hf_config_overrides={max_position_embeddings: 128}")
+    with pytest.raises(UserError, match=r"another run \(policy.hf_config_overrides: \{\} there, "
+                                        r"\{'max_position_embeddings': 128\} here\)"):
+        GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=other_config)).train()
     with pytest.raises(UserError, match="already at step 2, and grpo.max_num_steps=2: nothing left to train"):
         GRPOTrainer(load_config(BUNDLED_RECIPE, overrides=overrides(tmp_path, 2))).train()
 

@@ -72,7 +72,8 @@ def _from_advice(cfg: NovaRLConfig, gpu_memory_gb: float) -> tuple[list[str], li
     from novarl.backends.contract.model_shape import ModelShape
     from novarl.backends.contract.resolve import micro_batch_shape, separate_reference
 
-    shape = ModelShape.from_name(resolve_model_path(cfg.policy.model_name, download=False))
+    shape = ModelShape.from_name(resolve_model_path(cfg.policy.model_name, download=False),
+                                 overrides=cfg.policy.hf_config_overrides)
     per_node, nodes = policy_cluster(cfg)  # less the model-based rewards' own devices
     advice = advise(shape, gpus_per_node=per_node, num_nodes=nodes,
                     gpu_memory_gb=gpu_memory_gb, **micro_batch_shape(cfg.policy),

@@ -260,8 +260,8 @@ def check_resumable(latest: Checkpoint, config: NovaRLConfig) -> None:
     from novarl.trainer.checkpoint import CRITIC_DIR, finished_record
 
     saved = load_config(latest.path / "config.yaml")
-    keys = ("policy.model_name", "policy.tokenizer.name", "policy.dtensor_cfg.tensor_parallel_size",
-            "policy.optimizer.name")
+    keys = ("policy.model_name", "policy.hf_config_overrides", "policy.tokenizer.name",
+            "policy.dtensor_cfg.tensor_parallel_size", "policy.optimizer.name")
     differ = [k for k in keys if _get(saved, k) != _get(config, k)]
     where = f"checkpointing.checkpoint_dir='{latest.path.parent}'"
     written_by, spec = trains_on(saved), trains_on(config)
