@@ -55,6 +55,9 @@ class Completion:
     get no loss, and their logprobs are 0. Empty for one turn."""
     turns: int = 1
     """How many times the engine generated for it (novarl/rollout/episodes.py)."""
+    flagged: tuple[tuple[int, int, str], ...] = ()
+    """An episode's turns found wrong: (start, end) of their tokens in token_ids and what was wrong
+    ("invalid_tool_call": EnvStep.flags; "malformed_thinking": rollout/episodes.py malformed_thinking)."""
     failed: str | None = None
     """Why its episode failed (its environment raised, or answered with something else than an
     EnvStep): it gets no loss, and its group's advantages are computed without it."""

@@ -140,17 +140,18 @@ def test_feature_switches_are_refused_when_on_and_accepted_when_off():
     off = load_config({"loss_fn": {"use_cispo": False, "truncated_importance_sampling_type": None},
                        "grpo": {"reward_shaping": {"enabled": False, "overlong_buffer_length": 128},
                                 "use_dynamic_sampling": False, "dynamic_sampling_max_gen_batches": 10,
-                                "invalid_tool_call_advantage": None, "malformed_thinking_advantage": None},
+                                "async_grpo": {"max_generation_failures": 0}},
                        "policy": {"dtensor_cfg": {"lora_cfg": {"enabled": False, "dim": 8}}}})
     assert off.load_warnings == ()  # off is what novarl does: nothing to warn about
-    msg = error_of({"grpo": {"malformed_thinking_advantage": -5.0, "stop_at_validation_threshold": 0.5},
+    msg = error_of({"grpo": {"async_grpo": {"max_generation_failures": 3}, "stop_at_validation_threshold": 0.5},
                     "on_policy_distillation": {"enabled": True},
                     "policy": {"precision": "float64", "router_replay": {"enabled": True}}})
     lines = msg.splitlines()
     assert lines[0] == "Invalid config (the config): 5 problem(s):"  # with the schema's own errors, all at once
     assert "  - 'on_policy_distillation' = {'enabled': True}: on-policy distillation is not built; remove it or " \
            "turn it off." in lines
-    assert any(line.startswith("  - 'grpo.malformed_thinking_advantage' = -5.0: <think>-tag") for line in lines)
+    assert any(line.startswith("  - 'grpo.async_grpo.max_generation_failures' = 3: tolerated generation failures")
+               for line in lines)
     assert any(line.startswith("  - 'policy.router_replay' = {'enabled': True}: MoE router") for line in lines)
     assert any("stop_at_validation_threshold=0.5 is set without grpo.stop_at_validation_metric" in line
                for line in lines)

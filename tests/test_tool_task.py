@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from novarl.config import load_config
 from novarl.data.multiplication import multiplication_examples, multiply, tool_call, tool_response
 from novarl.rollout.tools import TOOL_CALL_PARSERS, ToolCall, ToolEnvironment
@@ -32,9 +34,14 @@ def test_the_recipe_plays_tool_episodes_on_the_bundled_model(tmp_path):
     cfg = load_config(RECIPE, overrides=[
         f"logger.log_dir={tmp_path}", "logger.progress_bar=false", "policy.generation.backend=hf",
         "grpo.max_num_steps=1", "grpo.num_prompts_per_step=8", "grpo.val_at_start=false", "grpo.max_val_samples=16",
-        "policy.train_micro_batch_size=64"])
+        "policy.train_micro_batch_size=64", "grpo.invalid_tool_call_advantage=-1",
+        "grpo.malformed_thinking_advantage=-1"])
     result = GRPOTrainer(cfg).train()
     (step,) = train_steps(result.output_dir).values()
     assert step["tool_calls"] > 0 and step["tool_errors"] < step["tool_calls"]  # it calls the tool, mostly well
     assert 1.0 < step["episode_turns_mean"] <= 2.0
+    # NeMo RL's counts of the turns found wrong: an invalid call is a tool error (not every error is one)
+    samples = 8 * cfg.grpo.num_generations_per_prompt
+    assert step["num_assistant_messages"] == pytest.approx(step["episode_turns_mean"] * samples)
+    assert step["num_invalid_tool_calls"] <= step["tool_errors"] and step["num_malformed_thinking"] == 0
     assert result.final_accuracy is not None

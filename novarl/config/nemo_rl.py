@@ -100,9 +100,6 @@ RULES: tuple[Rule, ...] = (
               "policy.megatron_cfg.optimizer.overlap_cpu_optimizer_d2h_h2d", "policy.generation.sglang_cfg",
               "policy.generation.trtllm_cfg", "policy.generation.trtllm_kwargs", "policy.generation.dynamo_cfg",
               "policy.megatron_cfg.fused_linear_logprobs_chunk_size"),
-    off("grpo.invalid_tool_call_advantage", _is(None), "overwriting the advantages of invalid tool calls is not built "
-        "(a call the tools cannot parse is answered with an error observation)"),
-    off("grpo.malformed_thinking_advantage", _is(None), "<think>-tag checks are not built"),
     off("grpo.skip_reference_policy_logprobs_calculation", _no_kl,
         "a KL penalty without reference logprobs cannot be computed (novarl skips them when "
         "loss_fn.reference_policy_kl_penalty is 0)"),

@@ -97,6 +97,7 @@ def check_settings(config: NovaRLConfig) -> list[str]:
                             "share of the step's mean (the same update)")
     warnings.extend(_reward_warnings(config))
     warnings.extend(_evaluation_sampling_warnings(config))
+    warnings.extend(_tool_call_warnings(config))
     generation = config.policy.generation
     if generation.vllm_cfg.async_engine and not any(block.plays_episodes for block in config.env.values()):
         warnings.append("'policy.generation.vllm_cfg.async_engine' = True: it plays each episode's turns on its own "
@@ -134,6 +135,15 @@ def _computes_logits_whole(policy) -> bool:
     head picks on every layout of theirs (under DTensor's tensor and context parallelism too; only a custom
     plan function that splits the head, unseen here, keeps it plain: models/logprob_head.py)."""
     return policy.megatron_cfg.enabled and policy.megatron_cfg.context_parallel_size > 1
+
+
+def _tool_call_warnings(config: NovaRLConfig) -> list[str]:
+    """grpo.invalid_tool_call_advantage where no environment plays the episodes: no turn calls a tool."""
+    value = config.grpo.invalid_tool_call_advantage
+    if value is None or any(block.plays_episodes for block in config.env.values()):
+        return []
+    return [f"'grpo.invalid_tool_call_advantage' = {value!r}: this run's rollouts are single-turn (no "
+            "env.<name>.actor_class_fqn plays episodes), so no turn's tool call is run or found invalid"]
 
 
 def _evaluation_sampling_warnings(config: NovaRLConfig) -> list[str]:

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import torch
 
+from novarl.rollout.episodes import malformed_thinking
 from novarl.types import Completion, TrainBatch
 
 
@@ -51,6 +52,34 @@ def build_train_batch(completions: Sequence[Completion], advantages: torch.Tenso
                        generator_logprobs=generator_logprobs, prompt_lengths=prompt_lengths,
                        group_ids=prompt_groups(completions), positive=positive)
     return batch.with_own_counts()
+
+
+def flagged_turns(completions: Sequence[Completion], batch: TrainBatch) -> tuple[dict[str, torch.Tensor],
+                                                                                 dict[str, float]]:
+    """The batch's tokens of the turns found wrong, [N] bool by what was wrong (Completion.flagged; a
+    one-turn completion's malformed thinking read from its text), and the counts NeMo RL logs: turns
+    flagged (num_invalid_tool_calls, num_malformed_thinking), their rates over the step's turns, and
+    num_assistant_messages (the turns)."""
+    tokens: dict[str, torch.Tensor] = {}
+    counts = dict.fromkeys(FLAGS, 0)
+    for s, c in enumerate(completions):
+        spans = list(c.flagged)
+        if not spans and c.turns == 1 and not c.observed and malformed_thinking(c.text):
+            spans = [(0, len(c.token_ids), "malformed_thinking")]
+        first = int(batch.cu_seqlens[s]) + len(c.prompt.token_ids)
+        for start, end, flag in spans:
+            tokens.setdefault(flag, torch.zeros(batch.num_tokens, dtype=torch.bool))[first + start:first + end] = True
+            counts[flag] = counts.get(flag, 0) + 1
+    turns = sum(c.turns for c in completions)
+    metrics = {"num_assistant_messages": float(turns)}
+    for flag, (count_name, rate_name) in FLAGS.items():
+        metrics.update({count_name: float(counts[flag]), rate_name: counts[flag] / max(turns, 1)})
+    return tokens, metrics
+
+
+FLAGS = {"invalid_tool_call": ("num_invalid_tool_calls", "invalid_tool_call_rate"),
+         "malformed_thinking": ("num_malformed_thinking", "malformed_thinking_rate")}
+"""What a turn may be flagged for (Completion.flagged) -> NeMo RL's metric names."""
 
 
 def with_segments(completions: Sequence[Completion]) -> tuple[list[Completion], torch.Tensor | None]:

@@ -33,6 +33,9 @@ class EnvStep:
     """The next message the model sees (role "user", "tool" or "environment"); None when done."""
     metadata: Mapping[str, Any] = field(default_factory=dict)
     """The episode's state for the next step (NeMo RL's metadata), the environment's own."""
+    flags: frozenset[str] = frozenset()
+    """What was wrong with the turn it answers: "invalid_tool_call" (a call that cannot be run: malformed,
+    or of a tool that does not exist), whose turn grpo.invalid_tool_call_advantage gives that advantage."""
 
 
 @runtime_checkable

@@ -120,12 +120,19 @@ class Episode:
     """The last turn's sampled tokens."""
     done: bool = False
     failed: str | None = None
+    last_turn: tuple[int, int] = (0, 0)
+    """[start, end) of the last turn's sampled tokens in `tokens`."""
+    flagged: list[tuple[int, int, str]] = field(default_factory=list)
+    """Turns found wrong: their spans in `tokens` and what (Completion.flagged)."""
 
     def request(self) -> Prompt:
         """The next turn's prompt: the episode's tokens so far."""
         return dataclasses.replace(self.prompt, token_ids=[*self.prompt.token_ids, *self.tokens])
 
     def took(self, completion: Completion) -> None:
+        self.last_turn = (len(self.tokens), len(self.tokens) + len(completion.token_ids))
+        if malformed_thinking(completion.text):
+            self.flagged.append((*self.last_turn, "malformed_thinking"))
         self.tokens += completion.token_ids
         self.logprobs += completion.logprobs
         self.turns += 1
@@ -136,6 +143,7 @@ class Episode:
         self.conversation.append({"role": "assistant", "content": completion.text})
 
     def answered(self, step: EnvStep, observation: list[int] | None) -> None:
+        self.flagged += [(*self.last_turn, flag) for flag in sorted(step.flags)]
         self.reward += step.reward
         self.metadata = step.metadata or self.metadata
         if observation is None:
@@ -155,7 +163,21 @@ class Episode:
         return Completion(prompt=self.prompt, token_ids=self.tokens, logprobs=self.logprobs, text=self.last_text,
                           finish_reason="length" if self.finish_reason == "length" else "stop",
                           policy_version=self.policy_version, observed=tuple(self.observed), turns=self.turns,
-                          failed=self.failed)
+                          failed=self.failed, flagged=tuple(self.flagged))
+
+
+THINKING_TAGS = ("<think>", "</think>")
+
+
+def malformed_thinking(text: str) -> bool:
+    """A turn's <think> tags out of order (NeMo RL's malformed thinking, read from novarl's turn text,
+    which holds the thinking and the answer): either tag more than once, or the closing one before the
+    opening one. A turn that opens none (its template opened it) may close it once; one cut by the
+    length limit may leave it open."""
+    opening, closing = (text.count(tag) for tag in THINKING_TAGS)
+    if opening > 1 or closing > 1:
+        return True
+    return opening == closing == 1 and text.index("</think>") < text.index("<think>")
 
 
 def first_metadata(prompt: Prompt) -> dict[str, Any]:

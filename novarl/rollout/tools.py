@@ -158,7 +158,9 @@ class ToolEnvironment:
                            metadata=metadata)
         responses = self.run(calls)
         content = "".join(f"<tool_response>\n{response}\n</tool_response>\n" for response in responses)
-        return EnvStep(reward=0.0, done=False, observation={"role": "tool", "content": content}, metadata=metadata)
+        invalid = any(isinstance(call, BadCall) or call.name not in self.tools for call in calls)
+        return EnvStep(reward=0.0, done=False, observation={"role": "tool", "content": content}, metadata=metadata,
+                       flags=frozenset({"invalid_tool_call"}) if invalid else frozenset())
 
     def run(self, calls: list[ToolCall | BadCall]) -> list[str]:
         """Each call's response text, in order: the tool's result (JSON when it is not a string),

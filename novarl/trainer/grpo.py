@@ -27,8 +27,8 @@ from novarl.logging.samples import write_samples
 from novarl.trainer.checkpoint import CRITIC_DIR, POLICY_DIR, Checkpoint, Checkpointer, restore_rng
 from novarl.trainer.evaluate import describe, evaluate, evaluation_sampling
 from novarl.rollout.collect import collect
-from novarl.rollout.batch import (MISMATCH_WARNING, build_train_batch, logprob_mismatch, mismatch_advice,
-                                  with_segments)
+from novarl.rollout.batch import (MISMATCH_WARNING, build_train_batch, flagged_turns, logprob_mismatch,
+                                  mismatch_advice, with_segments)
 from novarl.trainer.setup import Roles, RunInputs, value_section
 from novarl.trainer.stages import (Stage, StepWork, build_stages, one_forward_fewer, trains_segments,
                                    zero_advantage_trains_nothing)
@@ -219,8 +219,10 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, stages: list[S
     batch = build_train_batch(sequences, torch.zeros(len(sequences)), overlong_filtering=grpo.overlong_filtering,
                               trained=trained, positive=positive)
     # before grpo.policy_training_start_step: the critic's warm-up
+    flagged, flag_metrics = flagged_turns(sequences, batch) if grpo.invalid_tool_call_advantage is not None \
+        or grpo.malformed_thinking_advantage is not None else ({}, {})
     work = StepWork(batch, rollouts.rewards, policy_trains=step > grpo.policy_training_start_step,
-                    weights=rollouts.weights, episodes=episodes)
+                    weights=rollouts.weights, episodes=episodes, flagged=flagged, metrics=flag_metrics)
     # a colocated engine's memory back for training, once the step's rounds are done (not between dynamic
     # sampling's rounds); also after an evaluation, or when no round of an asynchronous pipeline released it
     with timer("generation" if pipeline is None else None):  # (asynchronous: the engines' own seconds)

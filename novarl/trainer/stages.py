@@ -46,6 +46,8 @@ class StepWork:
     episodes: torch.Tensor | None = None
     """[sequences] the sample each sequence of the batch belongs to, where a sample is several (an
     agent's rewritten history, trains_segments); None: one sequence a sample."""
+    flagged: dict[str, torch.Tensor] = field(default_factory=dict)
+    """[N] bool by what was wrong: the tokens of the turns found wrong (rollout/batch.py flagged_turns)."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -208,6 +210,26 @@ class Advantages:
             work.metrics.update(critic_metrics(batch, work.values, out.returns))
 
 
+@dataclass
+class AdvantageOverwrites:
+    """NeMo RL's grpo.invalid_tool_call_advantage and malformed_thinking_advantage: the tokens of a turn
+    found wrong (StepWork.flagged) get that advantage instead of the estimator's (a turn both invalid and
+    malformed gets the invalid-tool-call one, as NeMo RL's order has it)."""
+
+    values: dict[str, float]
+    """What a turn was found wrong for ("malformed_thinking", "invalid_tool_call") -> its advantage, applied
+    in this order (a later one wins)."""
+    phase: str | None = None
+
+    def __call__(self, work: StepWork) -> None:
+        for flag, value in self.values.items():
+            tokens = work.flagged.get(flag)
+            if tokens is not None and bool(tokens.any()):
+                advantages = work.batch.advantages
+                work.batch.advantages = torch.where(tokens.to(advantages.device), torch.tensor(
+                    value, dtype=advantages.dtype, device=advantages.device), advantages)
+
+
 def critic_metrics(batch: TrainBatch, values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
     """The critic before this step's update, over the loss tokens: its mean value, the returns'
     mean, and the variance of the returns it explains (1 - Var(R - V) / Var(R); NeMo RL's
@@ -284,6 +306,11 @@ def build_stages(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, loss_fn: Lo
     kl = ClippedPGSettings(kl_estimator=loss.kl_estimator, kl_input_clamp_value=loss.kl_input_clamp_value,
                            kl_output_clamp_value=loss.kl_output_clamp_value)
     stages.append(Advantages(estimator, kl))
+    overwrites = {flag: value for flag, value in (("malformed_thinking", cfg.grpo.malformed_thinking_advantage),
+                                                  ("invalid_tool_call", cfg.grpo.invalid_tool_call_advantage))
+                  if value is not None}
+    if overwrites:
+        stages.append(AdvantageOverwrites(overwrites))
     updates.append(Update(roles.policy, head, loss_fn, inputs.batches.global_batch_size,
                           skip_zero_advantage=zero_advantage_trains_nothing(cfg),
                           token_level=aggregation(loss) == "token-mean"))

@@ -171,6 +171,14 @@ class GRPOConfig(Section):
     """At most this many evaluation prompts (each val_num_generations_per_prompt times); None: all
     of the held-out split (NeMo RL's null)."""
     val_batch_size: int = Field(256, ge=1)
+    invalid_tool_call_advantage: float | None = None
+    """NeMo RL's key: the advantage of every token of a turn whose tool call could not be run (malformed,
+    or of a tool that does not exist: novarl's ToolEnvironment says so, or any environment through
+    EnvStep.flags), instead of the estimator's (e.g. -5.0); None: the estimator's."""
+    malformed_thinking_advantage: float | None = None
+    """NeMo RL's key: the advantage of every token of a turn whose <think> tags are out of order (either
+    twice, or closed before opened: rollout/episodes.py malformed_thinking), instead of the estimator's;
+    None: the estimator's."""
     seq_logprob_error_threshold: float | None = Field(None, ge=1)
     """NeMo RL's key: sequences whose mean over their loss tokens of exp(|log p_generator - log p_old|)
     (the trainer's logprobs before the update against the engine's) exceeds it get no loss this step;
