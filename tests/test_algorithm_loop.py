@@ -90,6 +90,8 @@ def test_sequences_over_the_logprob_error_threshold_are_masked_in_the_loop(tmp_p
     (step,) = run(tmp_path, 1, "grpo.seq_logprob_error_threshold=1").values()
     assert step["min_seq_mult_prob_error"] >= 1 and step["max_seq_mult_prob_error_after_mask"] <= 1
     assert (step["num_masked_seqs_by_logprob_error"] > 0) == (step["max_seq_mult_prob_error"] > 1)
+    # the weight sync's check is taken before the mask, over every sequence: the masked ones' errors show
+    assert (step["logprob_mismatch_max"] > 0) == (step["num_masked_seqs_by_logprob_error"] > 0)
     assert step["reward_mean"] == grpo_run[1]["reward_mean"]
     if step["num_masked_seqs_by_logprob_error"]:  # fewer tokens in the loss: another update
         assert step["loss"] != pytest.approx(grpo_run[1]["loss"], rel=1e-4)

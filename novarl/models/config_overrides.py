@@ -42,12 +42,16 @@ def read_config(folder: str | os.PathLike[str], overrides: Mapping[str, Any] | N
 def with_overrides(folder: str, overrides: Mapping[str, Any], *, key: str = "policy.hf_config_overrides") -> str:
     """The folder of `folder`'s model with its config.json overridden (`folder` itself without
     overrides): in novarl's cache, named by the model's folder, its files' names, its config.json and
-    the overrides, made once (written aside and renamed into place, so concurrent runs agree on it). Its other
-    files are links to `folder`'s, which must stay where they are. UserError naming `key` where
-    `folder`'s config.json cannot be read."""
+    the overrides, made once (written aside and renamed into place, so concurrent runs agree on it).
+    Its other files are links to `folder`'s, which must stay where they are (a hub id's are
+    downloaded first). UserError naming `key` where `folder`'s config.json cannot be read."""
     if not overrides:
         return folder
     from novarl.logging.quiet import cache_dir
+    from novarl.models.locate import download_snapshot
+
+    if not Path(folder).is_dir():
+        folder = download_snapshot(folder)
 
     source = Path(folder).resolve()
     try:

@@ -61,10 +61,10 @@ def export_checkpoint(checkpoint: Path, output: Path, *, critic: bool = False) -
                         "leave out --critic to export the policy.")
     model_path = resolve_model_path(section.model_name)
     if section.hf_config_overrides:  # the run's model, as its roles read it
-        from novarl.trainer.setup import overridden_model
+        from novarl.models.config_overrides import with_overrides
 
-        model_path = overridden_model(model_path, section.hf_config_overrides,
-                                      key=f"{'value' if critic else 'policy'}.hf_config_overrides")
+        model_path = with_overrides(model_path, section.hf_config_overrides,
+                                    key=f"{'value' if critic else 'policy'}.hf_config_overrides")
     tokenizer = load_tokenizer(section.tokenizer.name or model_path, trust_remote_code=section.trust_remote_code)
     fmt = export_format(section.precision, cfg.checkpointing.model_save_format, on_gpu=default_device().type == "cuda")
     trains_on(cfg).export_hf(HfExport(checkpoint / (CRITIC_DIR if critic else POLICY_DIR), section, model_path,

@@ -27,8 +27,7 @@ from novarl.logging.samples import write_samples
 from novarl.trainer.checkpoint import CRITIC_DIR, POLICY_DIR, Checkpoint, Checkpointer, restore_rng
 from novarl.trainer.evaluate import describe, evaluate, evaluation_sampling
 from novarl.rollout.collect import collect
-from novarl.rollout.batch import (MISMATCH_WARNING, build_train_batch, flagged_turns, logprob_mismatch,
-                                  mismatch_advice, with_segments)
+from novarl.rollout.batch import MISMATCH_WARNING, build_train_batch, flagged_turns, mismatch_advice, with_segments
 from novarl.trainer.setup import Roles, RunInputs, value_section
 from novarl.trainer.stages import (Stage, StepWork, build_stages, one_forward_fewer, trains_segments,
                                    zero_advantage_trains_nothing)
@@ -237,13 +236,10 @@ def grpo_step(cfg: NovaRLConfig, inputs: RunInputs, roles: Roles, stages: list[S
             sync_metrics = roles.sync_weights(step) if work.policy_trains else {}
         if not work.policy_trains:
             roles.park_training()  # (the sync parks them)
-    # else the loss measured it, or a stage did before it masked sequences (LogprobErrorMask)
-    mismatch = logprob_mismatch(batch) if batch.old_logprobs is not None and "logprob_mismatch" not in work.metrics \
-        else {}
     gpus = roles.policy.gpu_stats() if cfg.logger.monitor_gpus else {}
     played = inputs.episodes.take_metrics() if inputs.episodes is not None else {}  # the environment's counts
     return {**rollouts.metrics, **inputs.scorer.take_metrics(), **played, **work.metrics, **gpus,
-            **sync_metrics, **mismatch, **timer.seconds, "time_step": time.perf_counter() - tic}
+            **sync_metrics, **timer.seconds, "time_step": time.perf_counter() - tic}
 
 
 def ppo_description(cfg: NovaRLConfig) -> str:

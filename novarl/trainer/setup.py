@@ -94,7 +94,7 @@ def preflight(cfg: NovaRLConfig, reward_fn: str | Callable[..., float] | None = 
                 and not Path(model_path).is_dir():  # the ranks read (convert) the files: fetch them here, first
             model_path = report.attempt(download_snapshot, model_path)
     if model_path and cfg.policy.hf_config_overrides:  # every role and engine reads this folder's config
-        model_path = report.attempt(overridden_model, model_path, cfg.policy.hf_config_overrides)
+        model_path = report.attempt(with_overrides, model_path, cfg.policy.hf_config_overrides)
     inputs = inspect_inputs(cfg, report, model_path, reward_fn, train_examples) if model_path else None
     error = one_error([*report.problems, *(NotAvailableYet(f"this host lacks {g}") for g in report.gpu_only)])
     if error is not None:
@@ -174,14 +174,6 @@ def inspect_inputs(cfg: NovaRLConfig, report: ConfigReport, model_path: str,
                      episodes=episodes)
 
 
-def overridden_model(path: str, overrides: dict, key: str = "policy.hf_config_overrides") -> str:
-    """The folder of `path`'s model with its config.json overridden (models/config_overrides.py): a
-    hub id's files downloaded first, since the overridden folder links to them."""
-    if not Path(path).is_dir():
-        path = download_snapshot(path)
-    return with_overrides(path, overrides, key=key)
-
-
 def critic_model_path(cfg: NovaRLConfig, policy_path: str, tokenizer) -> str:
     """The folder of PPO's critic (value.model_name, with value.hf_config_overrides; the policy's own
     when the same). A critic of another model must read the policy's token ids: its tokenizer must
@@ -192,7 +184,7 @@ def critic_model_path(cfg: NovaRLConfig, policy_path: str, tokenizer) -> str:
         return policy_path
     path = resolve_model_path(value.model_name)
     if value.hf_config_overrides:
-        path = overridden_model(path, value.hf_config_overrides, key="value.hf_config_overrides")
+        path = with_overrides(path, value.hf_config_overrides, key="value.hf_config_overrides")
     check_model_folder(path, trust_remote_code=value.trust_remote_code, key="value.model_name")
     theirs = load_tokenizer(value.tokenizer.name or path, trust_remote_code=value.trust_remote_code)
     if theirs.get_vocab() != tokenizer.get_vocab():
@@ -361,7 +353,7 @@ def prepare_eval(cfg: NovaRLConfig, model: str, device: torch.device) -> EvalInp
 
     model_path = resolve_model_path(model)
     if cfg.policy.hf_config_overrides:  # the config's model as its runs read it (a run's policy/ has them already)
-        model_path = overridden_model(model_path, cfg.policy.hf_config_overrides)
+        model_path = with_overrides(model_path, cfg.policy.hf_config_overrides)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.policy.trust_remote_code)
     scorer = run_scorer(cfg)
     played = episode_environment(cfg)

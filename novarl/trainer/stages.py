@@ -108,7 +108,9 @@ def one_forward_fewer(cfg: NovaRLConfig, inputs: RunInputs) -> bool:
 @dataclass
 class OldLogprobs:
     """The policy's logprobs before the update (the ratio's pi_old); skipped where the training
-    forward gives them (one_forward_fewer) and the policy trains this step."""
+    forward gives them (one_forward_fewer) and the policy trains this step (the loss then measures
+    the weight sync's check). With them, the check (logprob_mismatch) over every sequence, before any
+    stage masks some."""
 
     policy: TrainingBackend
     head: Head
@@ -118,6 +120,7 @@ class OldLogprobs:
     def __call__(self, work: StepWork) -> None:
         if not self.from_training_forward or not work.policy_trains:
             work.batch.old_logprobs = self.policy.forward(work.batch, self.head)
+            work.metrics.update(logprob_mismatch(work.batch))
 
 
 @dataclass
@@ -126,9 +129,7 @@ class LogprobErrorMask:
     exp(|log p_generator - log p_old|) (the engine's logprobs against the trainer's before the update)
     exceeds the threshold gets no loss this step, and the step's counts leave it out. Metrics (NeMo RL's
     names): that error's max, mean and min over the sequences with loss tokens, before and after the
-    masking, how many were masked, and the share of those that were correct (reward >= 1); and the
-    weight sync's check, logprob_mismatch, over every sequence (after the masking it would see only the
-    sequences kept, those that agree best)."""
+    masking, how many were masked, and the share of those that were correct (reward >= 1)."""
 
     threshold: float
     phase: str | None = None
@@ -144,7 +145,7 @@ class LogprobErrorMask:
         masked = valid & (per_sequence > self.threshold)
         kept = valid & ~masked
         rewards = work.rewards if work.episodes is None else work.rewards[work.episodes]
-        work.metrics.update(**logprob_mismatch(batch), **_spread("seq_mult_prob_error", per_sequence[valid]),
+        work.metrics.update(**_spread("seq_mult_prob_error", per_sequence[valid]),
                             **_spread("seq_mult_prob_error_after_mask", per_sequence[kept]),
                             num_masked_seqs_by_logprob_error=float(masked.sum()),
                             masked_correct_pct=float((rewards[masked.cpu()] >= 1).float().mean()) if masked.any()
